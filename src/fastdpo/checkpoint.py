@@ -1,0 +1,141 @@
+"""Checkpoints (DESIGN §9): `checkpoint-N/` = model (HF safetensors dir or PEFT adapter) + `state/` (optimizer,
+scheduler, RNG, progress, resolved config). Written into a temporary dir, fsynced, then renamed, so a kill at any
+instant leaves the previous checkpoint intact. Loading uses safetensors and `torch.load(weights_only=True)`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from fastdpo.config import save_config
+from fastdpo.errors import FastDPOError
+from fastdpo.model import save_model
+
+STATE = "state"
+DONE = "trainer_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config) -> Path:
+    """Write checkpoint-{step} atomically and return its path."""
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".checkpoint-{step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_model(model, tokenizer, tmp)
+    st = tmp / STATE
+    st.mkdir()
+    torch.save(optimizer.state_dict(), st / "optimizer.pt")
+    torch.save(scheduler.state_dict(), st / "scheduler.pt")
+    torch.save(rng_state(), st / "rng.pt")
+    save_config(config, st / "config.yaml")
+    (st / DONE).write_text(json.dumps({"step": step, **progress}, indent=1))  # written last: marks completeness
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return final
+
+
+def complete_checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoints in `out_dir`, oldest first."""
+    found = []
+    if out_dir.is_dir():
+        for p in out_dir.iterdir():
+            m = _NAME.match(p.name)
+            if m and (p / STATE / DONE).is_file():
+                found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def rotate(out_dir: Path, keep: int) -> None:
+    """Delete the oldest complete checkpoints beyond `keep` (0 keeps all); never the newest."""
+    if keep <= 0:
+        return
+    for p in complete_checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def resolve_resume(spec: str, out_dir: Path) -> Path | None:
+    if not spec:
+        return None
+    if spec == "latest":
+        found = complete_checkpoints(out_dir)
+        return found[-1] if found else None  # nothing to resume: start fresh
+    p = Path(spec)
+    if not (p / STATE / DONE).is_file():
+        raise FastDPOError(
+            f"--resume_from_checkpoint {spec}: not a complete fastdpo checkpoint (no {STATE}/{DONE}). "
+            f"Use `latest` or one of: {', '.join(c.name for c in complete_checkpoints(out_dir)) or 'none found'}."
+        )
+    return p
+
+
+def load_progress(ckpt: Path) -> dict:
+    return json.loads((ckpt / STATE / DONE).read_text())
+
+
+def load_weights(model, ckpt: Path) -> None:
+    """Load checkpoint weights into `model` in place (full model or PEFT adapter)."""
+    from safetensors.torch import load_file
+
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
+        return
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        raise FastDPOError(f"{ckpt} holds no .safetensors weights.")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if "lm_head" in k or "embed_tokens" in k}
+    if set(missing) - tied or unexpected:
+        raise FastDPOError(f"{ckpt}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]}).")
+
+
+def load_training_state(ckpt: Path, optimizer, scheduler) -> None:
+    st = ckpt / STATE
+    optimizer.load_state_dict(torch.load(st / "optimizer.pt", weights_only=True, map_location="cpu"))
+    scheduler.load_state_dict(torch.load(st / "scheduler.pt", weights_only=True))
+    set_rng_state(torch.load(st / "rng.pt", weights_only=True))

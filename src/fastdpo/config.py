@@ -1,0 +1,258 @@
+"""The one training configuration: typed fields, defaults, validation, YAML and command-line mapping.
+
+Flag names follow ms-swift / HF TrainingArguments. Every field is settable from `--config run.yaml`; the command
+line wins over the file. The resolved configuration is saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fastdpo.errors import FastDPOError
+
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+ATTN_IMPLS = ("auto", "flex", "dense", "padded")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+CHECKPOINT_POLICIES = ("none", "full", "ffn", "attn")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model: str = _f("", "Local HF model dir or hub id of the policy.")
+    ref_model: str = _f("", "Reference model (dir or hub id). Default: a frozen copy of --model (or adapters off).")
+    model_type: str = _f("", "Expected model_type (e.g. qwen3, llama); checked against the model's config.")
+    torch_dtype: str = _f("auto", "Parameter dtype: float32|bfloat16|float16|auto (bf16 on GPU, fp32 on CPU).")
+    trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
+    train_type: str = _f("full", "full|lora.")
+    lora_rank: int = _f(8, "LoRA rank.")
+    lora_alpha: int = _f(32, "LoRA alpha.")
+    lora_dropout: float = _f(0.05, "LoRA dropout.")
+    target_modules: str = _f("all-linear", "LoRA targets: all-linear or comma-separated module names.")
+    # data
+    dataset: list = _f([], "One or more JSONL/JSON files with prompt/chosen/rejected; `path#N` takes N rows.", nargs="+")
+    max_length: int = _f(2048, "Max tokens of prompt+completion per sequence; longer completions are cut.")
+    # batching
+    per_device_train_batch_size: int = _f(8, "Pairs per micro-batch (without a token budget).")
+    gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step. A step covers bs x accum x world pairs.")
+    max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: pack per_device_train_batch_size pairs).")
+    padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
+    attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
+    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K (true = full).")
+    # schedule
+    max_steps: int = _f(-1, "Optimizer steps to run (overrides num_train_epochs when > 0).")
+    num_train_epochs: float = _f(1.0, "Epochs over the dataset.")
+    learning_rate: float = _f(5e-7, "Peak learning rate.")
+    lr_scheduler_type: str = _f("linear", "linear|cosine|cosine_with_min_lr|constant|constant_with_warmup.")
+    lr_scheduler_kwargs: dict = _f({}, "JSON dict for the scheduler, e.g. '{\"min_lr\": 1e-7}'.")
+    warmup_ratio: float = _f(0.0, "Fraction of steps for linear warm-up.")
+    warmup_steps: int = _f(0, "Warm-up steps (overrides warmup_ratio when > 0).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
+    # loss
+    loss_type: str = _f("sigmoid", "Preference loss (see `fastdpo losses`).")
+    beta: float = _f(0.1, "DPO beta (strength of the KL constraint).")
+    label_smoothing: float = _f(0.0, "Conservative DPO label smoothing in [0, 0.5).")
+    rpo_alpha: float = _f(0.0, "Weight of the NLL(chosen) term (RPO); 0 disables.")
+    # run
+    output_dir: str = _f("output", "Where checkpoints, metrics and the final model go.")
+    seed: int = _f(42, "Seed for data order, init and dropout.")
+    logging_steps: int = _f(1, "Log metrics every N optimizer steps.")
+    save_steps: int = _f(0, "Checkpoint every N optimizer steps (0: only the final model).")
+    save_total_limit: int = _f(0, "Keep at most N checkpoints (0: keep all).")
+    resume_from_checkpoint: str = _f("", "Checkpoint dir, or `latest` for the newest complete one in output_dir.")
+    device: str = _f("auto", "auto|cpu|cuda|cuda:N.")
+    disable_progress: bool = _f(False, "No progress bar (logs only).")
+
+    def validate(self) -> None:
+        """Check values in one place; raise FastDPOError naming the flag and a fix."""
+        if not self.model:
+            raise FastDPOError("--model is required: a local HF model dir or a hub id.")
+        if not self.dataset:
+            raise FastDPOError("--dataset is required: one or more JSONL/JSON files with prompt/chosen/rejected.")
+        _choice("train_type", self.train_type, ("full", "lora"))
+        _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
+        _choice("torch_dtype", self.torch_dtype, DTYPES)
+        _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
+        checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise FastDPOError("Set --max_steps > 0 or --num_train_epochs > 0.")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise FastDPOError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}.")
+        if self.beta <= 0:
+            raise FastDPOError(f"--beta must be > 0, got {self.beta}.")
+        if not 0 <= self.warmup_ratio < 1:
+            raise FastDPOError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
+        if self.learning_rate < 0:
+            raise FastDPOError(f"--learning_rate must be >= 0, got {self.learning_rate}.")
+        if self.max_tokens_per_batch and self.max_tokens_per_batch < 16:
+            raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
+        if self.train_type == "lora" and self.lora_rank < 1:
+            raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
+        from fastdpo.losses import LOSSES
+
+        for name in self.loss_type.split(","):
+            if name not in LOSSES:
+                raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSSES))}.")
+
+    @property
+    def pairs_per_step(self) -> int:
+        """Pairs per optimizer step on one rank (world size multiplies it)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: str, choices: tuple) -> None:
+    if value not in choices:
+        raise FastDPOError(f"--{name} {value!r} is not one of: {', '.join(choices)}.")
+
+
+def checkpoint_policy(value: str) -> tuple[str, int]:
+    """Parse --gradient_checkpointing into (policy, K). `true` means full, `false` none, `every:K` every K-th layer."""
+    v = str(value).strip().lower()
+    if v in ("true", "1", "yes"):
+        return "full", 1
+    if v in ("false", "0", "no", ""):
+        return "none", 1
+    if v.startswith("every:"):
+        try:
+            k = int(v.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise FastDPOError(f"--gradient_checkpointing {value!r}: K in every:K must be an integer >= 1.")
+        return "every", k
+    if v not in CHECKPOINT_POLICIES:
+        raise FastDPOError(
+            f"--gradient_checkpointing {value!r} is not one of: true, false, {', '.join(CHECKPOINT_POLICIES)}, every:K."
+        )
+    return v, 1
+
+
+# ---------------------------------------------------------------- command line and YAML
+
+
+def _parse_bool(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in ("true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parse_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _flag_type(f: dataclasses.Field) -> Any:
+    t = f.type if isinstance(f.type, str) else f.type.__name__
+    return {"bool": _parse_bool, "int": int, "float": float, "dict": _parse_dict, "list": str}.get(t, str)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises FastDPOError (with a close-match hint) instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        hint = ""
+        if "unrecognized arguments" in message:
+            bad = message.split(":", 1)[1].split()[0].lstrip("-").split("=")[0]
+            known = [a.lstrip("-") for a in self._option_string_actions]
+            close = difflib.get_close_matches(bad, known, n=1)
+            hint = f" Did you mean --{close[0]}?" if close else " See `fastdpo train --help`."
+        raise FastDPOError(f"{message}.{hint}")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
+    """One flag per config field, with default SUPPRESS so we can tell what the user set."""
+    parser.add_argument("--config", help="YAML file with any of these flags; the command line wins.")
+    for f in dataclasses.fields(cls):
+        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
+        typ = _flag_type(f)
+        if typ is _parse_bool:
+            kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+        elif f.metadata.get("nargs"):
+            kw.update(nargs=f.metadata["nargs"], type=str)
+        else:
+            kw["type"] = typ
+        parser.add_argument(f"--{f.name}", **kw)
+
+
+def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
+    """Merge defaults < YAML file < command line into a config object (not yet validated)."""
+    values: dict[str, Any] = {}
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    if getattr(args, "config", None):
+        values.update(load_yaml(args.config, names))
+    for name in names:
+        if hasattr(args, name):
+            values[name] = getattr(args, name)
+    if "gradient_checkpointing" in values:
+        values["gradient_checkpointing"] = str(values["gradient_checkpointing"]).lower()
+    if isinstance(values.get("dataset"), str):
+        values["dataset"] = [values["dataset"]]
+    return cls(**values)
+
+
+def load_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise FastDPOError(f"Config file {path} not found. Check the path given to --config.")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise FastDPOError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)}). Fix the syntax.") from None
+    if not isinstance(data, dict):
+        raise FastDPOError(f"{path}: expected a mapping of flag names to values at the top level.")
+    out = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise FastDPOError(f"{path}: unknown key {key!r}.{hint}")
+        typ = _flag_type(fields[key])
+        try:
+            if typ is _parse_bool and not isinstance(value, bool):
+                value = _parse_bool(value)
+            elif typ in (int, float) and not isinstance(value, bool):
+                value = typ(value)
+            elif typ is _parse_dict and isinstance(value, str):
+                value = _parse_dict(value)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise FastDPOError(f"{path}: key {key!r} has a bad value {value!r} ({e}).") from None
+        out[key] = value
+    return out
+
+
+def save_config(config: Any, path: Path) -> None:
+    path.write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,172 @@
+"""Step sampling and packing: which pairs form an optimizer step, and how a step's pairs become micro-batches.
+
+The packed layout of one pair (DESIGN §1):
+
+    tokens    p0 .. pP-1 | c0 .. cC-1   | r0 .. rR-1
+    position  0  .. P-1  | P  .. P+C-1  | P  .. P+R-1
+    segment   0          | 1            | 2
+
+Targets: c0 and r0 are predicted by the hidden state of p(P-1); c_i by c_(i-1); r_i by r_(i-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastdpo.data.tokenize import TokenizedPair
+
+PROMPT, CHOSEN, REJECTED = 0, 1, 2
+
+
+@dataclass
+class PairBatch:
+    """A micro-batch of B pairs.
+
+    Packed layout (`attention_mask is None`): every tensor of length T describes one packed row of T tokens.
+      input_ids, position_ids: (1, T) long; pair_ids: (T,) int32 (-1 for filler); segments: (T,) int8.
+    Padded layout: input_ids, position_ids, attention_mask: (2B, L); rows 0..B-1 prompt+chosen, B..2B-1
+      prompt+rejected; pair_ids and segments are None.
+    Both layouts: src (N,) long indexes the flattened hidden states that predict the N completion targets `tgt` (N,);
+      seq (N,) long maps each target to a sequence: chosen of pair i -> i, rejected -> B + i;
+      lengths (2B,) long completion tokens per sequence; index (B,) long dataset row of each pair.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    src: torch.Tensor
+    tgt: torch.Tensor
+    seq: torch.Tensor
+    lengths: torch.Tensor
+    index: torch.Tensor
+    pair_ids: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.index.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> PairBatch:
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return PairBatch(**moved)
+
+
+def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int) -> list[list[int]]:
+    """Dataset indices of each optimizer step in one epoch. Depends only on the seed, the epoch and the step size,
+    never on micro-batching or the token budget. The last step of an epoch may be smaller."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(num_rows, generator=g).tolist()
+    return [perm[i : i + pairs_per_step] for i in range(0, num_rows, pairs_per_step)]
+
+
+def split_micro_batches(pairs: list[TokenizedPair], max_tokens: int, pairs_per_micro: int) -> list[list[TokenizedPair]]:
+    """Group one step's pairs into micro-batches: first-fit decreasing under a token budget when `max_tokens` > 0
+    (a pair longer than the budget gets its own micro-batch), else consecutive groups of `pairs_per_micro`."""
+    if max_tokens <= 0:
+        return [pairs[i : i + pairs_per_micro] for i in range(0, len(pairs), pairs_per_micro)]
+    bins: list[list[TokenizedPair]] = []
+    room: list[int] = []
+    for p in sorted(pairs, key=lambda p: -p.num_tokens):
+        for b, free in enumerate(room):
+            if p.num_tokens <= free:
+                bins[b].append(p)
+                room[b] -= p.num_tokens
+                break
+        else:
+            bins.append([p])
+            room.append(max_tokens - p.num_tokens)
+    return bins
+
+
+def _targets(start: int, plen: int, clen: int, c_start: int, first_src: int) -> tuple[list[int], list[int]]:
+    """Source hidden-state indices for one completion of length clen starting at c_start (flattened indices).
+    The first completion token is predicted by `first_src` (the last prompt state) unless the prompt is empty."""
+    src = list(range(c_start - 1, c_start + clen - 1))
+    if plen > 0:
+        src[0] = first_src
+        return src, list(range(clen))
+    return src[1:], list(range(1, clen))  # no state predicts the first token of an unprompted completion
+
+
+def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int = 0) -> PairBatch:
+    """Lay out pairs as [prompt | chosen | rejected] runs in one row, padded with filler up to a multiple."""
+    ids: list[int] = []
+    pos: list[int] = []
+    pid: list[int] = []
+    seg: list[int] = []
+    src: list[int] = []
+    tgt: list[int] = []
+    seq: list[int] = []
+    b = len(pairs)
+    lengths = [0] * (2 * b)
+    for i, p in enumerate(pairs):
+        start, plen, clen, rlen = len(ids), len(p.prompt), len(p.chosen), len(p.rejected)
+        ids += p.prompt + p.chosen + p.rejected
+        pos += list(range(plen + clen)) + list(range(plen, plen + rlen))
+        pid += [i] * (plen + clen + rlen)
+        seg += [PROMPT] * plen + [CHOSEN] * clen + [REJECTED] * rlen
+        last_prompt = start + plen - 1
+        for s, toks, c_start in ((i, p.chosen, start + plen), (b + i, p.rejected, start + plen + clen)):
+            s_idx, t_idx = _targets(start, plen, len(toks), c_start, last_prompt)
+            src += s_idx
+            tgt += [toks[t] for t in t_idx]
+            seq += [s] * len(s_idx)
+            lengths[s] = len(s_idx)
+    filler = (-len(ids)) % pad_to_multiple
+    ids += [pad_id] * filler
+    pos += [0] * filler
+    pid += [-1] * filler
+    seg += [PROMPT] * filler
+    return PairBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([pos], dtype=torch.long),
+        src=torch.tensor(src, dtype=torch.long),
+        tgt=torch.tensor(tgt, dtype=torch.long),
+        seq=torch.tensor(seq, dtype=torch.long),
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        index=torch.tensor([p.index for p in pairs], dtype=torch.long),
+        pair_ids=torch.tensor(pid, dtype=torch.int32),
+        segments=torch.tensor(seg, dtype=torch.int8),
+    )
+
+
+def pad_pairs(pairs: list[TokenizedPair], pad_id: int = 0) -> PairBatch:
+    """The conventional layout: 2B right-padded rows, prompt+chosen then prompt+rejected. The reference path."""
+    b = len(pairs)
+    rows = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
+    width = max(len(r) for r in rows)
+    ids = torch.full((2 * b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((2 * b, width), dtype=torch.long)
+    src: list[int] = []
+    tgt: list[int] = []
+    seq: list[int] = []
+    lengths = [0] * (2 * b)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        mask[r, : len(row)] = 1
+        p = pairs[r % b]
+        comp = p.chosen if r < b else p.rejected
+        plen = len(p.prompt)
+        first = max(plen, 1)  # the first token of a row is never predicted
+        for t in range(first, plen + len(comp)):
+            src.append(r * width + t - 1)
+            tgt.append(row[t])
+            seq.append(r)
+        lengths[r] = plen + len(comp) - first
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    return PairBatch(
+        input_ids=ids,
+        position_ids=positions,
+        src=torch.tensor(src, dtype=torch.long),
+        tgt=torch.tensor(tgt, dtype=torch.long),
+        seq=torch.tensor(seq, dtype=torch.long),
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        index=torch.tensor([p.index for p in pairs], dtype=torch.long),
+        attention_mask=mask,
+    )

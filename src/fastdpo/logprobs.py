@@ -1,0 +1,76 @@
+"""Completion log-probs without materialising B x T x V logits (DESIGN §4).
+
+Hidden states are gathered at target positions only, projected through `lm_head` a chunk at a time with a float32
+log-sum-exp, and summed per sequence. The backward pass recomputes each chunk's logits, so only one chunk of logits
+is alive at any moment in forward or backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK = 4096
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, scale: float, softcap: float | None) -> tuple:
+    raw = (h @ weight.t()).float()
+    if scale != 1.0:
+        raw = raw * scale
+    if softcap:
+        capped = torch.tanh(raw / softcap)
+        return capped * softcap, capped
+    return raw, None
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, scale, softcap):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            logits, _ = _chunk_logits(hidden[s : s + chunk], weight, scale, softcap)
+            tgt = targets[s : s + chunk, None]
+            out[s : s + chunk] = (logits.gather(1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk, ctx.scale, ctx.softcap = chunk, scale, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s : s + ctx.chunk]
+            logits, capped = _chunk_logits(h, weight, ctx.scale, ctx.softcap)
+            g = grad_out[s : s + ctx.chunk, None].float()
+            # d logp[t] / d logits = onehot(t) - softmax(logits)
+            dlogits = torch.softmax(logits, dim=-1).mul_(-g)
+            dlogits.scatter_add_(1, targets[s : s + ctx.chunk, None], g)
+            if capped is not None:
+                dlogits.mul_(1.0 - capped * capped)
+            if ctx.scale != 1.0:
+                dlogits.mul_(ctx.scale)
+            dlogits = dlogits.to(hidden.dtype)
+            if need_h:
+                dh[s : s + ctx.chunk] = dlogits @ weight
+            if need_w:
+                dw.add_(dlogits.t() @ h)
+        return dh, (dw.to(weight.dtype) if need_w else None), None, None, None, None
+
+
+def token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = DEFAULT_CHUNK,
+    scale: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """log p(target | hidden) for N (hidden, target) pairs: hidden (N, H), weight (V, H), targets (N,) -> (N,) fp32."""
+    return _TokenLogProbs.apply(hidden, weight, targets, chunk, scale, softcap)
+
+
+def sequence_sums(values: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Sum per-token values into per-sequence totals: values (N,), seq (N,) -> (num_seqs,)."""
+    return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add_(0, seq, values)

@@ -1,0 +1,224 @@
+"""Load models and tokenizers, add LoRA, pick the attention backend, and run the completion-only forward."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastdpo import attention
+from fastdpo.data.pack import PairBatch
+from fastdpo.errors import FastDPOError
+from fastdpo.logprobs import sequence_sums, token_logps
+
+log = logging.getLogger("fastdpo")
+
+# Families whose attention is fully described by the pair rule (+ an optional uniform sliding window).
+PACKED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "granite", "olmo2", "qwen3_moe"}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise FastDPOError(f"--device {name}: no CUDA device is visible. Use --device cpu or check CUDA_VISIBLE_DEVICES.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _is_local(path: str) -> bool:
+    return Path(path).exists() or path.startswith((".", "/", "~"))
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    if _is_local(path):
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            raise FastDPOError(f"Model dir {path} not found. Check --model.")
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any((p / n).exists() for n in names):
+            raise FastDPOError(
+                f"{path} has no tokenizer files ({', '.join(names)}). Save the tokenizer into the model dir "
+                "(tokenizer.save_pretrained(dir))."
+            )
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise FastDPOError(f"Cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+               model_type: str = ""):
+    """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if _is_local(path):
+        p = Path(path).expanduser()
+        if not (p / "config.json").is_file():
+            raise FastDPOError(f"{path} is not a model dir: config.json is missing. Check --model.")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise FastDPOError(f"Cannot read the model config of {path}: {str(e).splitlines()[0]}") from None
+    if model_type and model_type != config.model_type:
+        raise FastDPOError(
+            f"--model_type {model_type!r} does not match {path}, whose config.json says {config.model_type!r}. "
+            "Drop --model_type or point --model at the right model."
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        )
+    except (OSError, ValueError) as e:
+        raise FastDPOError(f"Cannot load model weights from {path}: {str(e).splitlines()[0]}") from None
+    return model.to(device)
+
+
+def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str):
+    from peft import LoraConfig, get_peft_model
+
+    targets = "all-linear" if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, cfg)
+    except ValueError as e:
+        raise FastDPOError(f"--target_modules {target_modules!r}: {str(e).splitlines()[0]}") from None
+
+
+def base_causal_lm(model):
+    """The transformers CausalLM under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@dataclass
+class Head:
+    """What the log-prob computation needs from the output layer."""
+
+    weight: torch.Tensor
+    scale: float
+    softcap: float | None
+
+
+def output_head(model) -> Head:
+    lm = base_causal_lm(model)
+    head = lm.get_output_embeddings()
+    assert getattr(head, "bias", None) is None, "lm_head with a bias is not supported"
+    cfg = lm.config
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    return Head(head.weight, scale, getattr(cfg, "final_logit_softcapping", None))
+
+
+def sliding_window(config) -> tuple[bool, int | None, str]:
+    """(supported by the packed path, uniform window or None, reason if not supported)."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return False, None, "attention logit soft-capping"
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types:
+        kinds = set(types)
+        if kinds == {"full_attention"}:
+            return True, None, ""
+        if kinds == {"sliding_attention"} and window:
+            return True, int(window), ""
+        return False, None, f"mixed attention layer types {sorted(kinds)}"
+    if window and getattr(config, "use_sliding_window", True):
+        return True, int(window), ""
+    return True, None, ""
+
+
+@dataclass
+class Backend:
+    name: str  # flex | dense | padded
+    window: int | None = None
+
+
+def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device) -> Backend:
+    """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
+    cfg = base_causal_lm(model).config
+    if not padding_free or attn_impl == "padded":
+        return Backend("padded")
+    ok, window, reason = sliding_window(cfg)
+    if cfg.model_type not in PACKED_FAMILIES:
+        ok, reason = False, f"model_type {cfg.model_type!r} is not yet verified on the packed layout"
+    if not ok:
+        log.warning("Using the padded path: %s.", reason)
+        return Backend("padded")
+    name = attn_impl if attn_impl != "auto" else ("flex" if device.type == "cuda" else "dense")
+    if name == "flex" and device.type != "cuda":
+        raise FastDPOError("--attn_impl flex needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
+    return Backend(name, window)
+
+
+def _set_attn(model, name: str) -> None:
+    """Switch every sub-config to attention implementation `name` (transformers reads it at each forward)."""
+    lm = base_causal_lm(model)
+    if getattr(lm, "_fastdpo_attn", None) == name:
+        return
+    lm._fastdpo_attn = name
+    for module in lm.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", None) != name:
+            cfg._attn_implementation = name
+
+
+def prepare_packed(model, backend: Backend) -> None:
+    attention.register()
+    for module in base_causal_lm(model).modules():
+        module._fastdpo_window = backend.window
+
+
+def decoder(model):
+    lm = base_causal_lm(model)
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+
+
+def build_mask(batch: PairBatch, backend: Backend):
+    if backend.name == "flex":
+        return attention.flex_block_mask(batch, backend.window)
+    if backend.name == "dense":
+        return attention.dense_mask(batch, backend.window)
+    return batch.attention_mask
+
+
+def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
+    if mask is None:
+        mask = build_mask(batch, backend)
+    _set_attn(model, "sdpa" if backend.name == "padded" else attention.ATTN_NAME)
+    hidden = decoder(model)(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
+    ).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+    head = output_head(model)
+    tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap)
+    return sequence_sums(tok, batch.seq, batch.lengths.numel()), tok
+
+
+def model_summary(model) -> dict:
+    lm = base_causal_lm(model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"model_type": lm.config.model_type, "params": total, "trainable": trainable}
+
+
+def save_model(model, tokenizer, out: Path) -> None:
+    """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer."""
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    (out / "fastdpo.json").write_text(json.dumps({"format": "fastdpo-model", "version": 1}))

@@ -1,0 +1,63 @@
+"""Optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastdpo.config import TrainConfig
+from fastdpo.errors import FastDPOError
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise FastDPOError("The model has no trainable parameters. Check --train_type and --target_modules.")
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        fused=device.type == "cuda",
+    )
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    """Multiplier of the peak learning rate at each step, HF-compatible schedules."""
+    warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
+    kind = cfg.lr_scheduler_type
+    kwargs = dict(cfg.lr_scheduler_kwargs)
+    min_ratio = 0.0
+    if kind == "cosine_with_min_lr":
+        if "min_lr" in kwargs:
+            min_ratio = float(kwargs["min_lr"]) / cfg.learning_rate if cfg.learning_rate else 0.0
+        elif "min_lr_rate" in kwargs:
+            min_ratio = float(kwargs["min_lr_rate"])
+        else:
+            raise FastDPOError("--lr_scheduler_type cosine_with_min_lr needs --lr_scheduler_kwargs '{\"min_lr\": 1e-7}'.")
+    num_cycles = float(kwargs.get("num_cycles", 0.5))
+
+    def f(step: int) -> float:
+        if kind == "constant":
+            return 1.0
+        if step < warmup:
+            return step / max(1, warmup)
+        if kind == "constant_with_warmup":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        cos = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * progress))
+        return max(0.0, cos) if kind == "cosine" else min_ratio + (1 - min_ratio) * max(0.0, cos)
+
+    return f
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
