@@ -24,6 +24,12 @@ def _setup_logging(console) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[handler], force=True)
     for noisy in ("transformers", "torch", "peft", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
 
 
 def cmd_train(args: argparse.Namespace, console) -> int:
@@ -43,10 +49,11 @@ def cmd_demo(args: argparse.Namespace, console) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fastdpo", description="Fast, memory-lean DPO training on a packed, prefix-shared layout.")
+    p = _Parser(prog="fastdpo", description="Fast, memory-lean DPO training on a packed, prefix-shared layout.",
+                allow_abbrev=False)
     p.add_argument("--version", action="store_true", help="Print the version and exit.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    t = sub.add_parser("train", help="Train with DPO.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t = sub.add_parser("train", help="Train with DPO.", allow_abbrev=False)
     add_config_flags(t, TrainConfig)
     t.set_defaults(func=cmd_train)
     d = sub.add_parser("demo", help="Train a built-in tiny model on CPU and show the result (no download).")
@@ -58,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     console = _console()
     try:
         parser = build_parser()

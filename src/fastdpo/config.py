@@ -186,6 +186,9 @@ class _Parser(argparse.ArgumentParser):
         if "unrecognized arguments" in message:
             bad = message.split(":", 1)[1].split()[0].lstrip("-").split("=")[0]
             known = [a.lstrip("-") for a in self._option_string_actions]
+            for action in self._actions:  # options of subcommands too
+                for sub in getattr(action, "choices", None).values() if isinstance(action, argparse._SubParsersAction) else ():
+                    known += [a.lstrip("-") for a in sub._option_string_actions]
             close = difflib.get_close_matches(bad, known, n=1)
             hint = f" Did you mean --{close[0]}?" if close else " See `fastdpo train --help`."
         raise FastDPOError(f"{message}.{hint}")

@@ -1,0 +1,66 @@
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.tiny import build_tiny_model
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Tiny random-init model dirs, built once per family (and variant) per session."""
+    root = tmp_path_factory.mktemp("models")
+    cache = {}
+
+    def get(family: str = "qwen3", **overrides) -> Path:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            name = family + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+            cache[key] = build_tiny_model(root / name, family, WORDS, seed=0, **overrides)
+        return cache[key]
+
+    return get
+
+
+def random_pairs(n: int, vocab: int, seed: int = 0, max_prompt: int = 12, max_comp: int = 10) -> list[TokenizedPair]:
+    """Random token pairs; the first has a one-token prompt."""
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = 1 if i == 0 else r.randint(1, max_prompt)
+        out.append(TokenizedPair(
+            [r.randrange(4, vocab) for _ in range(p)],
+            [r.randrange(4, vocab) for _ in range(r.randint(1, max_comp))],
+            [r.randrange(4, vocab) for _ in range(r.randint(1, max_comp))],
+            i,
+        ))
+    return out
+
+
+def easy_rows(n: int, seed: int = 0) -> list[dict]:
+    """An easy preference: chosen always ends the prompt with 'w5 w6', rejected with 'w7 w8 w9'."""
+    r = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt = " ".join(f"w{r.randrange(10, 60)}" for _ in range(r.randint(1, 8)))
+        rows.append({"prompt": prompt, "chosen": " w5 w6", "rejected": " w7 w8 w9"})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
