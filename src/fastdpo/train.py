@@ -19,10 +19,11 @@ from fastdpo.config import TrainConfig, save_config
 from fastdpo.data.load import load_rows
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches, step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
+from fastdpo.diagnostics import oom_error
 from fastdpo.errors import FastDPOError
 from fastdpo.losses import LOSSES, LossInputs, LossParams
 from fastdpo.memory import apply_checkpointing
-from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
+from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
     Backend,
     add_lora,
@@ -38,6 +39,7 @@ from fastdpo.model import (
     save_model,
     sequence_logps,
 )
+from fastdpo.monitor import Monitor
 from fastdpo.optim import build_optimizer, build_scheduler
 from fastdpo.reference import Reference, build_reference
 
@@ -145,7 +147,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
             loss = loss + cfg.rpo_alpha * (-x.policy_chosen.sum()) / max(1, chosen_tokens)
         loss.backward()
         metrics.add(loss, cfg.beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
-                    x.ref_rejected, sum(p.num_tokens for p in group))
+                    x.ref_rejected, sum(p.num_tokens for p in group), x.chosen_tokens, x.rejected_tokens)
 
 
 def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
@@ -168,7 +170,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
 
-    sink = MetricsSink(out, console, append=resume is not None)
+    monitor = Monitor(cfg, out, console, optimizer, start)
     lm_config = base_causal_lm(model).config
     peak = device_peak_flops(device)
     rate = Throughput()
@@ -176,6 +178,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     bar = _progress_bar(console, s.total_steps, start) if progress and console is not None else None
     orders: dict[int, list[list[int]]] = {}
     last: dict = {}
+    step_pairs: list[TokenizedPair] = []
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
@@ -187,7 +190,9 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            # a NaN/Inf loss or gradient skips the update (counted; N in a row stop the run)
+            if monitor.finite_update(metrics.loss_sum, grad_norm, step + 1, [p.index for p in step_pairs]):
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -206,7 +211,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                     flops = 0.0
                 record.update(rate.read())
                 record["memory/peak_gib"] = round(peak_memory_gib(device), 3)
-                sink.log(record)
+                monitor.log(record)  # adds the vital signs, raises alerts, writes every sink
                 last = record
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
@@ -214,10 +219,12 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
                                      {"epoch": epoch}, cfg)
                 ckpt.rotate(out, cfg.save_total_limit)
+    except torch.OutOfMemoryError as e:
+        raise oom_error(e, cfg, device, step_pairs) from None
     finally:
         if bar is not None:
             bar[0].stop()
-        sink.close()
+        monitor.close()
 
     final = out / "final"
     tmp = out / ".final.tmp"
@@ -228,6 +235,10 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    if cfg.plot:
+        from fastdpo.plot import write_dashboard
+
+        log.info("Dashboard: %s", write_dashboard(out))
     return {"final_dir": str(final), "last": last, **summary}
 
 
