@@ -80,9 +80,9 @@ def nccl_advice(env: dict, gpus: list[dict], infiniband: bool, nodes: int) -> li
         elif not infiniband:
             advice.append("Several nodes but no InfiniBand device here: inter-node traffic uses TCP; expect slow "
                           "all-reduce, and set NCCL_SOCKET_IFNAME to the fast interface.")
-    elif ib_off and infiniband:
-        advice.append("NCCL_IB_DISABLE=1 although this node has InfiniBand: harmless on one node, but remove it before "
-                      "going multi-node.")
+    elif ib_off:
+        where = "although this node has InfiniBand" if infiniband else "on one node without InfiniBand"
+        advice.append(f"NCCL_IB_DISABLE=1 {where}: it changes nothing here, but remove it before going multi-node.")
     if p2p_off and full_peer:
         advice.append("NCCL_P2P_DISABLE=1 although every GPU can reach every other directly (NVLink or one PCIe "
                       "switch): this slows communication (30% or more). Unset it unless it fixes a real error.")
@@ -91,8 +91,10 @@ def nccl_advice(env: dict, gpus: list[dict], infiniband: bool, nodes: int) -> li
                       "hangs or fails with cudaErrorInvalidValue, set NCCL_P2P_DISABLE=1.")
     if not p2p_off and consumer and len(gpus) > 1:
         advice.append("Consumer GPUs (GeForce/RTX) in one node: NCCL_P2P_DISABLE=1 is usually needed.")
-    if nodes == 1 and not p2p_off and not ib_off and not advice:
+    if not advice and nodes == 1 and not p2p_off:
         advice.append("Single node: leave NCCL_P2P_DISABLE and NCCL_IB_DISABLE unset unless NCCL reports an error.")
+    elif not advice:
+        advice.append("These NCCL settings fit this machine and launch.")
     if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING")) == "0":
         advice.append("Async NCCL error handling is off: a hung collective will never raise. Unset it (--ddp_timeout "
                       "then bounds the wait).")

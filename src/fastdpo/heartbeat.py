@@ -4,12 +4,16 @@ Each rank calls `beat(step, phase)` as it reaches points of the loop (cheap: a l
 publishes the last beat and a liveness counter to a `torch.distributed` Store (the rendezvous TCPStore, or any
 TCPStore / FileStore / HashStore) every `interval` seconds, also while the main thread is blocked in a collective,
 and reads every rank's record. Staleness is judged by how long a record stays unchanged on the reader's own clock,
-so clocks of different hosts never need to agree. The lowest-numbered live rank reports, once per stall:
+so clocks of different hosts never need to agree. Once no rank has progressed for `stall_after` seconds (while one
+still does, the others may just be waiting for it), the lowest-numbered live rank reports, once per diagnosis:
 
 - a rank whose liveness counter stopped: its process died or froze (killed, OS OOM killer, a held GIL);
 - a live rank behind the others: it stopped progressing (data loading, a deadlock, a slow disk) while the others wait
-  for it in the next collective; that rank also logs its own Python stack;
+  for it in the next collective;
 - every rank stalled at the same beat: a collective (NCCL) hang; run `fastdpo env` and see its NCCL advice.
+
+Every rank that makes no progress for `stall_after` also logs its own main-thread Python stack once, so the stalled
+rank shows where it is stuck and the waiting ranks show which collective they wait in.
 
 Use with torch.distributed:
 
@@ -93,26 +97,30 @@ class Heartbeat:
         if not stalled:
             self.reported.clear()
             return None
+        if len(stalled) < len(self.seen):
+            return None  # someone still progresses: the stalled ranks may just be waiting for it
         dead = {r for r, (_, _, ta) in self.seen.items() if now - ta > self.dead_after}
         live = [r for r in range(self.world_size) if r in self.seen and r not in dead]
         if not live or live[0] != self.rank:
             return None  # another live rank reports
-        key = tuple(sorted((r, self.seen[r][0]["beats"]) for r in stalled | dead))
+        key, text = self._describe(stalled, dead, now)
         if key in self.reported:
             return None
         self.reported.add(key)
-        return self._describe(stalled, dead, now)
+        return text
 
     def _where(self, r: int, now: float) -> str:
         rec, tb, _ = self.seen[r]
         return (f"rank {r} ({rec['host']} pid {rec['pid']}) last at step {rec['step']} '{rec['phase']}' "
                 f"{now - tb:.0f} s ago")
 
-    def _describe(self, stalled: set[int], dead: set[int], now: float) -> str:
+    def _describe(self, stalled: set[int], dead: set[int], now: float) -> tuple[tuple, str]:
+        """(what is named, for reporting each diagnosis once; the report)."""
         missing = [r for r in range(self.world_size) if r not in self.seen]
         parts = []
         beats = {r: self.seen[r][0]["beats"] for r in self.seen}
         if dead:
+            key: tuple = ("dead", tuple((r, beats[r]) for r in sorted(dead)))
             parts.append("; ".join(self._where(r, now) for r in sorted(dead)) +
                          ": no heartbeat at all, so the process died or froze (killed, out of host memory, stopped); "
                          "the other ranks wait for it.")
@@ -120,6 +128,7 @@ class Heartbeat:
             low = min(beats[r] for r in stalled)
             behind = sorted(r for r in stalled if beats[r] == low)
             ahead = sorted(r for r in self.seen if beats[r] > low)
+            key = ("behind", tuple(behind), low)
             if ahead:
                 lead = self.seen[ahead[0]][0]
                 parts.append(f"{'; '.join(self._where(r, now) for r in behind)}: stopped progressing while rank(s) "
@@ -134,7 +143,7 @@ class Heartbeat:
                 parts.append(f"{'; '.join(self._where(r, now) for r in behind)}: stopped progressing.")
         if missing:
             parts.append(f"rank(s) {','.join(map(str, missing))} never sent a heartbeat.")
-        return "Heartbeat: " + " ".join(parts)
+        return key, "Heartbeat: " + " ".join(parts)
 
     def _dump_own_stack(self) -> None:
         if self.dumped_own_stack:

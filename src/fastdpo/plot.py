@@ -101,7 +101,8 @@ def write_dashboard(out_dir: str | Path, path: str | Path | None = None) -> Path
         for s in skipped:
             ax.axvline(s, color="red", alpha=0.35, linewidth=1)
         if not drawn:
-            ax.text(0.5, 0.5, "not measured" if title.startswith("peak memory") else "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+            empty = "not measured" if title.startswith("peak memory") else "not logged"
+            ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, color="grey")
         if len(names) > 1 and drawn:
             ax.legend(fontsize=8)
         ax.set_title(title, fontsize=11)

@@ -243,18 +243,17 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
         names = ["dense", "flex"] if dev.type == "cuda" else ["dense"]
         for b in names:
             paths.append((f"packed {b}", Backend(b, fast.window), "none", 0, False))
-        paths.append((f"packed {fast.name}, {budget}-token micro-batches", fast, "none", budget, False))
+        paths.append((f"packed {fast.name}, budget {budget}", fast, "none", budget, False))
         if compile if compile is not None else dev.type == "cuda":
-            paths.append((f"packed {fast.name}, torch.compile", fast, "none", 0, True))
+            paths.append((f"packed {fast.name}, compiled", fast, "none", 0, True))
     main = fast if fast.name != "padded" else Backend("padded")
     for p in policies:
-        paths.append((f"{'packed ' + main.name if main.name != 'padded' else 'padded'} + checkpointing {p}", main, p,
-                      0, False))
+        paths.append((f"ckpt {p}", main, p, 0, False))
 
     results = []
     t0 = time.perf_counter()
     plain, held, peak = _gradients(model, pairs, Backend("padded"), ref, 0, dev)
-    results.append(PathResult("plain (padded, model attention)", "padded", "none", relative_differences(plain, plain),
+    results.append(PathResult("plain (padded)", "padded", "none", relative_differences(plain, plain),
                               tol, held, peak, time.perf_counter() - t0))
     baseline: PathResult | None = None
     for name, backend, policy, micro_budget, compiled in paths:
@@ -289,25 +288,33 @@ def print_results(results: list[PathResult], console, cuda: bool) -> None:
     from rich.table import Table
 
     groups = sorted({g for r in results for g in r.groups})
-    t = Table(title=f"gradients vs the plain path (max relative difference per parameter group; tolerance "
+    t = Table(title=f"gradients vs the plain path: max relative difference per parameter group (tolerance "
                     f"{results[0].tolerance:g})")
     t.add_column("path")
     for g in groups:
         t.add_column(g, justify="right")
     t.add_column("result")
-    t.add_column("held for backward (MiB)", justify="right")
+    t.add_column("held MiB", justify="right")
     if cuda:
-        t.add_column("CUDA peak (MiB)", justify="right")
-    t.add_column("memory lowered?")
+        t.add_column("peak MiB", justify="right")
+    t.add_column("lowered?")
     t.add_column("s", justify="right")
     for r in results:
         verdict = "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]"
         lowered = "" if r.lowered is None else ("yes" if r.lowered else "[yellow]no[/]")
-        row = [r.name] + [f"{r.groups.get(g, 0.0):.2e}" for g in groups] + [verdict, f"{r.held_mib:.2f}"]
+        row = [r.name] + [f"{r.groups.get(g, 0.0):.1e}" for g in groups] + [verdict, f"{r.held_mib:.2f}"]
         if cuda:
             row.append(f"{r.peak_mib:.1f}" if r.peak_mib is not None else "-")
         t.add_row(*row, lowered, f"{r.seconds:.2f}")
+    width = console.width
+    console.width = max(width, 120)  # the table is wider than a default 80-column pipe; let it be
     console.print(t)
+    console.width = width
+    ckpt_on = next((r.backend for r in results if r.policy != "none"), "")
+    console.print(f"ckpt: activation checkpointing policies on the {ckpt_on} path. held MiB: bytes kept for backward "
+                  "after the forward (largest micro-batch)"
+                  + ("; peak MiB: CUDA peak during forward+backward" if cuda else "")
+                  + "; lowered?: a policy uses less than the same path without checkpointing.", highlight=False)
     for r in results:
         for c in r.causes:
             console.print(f"[yellow]{r.name}[/]: memory not lowered; likely cause: {c}.", highlight=False)
