@@ -21,7 +21,7 @@ from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches, step_o
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
 from fastdpo.errors import FastDPOError
 from fastdpo.losses import LOSSES, LossInputs, LossParams
-from fastdpo.memory import apply_checkpointing
+from fastdpo.memory import apply_checkpointing, compile_layers
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
     Backend,
@@ -91,8 +91,14 @@ def build_setup(cfg: TrainConfig) -> Setup:
                     stats.dropped_prompt_too_long, stats.truncated)
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
-    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
     ref_model = load_model(cfg.ref_model, dtype, device, cfg.trust_remote_code) if cfg.ref_model else None
+    return assemble(cfg, device, model, tokenizer, pairs, ref_model)
+
+
+def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
+             ref_model=None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, step counts."""
+    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
     needs_ref = any(LOSSES[n].needs_reference for n in cfg.loss_type.split(","))
     reference = build_reference(model, cfg.train_type, ref_model, needs_ref, backend)
     if cfg.train_type == "lora":
@@ -100,6 +106,8 @@ def build_setup(cfg: TrainConfig) -> Setup:
     if backend.name != "padded":
         prepare_packed(model, backend)
     apply_checkpointing(model, cfg.gradient_checkpointing)
+    if cfg.torch_compile:
+        compile_layers(model)
     model.train()
 
     steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step)
@@ -107,11 +115,17 @@ def build_setup(cfg: TrainConfig) -> Setup:
     return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch)
 
 
-def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
+def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device, budget: int = 0):
+    """Build a micro-batch on `device`. Flex batches are padded to the token budget (static shapes, so compiled
+    kernels are reused), or to a multiple of the flex block for a pair longer than the budget."""
     if backend.name == "padded":
         batch = pad_pairs(pairs, pad_id)
+    elif backend.name == "flex":
+        tokens = sum(p.num_tokens for p in pairs)
+        multiple = budget if budget and tokens <= budget else FLEX_PAD
+        batch = pack_pairs(pairs, multiple, pad_id)
     else:
-        batch = pack_pairs(pairs, FLEX_PAD if backend.name == "flex" else 1, pad_id)
+        batch = pack_pairs(pairs, 1, pad_id)
     return batch.to(device)
 
 
@@ -129,7 +143,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
     params = LossParams(beta=cfg.beta, label_smoothing=cfg.label_smoothing)
     pad_id = s.tokenizer.pad_token_id or 0
     for group in split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size):
-        batch = make_batch(group, s.backend, pad_id, s.device)
+        batch = make_batch(group, s.backend, pad_id, s.device, cfg.max_tokens_per_batch)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
         pol, _ = sequence_logps(s.model, batch, s.backend, mask)
