@@ -11,13 +11,8 @@ i=0
 IFS=';' read -ra CFGS <<< "$CONFIGS"
 for c in "${CFGS[@]}"; do
   i=$((i+1))
-  echo "== fastdpo $SHAPE $c"
-  timeout ${PER_RUN:-240} python3 -m fastdpo bench --shape "$SHAPE" --steps $STEPS --warmup $WARMUP $c \
-    --json "$OUT/fastdpo_${SHAPE}_$i.json" 2>&1 | tail -n 8
-done
-for v in $COMPARE; do
-  echo "== $v $SHAPE"
-  timeout ${PER_RUN:-240} python3 -m fastdpo bench --shape "$SHAPE" --steps $STEPS --warmup $WARMUP \
-    --per_device_train_batch_size 8 --compare $v --json "$OUT/${v}_${SHAPE}.json" --max_steps 1 \
-    --device cuda 2>&1 | tail -n 8
+  cmp=""; [ $i -eq 1 ] && [ -n "$COMPARE" ] && cmp="--compare $COMPARE"
+  echo "== fastdpo $SHAPE $c $cmp"
+  timeout ${PER_RUN:-300} python3 -m fastdpo bench --shape "$SHAPE" --steps $STEPS --warmup $WARMUP $c $cmp \
+    --json "$OUT/${SHAPE}_$i.json" 2>&1 | grep -v "^WARNING\|warn" | tail -n 12
 done

@@ -8,6 +8,7 @@ onto a 151,936-entry vocabulary (Qwen3's), so lengths are exact and nothing is d
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import random
@@ -248,6 +249,9 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
     else:
         rows = anchor_pairs(n)
     results = [{**run_fastdpo(cfg, shape, rows, steps, warmup), "config": cfg.to_dict()}]
+    gc.collect()  # free our model before TRL's process starts on the same GPU
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     for variant in compare:
         if dataset or shape is None:
             raise FastDPOError("--compare runs on the anchor workload with --shape only.")
