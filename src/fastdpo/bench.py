@@ -129,6 +129,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter())
+        prev = times[-2] if len(times) > 1 else t_init
+        print(f"bench step {step}: {times[-1] - prev:.3f}s", file=sys.stderr, flush=True)
         if step == 0:
             t_first = times[0] - t_init
         if step >= warmup:
