@@ -23,12 +23,11 @@ from fastdpo.data.load import load_rows
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
 from fastdpo.losses import LossInputs, LossParams, dpo_sigmoid_loss
-from fastdpo.memory import apply_checkpointing
+from fastdpo.memory import apply_checkpointing, compile_layers, decoder_layers
 from fastdpo.model import (
     Backend,
     base_causal_lm,
     choose_backend,
-    decoder,
     load_model,
     load_tokenizer,
     prepare_packed,
@@ -258,15 +257,15 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
     baseline: PathResult | None = None
     for name, backend, policy, micro_budget, compiled in paths:
         wrapped = apply_checkpointing(model, policy)
-        dec = decoder(model)
         if compiled:
-            dec.compile()
+            compile_layers(model)  # as --torch_compile does in training
         t0 = time.perf_counter()
         try:
             grads, held, peak = _gradients(model, pairs, backend, ref, micro_budget, dev)
         finally:
             if compiled:
-                dec._compiled_call_impl = None
+                for layer in decoder_layers(model):
+                    layer._compiled_call_impl = None
             apply_checkpointing(model, "none")
         r = PathResult(name, backend.name, policy, relative_differences(grads, plain), tol, held, peak,
                        time.perf_counter() - t0)
