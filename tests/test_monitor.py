@@ -231,3 +231,14 @@ def test_wandb_sink_logs_by_step_and_finishes(tmp_path, monkeypatch):
     assert calls[1] == ("log", 3, {"loss": 0.5, "rewards/margins": 0.1})
     assert calls[-1] == ("finish",)
     assert (tmp_path / ".wandb_run_id").read_text() == "abc123"  # a resumed run continues the same W&B run
+
+
+def test_non_writing_rank_guards_but_writes_nothing(tmp_path):
+    cfg = TrainConfig(model="m", dataset=["d"], output_dir=str(tmp_path), max_nonfinite_steps=1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    mon = Monitor(cfg, tmp_path, None, opt, 0, write=False)
+    mon.log(rec(1, **{"rewards/margins": -1.0, "rewards/accuracies": 0.0}))
+    mon.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(NonFiniteStop):
+        mon.finite_update(torch.tensor(float("nan")), torch.tensor(1.0), 2, [0])

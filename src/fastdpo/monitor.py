@@ -13,7 +13,7 @@ import torch
 from fastdpo import checkpoint as ckpt
 from fastdpo.alerts import ADVICE, AlertEngine, AlertRules
 from fastdpo.errors import FastDPOError
-from fastdpo.sinks import open_sinks
+from fastdpo.sinks import Sinks, open_sinks
 
 log = logging.getLogger("fastdpo")
 
@@ -24,14 +24,18 @@ class NonFiniteStop(FastDPOError):
 
 class Monitor:
     """One per run. Call `finite_update` once per optimizer step (before `optimizer.step()`), `log` once per logged
-    step, and `close` at the end."""
+    step, and `close` at the end. Distributed: every rank keeps a monitor (the guard must decide alike everywhere:
+    pass the step's loss summed over ranks and the gradient norm of the reduced gradients); only the rank with
+    `write=True` writes sinks and raises alerts."""
 
-    def __init__(self, cfg, out_dir: Path, console, optimizer: torch.optim.Optimizer, start_step: int):
+    def __init__(self, cfg, out_dir: Path, console, optimizer: torch.optim.Optimizer, start_step: int,
+                 write: bool = True):
         self.out_dir = out_dir
         self.micro_pairs = cfg.per_device_train_batch_size
         self.max_in_a_row = cfg.max_nonfinite_steps
         self.engine = AlertEngine(AlertRules(patience=cfg.alert_patience, kl_ratio_threshold=cfg.kl_ratio_threshold))
-        self.sinks = open_sinks(cfg, out_dir, console, start_step)
+        self.write = write
+        self.sinks = open_sinks(cfg, out_dir, console, start_step) if write else Sinks([])
         self.skipped = 0
         self.in_a_row = 0
         self.last_good_step = start_step
@@ -81,7 +85,7 @@ class Monitor:
         record["skipped_steps"] = self.skipped
         expected_updates = self.w_steps - self.w_skipped
         expected = micro / expected_updates if expected_updates else None
-        alerts = self.engine.check(record, expected)
+        alerts = self.engine.check(record, expected) if self.write else []
         self.sinks.log(record)
         for a in alerts:
             self.sinks.alert(a)
