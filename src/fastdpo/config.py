@@ -82,8 +82,8 @@ class TrainConfig:
     device: str = _f("auto", "auto|cpu|cuda|cuda:N.")
     disable_progress: bool = _f(False, "No progress bar (logs only).")
     # monitoring
-    report_to: str = _f("none", "Extra metric sinks: none|all|tensorboard|wandb, comma-separated (metrics.jsonl and the "
-                        "console are always written).")
+    report_to: str = _f("none", "Extra metric sinks: none|all (the installed ones)|tensorboard|wandb, comma-separated "
+                        "(metrics.jsonl and the console are always written).")
     logging_dir: str = _f("", "TensorBoard log dir (default: output_dir/runs).")
     run_name: str = _f("", "Run name for Weights & Biases (default: the output_dir name).")
     plot: bool = _f(False, "Write the dashboard output_dir/metrics.png (needs matplotlib) at the end of training.")

@@ -19,12 +19,12 @@ _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def report_targets(value: str) -> list[str]:
-    """Parse --report_to: `none`, `all`, or a comma-separated list of tensorboard / wandb."""
+    """Parse --report_to: `none`, `all` (every installed one), or a comma-separated list of tensorboard / wandb."""
     v = str(value).strip().lower()
     if v in ("", "none"):
         return []
     if v == "all":
-        return list(REPORT_TARGETS)
+        return [t for t in REPORT_TARGETS if importlib.util.find_spec(_PACKAGES[t]) is not None]
     names = [n.strip() for n in v.split(",") if n.strip()]
     for n in names:
         if n not in REPORT_TARGETS:
