@@ -42,7 +42,7 @@ def test_single_node_defaults_say_leave_them_unset():
     assert any("changes nothing here" in a for a in nccl_advice({"NCCL_IB_DISABLE": "1"}, SPLIT, False, 1))
 
 
-def test_collect_and_cli(capsys):
+def test_collect_and_cli(capsys, restore_logging):
     info = collect({"NCCL_DEBUG": "INFO", "WORLD_SIZE": "1", "PATH": "/bin"})
     assert info["packages"]["torch"] and info["nccl_env"] == {"NCCL_DEBUG": "INFO"}
     assert info["launch_env"] == {"WORLD_SIZE": "1"} and isinstance(info["advice"], list)

@@ -82,18 +82,6 @@ def test_nan_in_a_row_stops_and_keeps_last_good_checkpoint(tmp_path, model_dirs,
     assert torch.equal(model.state_dict()["model.norm.weight"], weights["model.norm.weight"])
 
 
-@pytest.fixture
-def restore_logging():
-    """The CLI configures logging for a terminal; put the test's logging back afterwards."""
-    import logging
-
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 OOM_TEXT = ("CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
             "1.21 GiB is free.")
 

@@ -1,7 +1,6 @@
 """`fastdpo plot`: the PNG dashboard from metrics.jsonl (and alerts.jsonl)."""
 
 import json
-import logging
 import math
 
 import pytest
@@ -12,12 +11,8 @@ from fastdpo.plot import read_records, write_dashboard
 
 
 @pytest.fixture(autouse=True)
-def restore_logging():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+def _logging(restore_logging):
+    pass
 
 
 def fake_run(out, steps=30, resumed_from=None):

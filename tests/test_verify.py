@@ -2,7 +2,6 @@
 teeth; memory savings are measured and a missing saving gets a named cause."""
 
 import json
-import logging
 
 import pytest
 import torch
@@ -15,12 +14,8 @@ from fastdpo.verify import HeldForBackward, no_saving_causes, param_group, run_v
 
 
 @pytest.fixture(autouse=True)
-def restore_logging():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+def _logging(restore_logging):
+    pass
 
 
 @pytest.fixture
