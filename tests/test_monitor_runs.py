@@ -96,11 +96,12 @@ def test_swapped_labels_alert(tmp_path, model_dirs):
     assert first["step"] == 3 and "chosen and rejected may be swapped; check the data" in first["advice"]
 
 
-def test_exploding_learning_rate_raises_grad_spike(tmp_path, model_dirs):
+def test_exploding_learning_rate_raises_grad_spike_and_kl_ratio(tmp_path, model_dirs):
     run(tmp_path, model_dirs("qwen3"), "lr", noisy_rows(96, 2), learning_rate=10.0, max_grad_norm=0,
         lr_scheduler_type="constant_with_warmup", warmup_steps=6, max_steps=7)
     got = {a["name"]: a for a in alerts(tmp_path / "lr")}
     assert "grad_spike" in got and "--learning_rate" in got["grad_spike"]["advice"]
+    assert "kl_ratio" in got and "--beta" in got["kl_ratio"]["advice"]  # the policy runs away from the reference
 
 
 def test_conflicting_labels_raise_accuracy_stuck(tmp_path, model_dirs):
