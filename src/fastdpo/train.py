@@ -115,13 +115,16 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch)
 
 
-def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
-    """Build a micro-batch on `device`. Flex batches are padded to a multiple of the flex block; compiled code marks
-    the token dimension dynamic after the first new length, so lengths vary without recompiling."""
+def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device, budget: int = 0):
+    """Build a micro-batch on `device`. Flex batches are padded to the token budget (one static shape, so compiled
+    kernels are built once), or to a multiple of the flex block for a pair longer than the budget."""
     if backend.name == "padded":
         batch = pad_pairs(pairs, pad_id)
+    elif backend.name == "flex":
+        tokens = sum(p.num_tokens for p in pairs)
+        batch = pack_pairs(pairs, budget if budget and tokens <= budget else FLEX_PAD, pad_id)
     else:
-        batch = pack_pairs(pairs, FLEX_PAD if backend.name == "flex" else 1, pad_id)
+        batch = pack_pairs(pairs, 1, pad_id)
     return batch.to(device)
 
 
@@ -139,7 +142,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
     params = LossParams(beta=cfg.beta, label_smoothing=cfg.label_smoothing)
     pad_id = s.tokenizer.pad_token_id or 0
     for group in split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size):
-        batch = make_batch(group, s.backend, pad_id, s.device)
+        batch = make_batch(group, s.backend, pad_id, s.device, cfg.max_tokens_per_batch)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
         pol, _ = sequence_logps(s.model, batch, s.backend, mask)
