@@ -41,6 +41,15 @@ def cmd_train(args: argparse.Namespace, console) -> int:
     return 0
 
 
+def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
+    from fastdpo.precompute import precompute_ref
+
+    result = precompute_ref(build_config(args, TrainConfig))
+    how = "reused" if result["reused"] else "computed"
+    console.print(f"[bold green]done[/]: reference log-probs of {result['pairs']} pairs {how}: {result['path']}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, console) -> int:
     from fastdpo.demo import run_demo
 
@@ -56,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="Train with DPO.", allow_abbrev=False)
     add_config_flags(t, TrainConfig)
     t.set_defaults(func=cmd_train)
+    r = sub.add_parser("precompute-ref", help="Cache reference log-probs ahead of training (same flags as train).",
+                       allow_abbrev=False)
+    add_config_flags(r, TrainConfig)
+    r.set_defaults(func=cmd_precompute_ref)
     d = sub.add_parser("demo", help="Train a built-in tiny model on CPU and show the result (no download).")
     d.add_argument("--output_dir", default="fastdpo-demo", help="Where the demo writes its model and plot.")
     d.add_argument("--quick", action="store_true", help="A shorter run (for tests).")

@@ -159,21 +159,26 @@ def _release(model) -> None:
         torch.cuda.empty_cache()
 
 
-def precomputed_table(cfg: TrainConfig, get_policy: Callable[[], tuple[torch.nn.Module, Backend]],
-                      pairs: list[TokenizedPair], rows: list[Row], pad_id: int) -> RefTable:
-    """The reference table from the on-disk cache, or computed and cached. `get_policy` gives the policy (before
-    LoRA) and its backend; it is called only when the cache misses."""
+def cache_path(cfg: TrainConfig, pairs: list[TokenizedPair], rows: list[Row]) -> tuple[Path, dict]:
+    """Where the reference table of this model, data and tokenisation lives, and the fingerprints of its key."""
     cache_dir = Path(cfg.ref_cache_dir).expanduser() if cfg.ref_cache_dir else default_cache_dir()
     sources = [cfg.ref_model] if cfg.ref_model else [cfg.model] + ([cfg.ref_adapters] if cfg.ref_adapters else [])
-    device = resolve_device(cfg.device)
     parts = {
         "model": model_fingerprint(sources, cache_dir),
         "data": data_fingerprint(rows),
         "tokenisation": tokens_fingerprint(pairs, cfg.max_length),
         "max_length": cfg.max_length,
-        "dtype": str(resolve_dtype(cfg.torch_dtype, device)),
+        "dtype": str(resolve_dtype(cfg.torch_dtype, resolve_device(cfg.device))),
     }
-    path = cache_dir / f"{cache_key(parts)}.safetensors"
+    return cache_dir / f"{cache_key(parts)}.safetensors", parts
+
+
+def precomputed_table(cfg: TrainConfig, get_policy: Callable[[], tuple[torch.nn.Module, Backend]],
+                      pairs: list[TokenizedPair], rows: list[Row], pad_id: int) -> RefTable:
+    """The reference table from the on-disk cache, or computed and cached. `get_policy` gives the policy (before
+    LoRA) and its backend; it is called only when the cache misses."""
+    device = resolve_device(cfg.device)
+    path, parts = cache_path(cfg, pairs, rows)
     table = load_table(path, device)
     if table is not None and set(table.index.tolist()) >= {p.index for p in pairs}:
         log.info("Reference log-probs reused from %s.", path)
