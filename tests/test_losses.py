@@ -127,7 +127,7 @@ def test_aot_over_micro_batches_equals_whole_step(name):
     parts = [make(slice(0, 3)), make(slice(3, 7))]
     view = step_view([x for _, x in parts])
     total = 0.0
-    for (leaves, x), off in zip(parts, (0, 3)):
+    for (_, x), off in zip(parts, (0, 3)):
         x.step = at(view, off, x.policy_chosen.numel())
         loss = LOSSES[name].fn(x, PARAMS).sum()
         loss.backward()

@@ -128,8 +128,10 @@ def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[Toke
     """Choose and build the strategy. `policy` must not yet carry the trained LoRA adapter: it is the reference's
     starting point for copy, adapter_off and precompute."""
     if not cfg.needs_reference():
-        if cfg.precompute_ref_log_probs:
-            log.info("--loss_type %s is reference-free: nothing to precompute, no reference loaded.", cfg.loss_type)
+        unused = [f"--{k}" for k in ("ref_model", "ref_adapters", "precompute_ref_log_probs") if getattr(cfg, k)]
+        if unused:
+            log.warning("--loss_type %s is reference-free: %s ignored, no reference loaded.", cfg.loss_type,
+                        ", ".join(unused))
         return Reference("none")
     if cfg.precompute_ref_log_probs:
         return Reference("precompute", table=precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id))

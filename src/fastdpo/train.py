@@ -161,7 +161,8 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
         pol = completion_logps(s.model, batch, s.backend, mask, wpo=cfg.use_weighting)
         ref = s.reference.logps(s.model, batch, s.backend, mask)
-        x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, view and at(view, offset, b))
+        in_step = at(view, offset, b) if view is not None else None
+        x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
         # divide by the pairs of the whole step, not the micro-batch: accumulation is then exact
         loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
         loss.backward()
