@@ -200,7 +200,9 @@ def decoder(model):
 
 
 def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device) -> PairBatch:
-    """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`."""
+    """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
+    padded to a multiple of the flex block; compiled code marks the token dimension dynamic after the first new
+    length, so lengths vary without recompiling."""
     if backend.name == "padded":
         batch = pad_pairs(pairs, pad_id)
     else:

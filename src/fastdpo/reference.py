@@ -123,10 +123,11 @@ def _check_same_shapes(ref, policy) -> None:
                            "same architecture and parameter names as --model.")
 
 
-def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[TokenizedPair], rows: list[Row],
-                    pad_id: int) -> Reference:
+def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[TokenizedPair], rows: list[Row] | None,
+                    pad_id: int, ref_model=None) -> Reference:
     """Choose and build the strategy. `policy` must not yet carry the trained LoRA adapter: it is the reference's
-    starting point for copy, adapter_off and precompute."""
+    starting point for copy, adapter_off and precompute. `ref_model`: an already loaded --ref_model (else it is
+    loaded here, and only if needed). `rows` key the precompute cache; None computes without caching."""
     if not cfg.needs_reference():
         unused = [f"--{k}" for k in ("ref_model", "ref_adapters", "precompute_ref_log_probs") if getattr(cfg, k)]
         if unused:
@@ -134,12 +135,13 @@ def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[Toke
                         ", ".join(unused))
         return Reference("none")
     if cfg.precompute_ref_log_probs:
-        return Reference("precompute", table=precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id))
-    if cfg.train_type == "lora" and not cfg.ref_model:
+        table = precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id, ref_model)
+        return Reference("precompute", table=table)
+    if cfg.train_type == "lora" and not cfg.ref_model and ref_model is None:
         return Reference("ref_adapter" if cfg.ref_adapters else "adapter_off")
     param = next(policy.parameters())
-    if cfg.ref_model:
-        model = load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code)
+    if ref_model is not None or cfg.ref_model:
+        model = ref_model or load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code)
         strategy = "separate"
     else:
         model = copy.deepcopy(policy)
@@ -154,8 +156,7 @@ def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[Toke
     return Reference(strategy, model)
 
 
-def _release(model) -> None:
-    del model
+def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -176,27 +177,30 @@ def cache_path(cfg: TrainConfig, pairs: list[TokenizedPair], rows: list[Row]) ->
 
 
 def precomputed_table(cfg: TrainConfig, get_policy: Callable[[], tuple[torch.nn.Module, Backend]],
-                      pairs: list[TokenizedPair], rows: list[Row], pad_id: int) -> RefTable:
+                      pairs: list[TokenizedPair], rows: list[Row] | None, pad_id: int, ref_model=None) -> RefTable:
     """The reference table from the on-disk cache, or computed and cached. `get_policy` gives the policy (before
-    LoRA) and its backend; it is called only when the cache misses."""
+    LoRA) and its backend; it is called only when the cache misses. Without `rows` (a model built in memory) or
+    with a `ref_model` given in memory, nothing identifies the weights on disk: computed, not cached."""
     device = resolve_device(cfg.device)
-    path, parts = cache_path(cfg, pairs, rows)
-    table = load_table(path, device)
+    path, parts = cache_path(cfg, pairs, rows) if rows is not None and ref_model is None else (None, {})
+    table = load_table(path, device) if path is not None else None
     if table is not None and set(table.index.tolist()) >= {p.index for p in pairs}:
         log.info("Reference log-probs reused from %s.", path)
         return table
 
-    log.info("Precomputing reference log-probs of %d pairs into %s.", len(pairs), path)
+    log.info("Precomputing reference log-probs of %d pairs%s.", len(pairs), f" into {path}" if path else "")
     policy, backend = get_policy()
     batch_pairs = cfg.precompute_ref_batch_size or 4 * cfg.per_device_train_batch_size
     budget = 4 * cfg.max_tokens_per_batch
     param = next(policy.parameters())
-    if cfg.ref_model:
-        model = _freeze(load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code))
+    if ref_model is not None or cfg.ref_model:
+        model = _freeze(ref_model or load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code))
+        ref_model = None  # drop the caller's reference too: only the table outlives this pass
         if backend.name != "padded":
             prepare_packed(model, backend)
         table = compute_table(model, pairs, backend, pad_id, device, batch_pairs, budget)
-        _release(model)
+        del model
+        _free_memory()
     elif cfg.ref_adapters:
         from peft import PeftModel
 
@@ -209,5 +213,6 @@ def precomputed_table(cfg: TrainConfig, get_policy: Callable[[], tuple[torch.nn.
         if backend.name != "padded":
             prepare_packed(policy, backend)
         table = compute_table(policy, pairs, backend, pad_id, device, batch_pairs, budget)
-    save_table(path, table, {**parts, "pairs": len(pairs)})
+    if path is not None:
+        save_table(path, table, {**parts, "pairs": len(pairs)})
     return table

@@ -22,7 +22,7 @@ from fastdpo.data.pack import split_micro_batches, step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
 from fastdpo.errors import FastDPOError
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
-from fastdpo.memory import apply_checkpointing
+from fastdpo.memory import apply_checkpointing, compile_layers
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
     Backend,
@@ -103,8 +103,16 @@ def build_setup(cfg: TrainConfig) -> Setup:
     rows, pairs = load_data(cfg, tokenizer)
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
+    return assemble(cfg, device, model, tokenizer, pairs, rows=rows)
+
+
+def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
+             ref_model=None, rows: list[Row] | None = None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, step counts.
+    `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
+    key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
-    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer))
+    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model)
     if cfg.train_type == "lora":
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
         if reference.strategy == "ref_adapter":
@@ -112,6 +120,8 @@ def build_setup(cfg: TrainConfig) -> Setup:
     if backend.name != "padded":
         prepare_packed(model, backend)
     apply_checkpointing(model, cfg.gradient_checkpointing)
+    if cfg.torch_compile:
+        compile_layers(model)
     model.train()
 
     steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step)
