@@ -142,16 +142,17 @@ def chosen_targets(p: TokenizedPair) -> int:
 
 
 @torch.no_grad()
-def step_logps(s: Setup, groups: list[list[TokenizedPair]]) -> StepView:
+def step_logps(s: Setup, groups: list[list[TokenizedPair]]) -> tuple[StepView, list]:
     """Every pair's log-probs over the whole step, without grad: losses that sort the step's pairs (aot) need the
-    ranks before any backward. One extra policy and reference forward, for those losses only."""
-    parts = []
+    ranks before any backward. One extra policy forward, for those losses only; the reference results are kept."""
+    parts, refs = [], []
     for group in groups:
         batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device)
         mask = build_mask(batch, s.backend)
         pol = completion_logps(s.model, batch, s.backend, mask)
-        parts.append(loss_inputs(pol, s.reference.logps(s.model, batch, s.backend, mask), batch.lengths, s.cfg.ld_alpha))
-    return step_view(parts)
+        refs.append(s.reference.logps(s.model, batch, s.backend, mask))
+        parts.append(loss_inputs(pol, refs[-1], batch.lengths, s.cfg.ld_alpha))
+    return step_view(parts), refs
 
 
 def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
@@ -163,14 +164,16 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
     # NLL terms are token means over the step's chosen tokens, written per pair like every other term
     tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
     groups = split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
-    view = step_logps(s, groups) if any(LOSSES[name].sorts_step for name, _ in s.loss_terms) else None
+    view, refs = None, None
+    if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
+        view, refs = step_logps(s, groups)
     offset = 0
-    for group in groups:
+    for i, group in enumerate(groups):
         batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
         pol = completion_logps(s.model, batch, s.backend, mask, wpo=cfg.use_weighting)
-        ref = s.reference.logps(s.model, batch, s.backend, mask)
+        ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
         in_step = at(view, offset, b) if view is not None else None
         x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
         # divide by the pairs of the whole step, not the micro-batch: accumulation is then exact
