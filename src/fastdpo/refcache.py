@@ -65,10 +65,14 @@ def local_model_dir(path: str) -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
         return p
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
 
+    try:
         return Path(snapshot_download(path, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not downloaded yet: fetch what the fingerprint reads (loading needs it too)
+        pass
+    try:
+        return Path(snapshot_download(path, allow_patterns=list(WEIGHT_FILES)))
     except Exception as e:  # noqa: BLE001 - any hub failure means we cannot fingerprint it
         raise FastDPOError(f"Cannot fingerprint {path} for the reference cache: no local copy ({e}). "
                            "Pass a local model dir.") from None

@@ -71,6 +71,11 @@ class Reference:
     model: torch.nn.Module | None = None
     table: RefTable | None = None
 
+    @property
+    def online(self) -> bool:
+        """Whether each training step runs a reference forward (for FLOP counts)."""
+        return self.strategy not in ("none", "precompute")
+
     @torch.no_grad()
     def logps(self, policy, batch: PairBatch, backend: Backend, mask=None) -> SeqLogps | None:
         """Reference `SeqLogps` of the batch's sequences, or None when reference-free."""

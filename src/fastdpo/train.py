@@ -198,9 +198,9 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     if resume is not None:
         ckpt.load_weights(model, resume)
         ckpt.load_training_state(resume, optimizer, scheduler)
-        progress = ckpt.load_progress(resume)
-        start = progress["step"]
-        s.beta.load_state_dict(progress.get("beta", {}))
+        state = ckpt.load_progress(resume)
+        start = state["step"]
+        s.beta.load_state_dict(state.get("beta", {}))
         if cfg.sync_ref_model:
             ckpt.load_extra_module(resume, "reference", s.reference.model)
         log.info("Resumed from %s at step %d.", resume, start)
@@ -241,7 +241,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
             rate.add(len(step_pairs), tokens)
             if peak:
                 flops += step_flops(lm_config, tokens, sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
-                                    sum(attended_pairs(p) for p in step_pairs), s.reference.strategy != "none")
+                                    sum(attended_pairs(p) for p in step_pairs), s.reference.online)
             if done % cfg.logging_steps == 0 or done == s.total_steps:
                 t0 = rate.t0
                 record = {"step": done, "epoch": round(step / s.steps_per_epoch + 1 / s.steps_per_epoch, 4),
