@@ -26,8 +26,13 @@ def memory_facts(device: torch.device | None) -> str:
 
 
 def reference_strategy(cfg) -> str:
+    """Which reference sits in memory while training (as the settings imply)."""
+    if getattr(cfg, "precompute_ref_log_probs", False):
+        return "precomputed"
     if cfg.ref_model:
         return "separate"
+    if getattr(cfg, "ref_adapters", ""):
+        return "adapters"
     return "adapter_off" if cfg.train_type == "lora" else "copy"
 
 
