@@ -243,3 +243,16 @@ def test_non_writing_rank_guards_but_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(NonFiniteStop):
         mon.finite_update(torch.tensor(float("nan")), torch.tensor(1.0), 2, [0])
+
+
+def test_oom_next_steps_follow_the_settings():
+    from fastdpo.diagnostics import oom_next_steps
+
+    cfg = TrainConfig(model="m", dataset=["d"], precompute_ref_log_probs=True, gradient_checkpointing="ffn",
+                      max_tokens_per_batch=4096, torch_dtype="bfloat16")
+    steps = oom_next_steps(cfg, None)
+    assert steps[0].startswith("--max_tokens_per_batch 2048 (now 4096)")
+    assert steps[1] == "--gradient_checkpointing full (now ffn)."
+    assert not any("precompute" in s or "bfloat16" in s for s in steps)
+    full = oom_next_steps(TrainConfig(model="m", dataset=["d"]), longest_micro_tokens=3000)
+    assert full[0].startswith("--max_tokens_per_batch 1500") and any("--precompute_ref_log_probs" in s for s in full)
