@@ -154,3 +154,19 @@ def test_real_processes_through_a_file_store(tmp_path):
     assert lines[0].startswith("0: Heartbeat: rank 1 (") and "last at step 5 'forward'" in lines[0]
     assert "rank(s) 0,2 reached step 8" in lines[0]
     assert "stuck_in_data_loading" in errs[1]  # the stalled rank logged where it is stuck
+
+
+def test_for_process_group_uses_the_rendezvous_store(tmp_path):
+    import torch.distributed as dist
+
+    assert Heartbeat.for_process_group(ddp_timeout=1800) is None  # not distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        hb = Heartbeat.for_process_group(ddp_timeout=60)
+        assert hb.stall_after == 20 and hb.interval == 20 / 3 and hb.world_size == 1
+        with hb:
+            hb.beat(7, "backward")
+            hb.publish()
+            assert hb.read()[0]["step"] == 7 and hb.read()[0]["phase"] == "backward"
+    finally:
+        dist.destroy_process_group()
