@@ -19,7 +19,7 @@ import yaml
 from fastdpo.errors import FastDPOError
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
-ATTN_IMPLS = ("auto", "flex", "dense", "padded")
+ATTN_IMPLS = ("auto", "flex", "dense", "padded", "flash_attn", "flash_attention_2", "sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 CHECKPOINT_POLICIES = ("none", "full", "ffn", "attn")
 
