@@ -195,15 +195,25 @@ def build_mask(batch: PairBatch, backend: Backend):
     return batch.attention_mask
 
 
-def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
+def completion_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch.Tensor:
+    """Hidden states (N, H) that predict the batch's N completion targets (`batch.tgt`)."""
     if mask is None:
         mask = build_mask(batch, backend)
     _set_attn(model, "sdpa" if backend.name == "padded" else attention.ATTN_NAME)
     hidden = decoder(model)(
         input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
     ).last_hidden_state
-    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+
+
+def use_model_attention(model) -> None:
+    """Give the model back its own (SDPA) attention, e.g. before `generate`, after packed forwards."""
+    _set_attn(model, "sdpa")
+
+
+def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
+    hidden = completion_hidden(model, batch, backend, mask)
     head = output_head(model)
     tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap)
     return sequence_sums(tok, batch.seq, batch.lengths.numel()), tok

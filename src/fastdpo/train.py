@@ -9,7 +9,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from fastdpo.data.load import load_rows
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches, step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
 from fastdpo.errors import FastDPOError
+from fastdpo.evaluate import TrainingEval, held_out_rows
 from fastdpo.losses import LOSSES, LossInputs, LossParams
 from fastdpo.memory import apply_checkpointing
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
@@ -58,6 +59,7 @@ class Setup:
     pairs: list[TokenizedPair]
     total_steps: int
     steps_per_epoch: int
+    val_pairs: list[TokenizedPair] = field(default_factory=list)
 
 
 def seed_all(seed: int) -> None:
@@ -84,8 +86,9 @@ def build_setup(cfg: TrainConfig) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows = load_rows(cfg.dataset, cfg.seed)
+    rows, val_rows = held_out_rows(cfg, load_rows(cfg.dataset, cfg.seed))
     pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
+    val_pairs = tokenize_rows(tokenizer, val_rows, cfg.max_length)[0] if val_rows else []
     if stats.dropped_prompt_too_long or stats.truncated:
         log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
                     stats.dropped_prompt_too_long, stats.truncated)
@@ -104,7 +107,7 @@ def build_setup(cfg: TrainConfig) -> Setup:
 
     steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch)
+    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch, val_pairs)
 
 
 def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
@@ -163,6 +166,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
         ckpt.load_training_state(resume, optimizer, scheduler)
         start = ckpt.load_progress(resume)["step"]
         log.info("Resumed from %s at step %d.", resume, start)
+    evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None)
     save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
@@ -208,12 +212,15 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 record["memory/peak_gib"] = round(peak_memory_gib(device), 3)
                 sink.log(record)
                 last = record
+            if evaluator.due(done, s.total_steps):
+                sink.log(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             if cfg.save_steps > 0 and done % cfg.save_steps == 0 and done < s.total_steps:
+                evaluator.best.saved(done, out / f"checkpoint-{done}")
                 ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
-                                     {"epoch": epoch}, cfg)
-                ckpt.rotate(out, cfg.save_total_limit)
+                                     {"epoch": epoch, **evaluator.progress()}, cfg)
+                ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint)
     finally:
         if bar is not None:
             bar[0].stop()
@@ -228,7 +235,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    return {"final_dir": str(final), "last": last, **summary}
+    evaluator.best.saved(s.total_steps, final)
+    return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
 
 
 def _progress_bar(console, total: int, start: int):
