@@ -5,8 +5,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import WORDS, run_cli, write_jsonl
+
 from fastdpo.errors import FastDPOError
 from fastdpo.infer import (
     GenerationArgs,

@@ -8,6 +8,7 @@ in eval mode. Metrics carry TRL's names (`loss`, `rewards/accuracies`, ...); dur
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import random
@@ -418,7 +419,6 @@ def run_lm_eval(model, tokenizer, cfg: EvalConfig) -> dict:
     try:
         import lm_eval
         from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
     except ImportError:
         raise FastDPOError("--lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval") from None
     from fastdpo.model import use_model_attention
@@ -426,7 +426,7 @@ def run_lm_eval(model, tokenizer, cfg: EvalConfig) -> dict:
     use_model_attention(model)
     model.eval()
     tasks = [t.strip() for t in cfg.lm_eval_tasks.split(",") if t.strip()]
-    manager = TaskManager(include_path=cfg.lm_eval_include_path or None)
+    manager = _task_manager(cfg.lm_eval_include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise FastDPOError(f"--lm_eval_tasks: unknown task(s) {', '.join(unknown)}. List them with `lm-eval ls tasks`"
@@ -437,6 +437,14 @@ def run_lm_eval(model, tokenizer, cfg: EvalConfig) -> dict:
                                       random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed)
     return {task: {k: v for k, v in res.items() if isinstance(v, (int, float, str))}
             for task, res in results["results"].items()}
+
+
+@functools.cache
+def _task_manager(include_path: str):
+    """lm-eval's task index (it reads thousands of task files: built once per process)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path or None)
 
 
 def show_report(console, report: dict) -> None:

@@ -54,7 +54,8 @@ def _import(module_name: str, spec: str):
         try:
             loader_spec.loader.exec_module(module)
         except Exception as e:  # the user's module failed at import: say where
-            raise FastDPOError(f"--reward_fn {spec!r}: importing {module_name} failed: {_describe(e)}") from None
+            raise FastDPOError(f"--reward_fn {spec!r}: importing {module_name} failed: "
+                               f"{_describe(e, str(path))}") from None
         return module
     sys.path.insert(0, str(Path.cwd()))  # like `python -m`: modules next to where the command runs
     try:
@@ -65,19 +66,31 @@ def _import(module_name: str, spec: str):
                                "the current directory, or give a file path (path/to/rewards.py:function).") from None
         raise FastDPOError(f"--reward_fn {spec!r}: importing {module_name} failed: {_describe(e)}") from None
     except Exception as e:  # the user's module failed at import: say where
-        raise FastDPOError(f"--reward_fn {spec!r}: importing {module_name} failed: {_describe(e)}") from None
+        raise FastDPOError(f"--reward_fn {spec!r}: importing {module_name} failed: "
+                           f"{_describe(e, _origin(module_name))}") from None
     finally:
         sys.path.remove(str(Path.cwd()))
 
 
-def _describe(e: BaseException) -> str:
-    """`Type: message (file:line)` at the innermost frame of the user's code."""
+def _origin(module_name: str) -> str | None:
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    return found.origin if found is not None else None
+
+
+def _describe(e: BaseException, user_file: str | None = None) -> str:
+    """`Type: message (file:line)` at the innermost frame in `user_file` (the innermost frame when not given or not
+    found), so a failure inside a library the user calls still points at the user's line."""
     where = ""
     frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if user_file and Path(f.filename) == Path(user_file)]
     if isinstance(e, SyntaxError) and e.filename:
         where = f" ({e.filename}:{e.lineno})"
-    elif frames:
-        where = f" ({frames[-1].filename}:{frames[-1].lineno})"
+    elif mine or frames:
+        frame = (mine or frames)[-1]
+        where = f" ({frame.filename}:{frame.lineno})"
     return f"{type(e).__name__}: {e}{where}"
 
 
@@ -86,7 +99,7 @@ def score(fn: RewardFn, spec: str, prompts: list[str], completions: list[str], c
     try:
         values = fn(prompts=prompts, completions=completions, **columns)
     except Exception as e:  # the user's function failed: report it as their error, with where
-        raise FastDPOError(f"--reward_fn {spec} raised {_describe(e)} on {len(completions)} completions. "
+        raise FastDPOError(f"--reward_fn {spec} raised {_describe(e, _source_file(fn))} on {len(completions)} completions. "
                            f"It is called as fn(prompts=..., completions=..., {', '.join(columns)}) with lists; "
                            "accept **kwargs for columns you do not use.") from None
     if hasattr(values, "tolist"):
@@ -104,6 +117,13 @@ def score(fn: RewardFn, spec: str, prompts: list[str], completions: list[str], c
                                "number.")
         out.append(float(v))
     return out
+
+
+def _source_file(fn) -> str | None:
+    try:
+        return inspect.getsourcefile(fn)
+    except TypeError:
+        return None
 
 
 def win_rate(base: list[float], tuned: list[float]) -> dict:
