@@ -211,6 +211,16 @@ def test_eval_flags_from_cli_and_yaml(tmp_path):
     assert cfg.val_dataset == ["v.jsonl"] and cfg.eval_steps == 5
     assert cfg.metric_for_best_model == "rewards/margins" and cfg.greater_is_better is False
     assert build_config(build_parser().parse_args(["train"]), TrainConfig).greater_is_better is None
+    # the saved config.yaml (greater_is_better: null) loads back as it was
+    from fastdpo.config import save_config
+
+    save_config(cfg, tmp_path / "saved.yaml")
+    saved = build_config(build_parser().parse_args(["train", "--config", str(tmp_path / "saved.yaml")]), TrainConfig)
+    assert saved == cfg
+    cfg.greater_is_better = None
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert build_config(build_parser().parse_args(["train", "--config", str(tmp_path / "saved.yaml")]),
+                        TrainConfig).greater_is_better is None
 
 
 # ---------------------------------------------------------------- `fastdpo eval`

@@ -271,6 +271,9 @@ def load_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise FastDPOError(f"{path}: unknown key {key!r}.{hint}")
         typ = _flag_type(fields[key])
+        if value is None and fields[key].default is None:  # an optional flag left unset (e.g. greater_is_better)
+            out[key] = None
+            continue
         try:
             if typ is _parse_bool and not isinstance(value, bool):
                 value = _parse_bool(value)

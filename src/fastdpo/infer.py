@@ -310,7 +310,7 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
         groups.setdefault(str(r.get("system") or cfg.system), []).append(i)
-    stream = cfg.prompt and not cfg.compare and console is not None
+    stream = bool(cfg.prompt) and not cfg.compare and console is not None
     for system, idx in groups.items():
         gen = copy.copy(cfg)
         gen.system = system
