@@ -388,3 +388,24 @@ def test_lm_eval_runs_a_local_task(tmp_path, heldout, lora_run, monkeypatch):
     with pytest.raises(FastDPOError, match="unknown task"):
         run_eval(EvalConfig(model=str(base), dataset=[str(heldout)], lm_eval_tasks="no_such_task_xyz",
                             output_dir=str(tmp_path / "ev2"), kl=False))
+
+
+@pytest.mark.gpu
+def test_eval_during_training_on_flex_matches_the_padded_eval(tmp_path, model_dirs):
+    """On CUDA the training hook evaluates flex-packed batches; `fastdpo eval` on the padded path agrees (fp32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = model_dirs("qwen3", hidden=128)
+    data = write_jsonl(tmp_path / "data.jsonl", easy_rows(48, seed=1))
+    val = write_jsonl(tmp_path / "val.jsonl", easy_rows(12, seed=9))
+    out = tmp_path / "run"
+    result = train(TrainConfig(model=str(base), dataset=[str(data)], val_dataset=[str(val)], output_dir=str(out),
+                               eval_steps=2, max_steps=4, learning_rate=1e-3, beta=0.5, per_device_train_batch_size=8,
+                               device="cuda", attn_impl="flex", torch_dtype="float32"), progress=False)
+    assert result["backend"] == "flex"
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    report = run_eval(EvalConfig(model=str(base), checkpoint=result["final_dir"], dataset=[str(val)], beta=0.5,
+                                 attn_impl="padded", device="cuda", torch_dtype="float32", kl=False,
+                                 output_dir=str(tmp_path / "ev")))
+    for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert report["metrics"][key] == pytest.approx(evals[-1][f"eval_{key}"], rel=1e-4, abs=1e-5), key
