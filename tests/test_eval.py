@@ -38,7 +38,7 @@ def test_preference_metrics_by_hand():
     x = LossInputs(policy_chosen=torch.tensor([-2.0, -5.0]), policy_rejected=torch.tensor([-4.0, -3.0]),
                    ref_chosen=torch.tensor([-3.0, -4.0]), ref_rejected=torch.tensor([-3.0, -4.0]),
                    chosen_tokens=torch.tensor([2, 3]), rejected_tokens=torch.tensor([4, 1]))
-    m = preference_metrics(x, "sigmoid", LossParams(beta=0.5), rpo_alpha=0.1)
+    m = preference_metrics(x, LossParams(beta=0.5), [("sigmoid", 1.0)], rpo_alpha=0.1)
     # rewards: chosen 0.5*(1, -1) = (0.5, -0.5); rejected 0.5*(-1, 1) = (-0.5, 0.5); margins (1, -1)
     assert m["rewards/chosen"] == pytest.approx(0.0)
     assert m["rewards/rejected"] == pytest.approx(0.0)
@@ -49,9 +49,11 @@ def test_preference_metrics_by_hand():
     dpo = (-math.log(1 / (1 + math.exp(-1.0))) - math.log(1 / (1 + math.exp(1.0)))) / 2
     assert m["loss"] == pytest.approx(dpo + 0.1 * 7.0 / 5.0, rel=1e-6)  # + rpo: NLL(chosen) per chosen token
     free = preference_metrics(LossInputs(x.policy_chosen, x.policy_rejected, None, None, x.chosen_tokens,
-                                         x.rejected_tokens), "sigmoid", LossParams(beta=0.5))
+                                         x.rejected_tokens), LossParams(beta=0.5), [("sigmoid", 1.0)])
     assert "loss" not in free  # DPO needs a reference
     assert free["rewards/chosen"] == pytest.approx(-1.75) and free["rewards/accuracies"] == pytest.approx(0.5)
+    weighted = preference_metrics(x, LossParams(beta=0.5), [("sigmoid", 2.0), ("sft", 0.5)])
+    assert weighted["loss"] == pytest.approx(2 * dpo + 0.5 * 7.0 / 5.0, rel=1e-6)  # the training loss's weighted terms
 
 
 def test_win_rate_counts_ties_half():
@@ -178,6 +180,24 @@ def test_training_evaluates_and_keeps_the_best_checkpoint(tmp_path, model_dirs):
     assert state["best_model_checkpoint"] == result["best_model_checkpoint"]
     resumed = TrainingEval(cfg, [object()], state)  # a resumed run ranks against the same best
     assert resumed.best.best_step == best["step"] and resumed.best.best_metric == best["eval_logps/rejected"]
+
+
+def test_precomputed_reference_evaluates_held_out_pairs_like_online(tmp_path, model_dirs):
+    """The held-out pairs get their own precomputed table (the training table does not hold them)."""
+    data = write_jsonl(tmp_path / "data.jsonl", easy_rows(32, seed=1))
+    val = write_jsonl(tmp_path / "val.jsonl", easy_rows(8, seed=9))
+    kw = dict(model=str(model_dirs("llama")), dataset=[str(data)], val_dataset=[str(val)], eval_steps=2, max_steps=2,
+              learning_rate=1e-3, beta=0.5, per_device_train_batch_size=8, ref_cache_dir=str(tmp_path / "cache"))
+    evals = []
+    for name, precompute in (("online", False), ("precompute", True)):
+        result = train(TrainConfig(**kw, output_dir=str(tmp_path / name), precompute_ref_log_probs=precompute),
+                       progress=False)
+        assert result["reference"] == ("precompute" if precompute else "copy")
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        evals.append([r for r in map(json.loads, lines) if "eval_loss" in r][-1])
+    for key in ("eval_loss", "eval_rewards/margins", "eval_rewards/chosen", "eval_logps/rejected"):
+        assert evals[1][key] == pytest.approx(evals[0][key], rel=1e-5, abs=1e-6), key
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2  # training pairs and held-out pairs
 
 
 def test_eval_flags_are_validated(tmp_path):

@@ -48,8 +48,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config) -> Path:
-    """Write checkpoint-{step} atomically and return its path."""
+def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
+                    extra_modules: dict | None = None) -> Path:
+    """Write checkpoint-{step} atomically and return its path. `extra_modules` (name -> module) are saved as
+    state/{name}.safetensors (e.g. a reference model that training updates)."""
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f".checkpoint-{step}.tmp"
     if tmp.exists():
@@ -62,6 +64,10 @@ def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, sched
     torch.save(scheduler.state_dict(), st / "scheduler.pt")
     torch.save(rng_state(), st / "rng.pt")
     save_config(config, st / "config.yaml")
+    for name, module in (extra_modules or {}).items():
+        from safetensors.torch import save_model as save_module
+
+        save_module(module, str(st / f"{name}.safetensors"))
     (st / DONE).write_text(json.dumps({"step": step, **progress}, indent=1))  # written last: marks completeness
     _fsync_tree(tmp)
     if final.exists():
@@ -148,3 +154,14 @@ def load_training_state(ckpt: Path, optimizer, scheduler) -> None:
     optimizer.load_state_dict(torch.load(st / "optimizer.pt", weights_only=True, map_location="cpu"))
     scheduler.load_state_dict(torch.load(st / "scheduler.pt", weights_only=True))
     set_rng_state(torch.load(st / "rng.pt", weights_only=True))
+
+
+def load_extra_module(ckpt: Path, name: str, module) -> None:
+    """Load state/{name}.safetensors written by `save_checkpoint(extra_modules=...)` into `module`."""
+    from safetensors.torch import load_model as load_module
+
+    path = ckpt / STATE / f"{name}.safetensors"
+    if not path.is_file():
+        raise FastDPOError(f"{ckpt} has no saved {name} ({path.name}); it was written without the settings that "
+                           "need it. Resume with the settings it was trained with.")
+    load_module(module, str(path))

@@ -25,9 +25,10 @@ from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.infer import GenerationArgs, ModelArgs
 from fastdpo.logprobs import _chunk_logits
-from fastdpo.losses import LOSSES, LossInputs, LossParams
-from fastdpo.model import Backend, build_mask, completion_hidden, output_head, sequence_logps
-from fastdpo.reference import Reference
+from fastdpo.losses import LOSSES, LossInputs, LossParams, loss_inputs, loss_params, total_loss
+from fastdpo.model import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
+from fastdpo.reference import REF_ADAPTER, Reference, active_adapter, precomputed_table
+from fastdpo.seqlogps import completion_logps
 
 # Metrics of held-out pairs that can rank checkpoints (`--metric_for_best_model`, with or without `eval_`).
 PAIR_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -60,35 +61,44 @@ def held_out_rows(cfg, rows: list[Row]) -> tuple[list[Row], list[Row]]:
 # ---------------------------------------------------------------- the forward over held-out pairs
 
 
-def _batches(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device, max_tokens: int, batch_size: int):
-    from fastdpo.train import make_batch  # the training loop's batch builder (flex padding included)
+def held_out_reference(cfg, policy, device, pairs: list[TokenizedPair], rows: list[Row], pad_id: int):
+    """With --precompute_ref_log_probs, the reference table of the held-out pairs (the training table holds the
+    training pairs only); None otherwise: the online strategies evaluate with the training reference.
+    `policy` must not yet carry the trained LoRA adapter (like the training table)."""
+    if not pairs or not cfg.precompute_ref_log_probs or not cfg.needs_reference():
+        return None
+    backend = choose_backend(policy, cfg.attn_impl, cfg.padding_free, device)
+    return Reference("precompute", table=precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id))
 
+
+def _batches(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device, max_tokens: int, batch_size: int):
     for group in split_micro_batches(pairs, max_tokens, batch_size):
-        batch = make_batch(group, backend, pad_id, device)
+        batch = make_batch(group, backend, pad_id, device, max_tokens)
         yield batch, build_mask(batch, backend)
+
+
+LOSS_INPUT_FIELDS = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected", "chosen_tokens",
+                     "rejected_tokens", "chosen_nll_logps", "pair_weights")
 
 
 @torch.no_grad()
 def pair_logps(model, reference: Reference, pairs: list[TokenizedPair], backend: Backend, pad_id: int, device,
-               max_tokens: int = 0, batch_size: int = 8) -> LossInputs:
-    """Completion log-prob sums of every pair under the policy and the reference (None when there is none),
-    through the training forward. Returns (N,) tensors on the CPU, pairs in micro-batch order."""
-    pol_c, pol_r, ref_c, ref_r, len_c, len_r = [], [], [], [], [], []
+               max_tokens: int = 0, batch_size: int = 8, ld_alpha: float = 1.0, wpo: bool = False) -> LossInputs:
+    """The loss inputs of every pair, policy and reference (None when there is none), through the training forward
+    (`completion_logps`, `Reference.logps`) in eval mode: one `LossInputs` over all pairs (micro-batch order, on the
+    CPU), so losses that rank pairs see the whole set."""
+    parts = []
     with _eval_mode(model):
         for batch, mask in _batches(pairs, backend, pad_id, device, max_tokens, batch_size):
-            b = batch.num_pairs
-            pol, _ = sequence_logps(model, batch, backend, mask)
-            pol_c.append(pol[:b].cpu())
-            pol_r.append(pol[b:].cpu())
-            if reference.strategy != "none":
-                ref = reference.logps(model, batch, backend, mask)
-                ref_c.append(ref[:b].cpu())
-                ref_r.append(ref[b:].cpu())
-            len_c.append(batch.lengths[:b].cpu())
-            len_r.append(batch.lengths[b:].cpu())
-    cat = torch.cat
-    return LossInputs(cat(pol_c), cat(pol_r), cat(ref_c) if ref_c else None, cat(ref_r) if ref_r else None,
-                      cat(len_c), cat(len_r))
+            pol = completion_logps(model, batch, backend, mask, wpo=wpo)
+            ref = reference.logps(model, batch, backend, mask)
+            parts.append(loss_inputs(pol, ref, batch.lengths, ld_alpha))
+
+    def cat(name: str):
+        values = [getattr(x, name) for x in parts]
+        return None if values[0] is None else torch.cat([v.detach().float().cpu() for v in values])
+
+    return LossInputs(**{name: cat(name) for name in LOSS_INPUT_FIELDS})
 
 
 @contextlib.contextmanager
@@ -101,22 +111,19 @@ def _eval_mode(model):
         model.train(was_training)
 
 
-def preference_metrics(x: LossInputs, loss_type: str, params: LossParams, rpo_alpha: float = 0.0) -> dict:
-    """Held-out metrics from per-pair log-prob sums (TRL names). Implicit rewards are beta x (policy - reference)
+def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str, float]],
+                       rpo_alpha: float = 0.0) -> dict:
+    """Held-out metrics from per-pair log-probs (TRL names). Implicit rewards are beta x (policy - reference)
     log-prob sums (beta x policy without a reference); accuracy counts pairs whose chosen reward is strictly larger.
-    `loss` is the training loss (mean of the per-pair losses, plus the RPO term); it is left out when a loss needs
-    a reference and there is none."""
-    beta = params.beta
+    `loss` is the training loss over the set (`total_loss` of the weighted terms, plus RPO, averaged over pairs);
+    it is left out when a term needs a reference and there is none."""
+    beta = float(params.beta)
     has_ref = x.ref_chosen is not None
     rc = beta * (x.policy_chosen - x.ref_chosen) if has_ref else beta * x.policy_chosen
     rr = beta * (x.policy_rejected - x.ref_rejected) if has_ref else beta * x.policy_rejected
     out = {}
-    names = loss_type.split(",")
-    if has_ref or not any(LOSSES[n].needs_reference for n in names):
-        loss = sum(LOSSES[n].fn(x, params) for n in names).mean()
-        if rpo_alpha:
-            loss = loss + rpo_alpha * (-x.policy_chosen.sum()) / x.chosen_tokens.sum().clamp(min=1)
-        out["loss"] = float(loss)
+    if has_ref or not any(LOSSES[name].needs_reference for name, _ in terms):
+        out["loss"] = float(total_loss(x, params, terms, rpo_alpha).mean())
     out.update({
         "rewards/chosen": float(rc.mean()),
         "rewards/rejected": float(rr.mean()),
@@ -142,19 +149,22 @@ def per_token_logps(x: LossInputs) -> dict:
 def token_kl(model, reference: Reference, pairs: list[TokenizedPair], backend: Backend, pad_id: int, device,
              max_tokens: int = 0, batch_size: int = 8, chunk: int = 2048) -> float:
     """Mean per-token KL(policy || reference) of the next-token distributions at every completion position of the
-    pairs (chosen and rejected, teacher-forced), over the whole vocabulary, in float32, a chunk at a time."""
-    assert reference.strategy != "none"
+    pairs (chosen and rejected, teacher-forced), over the whole vocabulary, in float32, a chunk at a time. Needs a
+    reference model (not a precomputed table)."""
+    assert reference.strategy not in ("none", "precompute"), reference.strategy
     total, count = 0.0, 0
     with _eval_mode(model):
         for batch, mask in _batches(pairs, backend, pad_id, device, max_tokens, batch_size):
-            h = completion_hidden(model, batch, backend, mask)
+            h = target_hidden(model, batch, backend, mask)
             head = output_head(model)
-            if reference.strategy == "adapter_off":
-                with model.disable_adapter():
-                    h_ref = completion_hidden(model, batch, backend, mask)
+            if reference.strategy in ("adapter_off", "ref_adapter"):
+                ctx = model.disable_adapter() if reference.strategy == "adapter_off" else active_adapter(model,
+                                                                                                       REF_ADAPTER)
+                with ctx:
+                    h_ref = target_hidden(model, batch, backend, mask)
                     head_ref = output_head(model)
             else:
-                h_ref = completion_hidden(reference.model, batch, backend, mask)
+                h_ref = target_hidden(reference.model, batch, backend, mask)
                 head_ref = output_head(reference.model)
             for s in range(0, h.shape[0], chunk):
                 lp = torch.log_softmax(_chunk_logits(h[s : s + chunk], head.weight, head.scale, head.softcap)[0], -1)
@@ -231,9 +241,10 @@ class TrainingEval:
     """Evaluation every --eval_steps optimizer updates (else at every save) and at the end, on the validation pairs,
     with best-checkpoint tracking. Does nothing without validation pairs."""
 
-    def __init__(self, cfg, pairs: list[TokenizedPair], progress: dict | None = None):
+    def __init__(self, cfg, pairs: list[TokenizedPair], progress: dict | None = None, reference: Reference | None = None):
         self.cfg = cfg
         self.pairs = pairs
+        self.reference = reference  # the held-out table of a precomputed reference; else the training reference
         self.best = BestTracker.from_config(cfg.metric_for_best_model, cfg.greater_is_better)
         self.last_step: int | None = None
         if progress:
@@ -253,9 +264,9 @@ class TrainingEval:
         cfg = self.cfg
         t0 = time.perf_counter()
         pad_id = s.tokenizer.pad_token_id or 0
-        x = pair_logps(s.model, s.reference, self.pairs, s.backend, pad_id, s.device, cfg.max_tokens_per_batch,
-                       cfg.per_device_train_batch_size)
-        metrics = preference_metrics(x, cfg.loss_type, LossParams(cfg.beta, cfg.label_smoothing), cfg.rpo_alpha)
+        x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
+                       cfg.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting)
+        metrics = preference_metrics(x, loss_params(cfg, s.beta.value()), s.loss_terms, cfg.rpo_alpha)
         dt = time.perf_counter() - t0
         record = {"step": step, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()},
                   "eval_runtime": round(dt, 4), "eval_pairs_per_second": len(self.pairs) / max(dt, 1e-9)}
@@ -350,7 +361,8 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     pad_id = tok.pad_token_id or 0
     args = (backend, pad_id, device, cfg.max_tokens_per_batch, cfg.per_device_eval_batch_size)
     x = pair_logps(model, reference, pairs, *args)
-    metrics = {**preference_metrics(x, cfg.loss_type, LossParams(cfg.beta, cfg.label_smoothing)), **per_token_logps(x)}
+    terms = [(name, 1.0) for name in cfg.loss_type.split(",")]
+    metrics = {**preference_metrics(x, LossParams(cfg.beta, cfg.label_smoothing), terms), **per_token_logps(x)}
     if cfg.kl and reference.strategy != "none":
         metrics["kl"] = token_kl(model, reference, pairs, *args)
     report = {"model": cfg.model, "adapters": cfg.adapters, "checkpoint": cfg.checkpoint, "dataset": cfg.dataset,
