@@ -244,6 +244,11 @@ def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
 
 
+def use_model_attention(model) -> None:
+    """Give the model back its own (SDPA) attention, e.g. before `generate`, after packed forwards."""
+    _set_attn(model, "sdpa")
+
+
 def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
     hidden = target_hidden(model, batch, backend, mask)
