@@ -40,6 +40,10 @@ def test_read_records_keeps_the_last_line_of_each_step(tmp_path):
     recs = read_records(run / "metrics.jsonl")
     assert [r["step"] for r in recs] == list(range(1, 11))
     assert [r["loss"] for r in recs[6:]] == [0.1] * 4
+    with open(run / "metrics.jsonl", "a") as f:  # an evaluation logged at step 10 joins that step's record
+        f.write(json.dumps({"step": 10, "eval_loss": 0.4}) + "\n")
+    last = read_records(run / "metrics.jsonl")[-1]
+    assert last["eval_loss"] == 0.4 and last["loss"] == 0.1
 
 
 def test_plot_command_writes_a_png(tmp_path, capsys):

@@ -91,6 +91,10 @@ class Monitor:
             self.sinks.alert(a)
         self._reset_window()
 
+    def write(self, record: dict) -> None:
+        """Write a record that is not a training step (e.g. evaluation) to every sink, without alerts."""
+        self.sinks.log(record)
+
     def close(self) -> None:
         self._hook.remove()
         self.sinks.close()

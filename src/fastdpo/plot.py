@@ -11,10 +11,10 @@ from fastdpo.errors import FastDPOError
 
 # (title, metric names, log scale)
 PANELS = [
-    ("loss", ["loss"], False),
+    ("loss", ["loss", "eval_loss"], False),
     ("rewards", ["rewards/chosen", "rewards/rejected"], False),
-    ("reward margin", ["rewards/margins"], False),
-    ("reward accuracy", ["rewards/accuracies"], False),
+    ("reward margin", ["rewards/margins", "eval_rewards/margins"], False),
+    ("reward accuracy", ["rewards/accuracies", "eval_rewards/accuracies"], False),
     ("KL per token (policy vs reference)", ["kl/chosen", "kl/rejected", "kl"], False),
     ("grad norm", ["grad_norm"], True),
     ("learning rate", ["learning_rate"], False),
@@ -39,7 +39,8 @@ def _number(v) -> float | None:
 
 
 def read_records(path: Path) -> list[dict]:
-    """Records of a JSONL file in step order; when a resumed run logged a step again, the later line wins."""
+    """Records of a JSONL file in step order. Lines of the same step merge (a training record and its evaluation);
+    when a resumed run logged a step again, its values win."""
     by_step: dict[int, dict] = {}
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -49,7 +50,7 @@ def read_records(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             raise FastDPOError(f"{path}:{lineno}: not valid JSON. Was the file cut off? Remove that line.") from None
         if isinstance(rec, dict) and "step" in rec:
-            by_step[int(rec["step"])] = rec
+            by_step[int(rec["step"])] = {**by_step.get(int(rec["step"]), {}), **rec}
     return [by_step[k] for k in sorted(by_step)]
 
 

@@ -71,13 +71,14 @@ class JsonlSink:
 class ConsoleSink:
     """A compact line per logged step on the rich console (alerts go through the `fastdpo` logger)."""
 
-    KEYS = ("loss", "rewards/margins", "rewards/accuracies", "kl", "grad_norm", "learning_rate", "pairs_per_second")
+    KEYS = ("loss", "rewards/margins", "rewards/accuracies", "kl", "grad_norm", "learning_rate", "pairs_per_second",
+            "eval_loss", "eval_rewards/margins", "eval_rewards/accuracies")
 
     def __init__(self, console):
         self.console = console
 
     def log(self, record: dict) -> None:
-        shown = "  ".join(f"{k.split('/')[-1]}={_fmt(record[k])}" for k in self.KEYS if k in record)
+        shown = "  ".join(f"{_label(k)}={_fmt(record[k])}" for k in self.KEYS if k in record)
         self.console.print(f"step {record['step']:>5}  {shown}", highlight=False)
 
     def alert(self, alert) -> None:
@@ -85,6 +86,12 @@ class ConsoleSink:
 
     def close(self) -> None:
         pass
+
+
+def _label(key: str) -> str:
+    """`rewards/margins` -> `margins`, `eval_rewards/margins` -> `eval_margins`."""
+    prefix = "eval_" if key.startswith("eval_") else ""
+    return prefix + key.removeprefix("eval_").split("/")[-1]
 
 
 def _fmt(v) -> str:
