@@ -71,4 +71,4 @@ def test_plot_errors_are_clear(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(plot.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FastDPOError, match="pip install matplotlib"):
-        write_dashboard(tmp_path / "cut")
+        write_dashboard(fake_run(tmp_path / "ok", steps=3))

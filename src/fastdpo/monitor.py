@@ -34,7 +34,7 @@ class Monitor:
         self.micro_pairs = cfg.per_device_train_batch_size
         self.max_in_a_row = cfg.max_nonfinite_steps
         self.engine = AlertEngine(AlertRules(patience=cfg.alert_patience, kl_ratio_threshold=cfg.kl_ratio_threshold))
-        self.write = write
+        self.writer = write
         self.sinks = open_sinks(cfg, out_dir, console, start_step) if write else Sinks([])
         self.skipped = 0
         self.in_a_row = 0
@@ -85,7 +85,7 @@ class Monitor:
         record["skipped_steps"] = self.skipped
         expected_updates = self.w_steps - self.w_skipped
         expected = micro / expected_updates if expected_updates else None
-        alerts = self.engine.check(record, expected) if self.write else []
+        alerts = self.engine.check(record, expected) if self.writer else []
         self.sinks.log(record)
         for a in alerts:
             self.sinks.alert(a)

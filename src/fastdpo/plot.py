@@ -56,10 +56,6 @@ def read_records(path: Path) -> list[dict]:
 
 def write_dashboard(out_dir: str | Path, path: str | Path | None = None) -> Path:
     """Draw the dashboard of the run in `out_dir` to `path` (default out_dir/metrics.png); returns the path."""
-    require_matplotlib("fastdpo plot")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     out = Path(out_dir)
     metrics = out / "metrics.jsonl"
     if not metrics.is_file():
@@ -67,6 +63,10 @@ def write_dashboard(out_dir: str | Path, path: str | Path | None = None) -> Path
     records = read_records(metrics)
     if not records:
         raise FastDPOError(f"{metrics} holds no logged steps yet.")
+    require_matplotlib("fastdpo plot")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     alerts_file = out / "alerts.jsonl"
     alerts = []
     if alerts_file.is_file():
