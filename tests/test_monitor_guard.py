@@ -108,6 +108,7 @@ def test_simulated_oom_becomes_advice(tmp_path, model_dirs, monkeypatch, capsys,
     out = capsys.readouterr().out
     assert rc == 1 and "Traceback" not in out and "Out of GPU memory" in out
     assert "--gradient_checkpointing ffn" not in out and "--train_type lora (" not in out  # already in use
+    assert "--train_type qlora --quant_bits 4" in out
     assert "--max_tokens_per_batch" in out
 
 

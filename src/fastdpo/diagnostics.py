@@ -33,7 +33,7 @@ def reference_strategy(cfg) -> str:
         return "separate"
     if getattr(cfg, "ref_adapters", ""):
         return "adapters"
-    return "adapter_off" if cfg.train_type == "lora" else "copy"
+    return "adapter_off" if cfg.train_type in ("lora", "qlora") else "copy"
 
 
 def oom_next_steps(cfg, longest_micro_tokens: int | None) -> list[str]:
@@ -49,7 +49,10 @@ def oom_next_steps(cfg, longest_micro_tokens: int | None) -> list[str]:
     else:
         steps.append(f"a smaller --per_device_train_batch_size (now {cfg.per_device_train_batch_size}) with a larger "
                      "--gradient_accumulation_steps, or a --max_tokens_per_batch budget.")
-    policy, _ = checkpoint_policy(cfg.gradient_checkpointing)
+    try:
+        policy, _ = checkpoint_policy(cfg.gradient_checkpointing)
+    except FastDPOError:  # `auto`: resolved at start; the next step down is still `full`
+        policy = "auto"
     if policy == "none":
         steps.append("--gradient_checkpointing ffn (MLP activations recomputed, small slowdown) or full (lowest "
                      "activation memory).")
@@ -61,7 +64,9 @@ def oom_next_steps(cfg, longest_micro_tokens: int | None) -> list[str]:
         steps.append(f"precompute the reference log-probs{flag}: the frozen reference model then leaves memory.")
     if cfg.train_type == "full":
         steps.append("--train_type lora (the reference is the same model with adapters off, no second copy, and "
-                     "optimizer state only for the adapters); QLoRA also quantises the base weights.")
+                     "optimizer state only for the adapters), or --train_type qlora to also quantise the base weights.")
+    elif cfg.train_type == "lora":
+        steps.append("--train_type qlora --quant_bits 4: the frozen base weights in 4 bits (CUDA).")
     if cfg.torch_dtype == "float32":
         steps.append("--torch_dtype bfloat16 (half the memory of float32 weights and activations).")
     if cfg.max_length > 1024:
@@ -89,5 +94,6 @@ def oom_error(e: BaseException, cfg, device: torch.device | None, step_pairs=Non
     lines = [f"Out of GPU memory {where}" + (f": tried to allocate {asked.group(1)}." if asked else f": {first}"),
              memory_facts(device), f"Settings: {settings}.", "Next steps, most effective first:"]
     lines += [f"  - {s}" for s in oom_next_steps(cfg, longest_micro)]
-    lines.append("`fastdpo verify` shows how much each checkpointing policy saves on your model.")
+    lines.append("`fastdpo tune` measures which checkpointing policy and token budget fit fastest; `fastdpo verify` "
+                 "shows what each policy saves.")
     return FastDPOError("\n".join(lines))
