@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +34,11 @@ from fastdpo.model import (
     prepare_packed,
     resolve_device,
     resolve_dtype,
-    save_model,
     sequence_logps,
 )
 from fastdpo.optim import build_optimizer, build_scheduler
 from fastdpo.reference import Reference, build_reference
+from fastdpo.signals import GracefulStop
 
 log = logging.getLogger("fastdpo")
 FLEX_PAD = 128
@@ -157,12 +156,16 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     scheduler = build_scheduler(optimizer, cfg, s.total_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
     start = 0
+    ckpt.clean_partial(out)  # leftovers of a write or delete a kill interrupted
     resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
         ckpt.load_weights(model, resume)
         ckpt.load_training_state(resume, optimizer, scheduler)
         start = ckpt.load_progress(resume)["step"]
+        ckpt.truncate_metrics(out / "metrics.jsonl", start)
         log.info("Resumed from %s at step %d.", resume, start)
+    ckpt.warn_later_checkpoints(out, start)
+    ckpt.check_disk_space(out, model, cfg, s.total_steps - start)
     save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
@@ -176,6 +179,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     bar = _progress_bar(console, s.total_steps, start) if progress and console is not None else None
     orders: dict[int, list[list[int]]] = {}
     last: dict = {}
+    stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
+    stopped_at: Path | None = None
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
@@ -210,24 +215,26 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 last = record
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
-            if cfg.save_steps > 0 and done % cfg.save_steps == 0 and done < s.total_steps:
-                ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
-                                     {"epoch": epoch}, cfg)
-                ckpt.rotate(out, cfg.save_total_limit)
+            periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
+            if (periodic or stop.requested) and done < s.total_steps:
+                saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, {"epoch": epoch}, cfg)
+                ckpt.rotate(out, cfg.save_total_limit, keep=saved)
+                if stop.requested:
+                    stopped_at = saved
+                    break
     finally:
+        stop.restore()
         if bar is not None:
             bar[0].stop()
         sink.close()
 
-    final = out / "final"
-    tmp = out / ".final.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_model(model, s.tokenizer, tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    if stopped_at is not None:
+        log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
+                    stop.name, done, stopped_at)
+        return {"final_dir": None, "stopped": stop.name, "exit_code": stop.exit_code(), "checkpoint": str(stopped_at),
+                "last": last, **summary}
+    with stop:  # a signal now lets the final write finish
+        final = ckpt.save_final(out, model, s.tokenizer)
     return {"final_dir": str(final), "last": last, **summary}
 
 
