@@ -206,24 +206,27 @@ def rotate(out_dir: Path, limit: int, keep: Path | None = None) -> None:
 # ---------------------------------------------------------------- pre-flight
 
 
-def _tensor_bytes(tensors) -> int:
+def _tensor_bytes(tensors, per_tensor: int) -> int:
+    """Bytes of the distinct tensors (tied weights are saved once) plus a per-tensor file overhead."""
     seen, total = set(), 0
     for t in tensors:
         key = (t.data_ptr(), t.numel(), t.dtype)
-        if key not in seen:  # tied weights are saved once
+        if key not in seen:
             seen.add(key)
-            total += t.numel() * t.element_size()
+            total += t.numel() * t.element_size() + per_tensor
     return total
 
 
 def estimate_checkpoint_bytes(model, model_dir: str = "") -> tuple[int, int]:
     """(model bytes, optimizer-state bytes) of one checkpoint: the weights save_pretrained writes (the adapter only
-    for PEFT models), AdamW's two moments per trainable parameter, and the tokenizer files."""
+    for PEFT models) with the tokenizer files and small state files, and AdamW's two moments (plus step) per
+    trainable parameter."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    weights = _tensor_bytes(trainable if hasattr(model, "peft_config") else model.state_dict().values())
+    weights = _tensor_bytes(trainable if hasattr(model, "peft_config") else model.state_dict().values(), 256)
     src = Path(model_dir)
     tok = sum((src / n).stat().st_size for n in TOKENIZER_FILES if (src / n).is_file()) if model_dir else 0
-    return weights + tok, 2 * _tensor_bytes(trainable)
+    small = 32 * 1024  # RNG and scheduler state, configs, model card
+    return weights + tok + small, 2 * _tensor_bytes(trainable, 512)
 
 
 def _gib(n: float) -> str:
@@ -234,7 +237,7 @@ def check_disk_space(out_dir: Path, model, cfg, steps: int) -> None:
     """Refuse to start unless `out_dir` has room for one checkpoint; warn when the checkpoints the next `steps`
     steps keep (per --save_steps / --save_total_limit) plus the final model may not fit."""
     weights, optim = estimate_checkpoint_bytes(model, cfg.model)
-    one = int((weights + optim) * 1.05) + 2**20  # config, state and filesystem slack
+    one = int((weights + optim) * 1.05)  # filesystem slack
     free = shutil.disk_usage(out_dir).free
     if free < one:
         raise FastDPOError(
