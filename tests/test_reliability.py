@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
-from conftest import easy_rows, write_jsonl
 from fastdpo import checkpoint as ckpt
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
