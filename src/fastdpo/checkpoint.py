@@ -61,7 +61,12 @@ def _publish(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old)
     if dest.exists():
         os.replace(dest, old)
-    os.replace(tmp, dest)
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        if old.exists() and not dest.exists():
+            os.replace(old, dest)  # put the previous one back under its public name
+        raise
     _fsync_dir(dest.parent)
     shutil.rmtree(old, ignore_errors=True)
 
@@ -200,7 +205,10 @@ def rotate(out_dir: Path, limit: int, keep: Path | None = None) -> None:
         protected.add(keep)
     excess = len(found) - max(limit, len(protected))
     for p in [p for p in found if p not in protected][: max(0, excess)]:
-        _remove(p)
+        try:
+            _remove(p)
+        except OSError as e:  # a checkpoint we could not delete costs disk space, not the run
+            log.warning("--save_total_limit: could not delete %s (%s).", p, e.strerror or e)
 
 
 # ---------------------------------------------------------------- pre-flight
