@@ -127,9 +127,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config) -> Path:
-    """Write checkpoint-{step} atomically and return its path. A failed write raises a FastDPOError that names the
-    last good checkpoint; the previous checkpoints are untouched."""
+def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
+                    extra_modules: dict | None = None) -> Path:
+    """Write checkpoint-{step} atomically and return its path. `extra_modules` (name -> module) are saved as
+    state/{name}.safetensors (e.g. a reference model that training updates). A failed write raises a FastDPOError
+    that names the last good checkpoint; the previous checkpoints are untouched."""
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f".checkpoint-{step}.tmp"
     try:
@@ -143,6 +145,10 @@ def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, sched
         torch.save(scheduler.state_dict(), st / "scheduler.pt")
         torch.save(rng_state(), st / "rng.pt")
         save_config(config, st / "config.yaml")
+        for name, module in (extra_modules or {}).items():
+            from safetensors.torch import save_model as save_module
+
+            save_module(module, str(st / f"{name}.safetensors"))
         # written last, with the size of every other file: a checkpoint is complete only if all of them match
         (st / DONE).write_text(json.dumps({"step": step, **progress, "files": _manifest(tmp)}, indent=1))
         _publish(tmp, final)
@@ -241,10 +247,12 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
-def check_disk_space(out_dir: Path, model, cfg, steps: int) -> None:
-    """Refuse to start unless `out_dir` has room for one checkpoint; warn when the checkpoints the next `steps`
-    steps keep (per --save_steps / --save_total_limit) plus the final model may not fit."""
+def check_disk_space(out_dir: Path, model, cfg, steps: int, extra_modules: list | tuple = ()) -> None:
+    """Refuse to start unless `out_dir` has room for one checkpoint (with `extra_modules`, as save_checkpoint
+    writes them); warn when the checkpoints the next `steps` steps keep (per --save_steps / --save_total_limit)
+    plus the final model may not fit."""
     weights, optim = estimate_checkpoint_bytes(model, cfg.model)
+    weights += sum(_tensor_bytes(m.state_dict().values(), 256) for m in extra_modules)
     one = int((weights + optim) * 1.05)  # filesystem slack
     free = shutil.disk_usage(out_dir).free
     if free < one:
@@ -344,6 +352,21 @@ def load_training_state(ckpt: Path, optimizer, scheduler) -> None:
     optimizer.load_state_dict(_load_state(st / "optimizer.pt", map_location="cpu"))
     scheduler.load_state_dict(_load_state(st / "scheduler.pt"))
     set_rng_state(_load_state(st / "rng.pt"))
+
+
+def load_extra_module(ckpt: Path, name: str, module) -> None:
+    """Load state/{name}.safetensors written by `save_checkpoint(extra_modules=...)` into `module`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model as load_module
+
+    path = ckpt / STATE / f"{name}.safetensors"
+    if not path.is_file():
+        raise FastDPOError(f"{ckpt} has no saved {name} ({path.name}); it was written without the settings that "
+                           "need it. Resume with the settings it was trained with.")
+    try:
+        load_module(module, str(path))
+    except (OSError, SafetensorError) as e:
+        raise FastDPOError(f"{path}: unreadable weights ({e}). Resume from another checkpoint.") from None
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from fastdpo import checkpoint as ckpt
+from fastdpo.beta import BetaSchedule
 from fastdpo.config import TrainConfig, save_config
-from fastdpo.data.load import load_rows
-from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches, step_order
+from fastdpo.data.load import Row, load_rows
+from fastdpo.data.pack import split_micro_batches, step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
 from fastdpo.errors import FastDPOError
-from fastdpo.losses import LOSSES, LossInputs, LossParams
-from fastdpo.memory import apply_checkpointing
+from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
+from fastdpo.memory import apply_checkpointing, compile_layers
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
     Backend,
@@ -30,18 +31,18 @@ from fastdpo.model import (
     choose_backend,
     load_model,
     load_tokenizer,
+    make_batch,
     model_summary,
     prepare_packed,
     resolve_device,
     resolve_dtype,
-    sequence_logps,
 )
 from fastdpo.optim import build_optimizer, build_scheduler
-from fastdpo.reference import Reference, build_reference
+from fastdpo.reference import Reference, build_reference, load_ref_adapter
+from fastdpo.seqlogps import completion_logps
 from fastdpo.signals import GracefulStop
 
 log = logging.getLogger("fastdpo")
-FLEX_PAD = 128
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Setup:
     pairs: list[TokenizedPair]
     total_steps: int
     steps_per_epoch: int
+    loss_terms: list[tuple[str, float]]  # (loss name, weight)
+    beta: BetaSchedule
 
 
 def seed_all(seed: int) -> None:
@@ -74,6 +77,19 @@ def check_output_dir(out: Path) -> None:
         raise FastDPOError(f"--output_dir {out} is not writable ({e.strerror}). Choose another directory.") from None
 
 
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id or 0
+
+
+def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair]]:
+    rows = load_rows(cfg.dataset, cfg.seed)
+    pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
+    if stats.dropped_prompt_too_long or stats.truncated:
+        log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
+                    stats.dropped_prompt_too_long, stats.truncated)
+    return rows, pairs
+
+
 def build_setup(cfg: TrainConfig) -> Setup:
     cfg.validate()
     out = Path(cfg.output_dir)
@@ -83,35 +99,34 @@ def build_setup(cfg: TrainConfig) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows = load_rows(cfg.dataset, cfg.seed)
-    pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
-    if stats.dropped_prompt_too_long or stats.truncated:
-        log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
-                    stats.dropped_prompt_too_long, stats.truncated)
+    rows, pairs = load_data(cfg, tokenizer)
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
+    return assemble(cfg, device, model, tokenizer, pairs, rows=rows)
+
+
+def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
+             ref_model=None, rows: list[Row] | None = None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, step counts.
+    `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
+    key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
-    ref_model = load_model(cfg.ref_model, dtype, device, cfg.trust_remote_code) if cfg.ref_model else None
-    needs_ref = any(LOSSES[n].needs_reference for n in cfg.loss_type.split(","))
-    reference = build_reference(model, cfg.train_type, ref_model, needs_ref, backend)
+    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model)
     if cfg.train_type == "lora":
-        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules)
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
+        if reference.strategy == "ref_adapter":
+            load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":
         prepare_packed(model, backend)
     apply_checkpointing(model, cfg.gradient_checkpointing)
+    if cfg.torch_compile:
+        compile_layers(model)
     model.train()
 
     steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch)
-
-
-def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
-    if backend.name == "padded":
-        batch = pad_pairs(pairs, pad_id)
-    else:
-        batch = pack_pairs(pairs, FLEX_PAD if backend.name == "flex" else 1, pad_id)
-    return batch.to(device)
+    beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
+    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch, cfg.loss_terms(), beta)
 
 
 def attended_pairs(p: TokenizedPair) -> int:
@@ -120,31 +135,53 @@ def attended_pairs(p: TokenizedPair) -> int:
     return n_p * (n_p + 1) // 2 + n_c * n_p + n_c * (n_c + 1) // 2 + n_r * n_p + n_r * (n_r + 1) // 2
 
 
+def chosen_targets(p: TokenizedPair) -> int:
+    """Predicted chosen tokens: no state predicts the first token of an unprompted completion."""
+    return len(p.chosen) - (len(p.prompt) == 0)
+
+
+@torch.no_grad()
+def step_logps(s: Setup, groups: list[list[TokenizedPair]]) -> tuple[StepView, list]:
+    """Every pair's log-probs over the whole step, without grad: losses that sort the step's pairs (aot) need the
+    ranks before any backward. One extra policy forward, for those losses only; the reference results are kept."""
+    parts, refs = [], []
+    for group in groups:
+        batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
+        mask = build_mask(batch, s.backend)
+        pol = completion_logps(s.model, batch, s.backend, mask)
+        refs.append(s.reference.logps(s.model, batch, s.backend, mask))
+        parts.append(loss_inputs(pol, refs[-1], batch.lengths, s.cfg.ld_alpha))
+    return step_view(parts), refs
+
+
 def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
     """Forward and backward over one optimizer step's pairs; gradients accumulate in .grad."""
     cfg = s.cfg
     n_pairs = len(step_pairs)
-    chosen_tokens = sum(len(p.chosen) for p in step_pairs)
-    params = LossParams(beta=cfg.beta, label_smoothing=cfg.label_smoothing)
-    pad_id = s.tokenizer.pad_token_id or 0
-    for group in split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size):
-        batch = make_batch(group, s.backend, pad_id, s.device)
+    beta = s.beta.value()
+    params = loss_params(cfg, beta)
+    # NLL terms are token means over the step's chosen tokens, written per pair like every other term
+    tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
+    groups = split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
+    view, refs = None, None
+    if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
+        view, refs = step_logps(s, groups)
+    offset = 0
+    for i, group in enumerate(groups):
+        batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
-        pol, _ = sequence_logps(s.model, batch, s.backend, mask)
-        ref = s.reference.logps(s.model, batch, s.backend, mask) if s.reference.strategy != "none" else None
-        x = LossInputs(pol[:b], pol[b:], ref[:b] if ref is not None else None, ref[b:] if ref is not None else None,
-                       batch.lengths[:b], batch.lengths[b:])
-        loss = 0.0
-        for name in cfg.loss_type.split(","):
-            loss = loss + LOSSES[name].fn(x, params).sum()
+        pol = completion_logps(s.model, batch, s.backend, mask, wpo=cfg.use_weighting)
+        ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
+        in_step = at(view, offset, b) if view is not None else None
+        x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
         # divide by the pairs of the whole step, not the micro-batch: accumulation is then exact
-        loss = loss / n_pairs
-        if cfg.rpo_alpha:
-            loss = loss + cfg.rpo_alpha * (-x.policy_chosen.sum()) / max(1, chosen_tokens)
+        loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
         loss.backward()
-        metrics.add(loss, cfg.beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
+        s.beta.observe(x)
+        metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
                     x.ref_rejected, sum(p.num_tokens for p in group))
+        offset += b
 
 
 def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
@@ -161,11 +198,15 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     if resume is not None:
         ckpt.load_weights(model, resume)
         ckpt.load_training_state(resume, optimizer, scheduler)
-        start = ckpt.load_progress(resume)["step"]
+        state = ckpt.load_progress(resume)
+        start = state["step"]
+        s.beta.load_state_dict(state.get("beta", {}))
+        if cfg.sync_ref_model:
+            ckpt.load_extra_module(resume, "reference", s.reference.model)
         ckpt.truncate_metrics(out / "metrics.jsonl", start)
         log.info("Resumed from %s at step %d.", resume, start)
     ckpt.warn_later_checkpoints(out, start)
-    ckpt.check_disk_space(out, model, cfg, s.total_steps - start)
+    ckpt.check_disk_space(out, model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
     save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
@@ -188,6 +229,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 orders = {epoch: step_order(len(s.pairs), cfg.pairs_per_step, cfg.seed, epoch)}
             step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
+            beta = s.beta.value()
             run_step(s, step_pairs, metrics)
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
@@ -195,17 +237,20 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            s.beta.step()
+            done = step + 1
+            if cfg.sync_ref_model and done % cfg.ref_model_sync_steps == 0:
+                s.reference.sync(model, cfg.ref_model_mixup_alpha)
 
             tokens = sum(p.num_tokens for p in step_pairs)
             rate.add(len(step_pairs), tokens)
             if peak:
                 flops += step_flops(lm_config, tokens, sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
-                                    sum(attended_pairs(p) for p in step_pairs), s.reference.strategy != "none")
-            done = step + 1
+                                    sum(attended_pairs(p) for p in step_pairs), s.reference.online)
             if done % cfg.logging_steps == 0 or done == s.total_steps:
                 t0 = rate.t0
                 record = {"step": done, "epoch": round(step / s.steps_per_epoch + 1 / s.steps_per_epoch, 4),
-                          **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr}
+                          **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr, "beta": float(beta)}
                 if peak:
                     record["mfu"] = flops / max(time.perf_counter() - t0, 1e-9) / peak
                     flops = 0.0
@@ -217,7 +262,9 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
             if (periodic or stop.requested) and done < s.total_steps:
-                saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, {"epoch": epoch}, cfg)
+                saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
+                                             {"epoch": epoch, "beta": s.beta.state_dict()}, cfg,
+                                             {"reference": s.reference.model} if cfg.sync_ref_model else None)
                 ckpt.rotate(out, cfg.save_total_limit, keep=saved)
                 if stop.requested:
                     stopped_at = saved
