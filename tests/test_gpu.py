@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import random_pairs
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from conftest import random_pairs
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.memory import compile_layers
 from fastdpo.model import Backend, prepare_packed, sequence_logps

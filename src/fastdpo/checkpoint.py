@@ -200,22 +200,21 @@ def complete_checkpoints(out_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def rotate(out_dir: Path, limit: int, keep: Path | None = None) -> None:
-    """Delete the oldest complete checkpoints beyond `limit` (0 keeps all); never the newest one, nor `keep`
-    (the one just written, which may not be the highest-numbered after resuming from an older checkpoint)."""
+def rotate(out_dir: Path, limit: int, best: str | Path | None = None, keep: Path | None = None) -> None:
+    """Delete the oldest complete checkpoints beyond `limit` (0 keeps all); never the newest, never `best`, never
+    `keep` (the one just written, which is not the highest-numbered after resuming from an older checkpoint). As in
+    HF, the best counts as one of the `limit` kept, so limit=1 keeps two when the best is not the newest."""
     if limit <= 0:
         return
     found = complete_checkpoints(out_dir)
-    protected = {found[-1]} if found else set()
-    if keep is not None:
-        protected.add(keep)
+    protected = {p.name for p in found[-1:]} | {Path(x).name for x in (best, keep) if x}
+    protected &= {p.name for p in found}
     excess = len(found) - max(limit, len(protected))
-    for p in [p for p in found if p not in protected][: max(0, excess)]:
+    for p in [p for p in found if p.name not in protected][: max(0, excess)]:
         try:
             _remove(p)
         except OSError as e:  # a checkpoint we could not delete costs disk space, not the run
             log.warning("--save_total_limit: could not delete %s (%s).", p, e.strerror or e)
-
 
 # ---------------------------------------------------------------- pre-flight
 

@@ -54,6 +54,27 @@ def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
     return 0
 
 
+def cmd_infer(args: argparse.Namespace, console) -> int:
+    from fastdpo.infer import InferConfig, run_infer
+
+    run_infer(build_config(args, InferConfig), console=console)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, console) -> int:
+    from fastdpo.evaluate import EvalConfig, run_eval
+
+    run_eval(build_config(args, EvalConfig), console=console)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, console) -> int:
+    from fastdpo.export import ExportConfig, merge_lora
+
+    merge_lora(build_config(args, ExportConfig), console=console)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, console) -> int:
     from fastdpo.demo import run_demo
 
@@ -94,11 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger.")
     b.add_argument("--json", help="Write the results and environment to this JSON file.")
     b.set_defaults(func=cmd_bench)
+    _after_training_commands(sub)
     d = sub.add_parser("demo", help="Train a built-in tiny model on CPU and show the result (no download).")
     d.add_argument("--output_dir", default="fastdpo-demo", help="Where the demo writes its model and plot.")
     d.add_argument("--quick", action="store_true", help="A shorter run (for tests).")
     d.set_defaults(func=cmd_demo)
     return p
+
+
+def _after_training_commands(sub) -> None:
+    from fastdpo.evaluate import EvalConfig
+    from fastdpo.export import ExportConfig
+    from fastdpo.infer import InferConfig
+
+    for name, cls, func, text in (
+        ("infer", InferConfig, cmd_infer, "Generate with a trained model (streamed; --compare: base vs tuned)."),
+        ("eval", EvalConfig, cmd_eval, "Evaluate on held-out pairs, with a reward function, and lm-eval tasks."),
+        ("export", ExportConfig, cmd_export, "Merge a LoRA adapter into its base model (--merge_lora)."),
+    ):
+        p = sub.add_parser(name, help=text, allow_abbrev=False)
+        add_config_flags(p, cls)
+        p.set_defaults(func=func)
 
 
 def main(argv: list[str] | None = None) -> int:

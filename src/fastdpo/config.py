@@ -19,7 +19,7 @@ import yaml
 from fastdpo.errors import FastDPOError
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
-ATTN_IMPLS = ("auto", "flex", "dense", "padded")
+ATTN_IMPLS = ("auto", "flex", "dense", "padded", "flash_attn", "flash_attention_2", "sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 CHECKPOINT_POLICIES = ("none", "full", "ffn", "attn")
 
@@ -96,6 +96,13 @@ class TrainConfig:
     sync_ref_model: bool = _f(False, "TR-DPO: every --ref_model_sync_steps, ref = alpha * policy + (1 - alpha) * ref.")
     ref_model_mixup_alpha: float = _f(0.6, "TR-DPO mix-up weight alpha of the policy.")
     ref_model_sync_steps: int = _f(512, "TR-DPO: optimizer steps between reference updates.")
+    # evaluation during training
+    val_dataset: list = _f([], "Held-out preference files (like --dataset) evaluated during training.", nargs="+")
+    split_dataset_ratio: float = _f(0.0, "Hold out this fraction of --dataset for evaluation (without --val_dataset).")
+    eval_steps: int = _f(0, "Evaluate every N optimizer updates (0: at every save and at the end) on the held-out pairs.")
+    metric_for_best_model: str = _f("loss", "Eval metric ranking checkpoints (loss, rewards/accuracies, ...); the best "
+                                    "checkpoint is never rotated away.")
+    greater_is_better: bool | None = _f(None, "Whether larger metric_for_best_model is better (default: no for losses).")
     # run
     output_dir: str = _f("output", "Where checkpoints, metrics and the final model go.")
     seed: int = _f(42, "Seed for data order, init and dropout.")
@@ -136,6 +143,7 @@ class TrainConfig:
             raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
         self._validate_loss()
         self._validate_reference()
+        self._validate_eval()
 
     def _validate_loss(self) -> None:
         from fastdpo.losses import F_DIVERGENCES, LOSSES
@@ -214,6 +222,23 @@ class TrainConfig:
 
         return any(LOSSES[name].needs_reference for name, _ in self.loss_terms())
 
+    def _validate_eval(self) -> None:
+        from fastdpo.evaluate import check_metric_name
+
+        if not 0 <= self.split_dataset_ratio < 1:
+            raise FastDPOError(f"--split_dataset_ratio must be in [0, 1), got {self.split_dataset_ratio}.")
+        if self.val_dataset and self.split_dataset_ratio > 0:
+            raise FastDPOError("Give --val_dataset or --split_dataset_ratio, not both.")
+        if self.eval_steps < 0:
+            raise FastDPOError(f"--eval_steps must be >= 0, got {self.eval_steps}.")
+        has_val = bool(self.val_dataset) or self.split_dataset_ratio > 0
+        if self.eval_steps > 0 and not has_val:
+            raise FastDPOError("--eval_steps needs held-out pairs: add --val_dataset FILE or --split_dataset_ratio R.")
+        if has_val and self.eval_steps > 0 and self.save_steps > 0 and self.save_steps % self.eval_steps:
+            raise FastDPOError(f"--save_steps {self.save_steps} must be a multiple of --eval_steps {self.eval_steps}, so "
+                               "every checkpoint has an evaluation to rank it by.")
+        check_metric_name(self.metric_for_best_model)
+
     @property
     def pairs_per_step(self) -> int:
         """Pairs per optimizer step on one rank (world size multiplies it)."""
@@ -274,6 +299,7 @@ def _parse_dict(text: str) -> dict:
 
 def _flag_type(f: dataclasses.Field) -> Any:
     t = f.type if isinstance(f.type, str) else f.type.__name__
+    t = t.replace(" | None", "")
     return {"bool": _parse_bool, "int": int, "float": float, "dict": _parse_dict, "list": str}.get(t, str)
 
 
@@ -319,8 +345,9 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
             values[name] = getattr(args, name)
     if "gradient_checkpointing" in values:
         values["gradient_checkpointing"] = str(values["gradient_checkpointing"]).lower()
-    if isinstance(values.get("dataset"), str):
-        values["dataset"] = [values["dataset"]]
+    for name in ("dataset", "val_dataset"):
+        if isinstance(values.get(name), str):
+            values[name] = [values[name]]
     return cls(**values)
 
 
@@ -343,6 +370,9 @@ def load_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise FastDPOError(f"{path}: unknown key {key!r}.{hint}")
         typ = _flag_type(fields[key])
+        if value is None and fields[key].default is None:  # an optional flag left unset (e.g. greater_is_better)
+            out[key] = None
+            continue
         try:
             if typ is _parse_bool and not isinstance(value, bool):
                 value = _parse_bool(value)

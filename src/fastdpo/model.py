@@ -166,9 +166,21 @@ class Backend:
     window: int | None = None
 
 
+# Names users bring from ms-swift / transformers scripts, and why the packed backend serves them instead.
+_VARLEN = ("Variable-length kernels (flash-attn) cannot express the prefix-shared rule, where rejected tokens see the "
+           "prompt but not chosen; FlexAttention runs that rule directly, with the prompt computed once.")
+FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
+                "sdpa": "The packed layout needs its own mask; SDPA is what the dense and padded paths use.",
+                "eager": "The packed layout needs its own mask; the padded path uses the model's own attention."}
+
+
 def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device) -> Backend:
     """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
     cfg = base_causal_lm(model).config
+    if attn_impl in FOREIGN_ATTN:
+        log.info("--attn_impl %s: using the %s backend. %s", attn_impl, "flex" if device.type == "cuda" else "dense",
+                 FOREIGN_ATTN[attn_impl])
+        attn_impl = "auto"
     if not padding_free or attn_impl == "padded":
         return Backend("padded")
     ok, window, reason = sliding_window(cfg)
@@ -237,6 +249,11 @@ def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch
         input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
     ).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+
+
+def use_model_attention(model) -> None:
+    """Give the model back its own (SDPA) attention, e.g. before `generate`, after packed forwards."""
+    _set_attn(model, "sdpa")
 
 
 def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import split_micro_batches, step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
 from fastdpo.errors import FastDPOError
+from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
@@ -60,6 +61,8 @@ class Setup:
     steps_per_epoch: int
     loss_terms: list[tuple[str, float]]  # (loss name, weight)
     beta: BetaSchedule
+    val_pairs: list[TokenizedPair] = field(default_factory=list)  # held-out pairs for evaluation during training
+    val_reference: Reference | None = None  # their precomputed reference (None: the training reference)
 
 
 def seed_all(seed: int) -> None:
@@ -82,12 +85,19 @@ def pad_id(tokenizer) -> int:
 
 
 def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair]]:
-    rows = load_rows(cfg.dataset, cfg.seed)
+    """The training rows and pairs (held-out rows excluded)."""
+    return load_splits(cfg, tokenizer)[:2]
+
+
+def load_splits(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
+    """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio)."""
+    rows, val_rows = held_out_rows(cfg, load_rows(cfg.dataset, cfg.seed))
     pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
     if stats.dropped_prompt_too_long or stats.truncated:
         log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
                     stats.dropped_prompt_too_long, stats.truncated)
-    return rows, pairs
+    val_pairs = tokenize_rows(tokenizer, val_rows, cfg.max_length)[0] if val_rows else []
+    return rows, pairs, val_rows, val_pairs
 
 
 def build_setup(cfg: TrainConfig) -> Setup:
@@ -99,10 +109,13 @@ def build_setup(cfg: TrainConfig) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows, pairs = load_data(cfg, tokenizer)
+    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer)
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
-    return assemble(cfg, device, model, tokenizer, pairs, rows=rows)
+    val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
+    s = assemble(cfg, device, model, tokenizer, pairs, rows=rows)
+    s.val_pairs, s.val_reference = val_pairs, val_reference
+    return s
 
 
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
@@ -207,6 +220,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
         log.info("Resumed from %s at step %d.", resume, start)
     ckpt.warn_later_checkpoints(out, start)
     ckpt.check_disk_space(out, model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
+    evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
+                             s.val_reference)
     save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
@@ -258,14 +273,17 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 record["memory/peak_gib"] = round(peak_memory_gib(device), 3)
                 sink.log(record)
                 last = record
+            if evaluator.due(done, s.total_steps):
+                sink.log(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
             if (periodic or stop.requested) and done < s.total_steps:
+                evaluator.best.saved(done, out / f"checkpoint-{done}")
                 saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
-                                             {"epoch": epoch, "beta": s.beta.state_dict()}, cfg,
+                                             {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress()}, cfg,
                                              {"reference": s.reference.model} if cfg.sync_ref_model else None)
-                ckpt.rotate(out, cfg.save_total_limit, keep=saved)
+                ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint, keep=saved)
                 if stop.requested:
                     stopped_at = saved
                     break
@@ -279,10 +297,11 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
         log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
                     stop.name, done, stopped_at)
         return {"final_dir": None, "stopped": stop.name, "exit_code": stop.exit_code(), "checkpoint": str(stopped_at),
-                "last": last, **summary}
+                "last": last, **summary, **evaluator.summary()}
     with stop:  # a signal now lets the final write finish
         final = ckpt.save_final(out, model, s.tokenizer)
-    return {"final_dir": str(final), "last": last, **summary}
+    evaluator.best.saved(s.total_steps, final)
+    return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
 
 
 def _progress_bar(console, total: int, start: int):
