@@ -54,7 +54,8 @@ class TrainConfig:
     max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: pack per_device_train_batch_size pairs).")
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
     attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
-    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K (true = full).")
+    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true = full).")
+    max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing auto` / `fastdpo tune` (0: 90% of the GPU).")
     torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")
     # schedule
     max_steps: int = _f(-1, "Optimizer steps to run (overrides num_train_epochs when > 0).")
@@ -123,7 +124,8 @@ class TrainConfig:
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
-        checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
+        if self.gradient_checkpointing != "auto":
+            checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")

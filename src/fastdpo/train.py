@@ -110,6 +110,11 @@ def build_setup(cfg: TrainConfig) -> Setup:
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer)
+    if cfg.gradient_checkpointing == "auto":
+        from fastdpo.tune import auto_policy
+
+        dict_rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in rows]
+        cfg.gradient_checkpointing = auto_policy(cfg, dict_rows, device)
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
