@@ -38,7 +38,8 @@ class TrainConfig:
     model_type: str = _f("", "Expected model_type (e.g. qwen3, llama); checked against the model's config.")
     torch_dtype: str = _f("auto", "Parameter dtype: float32|bfloat16|float16|auto (bf16 on GPU, fp32 on CPU).")
     trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
-    train_type: str = _f("full", "full|lora.")
+    train_type: str = _f("full", "full|lora|qlora (qlora: LoRA on a 4-bit nf4 base; CUDA + bitsandbytes).")
+    quant_bits: int = _f(4, "Bits of the quantised base for --train_type qlora (4: nf4 with double quantisation; 8).")
     lora_rank: int = _f(8, "LoRA rank.")
     lora_alpha: int = _f(32, "LoRA alpha.")
     lora_dropout: float = _f(0.05, "LoRA dropout.")
@@ -120,7 +121,9 @@ class TrainConfig:
             raise FastDPOError("--model is required: a local HF model dir or a hub id.")
         if not self.dataset:
             raise FastDPOError("--dataset is required: one or more JSONL/JSON files with prompt/chosen/rejected.")
-        _choice("train_type", self.train_type, ("full", "lora"))
+        _choice("train_type", self.train_type, ("full", "lora", "qlora"))
+        if self.train_type == "qlora" and self.quant_bits not in (4, 8):
+            raise FastDPOError(f"--quant_bits must be 4 or 8 for --train_type qlora, got {self.quant_bits}.")
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
@@ -141,7 +144,7 @@ class TrainConfig:
             raise FastDPOError(f"--learning_rate must be >= 0, got {self.learning_rate}.")
         if self.max_tokens_per_batch and self.max_tokens_per_batch < 16:
             raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
-        if self.train_type == "lora" and self.lora_rank < 1:
+        if self.uses_lora and self.lora_rank < 1:
             raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
         self._validate_loss()
         self._validate_reference()
@@ -180,14 +183,14 @@ class TrainConfig:
     def _validate_reference(self) -> None:
         if self.precompute_ref_batch_size < 0:
             raise FastDPOError(f"--precompute_ref_batch_size must be >= 0, got {self.precompute_ref_batch_size}.")
-        if self.adapters and self.train_type != "lora":
+        if self.adapters and not self.uses_lora:
             raise FastDPOError("--adapters starts a LoRA adapter from a saved one: it needs --train_type lora.")
         if self.ref_adapters and self.ref_model:
             raise FastDPOError("Give either --ref_model or --ref_adapters (applied to --model), not both.")
         if self.sync_ref_model:
             if not self.needs_reference():
                 raise FastDPOError("--sync_ref_model has no reference to update: the loss is reference-free.")
-            if self.train_type == "lora":
+            if self.uses_lora:
                 raise FastDPOError("--sync_ref_model (TR-DPO) needs full fine-tuning: a LoRA reference is the "
                                    "base model itself. Use --train_type full.")
             if self.precompute_ref_log_probs:
@@ -240,6 +243,11 @@ class TrainConfig:
             raise FastDPOError(f"--save_steps {self.save_steps} must be a multiple of --eval_steps {self.eval_steps}, so "
                                "every checkpoint has an evaluation to rank it by.")
         check_metric_name(self.metric_for_best_model)
+
+    @property
+    def uses_lora(self) -> bool:
+        """LoRA adapters are trained (on a full-precision or a quantised base)."""
+        return self.train_type in ("lora", "qlora")
 
     @property
     def pairs_per_step(self) -> int:

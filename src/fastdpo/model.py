@@ -62,10 +62,29 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
+def quantization_config(bits: int, device: torch.device, dtype: torch.dtype):
+    """bitsandbytes settings for a QLoRA base: nf4 with double quantisation (4 bits), or LLM.int8 (8 bits)."""
+    if device.type != "cuda":
+        raise FastDPOError("--train_type qlora needs a CUDA GPU (bitsandbytes kernels). On CPU use --train_type lora.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise FastDPOError("--train_type qlora needs bitsandbytes: pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    if bits == 4:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               model_type: str = ""):
-    """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention."""
+               model_type: str = "", quant_bits: int = 0):
+    """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
+    `quant_bits` 4 or 8 loads a quantised base for QLoRA."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    quant = quantization_config(quant_bits, device, dtype) if quant_bits else None
 
     if _is_local(path):
         p = Path(path).expanduser()
@@ -82,8 +101,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             "Drop --model_type or point --model at the right model."
         )
     try:
+        extra = {"quantization_config": quant, "device_map": {"": device}} if quant else {}
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **extra
         )
     except (OSError, ValueError) as e:
         raise FastDPOError(f"Cannot load model weights from {path}: {str(e).splitlines()[0]}") from None
@@ -92,7 +112,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             f"{path}: the PyTorch weight file holds objects other than tensors and was not loaded (it could run code). "
             "Use a model saved as safetensors."
         ) from None
-    return model.to(device)
+    return model if quant else model.to(device)
 
 
 def check_adapter_dir(path: str, flag: str) -> Path:

@@ -116,7 +116,8 @@ def build_setup(cfg: TrainConfig) -> Setup:
         dict_rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in rows]
         cfg.gradient_checkpointing = auto_policy(cfg, dict_rows, device)
 
-    model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
+    model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
+                       cfg.quant_bits if cfg.train_type == "qlora" else 0)
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
     s = assemble(cfg, device, model, tokenizer, pairs, rows=rows)
     s.val_pairs, s.val_reference = val_pairs, val_reference
@@ -130,7 +131,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model)
-    if cfg.train_type == "lora":
+    if cfg.uses_lora:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
         if reference.strategy == "ref_adapter":
             load_ref_adapter(model, cfg.ref_adapters)
