@@ -43,6 +43,10 @@ def cmd_train(args: argparse.Namespace, console) -> int:
         result = train(cfg, console=console, progress=not cfg.disable_progress)
     except torch.OutOfMemoryError as e:  # while loading (the loop explains its own)
         raise oom_error(e, cfg, torch.device("cuda") if torch.cuda.is_available() else None) from None
+    if result.get("stopped"):
+        console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; continue with "
+                      "--resume_from_checkpoint latest", highlight=False)
+        return result["exit_code"]
     console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
     return 0
 

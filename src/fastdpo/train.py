@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,12 +38,12 @@ from fastdpo.model import (
     prepare_packed,
     resolve_device,
     resolve_dtype,
-    save_model,
 )
 from fastdpo.monitor import Monitor
 from fastdpo.optim import build_optimizer, build_scheduler
 from fastdpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.seqlogps import completion_logps
+from fastdpo.signals import GracefulStop
 
 log = logging.getLogger("fastdpo")
 
@@ -215,6 +214,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     scheduler = build_scheduler(optimizer, cfg, s.total_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
     start = 0
+    ckpt.clean_partial(out)  # leftovers of a write or delete a kill interrupted
     resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
         ckpt.load_weights(model, resume)
@@ -224,7 +224,10 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
         s.beta.load_state_dict(state.get("beta", {}))
         if cfg.sync_ref_model:
             ckpt.load_extra_module(resume, "reference", s.reference.model)
+        ckpt.truncate_metrics(out / "metrics.jsonl", start)
         log.info("Resumed from %s at step %d.", resume, start)
+    ckpt.warn_later_checkpoints(out, start)
+    ckpt.check_disk_space(out, model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
                              s.val_reference)
     save_config(cfg, out / "config.yaml")
@@ -241,6 +244,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     orders: dict[int, list[list[int]]] = {}
     last: dict = {}
     step_pairs: list[TokenizedPair] = []
+    stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
+    stopped_at: Path | None = None
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
@@ -283,28 +288,31 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 monitor.write(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
-            if cfg.save_steps > 0 and done % cfg.save_steps == 0 and done < s.total_steps:
+            periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
+            if (periodic or stop.requested) and done < s.total_steps:
                 evaluator.best.saved(done, out / f"checkpoint-{done}")
-                ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
-                                     {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress()}, cfg,
-                                     {"reference": s.reference.model} if cfg.sync_ref_model else None)
-                ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint)
+                saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
+                                             {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress()}, cfg,
+                                             {"reference": s.reference.model} if cfg.sync_ref_model else None)
+                ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint, keep=saved)
+                if stop.requested:
+                    stopped_at = saved
+                    break
     except torch.OutOfMemoryError as e:
         raise oom_error(e, cfg, device, step_pairs) from None
     finally:
+        stop.restore()
         if bar is not None:
             bar[0].stop()
         monitor.close()
 
-    final = out / "final"
-    tmp = out / ".final.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_model(model, s.tokenizer, tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    if stopped_at is not None:
+        log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
+                    stop.name, done, stopped_at)
+        return {"final_dir": None, "stopped": stop.name, "exit_code": stop.exit_code(), "checkpoint": str(stopped_at),
+                "last": last, **summary, **evaluator.summary()}
+    with stop:  # a signal now lets the final write finish
+        final = ckpt.save_final(out, model, s.tokenizer)
     evaluator.best.saved(s.total_steps, final)
     if cfg.plot:
         from fastdpo.plot import write_dashboard
