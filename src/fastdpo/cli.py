@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from fastdpo.config import TrainConfig, _Parser, add_config_flags, build_config
+from fastdpo.config import TrainConfig, _parse_bool, _Parser, add_config_flags, build_config
 from fastdpo.errors import FastDPOError
 
 
@@ -33,11 +33,51 @@ def _setup_logging(console) -> None:
 
 
 def cmd_train(args: argparse.Namespace, console) -> int:
+    import torch
+
+    from fastdpo.diagnostics import oom_error
     from fastdpo.train import train
 
     cfg = build_config(args, TrainConfig)
-    result = train(cfg, console=console, progress=not cfg.disable_progress)
+    try:
+        result = train(cfg, console=console, progress=not cfg.disable_progress)
+    except torch.OutOfMemoryError as e:  # while loading (the loop explains its own)
+        raise oom_error(e, cfg, torch.device("cuda") if torch.cuda.is_available() else None) from None
+    if result.get("stopped"):
+        console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; continue with "
+                      "--resume_from_checkpoint latest", highlight=False)
+        return result["exit_code"]
     console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
+    return 0
+
+
+def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
+    from fastdpo.precompute import precompute_ref
+
+    result = precompute_ref(build_config(args, TrainConfig))
+    how = "reused" if result["reused"] else "computed"
+    console.print(f"[bold green]done[/]: reference log-probs of {result['pairs']} pairs {how}: {result['path']}")
+    return 0
+
+
+def cmd_infer(args: argparse.Namespace, console) -> int:
+    from fastdpo.infer import InferConfig, run_infer
+
+    run_infer(build_config(args, InferConfig), console=console)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, console) -> int:
+    from fastdpo.evaluate import EvalConfig, run_eval
+
+    run_eval(build_config(args, EvalConfig), console=console)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, console) -> int:
+    from fastdpo.export import ExportConfig, merge_lora
+
+    merge_lora(build_config(args, ExportConfig), console=console)
     return 0
 
 
@@ -45,6 +85,77 @@ def cmd_demo(args: argparse.Namespace, console) -> int:
     from fastdpo.demo import run_demo
 
     run_demo(args.output_dir, console=console, quick=args.quick)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, console) -> int:
+    from fastdpo.plot import write_dashboard
+
+    console.print(f"dashboard: {write_dashboard(args.output_dir, args.out)}", highlight=False)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, console) -> int:
+    import json
+
+    from fastdpo.verify import print_results, results_json, run_verify
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    results = run_verify(args.model, args.dataset, args.pairs, args.max_length, args.device, args.torch_dtype,
+                         args.tolerance, policies, args.compile, args.seed, args.trust_remote_code)
+    print_results(results, console, cuda=results[0].peak_mib is not None)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results_json(results), f, indent=1)
+    return 0 if all(r.passed for r in results) else 1
+
+
+def cmd_env(args: argparse.Namespace, console) -> int:
+    import json
+
+    from fastdpo.envinfo import collect, print_env
+
+    info = collect()
+    if args.json:
+        console.print_json(json.dumps(info))
+    else:
+        print_env(info, console)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, console) -> int:
+    from fastdpo.bench import run_bench
+
+    cfg = build_config(args, TrainConfig)
+    if args.shape:
+        cfg.model = cfg.model or f"<random-init {args.shape}>"
+    cfg.dataset = cfg.dataset or ["<anchor workload>"]
+    cfg.validate()
+    run_bench(cfg, args.shape, args.steps, args.warmup, args.compare, getattr(args, "dataset", None) or [], args.json, console)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace, console) -> int:
+    from fastdpo.bench import anchor_pairs
+    from fastdpo.data.load import load_rows
+    from fastdpo.tune import run_tune
+
+    cfg = build_config(args, TrainConfig)
+    if args.shape:
+        cfg.model = cfg.model or f"<random-init {args.shape}>"
+    if not cfg.dataset and not args.shape:
+        raise FastDPOError("fastdpo tune needs --dataset (your data) or --shape (the anchor workload).")
+    n = cfg.pairs_per_step * (args.steps + args.warmup)
+    if cfg.dataset:
+        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in load_rows(cfg.dataset, cfg.seed)]
+        rows = (rows * (n // len(rows) + 1))[:n]
+    else:
+        rows = anchor_pairs(n)
+        cfg.dataset = ["<anchor workload>"]
+    cfg.gradient_checkpointing = "none"
+    cfg.validate()
+    run_tune(cfg, rows, args.policies, args.budgets, args.steps, args.warmup, cfg.max_memory_gib, args.json, console,
+             args.shape)
     return 0
 
 
@@ -56,11 +167,73 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="Train with DPO.", allow_abbrev=False)
     add_config_flags(t, TrainConfig)
     t.set_defaults(func=cmd_train)
+    r = sub.add_parser("precompute-ref", help="Cache reference log-probs ahead of training (same flags as train).",
+                       allow_abbrev=False)
+    add_config_flags(r, TrainConfig)
+    r.set_defaults(func=cmd_precompute_ref)
+    b = sub.add_parser("bench", help="Measure pairs/s, MFU and peak memory (optionally next to TRL).",
+                       allow_abbrev=False)
+    add_config_flags(b, TrainConfig)
+    b.add_argument("--shape", help="Random-init shape: qwen3-0.6b, qwen3-1.7b, qwen3-8b, llama3-8b.")
+    b.add_argument("--steps", type=int, default=20, help="Measured optimizer steps.")
+    b.add_argument("--warmup", type=int, default=5, help="Warm-up steps (compilation, allocator).")
+    b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger.")
+    b.add_argument("--json", help="Write the results and environment to this JSON file.")
+    b.set_defaults(func=cmd_bench)
+    _after_training_commands(sub)
+    tn = sub.add_parser("tune", help="Measure checkpointing policies x token budgets; pick the fastest that fits.",
+                        allow_abbrev=False)
+    add_config_flags(tn, TrainConfig)
+    tn.add_argument("--shape", help="Random-init shape instead of --model (anchor workload).")
+    tn.add_argument("--policies", nargs="+", default=["none", "ffn", "attn", "full"], help="Policies to try.")
+    tn.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096, 8192], help="Token budgets to try.")
+    tn.add_argument("--steps", type=int, default=3, help="Measured steps per candidate.")
+    tn.add_argument("--warmup", type=int, default=1, help="Warm-up steps per candidate.")
+    tn.add_argument("--json", help="Write the table and the choice to this JSON file.")
+    tn.set_defaults(func=cmd_tune)
     d = sub.add_parser("demo", help="Train a built-in tiny model on CPU and show the result (no download).")
     d.add_argument("--output_dir", default="fastdpo-demo", help="Where the demo writes its model and plot.")
     d.add_argument("--quick", action="store_true", help="A shorter run (for tests).")
     d.set_defaults(func=cmd_demo)
+    pl = sub.add_parser("plot", help="Draw a run's dashboard (loss, rewards, KL, grad norm, lr, speed, memory) as PNG.")
+    pl.add_argument("output_dir", help="The --output_dir of a training run (holds metrics.jsonl).")
+    pl.add_argument("--out", default=None, help="PNG path (default: OUTPUT_DIR/metrics.png).")
+    pl.set_defaults(func=cmd_plot)
+    v = sub.add_parser("verify", help="Check that every fast path and checkpointing policy gives the plain gradients.",
+                       allow_abbrev=False)
+    v.add_argument("--model", required=True, help="Local HF model dir or hub id.")
+    v.add_argument("--dataset", required=True, nargs="+", help="JSONL/JSON files with prompt/chosen/rejected.")
+    v.add_argument("--pairs", type=int, default=8, help="Pairs in the verified batch (the first N rows).")
+    v.add_argument("--max_length", type=int, default=512, help="Max tokens per sequence.")
+    v.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N.")
+    v.add_argument("--torch_dtype", default="float32", help="float32 (default, exact comparison)|bfloat16|float16.")
+    v.add_argument("--tolerance", type=float, default=None, help="Max relative difference (default by dtype).")
+    v.add_argument("--policies", default="full,ffn,attn,every:2", help="Checkpointing policies to verify.")
+    v.add_argument("--compile", type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                   help="Also verify compiled decoder layers, as --torch_compile trains (default: on CUDA only).")
+    v.add_argument("--seed", type=int, default=42, help="Seed for `path#N` sampling.")
+    v.add_argument("--trust_remote_code", action="store_true", help="Allow model code from the model dir / hub.")
+    v.add_argument("--json", default=None, help="Also write the results to this JSON file.")
+    v.set_defaults(func=cmd_verify)
+    e = sub.add_parser("env", help="Versions, GPUs and the NCCL variables that matter, with advice.")
+    e.add_argument("--json", action="store_true", help="Print JSON.")
+    e.set_defaults(func=cmd_env)
     return p
+
+
+def _after_training_commands(sub) -> None:
+    from fastdpo.evaluate import EvalConfig
+    from fastdpo.export import ExportConfig
+    from fastdpo.infer import InferConfig
+
+    for name, cls, func, text in (
+        ("infer", InferConfig, cmd_infer, "Generate with a trained model (streamed; --compare: base vs tuned)."),
+        ("eval", EvalConfig, cmd_eval, "Evaluate on held-out pairs, with a reward function, and lm-eval tasks."),
+        ("export", ExportConfig, cmd_export, "Merge a LoRA adapter into its base model (--merge_lora)."),
+    ):
+        p = sub.add_parser(name, help=text, allow_abbrev=False)
+        add_config_flags(p, cls)
+        p.set_defaults(func=func)
 
 
 def main(argv: list[str] | None = None) -> int:
