@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from fastdpo.demo import char_tokenizer, generate_answers, prompt_text, question, verify
+from fastdpo.demo import char_tokenizer, generate_answers, prompt_text, question, tens_carry, verify
 from fastdpo.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,12 +89,6 @@ def sft_batch(tok, qs: list[str], answers: list[str]) -> tuple[torch.Tensor, tor
     return ids, mask, labels
 
 
-def tens_carry(q: str) -> bool:
-    """Does adding `q` carry from the tens column into the hundreds column?"""
-    a, b = (int(x) for x in q.split("+"))
-    return (a % 100) + (b % 100) >= 100
-
-
 def teacher_answer(q: str, rng: random.Random, sloppy: float) -> str:
     """The demonstration: the correct sum, except that with probability `sloppy` the teacher forgets the carry from
     the tens into the hundreds (a common human slip), writing the sum minus 100."""
@@ -127,7 +121,7 @@ def train_sft(model, tok, rng: random.Random, exclude: set[str], val: list[str],
 
 def split_accuracy(model, tok, qs: list[str]) -> dict:
     """Greedy accuracy overall and on problems with / without a carry from the tens into the hundreds."""
-    got = generate_answers(model, tok, [prompt_text(q) for q in qs])
+    got = generate_answers(model, tok, qs)
     ok = [verify(q, a) for q, a in zip(qs, got)]
     carry = [tens_carry(q) for q in qs]
 
@@ -140,16 +134,13 @@ def split_accuracy(model, tok, qs: list[str]) -> dict:
 
 def preference_rows(model, tok, qs: list[str], rng: random.Random, samples: int) -> tuple[list[dict], dict]:
     """chosen = the correct sum; rejected = the model's own wrong answer (greedy, else sampled, else a slip by hand)."""
-    prompts = [prompt_text(q) for q in qs]
-    wrong: list[str | None] = [a if not verify(q, a) else None for q, a in zip(qs, generate_answers(model, tok, prompts))]
+    wrong: list[str | None] = [a if not verify(q, a) else None for q, a in zip(qs, generate_answers(model, tok, qs))]
     counts = {"greedy": sum(w is not None for w in wrong), "sampled": 0, "by_hand": 0}
-    for _ in range(samples):
+    for round_ in range(samples):
         todo = [i for i, w in enumerate(wrong) if w is None]
-        if not todo:
-            break
-        got = generate_answers(model, tok, [prompts[i] for i in todo], sample=True)
+        got = generate_answers(model, tok, [qs[i] for i in todo], temperature=1.0, seed=round_)
         for i, a in zip(todo, got):
-            if not verify(qs[i], a) and a.isdigit():
+            if a.isdigit() and not verify(qs[i], a):
                 wrong[i] = a
                 counts["sampled"] += 1
     rows = []
@@ -200,7 +191,6 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     val_acc = train_sft(model, tok, rng, never_sft, val, args)
 
-    torch.manual_seed(args.seed + 1)
     pairs, counts = preference_rows(model, tok, dpo_qs, rng, args.samples)
     heldout_acc = split_accuracy(model, tok, heldout)
 

@@ -26,8 +26,7 @@ def test_pairs_and_heldout_are_verified_and_disjoint():
     pairs, heldout = rows("pairs.jsonl"), rows("heldout.jsonl")
     assert len(pairs) >= 1000 and len(heldout) >= demo.HELDOUT
     for r in pairs:
-        q = r["prompt"][len("<|user|>") : -len("<|assistant|>")]
-        assert r["prompt"] == demo.prompt_text(q)
+        q = demo.question_of(r["prompt"])
         assert demo.verify(q, r["chosen"]) and not demo.verify(q, r["rejected"])
     for r in heldout:
         assert demo.verify(r["question"], r["answer"]) and r["prompt"] == demo.prompt_text(r["question"])
@@ -41,7 +40,7 @@ def test_tokenizer_and_chat_template():
     text = tok.apply_chat_template([{"role": "user", "content": "347+589"}], add_generation_prompt=True, tokenize=False)
     assert text == demo.prompt_text("347+589")
     ids = tok(text + "936" + tok.eos_token)["input_ids"]
-    assert tok.convert_ids_to_tokens(ids)[-5:] == ["<|assistant|>", "9", "3", "6", "<eos>"]
+    assert tok.convert_ids_to_tokens(ids) == ["<bos>", "<|user|>", *"347+589", "<|assistant|>", *"936", "<eos>"]
     assert tok.decode(ids, skip_special_tokens=True) == "347+589936"
 
 
@@ -55,17 +54,12 @@ def test_quick_demo_gains_accuracy(tmp_path, capsys):
     assert main(["demo", "--quick", "--output_dir", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "demo_result.json").read_text())
-    assert result["tuned_accuracy"] - result["base_accuracy"] >= 0.15, result
+    assert result["tuned_accuracy"] - result["base_accuracy"] >= 0.25, {k: v for k, v in result.items() if k != "answers"}
     assert f"{100 * result['tuned_accuracy']:.1f}%" in printed and "held-out accuracy" in printed
     assert (out / "final" / "model.safetensors").is_file() and (out / "metrics.jsonl").is_file()
     # the side-by-side table shows answers DPO fixed
     assert any(a["base"] != a["answer"] and a["dpo"] == a["answer"] for a in result["answers"])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib is not installed" in printed
-    else:
-        assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow

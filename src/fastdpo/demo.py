@@ -1,9 +1,10 @@
-"""`fastdpo demo`: DPO on a tiny built-in model, on CPU, with a measured gain (no download).
+"""`fastdpo demo`: DPO gives a tiny built-in model a large, measured gain, on CPU, in about a minute (no download).
 
-The task (see scripts/build_demo_model.py): add two 3-digit numbers. The bundled base model was trained with SFT until
-it is right often but not reliably; DPO on pairs (chosen = the correct sum, rejected = one of the base model's own
-wrong answers) is trained through the ordinary `fastdpo.train.train` path, then held-out accuracy of greedy answers,
-checked by the verifier, is compared before and after.
+The bundled files (src/fastdpo/assets/demo/, made by scripts/build_demo_model.py) are a 0.6M-parameter Qwen3-style
+model that adds 3-digit numbers, a preference set and held-out prompts. The model learned from a sloppy teacher who
+often forgets the carry from the tens into the hundreds, so it answers greedily right only about half the time. The demo
+measures held-out accuracy (greedy answers through the chat template, checked by `verify`), trains with DPO through the
+ordinary `fastdpo.train.train` path on pairs whose rejected answers are the model's own mistakes, and measures again.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ from fastdpo.errors import FastDPOError
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "demo"
 
-# The DPO run: plain `fastdpo train` settings (printed as a command line by the demo).
-TRAIN_SETTINGS = dict(learning_rate=1e-5, beta=0.1, max_steps=150, per_device_train_batch_size=32,
-                      lr_scheduler_type="cosine", warmup_ratio=0.1, logging_steps=10, seed=0)
-QUICK_SETTINGS = dict(max_steps=40, logging_steps=5)
+# The DPO run: ordinary `fastdpo train` settings; the demo prints them as a command line.
+TRAIN_SETTINGS = dict(learning_rate=1e-4, beta=0.1, max_steps=60, per_device_train_batch_size=32,
+                      lr_scheduler_type="cosine", warmup_ratio=0.1, logging_steps=5, seed=0, plot=True)
+QUICK_SETTINGS = dict(max_steps=30)  # for tests
 HELDOUT = 500
 QUICK_HELDOUT = 200
 
 SPECIAL_TOKENS = ["<unk>", "<pad>", "<eos>", "<bos>", "<|user|>", "<|assistant|>"]
 CHARS = list("0123456789+")
 CHAT_TEMPLATE = (
-    "{% for m in messages %}"
+    "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -41,7 +42,19 @@ def question(a: int, b: int) -> str:
 
 def prompt_text(q: str) -> str:
     """The chat-templated prompt (what the tokenizer's chat template renders with add_generation_prompt)."""
-    return f"<|user|>{q}<|assistant|>"
+    return f"<bos><|user|>{q}<|assistant|>"
+
+
+def question_of(prompt: str) -> str:
+    """The question inside a chat-templated prompt."""
+    assert prompt.startswith("<bos><|user|>") and prompt.endswith("<|assistant|>"), prompt
+    return prompt[len("<bos><|user|>") : -len("<|assistant|>")]
+
+
+def tens_carry(q: str) -> bool:
+    """Does the sum carry from the tens column into the hundreds (the sloppy teacher's blind spot)?"""
+    a, b = (int(x) for x in q.split("+"))
+    return (a % 100) + (b % 100) >= 100
 
 
 def verify(q: str, answer: str) -> bool:
@@ -51,16 +64,15 @@ def verify(q: str, answer: str) -> bool:
 
 
 def char_tokenizer():
-    """A character-level tokenizer over digits and '+', with chat specials, <bos> prepended and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, processors
+    """A character-level tokenizer over digits and '+' with chat specials and a chat template. Like Llama 3, <bos>
+    comes from the chat template (rendered prompts start with it), not from tokenizing."""
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per character
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                       special_tokens=[("<bos>", vocab["<bos>"])])
     out = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
                                   bos_token="<bos>", additional_special_tokens=SPECIAL_TOKENS[4:],
                                   padding_side="left")
@@ -68,20 +80,12 @@ def char_tokenizer():
     return out
 
 
-@torch.no_grad()
-def generate_answers(model, tokenizer, prompts: list[str], batch_size: int = 256, max_new_tokens: int = 6,
-                     sample: bool = False) -> list[str]:
-    """Answers to chat-templated `prompts` by batched `model.generate`: greedy (temperature 0), or sampled at
-    temperature 1 (seed torch's generator first for reproducible samples)."""
-    model.eval()
-    out: list[str] = []
-    for i in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True)
-        kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id, **kw)
-        out += tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return out
+def generate_answers(model, tokenizer, questions: list[str], temperature: float = 0.0, seed: int = 0) -> list[str]:
+    """Answers to `questions` through the chat template: greedy at temperature 0, else sampled (seeded)."""
+    from fastdpo.infer import GenerationArgs, generate_texts
+
+    gen = GenerationArgs(max_new_tokens=6, temperature=temperature, max_batch_size=256, seed=seed)
+    return generate_texts(model, tokenizer, questions, gen)
 
 
 def load_heldout(n: int, assets: Path = ASSETS) -> list[dict]:
@@ -100,45 +104,20 @@ def check_assets(assets: Path = ASSETS) -> None:
         )
 
 
-def greedy_eval(model_dir: str | Path, heldout: list[dict]) -> tuple[float, list[str]]:
-    """Held-out accuracy of greedy answers checked by the verifier, and the answers."""
+def greedy_eval(model_dir: str | Path, heldout: list[dict]) -> list[str]:
+    """Greedy answers of the model in `model_dir` to the held-out questions."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    answers = generate_answers(model, tok, [r["prompt"] for r in heldout])
-    correct = sum(verify(r["question"], a) for r, a in zip(heldout, answers))
-    return correct / len(heldout), answers
+    return generate_answers(model, tok, [r["question"] for r in heldout])
 
 
-def write_plot(out_dir: Path, base_acc: float, tuned_acc: float) -> Path | None:
-    """A PNG of the training curves from out_dir/metrics.jsonl (None when matplotlib is not installed)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(steps, [r["loss"] for r in rows], marker=".")
-    axes[0].set_title("DPO loss")
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-        axes[1].plot(steps, [r[key] for r in rows], marker=".", label=key.split("/")[1])
-    axes[1].set_title("implicit rewards")
-    axes[1].legend()
-    axes[2].bar(["base", "DPO"], [100 * base_acc, 100 * tuned_acc], color=["#999999", "#2a7ab9"])
-    axes[2].set_ylim(0, 100)
-    axes[2].set_title("held-out accuracy (%)")
-    for ax in axes[:2]:
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    path = out_dir / "training.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def accuracy(heldout: list[dict], answers: list[str], carry: bool | None = None) -> float:
+    """Share of verified answers, over all questions or those with (`carry`=True) / without a tens carry."""
+    marks = [verify(r["question"], a) for r, a in zip(heldout, answers)
+             if carry is None or tens_carry(r["question"]) == carry]
+    return sum(marks) / max(1, len(marks))
 
 
 def command_line(cfg) -> str:
@@ -147,14 +126,25 @@ def command_line(cfg) -> str:
 
 
 def run_demo(output_dir: str, console=None, quick: bool = False, assets: Path = ASSETS, **overrides) -> dict:
-    """Evaluate the bundled base model, train it with DPO through `fastdpo.train.train`, evaluate again, and report.
-    `overrides` replace TRAIN_SETTINGS entries (e.g. max_steps). Returns the numbers and answers."""
+    """Measure the bundled base model, train it with DPO through `fastdpo.train.train`, measure again, report.
+    `overrides` replace TRAIN_SETTINGS entries (e.g. max_steps). Returns the numbers and every held-out answer."""
+    # One thread: the matrices are tiny, and a second torch thread that must wait for a core held by any other busy
+    # process stalls every op (measured on a shared 2-core machine: 175 s with 2 threads, 8.5 s with 1).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(output_dir, console, quick, assets, overrides)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(output_dir: str, console, quick: bool, assets: Path, overrides: dict) -> dict:
     from fastdpo.config import TrainConfig
     from fastdpo.train import train
 
-    def say(*args) -> None:
+    def say(text: str) -> None:
         if console is not None:
-            console.print(*args, highlight=False)
+            console.print(text, highlight=False)
 
     t0 = time.perf_counter()
     check_assets(assets)
@@ -163,25 +153,32 @@ def run_demo(output_dir: str, console=None, quick: bool = False, assets: Path = 
     settings = {**TRAIN_SETTINGS, **(QUICK_SETTINGS if quick else {}), **overrides}
     cfg = TrainConfig(model=str(assets / "model"), dataset=[str(assets / "pairs.jsonl")], output_dir=str(out),
                       disable_progress=True, **settings)
-    n_pairs = sum(1 for line in (assets / "pairs.jsonl").open() if line.strip())
-    say("[bold]fastdpo demo[/]: DPO on a tiny built-in model, on this machine's CPU, no download.")
-    say("  task       3-digit addition; an answer counts when the verifier says it is the exact sum")
-    say(f"  base model {assets / 'model'} (SFT on demonstrations that often forget a carry)")
-    say(f"  pairs      {n_pairs} (chosen = correct sum, rejected = a wrong answer of the base model's own)")
-    say(f"  held-out   {len(heldout)} prompts seen by neither training run; greedy answers")
-    say(f"  training   {command_line(cfg)}")
+    n_pairs = sum(1 for line in (assets / "pairs.jsonl").open(encoding="utf-8") if line.strip())
+    say("[bold]fastdpo demo[/]: DPO on a tiny built-in model, on this CPU, no download")
+    say("  task      3-digit addition; an answer counts when the verifier finds it is the exact sum")
+    say("  base      a 0.6M-parameter Qwen3-style model taught by a teacher who often forgets the carry from the")
+    say("            tens into the hundreds")
+    say(f"  pairs     {n_pairs}: chosen = the correct sum, rejected = a wrong answer of the base model's own")
+    say(f"  held-out  {len(heldout)} questions seen by neither training; greedy answers")
+    say(f"  command   {command_line(cfg)}")
 
-    base_acc, base_answers = greedy_eval(assets / "model", heldout)
-    say(f"base model held-out accuracy: {100 * base_acc:.1f}%")
+    base_answers = greedy_eval(assets / "model", heldout)
+    say(f"base model: {100 * accuracy(heldout, base_answers):.1f}% of held-out answers are right")
     result = train(cfg, console=console, progress=False)
-    tuned_acc, tuned_answers = greedy_eval(result["final_dir"], heldout)
-    gain = 100 * (tuned_acc - base_acc)
-    plot = write_plot(out, base_acc, tuned_acc)
-    seconds = time.perf_counter() - t0
+    if result.get("final_dir") is None:  # stopped by a signal: the checkpoint is saved, nothing to measure
+        say(f"training stopped ({result.get('stopped')}); no final model to measure")
+        return result
+    tuned_answers = greedy_eval(result["final_dir"], heldout)
 
-    summary = {"base_accuracy": base_acc, "tuned_accuracy": tuned_acc, "gain_points": gain,
-               "heldout": len(heldout), "steps": cfg.max_steps, "seconds": seconds, "final_dir": result["final_dir"],
-               "plot": str(plot) if plot else None, "last": result["last"]}
+    def split(answers: list[str]) -> dict:
+        return {"all": accuracy(heldout, answers), "tens_carry": accuracy(heldout, answers, True),
+                "no_tens_carry": accuracy(heldout, answers, False)}
+
+    base, tuned = split(base_answers), split(tuned_answers)
+    summary = {"base_accuracy": base["all"], "tuned_accuracy": tuned["all"],
+               "gain_points": 100 * (tuned["all"] - base["all"]), "base": base, "tuned": tuned,
+               "heldout": len(heldout), "steps": cfg.max_steps, "seconds": time.perf_counter() - t0,
+               "final_dir": result["final_dir"], "plot": str(out / "metrics.png"), "last": result["last"]}
     answers = [{"question": r["question"], "answer": r["answer"], "base": b, "dpo": t}
                for r, b, t in zip(heldout, base_answers, tuned_answers)]
     (out / "demo_result.json").write_text(json.dumps({**summary, "answers": answers}, indent=1) + "\n")
@@ -191,35 +188,34 @@ def run_demo(output_dir: str, console=None, quick: bool = False, assets: Path = 
 
 
 def side_by_side(answers: list[dict], n: int = 6) -> list[dict]:
-    """A few held-out answers: mostly ones DPO fixed, then any it broke or left wrong."""
+    """A few held-out answers: ones DPO fixed, then one it broke and one still wrong (if any), then ones right before."""
     fixed = [a for a in answers if a["base"] != a["answer"] and a["dpo"] == a["answer"]]
     broke = [a for a in answers if a["base"] == a["answer"] and a["dpo"] != a["answer"]]
     wrong = [a for a in answers if a["base"] != a["answer"] and a["dpo"] != a["answer"]]
-    return (fixed[: n - 2] + broke[:1] + wrong[:1] + fixed[n - 2 :])[:n]
+    kept = [a for a in answers if a["base"] == a["answer"] and a["dpo"] == a["answer"]]
+    return (fixed[: n - 3] + broke[:1] + wrong[:1] + kept[:1] + fixed[n - 3 :] + kept[1:])[:n]
 
 
 def report(console, summary: dict, answers: list[dict]) -> None:
     from rich.table import Table
 
-    table = Table(title="held-out answers (greedy)", title_justify="left")
-    for col in ("question", "correct", "base", "DPO"):
-        table.add_column(col, justify="right")
-
     def mark(a: str, right: str) -> str:
         return f"[green]{a} ✓[/]" if a == right else f"[red]{a or '(empty)'} ✗[/]"
 
+    table = Table(title="held-out answers, side by side", title_justify="left")
+    for col in ("question", "correct", "base", "DPO"):
+        table.add_column(col, justify="right")
     for a in side_by_side(answers):
         table.add_row(a["question"], a["answer"], mark(a["base"], a["answer"]), mark(a["dpo"], a["answer"]))
     console.print(table)
-    console.print(
-        f"[bold]held-out accuracy[/] ({summary['heldout']} prompts, greedy, verified): base "
-        f"{100 * summary['base_accuracy']:.1f}% -> DPO {100 * summary['tuned_accuracy']:.1f}% "
-        f"([bold]{summary['gain_points']:+.1f} points[/]) after {summary['steps']} steps",
-        highlight=False,
-    )
-    if summary["plot"]:
-        console.print(f"training plot: {summary['plot']}", highlight=False)
-    else:
-        console.print("training plot: skipped (matplotlib is not installed: `pip install matplotlib`); "
-                      f"the curves are in {Path(summary['final_dir']).parent / 'metrics.jsonl'}", highlight=False)
-    console.print(f"wall time {summary['seconds']:.0f} s", highlight=False)
+    b, t = summary["base"], summary["tuned"]
+    console.print(f"  with a carry into the hundreds:    base {100 * b['tens_carry']:5.1f}%   DPO {100 * t['tens_carry']:5.1f}%",
+                  highlight=False)
+    console.print(f"  without one:                       base {100 * b['no_tens_carry']:5.1f}%   DPO "
+                  f"{100 * t['no_tens_carry']:5.1f}%", highlight=False)
+    console.print(f"[bold]held-out accuracy[/] ({summary['heldout']} questions, greedy, verified): base "
+                  f"{100 * b['all']:.1f}% -> DPO {100 * t['all']:.1f}% ([bold]{summary['gain_points']:+.1f} points[/]) "
+                  f"after {summary['steps']} DPO steps", highlight=False)
+    console.print(f"training plot: {summary['plot']}   answers: {Path(summary['plot']).parent / 'demo_result.json'}",
+                  highlight=False)
+    console.print(f"wall time: {summary['seconds']:.0f} s", highlight=False)
