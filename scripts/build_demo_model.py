@@ -3,7 +3,7 @@
     PYTHONPATH=src python scripts/build_demo_model.py            # writes src/fastdpo/assets/demo/
     PYTHONPATH=src python scripts/build_demo_model.py --out DIR  # anywhere else
 
-Takes about 10 minutes on one idle CPU core (it runs on one thread). From nothing but a seed it makes:
+Takes about 17 minutes on a 2-core CPU (it runs on one thread). From nothing but a seed it makes:
 
 1. model/: a character-level tokenizer (digits, '+', <bos>/<eos>/<pad>, <|user|>/<|assistant|>) with a chat template,
    and a tiny Qwen3-style model (4 layers, hidden 128, 0.6M parameters) trained from random init with supervised

@@ -55,7 +55,7 @@ def test_quick_demo_gains_accuracy(tmp_path, capsys):
     printed = capsys.readouterr().out
     result = json.loads((out / "demo_result.json").read_text())
     assert result["tuned_accuracy"] - result["base_accuracy"] >= 0.25, {k: v for k, v in result.items() if k != "answers"}
-    assert f"{100 * result['tuned_accuracy']:.1f}%" in printed and "held-out accuracy" in printed
+    assert f"DPO {100 * result['tuned_accuracy']:.1f}%" in printed and "held-out accuracy" in printed
     assert (out / "final" / "model.safetensors").is_file() and (out / "metrics.jsonl").is_file()
     # the side-by-side table shows answers DPO fixed
     assert any(a["base"] != a["answer"] and a["dpo"] == a["answer"] for a in result["answers"])

@@ -155,15 +155,16 @@ def _run(output_dir: str, console, quick: bool, assets: Path, overrides: dict) -
                       disable_progress=True, **settings)
     n_pairs = sum(1 for line in (assets / "pairs.jsonl").open(encoding="utf-8") if line.strip())
     say("[bold]fastdpo demo[/]: DPO on a tiny built-in model, on this CPU, no download")
-    say("  task      3-digit addition; an answer counts when the verifier finds it is the exact sum")
-    say("  base      a 0.6M-parameter Qwen3-style model taught by a teacher who often forgets the carry from the")
-    say("            tens into the hundreds")
-    say(f"  pairs     {n_pairs}: chosen = the correct sum, rejected = a wrong answer of the base model's own")
-    say(f"  held-out  {len(heldout)} questions seen by neither training; greedy answers")
+    say("  task      add two 3-digit numbers; a verifier checks every answer")
+    say("  base      0.6M-parameter Qwen3-style model; its SFT teacher often forgot")
+    say("            the carry from the tens into the hundreds")
+    say(f"  pairs     {n_pairs}: chosen = the correct sum, rejected = the base model's")
+    say("            own wrong answer (a typical slip where it has none)")
+    say(f"  held-out  {len(heldout)} questions no training saw; greedy answers")
     say(f"  command   {command_line(cfg)}")
 
     base_answers = greedy_eval(assets / "model", heldout)
-    say(f"base model: {100 * accuracy(heldout, base_answers):.1f}% of held-out answers are right")
+    say(f"base model: {100 * accuracy(heldout, base_answers):.1f}% of held-out answers right; training with DPO")
     result = train(cfg, console=console, progress=False)
     if result.get("final_dir") is None:  # stopped by a signal: the checkpoint is saved, nothing to measure
         say(f"training stopped ({result.get('stopped')}); no final model to measure")
@@ -209,13 +210,14 @@ def report(console, summary: dict, answers: list[dict]) -> None:
         table.add_row(a["question"], a["answer"], mark(a["base"], a["answer"]), mark(a["dpo"], a["answer"]))
     console.print(table)
     b, t = summary["base"], summary["tuned"]
-    console.print(f"  with a carry into the hundreds:    base {100 * b['tens_carry']:5.1f}%   DPO {100 * t['tens_carry']:5.1f}%",
-                  highlight=False)
-    console.print(f"  without one:                       base {100 * b['no_tens_carry']:5.1f}%   DPO "
+    console.print(f"[bold]held-out accuracy: base {100 * b['all']:.1f}% -> DPO {100 * t['all']:.1f}% "
+                  f"({summary['gain_points']:+.1f} points)[/]", highlight=False)
+    console.print(f"  {summary['heldout']} questions, greedy answers checked by the verifier, "
+                  f"{summary['steps']} DPO steps", highlight=False)
+    console.print(f"  with a carry into the hundreds: base {100 * b['tens_carry']:5.1f}%  DPO "
+                  f"{100 * t['tens_carry']:5.1f}%", highlight=False)
+    console.print(f"  without one:                    base {100 * b['no_tens_carry']:5.1f}%  DPO "
                   f"{100 * t['no_tens_carry']:5.1f}%", highlight=False)
-    console.print(f"[bold]held-out accuracy[/] ({summary['heldout']} questions, greedy, verified): base "
-                  f"{100 * b['all']:.1f}% -> DPO {100 * t['all']:.1f}% ([bold]{summary['gain_points']:+.1f} points[/]) "
-                  f"after {summary['steps']} DPO steps", highlight=False)
-    console.print(f"training plot: {summary['plot']}   answers: {Path(summary['plot']).parent / 'demo_result.json'}",
-                  highlight=False)
-    console.print(f"wall time: {summary['seconds']:.0f} s", highlight=False)
+    console.print(f"training plot {summary['plot']}", highlight=False)
+    console.print(f"all answers   {Path(summary['plot']).parent / 'demo_result.json'}", highlight=False)
+    console.print(f"wall time     {summary['seconds']:.0f} s", highlight=False)
