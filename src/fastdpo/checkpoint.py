@@ -139,3 +139,77 @@ def load_training_state(ckpt: Path, optimizer, scheduler) -> None:
     optimizer.load_state_dict(torch.load(st / "optimizer.pt", weights_only=True, map_location="cpu"))
     scheduler.load_state_dict(torch.load(st / "scheduler.pt", weights_only=True))
     set_rng_state(torch.load(st / "rng.pt", weights_only=True))
+
+
+# ---------------------------------------------------------------- sharded checkpoints (multi-rank runs)
+# checkpoint-N/sharded/ holds model + optimizer through torch.distributed.checkpoint: every rank writes its own
+# shards, and a later run loads them on any number of ranks (one included). state/ holds the rest as above, with
+# one RNG file per rank. The same temporary-dir-then-rename protocol marks completeness.
+
+SHARDED = "sharded"
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return (ckpt / SHARDED).is_dir()
+
+
+def _train_state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    # frozen weights (a LoRA base) come from --model on resume: only what trains is saved
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
+                            rank: int) -> Path:
+    """Write checkpoint-{step} from all ranks (each must call this) and return its path."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".checkpoint-{step}.tmp"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / STATE).mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_train_state(model, optimizer), checkpoint_id=str(tmp / SHARDED))
+    torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        st = tmp / STATE
+        torch.save(scheduler.state_dict(), st / "scheduler.pt")
+        save_config(config, st / "config.yaml")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (st / DONE).write_text(json.dumps({"step": step, **progress}, indent=1))  # written last: marks completeness
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fd = os.open(out_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    dist.barrier()
+    return final
+
+
+def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int) -> None:
+    """Load a sharded checkpoint into `model` and `optimizer` as they are now laid out (plain, DDP or FSDP2 on any
+    number of ranks), then the scheduler and this rank's RNG state (rank 0's when the checkpoint had fewer ranks)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = _train_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(ckpt / SHARDED), no_dist=not dist.is_initialized())
+    # strict=False: frozen weights are absent by design; dcp.load has already failed on any trainable key missing
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    st = ckpt / STATE
+    scheduler.load_state_dict(torch.load(st / "scheduler.pt", weights_only=True))
+    rng = st / f"rng-{rank}.pt"
+    set_rng_state(torch.load(rng if rng.is_file() else st / "rng-0.pt", weights_only=True))

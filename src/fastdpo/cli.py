@@ -9,6 +9,7 @@ import sys
 
 from fastdpo.config import TrainConfig, _Parser, add_config_flags, build_config
 from fastdpo.errors import FastDPOError
+from fastdpo.launch import launch, wants_launch
 
 
 def _console():
@@ -37,8 +38,13 @@ def cmd_train(args: argparse.Namespace, console) -> int:
 
     cfg = build_config(args, TrainConfig)
     result = train(cfg, console=console, progress=not cfg.disable_progress)
-    console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
+    if _rank() == 0:
+        console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
     return 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def cmd_demo(args: argparse.Namespace, console) -> int:
@@ -79,9 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         _setup_logging(console)
+        if args.command == "train" and wants_launch():  # NPROC_PER_NODE=N fastdpo train ...: start N workers
+            build_config(args, TrainConfig).validate()  # bad flags fail here once, not once per worker
+            return launch(sys.argv[1:] if argv is None else list(argv))
         return args.func(args, console)
     except FastDPOError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        where = f"[rank {_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        console.print(f"[bold red]error:[/] {where}{e}", highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")

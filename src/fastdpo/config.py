@@ -80,6 +80,10 @@ class TrainConfig:
     resume_from_checkpoint: str = _f("", "Checkpoint dir, or `latest` for the newest complete one in output_dir.")
     device: str = _f("auto", "auto|cpu|cuda|cuda:N.")
     disable_progress: bool = _f(False, "No progress bar (logs only).")
+    # scale-out (under torchrun or NPROC_PER_NODE)
+    fsdp: str = _f("", "full_shard|shard_grad_op: FSDP2 sharding; no_shard: DDP. Empty: DDP.")
+    deepspeed: str = _f("", "zero3 (= --fsdp full_shard), zero2 (= shard_grad_op), or a DeepSpeed JSON: its ZeRO "
+                            "stage maps onto FSDP2, the rest is checked or reported.")
 
     def validate(self) -> None:
         """Check values in one place; raise FastDPOError naming the flag and a fix."""
@@ -109,7 +113,10 @@ class TrainConfig:
             raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
         if self.train_type == "lora" and self.lora_rank < 1:
             raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
+        from fastdpo.distributed import parallel_plan
         from fastdpo.losses import LOSSES
+
+        parallel_plan(self.fsdp, self.deepspeed, self)  # raises on what cannot be honoured
 
         for name in self.loss_type.split(","):
             if name not in LOSSES:

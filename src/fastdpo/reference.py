@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +18,13 @@ from fastdpo.model import Backend, prepare_packed, sequence_logps
 class Reference:
     strategy: str  # copy | adapter_off | separate | none
     model: torch.nn.Module | None
+    runner: Callable | None = None  # under FSDP2: (batch, mask) -> logps through the sharded module
 
     @torch.no_grad()
     def logps(self, policy, batch: PairBatch, backend: Backend, mask=None) -> torch.Tensor:
         """(2B,) float32 completion log-prob sums under the reference."""
+        if self.runner is not None:
+            return self.runner(batch, mask)[0]
         if self.strategy == "adapter_off":
             ctx = policy.disable_adapter()
             model = policy

@@ -1,11 +1,13 @@
 """The training loop (DESIGN §6), readable top to bottom: set up, then for each optimizer step run its micro-batches
 (policy forward, reference forward, per-pair losses summed and divided by the step's pair count, backward), then clip,
-update, schedule, log and checkpoint."""
+update, schedule, log and checkpoint. Under torchrun every rank runs this loop on its share of each step's pairs
+(distributed.py holds the mechanics)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -17,8 +19,21 @@ import torch
 from fastdpo import checkpoint as ckpt
 from fastdpo.config import TrainConfig, save_config
 from fastdpo.data.load import load_rows
-from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches, step_order
+from fastdpo.data.pack import pack_pairs, pad_pairs, step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
+from fastdpo.distributed import (
+    Dist,
+    barrier,
+    clip_grad_norm,
+    full_state_dict,
+    grad_sync,
+    init_distributed,
+    max_over_ranks,
+    rank_micro_batches,
+    reduce_metrics,
+    shutdown,
+    wrap_models,
+)
 from fastdpo.errors import FastDPOError
 from fastdpo.losses import LOSSES, LossInputs, LossParams
 from fastdpo.memory import apply_checkpointing
@@ -36,7 +51,6 @@ from fastdpo.model import (
     resolve_device,
     resolve_dtype,
     save_model,
-    sequence_logps,
 )
 from fastdpo.optim import build_optimizer, build_scheduler
 from fastdpo.reference import Reference, build_reference
@@ -50,8 +64,10 @@ class Setup:
     """Everything the loop needs, built once."""
 
     cfg: TrainConfig
+    dist: Dist
     device: torch.device
     model: torch.nn.Module
+    policy: torch.nn.Module  # the model's log-prob forward; wrapped in DDP or sharded by FSDP2 under torchrun
     tokenizer: object
     reference: Reference
     backend: Backend
@@ -68,15 +84,16 @@ def seed_all(seed: int) -> None:
 def check_output_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".fastdpo_write_test"
+        probe = out / f".fastdpo_write_test.{os.getpid()}"  # one per rank
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
         raise FastDPOError(f"--output_dir {out} is not writable ({e.strerror}). Choose another directory.") from None
 
 
-def build_setup(cfg: TrainConfig) -> Setup:
+def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     cfg.validate()
+    d = d or Dist()
     out = Path(cfg.output_dir)
     check_output_dir(out)
     device = resolve_device(cfg.device)
@@ -101,10 +118,11 @@ def build_setup(cfg: TrainConfig) -> Setup:
         prepare_packed(model, backend)
     apply_checkpointing(model, cfg.gradient_checkpointing)
     model.train()
+    policy = wrap_models(model, reference, backend, d)
 
-    steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step)
+    steps_per_epoch = math.ceil(len(pairs) / (cfg.pairs_per_step * d.world_size))
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch)
+    return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch)
 
 
 def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
@@ -122,53 +140,77 @@ def attended_pairs(p: TokenizedPair) -> int:
 
 
 def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
-    """Forward and backward over one optimizer step's pairs; gradients accumulate in .grad."""
-    cfg = s.cfg
-    n_pairs = len(step_pairs)
+    """Forward and backward over this rank's share of one optimizer step's pairs (all of them on one process);
+    gradients accumulate in .grad and are summed across ranks on the last micro-step."""
+    cfg, d = s.cfg, s.dist
+    n_pairs = len(step_pairs)  # the whole step, all ranks
     chosen_tokens = sum(len(p.chosen) for p in step_pairs)
     params = LossParams(beta=cfg.beta, label_smoothing=cfg.label_smoothing)
     pad_id = s.tokenizer.pad_token_id or 0
-    for group in split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size):
-        batch = make_batch(group, s.backend, pad_id, s.device)
+    micro = rank_micro_batches(step_pairs, d.rank, d.world_size, cfg.max_tokens_per_batch,
+                               cfg.per_device_train_batch_size)
+    for i, group in enumerate(micro):
+        real = bool(group)  # an empty share still runs (zero-weighted) so every rank joins the same collectives
+        batch = make_batch(group or step_pairs[:1], s.backend, pad_id, s.device)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
-        pol, _ = sequence_logps(s.model, batch, s.backend, mask)
-        ref = s.reference.logps(s.model, batch, s.backend, mask) if s.reference.strategy != "none" else None
-        x = LossInputs(pol[:b], pol[b:], ref[:b] if ref is not None else None, ref[b:] if ref is not None else None,
-                       batch.lengths[:b], batch.lengths[b:])
-        loss = 0.0
-        for name in cfg.loss_type.split(","):
-            loss = loss + LOSSES[name].fn(x, params).sum()
-        # divide by the pairs of the whole step, not the micro-batch: accumulation is then exact
-        loss = loss / n_pairs
-        if cfg.rpo_alpha:
-            loss = loss + cfg.rpo_alpha * (-x.policy_chosen.sum()) / max(1, chosen_tokens)
-        loss.backward()
-        metrics.add(loss, cfg.beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
-                    x.ref_rejected, sum(p.num_tokens for p in group))
+        with grad_sync(s.policy, last=i == len(micro) - 1):
+            pol, _ = s.policy(batch, mask)
+            ref = s.reference.logps(s.model, batch, s.backend, mask) if s.reference.strategy != "none" else None
+            x = LossInputs(pol[:b], pol[b:], ref[:b] if ref is not None else None,
+                           ref[b:] if ref is not None else None, batch.lengths[:b], batch.lengths[b:])
+            loss = 0.0
+            for name in cfg.loss_type.split(","):
+                loss = loss + LOSSES[name].fn(x, params).sum()
+            # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
+            loss = loss / n_pairs
+            if cfg.rpo_alpha:
+                loss = loss + cfg.rpo_alpha * (-x.policy_chosen.sum()) / max(1, chosen_tokens)
+            if not real:
+                loss = loss * 0.0
+            loss.backward()
+        if real:
+            metrics.add(loss, cfg.beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
+                        x.ref_rejected, sum(p.num_tokens for p in group))
 
 
 def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
-    """Train per `cfg`; returns a summary (final dir, last metrics)."""
-    s = build_setup(cfg)
+    """Train per `cfg`; returns a summary (final dir, last metrics). Under torchrun every rank calls this; only rank
+    0 logs and writes files other than checkpoint shards."""
+    cfg.validate()
+    d = init_distributed(cfg)
+    try:
+        return run_training(cfg, d, console if d.is_main else None, progress and d.is_main)
+    finally:
+        shutdown(d)
+
+
+def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
+    s = build_setup(cfg, d)
     out = Path(cfg.output_dir)
     model, device = s.model, s.device
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, s.total_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    step_pairs_total = cfg.pairs_per_step * d.world_size
     start = 0
     resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
-        ckpt.load_weights(model, resume)
-        ckpt.load_training_state(resume, optimizer, scheduler)
+        check_resume_step_size(resume, cfg, d)
+        if ckpt.is_sharded(resume):
+            ckpt.load_sharded_checkpoint(resume, model, optimizer, scheduler, d.rank)
+        else:
+            ckpt.load_weights(model, resume)
+            ckpt.load_training_state(resume, optimizer, scheduler)
         start = ckpt.load_progress(resume)["step"]
         log.info("Resumed from %s at step %d.", resume, start)
-    save_config(cfg, out / "config.yaml")
+    if d.is_main:
+        save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
 
-    sink = MetricsSink(out, console, append=resume is not None)
+    sink = MetricsSink(out, console, append=resume is not None) if d.is_main else None
     lm_config = base_causal_lm(model).config
     peak = device_peak_flops(device)
     rate = Throughput()
@@ -180,12 +222,12 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
             if epoch not in orders:
-                orders = {epoch: step_order(len(s.pairs), cfg.pairs_per_step, cfg.seed, epoch)}
+                orders = {epoch: step_order(len(s.pairs), step_pairs_total, cfg.seed, epoch)}
             step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
             run_step(s, step_pairs, metrics)
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+            grad_norm = clip_grad_norm(trainable, max_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -199,36 +241,63 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
             done = step + 1
             if done % cfg.logging_steps == 0 or done == s.total_steps:
                 t0 = rate.t0
+                reduce_metrics(metrics, d)
                 record = {"step": done, "epoch": round(step / s.steps_per_epoch + 1 / s.steps_per_epoch, 4),
                           **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr}
                 if peak:
-                    record["mfu"] = flops / max(time.perf_counter() - t0, 1e-9) / peak
+                    record["mfu"] = flops / max(time.perf_counter() - t0, 1e-9) / (peak * d.world_size)
                     flops = 0.0
                 record.update(rate.read())
-                record["memory/peak_gib"] = round(peak_memory_gib(device), 3)
-                sink.log(record)
+                record["memory/peak_gib"] = round(max_over_ranks(peak_memory_gib(device), d, device), 3)
+                if sink is not None:
+                    sink.log(record)
                 last = record
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             if cfg.save_steps > 0 and done % cfg.save_steps == 0 and done < s.total_steps:
-                ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
-                                     {"epoch": epoch}, cfg)
-                ckpt.rotate(out, cfg.save_total_limit)
+                state = {"epoch": epoch, "pairs_per_step": step_pairs_total, "world_size": d.world_size}
+                if d.sharded:
+                    ckpt.save_sharded_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg,
+                                                 d.rank)
+                else:
+                    ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg)
+                if d.is_main:
+                    ckpt.rotate(out, cfg.save_total_limit)
     finally:
         if bar is not None:
             bar[0].stop()
-        sink.close()
+        if sink is not None:
+            sink.close()
 
     final = out / "final"
-    tmp = out / ".final.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_model(model, s.tokenizer, tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    weights = full_state_dict(model, d)  # FSDP2: every rank sends its shards to rank 0
+    if d.is_main:
+        tmp = out / ".final.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        save_model(model, s.tokenizer, tmp, weights)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    barrier(d)
     return {"final_dir": str(final), "last": last, **summary}
+
+
+def check_resume_step_size(resume: Path, cfg: TrainConfig, d: Dist) -> None:
+    """The data order continues only if a step covers as many pairs as when the checkpoint was written."""
+    saved = ckpt.load_progress(resume).get("pairs_per_step")
+    now = cfg.pairs_per_step * d.world_size
+    if saved is None or saved == now:
+        return
+    per_rank = cfg.per_device_train_batch_size * d.world_size
+    hint = (f" Use --gradient_accumulation_steps {saved // per_rank} with this world size." if saved % per_rank == 0
+            else "")
+    raise FastDPOError(
+        f"{resume} was written with {saved} pairs per optimizer step; this run has {now} "
+        f"(per_device_train_batch_size {cfg.per_device_train_batch_size} x gradient_accumulation_steps "
+        f"{cfg.gradient_accumulation_steps} x {d.world_size} ranks). Keep the product equal to resume.{hint}"
+    )
 
 
 def _progress_bar(console, total: int, start: int):

@@ -1,0 +1,59 @@
+"""Run `train` on several CPU ranks (gloo) from a test: forked from a forkserver that imported the trainer once, so
+each multi-rank run costs seconds, not a fresh interpreter per rank."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+
+from conftest import easy_rows, write_jsonl
+
+ROWS = 41  # 5 full steps of 8 pairs, then a 1-pair step: one rank gets nothing and must still join the collectives
+BASE = dict(learning_rate=1e-3, max_steps=6, seed=3, adam_epsilon=1e-6, disable_progress=True)
+
+
+def dataset(tmp_path):
+    return write_jsonl(tmp_path / "data.jsonl", easy_rows(ROWS, seed=1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, kwargs: dict) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    from fastdpo.config import TrainConfig
+    from fastdpo.train import train
+
+    try:
+        train(TrainConfig(**kwargs), progress=False)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+
+
+def run_ranks(world: int, timeout: float = 120, **kwargs) -> None:
+    """Train with `kwargs` on `world` ranks; fail the test if any rank fails or the job outlives `timeout`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "fastdpo.train", "dist_helpers"])
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, kwargs)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"ranks still running after {timeout}s"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
