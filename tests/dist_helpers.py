@@ -3,13 +3,17 @@ each multi-rank run costs seconds, not a fresh interpreter per rank."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import socket
 import time
 import traceback
+from pathlib import Path
 
+import torch
 from conftest import easy_rows, write_jsonl
+from safetensors.torch import load_file
 
 ROWS = 41  # 5 full steps of 8 pairs, then a 1-pair step: one rank gets nothing and must still join the collectives
 BASE = dict(learning_rate=1e-3, max_steps=6, seed=3, adam_epsilon=1e-6, disable_progress=True)
@@ -28,8 +32,6 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, kwargs: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
-
     torch.set_num_threads(1)
     from fastdpo.config import TrainConfig
     from fastdpo.train import train
@@ -57,3 +59,17 @@ def run_ranks(world: int, timeout: float = 120, **kwargs) -> None:
         p.kill()
     assert not alive, f"ranks still running after {timeout}s"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def weights(out: Path) -> dict:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def assert_weights_close(a: dict, b: dict, atol: float) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)

@@ -10,11 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
-
 from conftest import random_pairs
-from dist_helpers import BASE, dataset, run_ranks
+from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_ranks, weights
+
 from fastdpo.cli import main
 from fastdpo.config import TrainConfig
 from fastdpo.distributed import parallel_plan, rank_micro_batches, split_ranks
@@ -131,20 +129,6 @@ def test_failure_message_names_the_rank_that_failed_first():
 
 
 # ---------------------------------------------------------------- DDP on two CPU ranks
-
-
-def weights(out: Path) -> dict:
-    return load_file(str(out / "final" / "model.safetensors"))
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in open(out / "metrics.jsonl")]
-
-
-def assert_weights_close(a: dict, b: dict, atol: float) -> None:
-    assert sorted(a) == sorted(b)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
 
 
 @pytest.fixture(scope="module")

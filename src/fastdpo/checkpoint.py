@@ -213,3 +213,32 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int) 
     scheduler.load_state_dict(torch.load(st / "scheduler.pt", weights_only=True))
     rng = st / f"rng-{rank}.pt"
     set_rng_state(torch.load(rng if rng.is_file() else st / "rng-0.pt", weights_only=True))
+
+
+def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler) -> None:
+    """Load a checkpoint written by one process (HF weights or PEFT adapter + optimizer.pt) into a model laid out
+    over several ranks (DDP or FSDP2): every rank reads the full tensors and keeps its shard."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    saved = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    adapter = f".{model.active_adapter}." if hasattr(model, "peft_config") else None
+    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
+    weights = {}
+    for name in names.values():
+        key = name.replace(adapter, ".") if adapter else name  # PEFT files drop the adapter name
+        if key not in saved:
+            raise FastDPOError(f"{ckpt}: no weight {key!r} for this model. Resume with the --model and --train_type "
+                               "the checkpoint was trained with.")
+        weights[name] = saved[key]
+    # optimizer.pt numbers parameters in param-group order; the distributed loader wants their names
+    order = [names[p] for g in optimizer.param_groups for p in g["params"]]
+    raw = torch.load(ckpt / STATE / "optimizer.pt", weights_only=True, map_location="cpu")
+    optim = {"state": {order[i]: v for i, v in raw["state"].items()},
+             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in raw["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True, strict=False))
+    scheduler.load_state_dict(torch.load(ckpt / STATE / "scheduler.pt", weights_only=True))
+    set_rng_state(torch.load(ckpt / STATE / "rng.pt", weights_only=True))

@@ -199,6 +199,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         check_resume_step_size(resume, cfg, d)
         if ckpt.is_sharded(resume):
             ckpt.load_sharded_checkpoint(resume, model, optimizer, scheduler, d.rank)
+        elif d.sharded:
+            ckpt.load_unsharded_into_ranks(resume, model, optimizer, scheduler)
         else:
             ckpt.load_weights(model, resume)
             ckpt.load_training_state(resume, optimizer, scheduler)
