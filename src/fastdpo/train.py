@@ -93,7 +93,6 @@ def check_output_dir(out: Path) -> None:
 
 def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     cfg.validate()
-    d = d or Dist()
     out = Path(cfg.output_dir)
     check_output_dir(out)
     device = resolve_device(cfg.device)
@@ -109,12 +108,13 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
     ref_model = load_model(cfg.ref_model, dtype, device, cfg.trust_remote_code) if cfg.ref_model else None
-    return assemble(cfg, device, model, tokenizer, pairs, ref_model)
+    return assemble(cfg, device, model, tokenizer, pairs, ref_model, d)
 
 
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
-             ref_model=None) -> Setup:
-    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, step counts."""
+             ref_model=None, d: Dist | None = None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts."""
+    d = d or Dist()
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
     needs_ref = any(LOSSES[n].needs_reference for n in cfg.loss_type.split(","))
     reference = build_reference(model, cfg.train_type, ref_model, needs_ref, backend)
