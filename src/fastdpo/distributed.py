@@ -184,6 +184,9 @@ def init_distributed(cfg, timeout_s: float | None = None) -> Dist:
         return Dist()
     import torch.distributed as dist
 
+    if "RANK" not in os.environ:
+        raise FastDPOError(f"WORLD_SIZE={world} is set but RANK is not. Launch with torchrun (or NPROC_PER_NODE=N "
+                           "fastdpo train ...), which sets both.")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
@@ -393,7 +396,9 @@ def full_state_dict(model: torch.nn.Module, d: Dist) -> dict | None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    lora = hasattr(model, "peft_config")  # only the adapters are saved: do not gather the frozen base
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
+    full = get_model_state_dict(model, options=options)
     # tied weights (embeddings = output head) arrive as separate copies: share them again so save_pretrained
     # recognises the tie and writes the usual single tensor
     names: dict[int, list[str]] = {}
