@@ -138,7 +138,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
             n_pairs += len(step_pairs)
             flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
                                 sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
-                                sum(attended_pairs(p) for p in step_pairs), s.reference.strategy != "none")
+                                sum(attended_pairs(p) for p in step_pairs), s.reference.online)
     dt = times[-1] - times[warmup - 1] if warmup else times[-1] - t_init
     peak = device_peak_flops(device)
     return {

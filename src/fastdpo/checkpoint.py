@@ -48,8 +48,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config) -> Path:
-    """Write checkpoint-{step} atomically and return its path."""
+def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
+                    extra_modules: dict | None = None) -> Path:
+    """Write checkpoint-{step} atomically and return its path. `extra_modules` (name -> module) are saved as
+    state/{name}.safetensors (e.g. a reference model that training updates)."""
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f".checkpoint-{step}.tmp"
     if tmp.exists():
@@ -62,6 +64,10 @@ def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, sched
     torch.save(scheduler.state_dict(), st / "scheduler.pt")
     torch.save(rng_state(), st / "rng.pt")
     save_config(config, st / "config.yaml")
+    for name, module in (extra_modules or {}).items():
+        from safetensors.torch import save_model as save_module
+
+        save_module(module, str(st / f"{name}.safetensors"))
     (st / DONE).write_text(json.dumps({"step": step, **progress}, indent=1))  # written last: marks completeness
     _fsync_tree(tmp)
     if final.exists():
@@ -141,6 +147,17 @@ def load_training_state(ckpt: Path, optimizer, scheduler) -> None:
     set_rng_state(torch.load(st / "rng.pt", weights_only=True))
 
 
+def load_extra_module(ckpt: Path, name: str, module) -> None:
+    """Load state/{name}.safetensors written by `save_checkpoint(extra_modules=...)` into `module`."""
+    from safetensors.torch import load_model as load_module
+
+    path = ckpt / STATE / f"{name}.safetensors"
+    if not path.is_file():
+        raise FastDPOError(f"{ckpt} has no saved {name} ({path.name}); it was written without the settings that "
+                           "need it. Resume with the settings it was trained with.")
+    load_module(module, str(path))
+
+
 # ---------------------------------------------------------------- sharded checkpoints (multi-rank runs)
 # checkpoint-N/sharded/ holds model + optimizer through torch.distributed.checkpoint: every rank writes its own
 # shards, and a later run loads them on any number of ranks (one included). state/ holds the rest as above, with
@@ -153,17 +170,19 @@ def is_sharded(ckpt: Path) -> bool:
     return (ckpt / SHARDED).is_dir()
 
 
-def _train_state(model, optimizer):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def _train_state(model, optimizer, extra_modules: dict | None) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     # frozen weights (a LoRA base) come from --model on resume: only what trains is saved
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    return {"model": model_sd, "optim": optim_sd}
+    extra = {name: get_model_state_dict(m) for name, m in (extra_modules or {}).items()}
+    return {"model": model_sd, "optim": optim_sd, "extra": extra}
 
 
 def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
-                            rank: int) -> Path:
-    """Write checkpoint-{step} from all ranks (each must call this) and return its path."""
+                            rank: int, extra_modules: dict | None = None) -> Path:
+    """Write checkpoint-{step} from all ranks (each must call this) and return its path. `extra_modules` (name ->
+    module, e.g. a reference that training updates) are saved in the shards too."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -174,7 +193,7 @@ def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimize
             shutil.rmtree(tmp)
         (tmp / STATE).mkdir(parents=True)
     dist.barrier()
-    dcp.save(_train_state(model, optimizer), checkpoint_id=str(tmp / SHARDED))
+    dcp.save(_train_state(model, optimizer, extra_modules), checkpoint_id=str(tmp / SHARDED))
     torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -197,32 +216,34 @@ def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimize
     return final
 
 
-def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int) -> None:
+def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int, extra_modules: dict | None = None) -> None:
     """Load a sharded checkpoint into `model` and `optimizer` as they are now laid out (plain, DDP or FSDP2 on any
     number of ranks), then the scheduler and this rank's RNG state (rank 0's when the checkpoint had fewer ranks)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    state = _train_state(model, optimizer)
+    state = _train_state(model, optimizer, extra_modules)
     with warnings.catch_warnings():  # one process reading shards of many is what we mean
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(ckpt / SHARDED))
     # strict=False: frozen weights are absent by design; dcp.load has already failed on any trainable key missing
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    for name, module in (extra_modules or {}).items():
+        set_model_state_dict(module, state["extra"][name])
     st = ckpt / STATE
     scheduler.load_state_dict(torch.load(st / "scheduler.pt", weights_only=True))
     rng = st / f"rng-{rank}.pt"
     set_rng_state(torch.load(rng if rng.is_file() else st / "rng-0.pt", weights_only=True))
 
 
-def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler) -> None:
+def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler, extra_modules: dict | None = None) -> None:
     """Load a checkpoint written by one process (HF weights or PEFT adapter + optimizer.pt) into a model laid out
     over several ranks (DDP or FSDP2): every rank reads the full tensors and keeps its shard."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     saved = {}
     for f in sorted(ckpt.glob("*.safetensors")):
@@ -243,5 +264,10 @@ def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler) -> None:
              "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in raw["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
                    options=StateDictOptions(full_state_dict=True, strict=False))
+    for name, module in (extra_modules or {}).items():
+        path = ckpt / STATE / f"{name}.safetensors"
+        if not path.is_file():
+            raise FastDPOError(f"{ckpt} has no saved {name} ({path.name}). Resume with the settings it was trained with.")
+        set_model_state_dict(module, load_file(str(path)), options=StateDictOptions(full_state_dict=True, strict=False))
     scheduler.load_state_dict(torch.load(ckpt / STATE / "scheduler.pt", weights_only=True))
     set_rng_state(torch.load(ckpt / STATE / "rng.pt", weights_only=True))

@@ -43,6 +43,15 @@ def cmd_train(args: argparse.Namespace, console) -> int:
     return 0
 
 
+def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
+    from fastdpo.precompute import precompute_ref
+
+    result = precompute_ref(build_config(args, TrainConfig))
+    how = "reused" if result["reused"] else "computed"
+    console.print(f"[bold green]done[/]: reference log-probs of {result['pairs']} pairs {how}: {result['path']}")
+    return 0
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -74,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="Train with DPO.", allow_abbrev=False)
     add_config_flags(t, TrainConfig)
     t.set_defaults(func=cmd_train)
+    r = sub.add_parser("precompute-ref", help="Cache reference log-probs ahead of training (same flags as train).",
+                       allow_abbrev=False)
+    add_config_flags(r, TrainConfig)
+    r.set_defaults(func=cmd_precompute_ref)
     b = sub.add_parser("bench", help="Measure pairs/s, MFU and peak memory (optionally next to TRL).",
                        allow_abbrev=False)
     add_config_flags(b, TrainConfig)

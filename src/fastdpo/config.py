@@ -43,6 +43,8 @@ class TrainConfig:
     lora_alpha: int = _f(32, "LoRA alpha.")
     lora_dropout: float = _f(0.05, "LoRA dropout.")
     target_modules: str = _f("all-linear", "LoRA targets: all-linear or comma-separated module names.")
+    adapters: str = _f("", "LoRA: start the trained adapter from this PEFT adapter dir instead of a fresh one.")
+    ref_adapters: str = _f("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
     # data
     dataset: list = _f([], "One or more JSONL/JSON files with prompt/chosen/rejected; `path#N` takes N rows.", nargs="+")
     max_length: int = _f(2048, "Max tokens of prompt+completion per sequence; longer completions are cut.")
@@ -68,10 +70,32 @@ class TrainConfig:
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
     # loss
-    loss_type: str = _f("sigmoid", "Preference loss (see `fastdpo losses`).")
-    beta: float = _f(0.1, "DPO beta (strength of the KL constraint).")
-    label_smoothing: float = _f(0.0, "Conservative DPO label smoothing in [0, 0.5).")
+    loss_type: str = _f("sigmoid", "Preference loss, or several comma-separated (sigmoid,sft); see the README's table.")
+    loss_weights: str = _f("", "Comma-separated weights of the --loss_type terms (default 1 each), e.g. 1,0.1.")
+    beta: float = _f(0.1, "DPO beta (strength of the KL constraint; IPO's tau; SimPO/CPO's temperature).")
+    label_smoothing: float = _f(0.0, "Label smoothing eps in [0, 0.5): cDPO (sigmoid), robust, exo_pair, aot, simpo, cpo.")
     rpo_alpha: float = _f(0.0, "Weight of the NLL(chosen) term (RPO); 0 disables.")
+    ld_alpha: float = _f(1.0, "LD-DPO: weight of completion tokens past the length both completions share (1 = off).")
+    f_divergence_type: str = _f("reverse_kl", "f-DPO divergence: reverse_kl|forward_kl|js_divergence|alpha_divergence.")
+    f_alpha_divergence_coef: float = _f(0.5, "alpha of --f_divergence_type alpha_divergence.")
+    use_weighting: bool = _f(False, "WPO: weight each pair by the policy's length-normalised probability of both answers.")
+    discopop_tau: float = _f(0.05, "DiscoPOP temperature tau.")
+    simpo_gamma: float = _f(0.5, "SimPO target reward margin gamma.")
+    cpo_alpha: float = _f(1.0, "CPO: weight of the NLL(chosen) term.")
+    orpo_alpha: float = _f(0.1, "ORPO: weight lambda of the odds-ratio term.")
+    beta_schedule: str = _f("constant", "constant|kl_adaptive: lower beta while the policy drifts far from the reference.")
+    beta_kl_target: float = _f(0.5, "kl_adaptive: drift (mean |log-ratio| per token, nats) above which beta is lowered.")
+    beta_kl_window: int = _f(100, "kl_adaptive: optimizer steps in the running mean of the drift.")
+    beta_min_ratio: float = _f(0.5, "kl_adaptive: beta never goes below this fraction of --beta.")
+    # reference
+    precompute_ref_log_probs: bool = _f(False, "Compute reference log-probs once before training (cached on disk) "
+                                               "and hold no reference model while training.")
+    precompute_ref_batch_size: int = _f(0, "Pairs per forward of the precompute pass (0: 4x per_device_train_batch_size; "
+                                           "with --max_tokens_per_batch, a 4x token budget).")
+    ref_cache_dir: str = _f("", "Reference cache dir (default $FASTDPO_CACHE_DIR/ref_logps or ~/.cache/fastdpo/ref_logps).")
+    sync_ref_model: bool = _f(False, "TR-DPO: every --ref_model_sync_steps, ref = alpha * policy + (1 - alpha) * ref.")
+    ref_model_mixup_alpha: float = _f(0.6, "TR-DPO mix-up weight alpha of the policy.")
+    ref_model_sync_steps: int = _f(512, "TR-DPO: optimizer steps between reference updates.")
     # run
     output_dir: str = _f("output", "Where checkpoints, metrics and the final model go.")
     seed: int = _f(42, "Seed for data order, init and dropout.")
@@ -114,14 +138,88 @@ class TrainConfig:
             raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
         if self.train_type == "lora" and self.lora_rank < 1:
             raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
+        self._validate_loss()
+        self._validate_reference()
         from fastdpo.distributed import parallel_plan
-        from fastdpo.losses import LOSSES
 
         parallel_plan(self.fsdp, self.deepspeed, self)  # raises on what cannot be honoured
 
-        for name in self.loss_type.split(","):
+    def _validate_loss(self) -> None:
+        from fastdpo.losses import F_DIVERGENCES, LOSSES
+
+        specs = {name: LOSSES[name] for name, _ in self.loss_terms()}
+        _choice("f_divergence_type", self.f_divergence_type, tuple(F_DIVERGENCES))
+        if self.f_divergence_type != "reverse_kl" and not all(sp.f_divergence for sp in specs.values()):
+            ok = ", ".join(n for n, sp in LOSSES.items() if sp.f_divergence)
+            raise FastDPOError(f"--f_divergence_type {self.f_divergence_type} is defined only for the losses built on "
+                               f"the reward difference ({ok}). Drop it or change --loss_type.")
+        if self.use_weighting and any(sp.sorts_step for sp in specs.values()):
+            raise FastDPOError("--use_weighting does not apply to aot / aot_unpaired (they sort pairs, so per-pair "
+                               "weights would not line up). Drop one of them.")
+        if "exo_pair" in specs and self.label_smoothing <= 0:
+            raise FastDPOError("--loss_type exo_pair needs --label_smoothing > 0 (the EXO paper uses 1e-3).")
+        if not 0 <= self.ld_alpha <= 1:
+            raise FastDPOError(f"--ld_alpha must be in [0, 1] (1 = plain DPO), got {self.ld_alpha}.")
+        if self.discopop_tau <= 0:
+            raise FastDPOError(f"--discopop_tau must be > 0, got {self.discopop_tau}.")
+        for name in ("rpo_alpha", "cpo_alpha", "orpo_alpha"):
+            if getattr(self, name) < 0:
+                raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
+        _choice("beta_schedule", self.beta_schedule, ("constant", "kl_adaptive"))
+        if self.beta_schedule == "kl_adaptive":
+            if not self.needs_reference():
+                raise FastDPOError("--beta_schedule kl_adaptive follows the policy-reference log-ratio, but "
+                                   f"--loss_type {self.loss_type} is reference-free. Use --beta_schedule constant.")
+            if self.beta_kl_window < 1 or not 0 < self.beta_min_ratio <= 1 or self.beta_kl_target < 0:
+                raise FastDPOError("kl_adaptive needs --beta_kl_window >= 1, --beta_min_ratio in (0, 1] and "
+                                   "--beta_kl_target >= 0.")
+
+    def _validate_reference(self) -> None:
+        if self.precompute_ref_batch_size < 0:
+            raise FastDPOError(f"--precompute_ref_batch_size must be >= 0, got {self.precompute_ref_batch_size}.")
+        if self.adapters and self.train_type != "lora":
+            raise FastDPOError("--adapters starts a LoRA adapter from a saved one: it needs --train_type lora.")
+        if self.ref_adapters and self.ref_model:
+            raise FastDPOError("Give either --ref_model or --ref_adapters (applied to --model), not both.")
+        if self.sync_ref_model:
+            if not self.needs_reference():
+                raise FastDPOError("--sync_ref_model has no reference to update: the loss is reference-free.")
+            if self.train_type == "lora":
+                raise FastDPOError("--sync_ref_model (TR-DPO) needs full fine-tuning: a LoRA reference is the "
+                                   "base model itself. Use --train_type full.")
+            if self.precompute_ref_log_probs:
+                raise FastDPOError("--sync_ref_model changes the reference during training, so it cannot be "
+                                   "precomputed. Drop --precompute_ref_log_probs.")
+            if not 0 <= self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
+                raise FastDPOError("TR-DPO needs --ref_model_mixup_alpha in [0, 1] and --ref_model_sync_steps >= 1.")
+
+    def loss_terms(self) -> list[tuple[str, float]]:
+        """[(loss name, weight)] from --loss_type and --loss_weights (comma strings, or YAML lists)."""
+        from fastdpo.losses import LOSSES
+
+        raw = self.loss_type if isinstance(self.loss_type, list) else str(self.loss_type).split(",")
+        names = [str(n).strip() for n in raw if str(n).strip()]
+        if not names:
+            raise FastDPOError("--loss_type is empty. Give a loss name, e.g. sigmoid.")
+        for name in names:
             if name not in LOSSES:
                 raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSSES))}.")
+        w = self.loss_weights
+        raw_w = w if isinstance(w, list) else [w] if isinstance(w, (int, float)) else str(w).split(",")
+        raw_w = [x for x in raw_w if str(x).strip()]
+        try:
+            weights = [float(x) for x in raw_w] or [1.0] * len(names)
+        except ValueError:
+            raise FastDPOError(f"--loss_weights {w!r}: expected comma-separated numbers, e.g. 1,0.1.") from None
+        if len(weights) != len(names):
+            raise FastDPOError(f"--loss_weights has {len(weights)} values for {len(names)} losses in --loss_type "
+                               f"{','.join(names)}. Give one weight per loss.")
+        return list(zip(names, weights))
+
+    def needs_reference(self) -> bool:
+        from fastdpo.losses import LOSSES
+
+        return any(LOSSES[name].needs_reference for name, _ in self.loss_terms())
 
     @property
     def pairs_per_step(self) -> int:

@@ -227,22 +227,35 @@ def barrier(d: Dist) -> None:
 
 
 class LogpsModule(torch.nn.Module):
-    """`sequence_logps` as one module forward: DDP and FSDP2 attach their hooks to module calls, and our forward
+    """`completion_logps` as one module forward: DDP and FSDP2 attach their hooks to module calls, and our forward
     runs the decoder and then reads the output head's weight directly (chunked log-probs), so the whole
-    computation must sit inside one call. Parameters are the wrapped model's (FQNs gain a `model.` prefix)."""
+    computation must sit inside one call. Parameters are the wrapped model's (FQNs gain a `model.` prefix).
+    Returns a tuple (the wrappers find tensors in tuples, not in our dataclass); `policy_logps` rebuilds SeqLogps.
+    `reference` runs the LoRA reference on this same module without grad: `adapter_off` or `ref_adapter`."""
 
     def __init__(self, model: torch.nn.Module, backend):
         super().__init__()
         self.model = model
         self.backend = backend
 
-    def forward(self, batch, mask, adapters_off: bool = False):
-        from fastdpo.model import sequence_logps
+    def forward(self, batch, mask, wpo: bool = False, reference: str = ""):
+        from fastdpo.reference import REF_ADAPTER, active_adapter
+        from fastdpo.seqlogps import completion_logps
 
-        if not adapters_off:
-            return sequence_logps(self.model, batch, self.backend, mask)
-        with torch.no_grad(), self.model.disable_adapter():
-            return sequence_logps(self.model, batch, self.backend, mask)
+        if not reference:
+            out = completion_logps(self.model, batch, self.backend, mask, wpo)
+        else:
+            off = reference == "adapter_off"
+            with torch.no_grad(), (self.model.disable_adapter() if off else active_adapter(self.model, REF_ADAPTER)):
+                out = completion_logps(self.model, batch, self.backend, mask, wpo)
+        return out.sums, out.shared, out.wpo
+
+
+def policy_logps(module: torch.nn.Module, batch, mask, wpo: bool = False, reference: str = ""):
+    """SeqLogps of a batch through a LogpsModule, plain or wrapped in DDP / FSDP2."""
+    from fastdpo.seqlogps import SeqLogps
+
+    return SeqLogps(*module(batch, mask, wpo, reference))
 
 
 def _sum_in_fp32(_state, bucket):
@@ -298,9 +311,9 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
     if reference.strategy in ("copy", "separate"):
         ref = LogpsModule(reference.model, backend)
         _shard(ref, d, reshard=True)
-        reference.runner = ref
-    elif reference.strategy == "adapter_off":
-        reference.runner = functools.partial(policy, adapters_off=True)
+        reference.runner = functools.partial(policy_logps, ref)
+    elif reference.strategy in ("adapter_off", "ref_adapter"):
+        reference.runner = functools.partial(policy_logps, policy, reference=reference.strategy)
     return policy
 
 
@@ -377,6 +390,19 @@ def reduce_metrics(metrics, d: Dist) -> None:
     dist.all_reduce(flat)
     metrics.sums = flat[:-2]
     metrics.pairs, metrics.tokens = int(flat[-2]), int(flat[-1])
+
+
+def reduce_beta_drift(beta, d: Dist) -> None:
+    """kl_adaptive beta: sum the step's drift and token count over all ranks before the schedule closes the step, so
+    every rank (and a run on one rank) sets the same next beta."""
+    if d.world_size == 1 or not beta.adaptive:
+        return
+    import torch.distributed as dist
+
+    both = torch.stack([beta._drift, beta._tokens])
+    dist.all_reduce(both)
+    beta._drift.copy_(both[0])
+    beta._tokens.copy_(both[1])
 
 
 def max_over_ranks(value: float, d: Dist, device: torch.device) -> float:

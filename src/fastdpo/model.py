@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 
 from fastdpo import attention
-from fastdpo.data.pack import PairBatch
+from fastdpo.data.pack import PairBatch, pack_pairs, pad_pairs
 from fastdpo.errors import FastDPOError
 from fastdpo.logprobs import sequence_sums, token_logps
 
 log = logging.getLogger("fastdpo")
 
 # Families whose attention is fully described by the pair rule (+ an optional uniform sliding window).
+FLEX_PAD = 128  # flex rows are padded to a multiple of its block size
 PACKED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "granite", "olmo2", "qwen3_moe"}
 
 
@@ -87,9 +88,20 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
     return model.to(device)
 
 
-def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str):
-    from peft import LoraConfig, get_peft_model
+def check_adapter_dir(path: str, flag: str) -> Path:
+    p = Path(path).expanduser()
+    if not (p / "adapter_config.json").is_file():
+        raise FastDPOError(f"{flag} {path}: not a PEFT adapter dir (adapter_config.json is missing). "
+                           "Point it at a directory written by save_pretrained of a LoRA model.")
+    return p
 
+
+def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, adapters: str = ""):
+    """Wrap `model` with a trainable LoRA adapter named "default": a fresh one, or the one saved in `adapters`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapters:
+        return PeftModel.from_pretrained(model, str(check_adapter_dir(adapters, "--adapters")), is_trainable=True)
     targets = "all-linear" if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
     try:
@@ -187,6 +199,20 @@ def decoder(model):
     return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
 
 
+def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0) -> PairBatch:
+    """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
+    padded to the token budget (one static shape, so compiled kernels are built once), or to a multiple of the flex
+    block for a pair longer than the budget."""
+    if backend.name == "padded":
+        batch = pad_pairs(pairs, pad_id)
+    elif backend.name == "flex":
+        tokens = sum(p.num_tokens for p in pairs)
+        batch = pack_pairs(pairs, budget if budget and tokens <= budget else FLEX_PAD, pad_id)
+    else:
+        batch = pack_pairs(pairs, 1, pad_id)
+    return batch.to(device)
+
+
 def build_mask(batch: PairBatch, backend: Backend):
     if backend.name == "flex":
         return attention.flex_block_mask(batch, backend.window)
@@ -195,15 +221,20 @@ def build_mask(batch: PairBatch, backend: Backend):
     return batch.attention_mask
 
 
-def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
+def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch.Tensor:
+    """(N, H) final hidden states at the positions that predict the N completion targets."""
     if mask is None:
         mask = build_mask(batch, backend)
     _set_attn(model, "sdpa" if backend.name == "padded" else attention.ATTN_NAME)
     hidden = decoder(model)(
         input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
     ).last_hidden_state
-    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+
+
+def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
+    hidden = target_hidden(model, batch, backend, mask)
     head = output_head(model)
     tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap)
     return sequence_sums(tok, batch.seq, batch.lengths.numel()), tok
@@ -219,7 +250,8 @@ def model_summary(model) -> dict:
 def save_model(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
     """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer. `state_dict`: full weights
     gathered from shards (FSDP2), saved instead of the model's own."""
-    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
+    only_trained = {"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}  # not a reference adapter
+    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict, **only_trained)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     (out / "fastdpo.json").write_text(json.dumps({"format": "fastdpo-model", "version": 1}))

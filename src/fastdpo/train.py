@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from fastdpo import checkpoint as ckpt
+from fastdpo.beta import BetaSchedule
 from fastdpo.config import TrainConfig, save_config
-from fastdpo.data.load import load_rows
-from fastdpo.data.pack import pack_pairs, pad_pairs, step_order
+from fastdpo.data.load import Row, load_rows
+from fastdpo.data.pack import step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
 from fastdpo.distributed import (
     Dist,
@@ -29,13 +30,15 @@ from fastdpo.distributed import (
     grad_sync,
     init_distributed,
     max_over_ranks,
+    policy_logps,
     rank_micro_batches,
+    reduce_beta_drift,
     reduce_metrics,
     shutdown,
     wrap_models,
 )
 from fastdpo.errors import FastDPOError
-from fastdpo.losses import LOSSES, LossInputs, LossParams
+from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
@@ -46,6 +49,7 @@ from fastdpo.model import (
     choose_backend,
     load_model,
     load_tokenizer,
+    make_batch,
     model_summary,
     prepare_packed,
     resolve_device,
@@ -53,10 +57,9 @@ from fastdpo.model import (
     save_model,
 )
 from fastdpo.optim import build_optimizer, build_scheduler
-from fastdpo.reference import Reference, build_reference
+from fastdpo.reference import Reference, build_reference, load_ref_adapter
 
 log = logging.getLogger("fastdpo")
-FLEX_PAD = 128
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Setup:
     pairs: list[TokenizedPair]
     total_steps: int
     steps_per_epoch: int
+    loss_terms: list[tuple[str, float]]  # (loss name, weight)
+    beta: BetaSchedule
 
 
 def seed_all(seed: int) -> None:
@@ -91,6 +96,19 @@ def check_output_dir(out: Path) -> None:
         raise FastDPOError(f"--output_dir {out} is not writable ({e.strerror}). Choose another directory.") from None
 
 
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id or 0
+
+
+def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair]]:
+    rows = load_rows(cfg.dataset, cfg.seed)
+    pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
+    if stats.dropped_prompt_too_long or stats.truncated:
+        log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
+                    stats.dropped_prompt_too_long, stats.truncated)
+    return rows, pairs
+
+
 def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     cfg.validate()
     out = Path(cfg.output_dir)
@@ -100,26 +118,24 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows = load_rows(cfg.dataset, cfg.seed)
-    pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
-    if stats.dropped_prompt_too_long or stats.truncated:
-        log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
-                    stats.dropped_prompt_too_long, stats.truncated)
+    rows, pairs = load_data(cfg, tokenizer)
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
-    ref_model = load_model(cfg.ref_model, dtype, device, cfg.trust_remote_code) if cfg.ref_model else None
-    return assemble(cfg, device, model, tokenizer, pairs, ref_model, d)
+    return assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
 
 
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
-             ref_model=None, d: Dist | None = None) -> Setup:
-    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts."""
+             ref_model=None, rows: list[Row] | None = None, d: Dist | None = None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts.
+    `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
+    key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     d = d or Dist()
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
-    needs_ref = any(LOSSES[n].needs_reference for n in cfg.loss_type.split(","))
-    reference = build_reference(model, cfg.train_type, ref_model, needs_ref, backend)
+    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model)
     if cfg.train_type == "lora":
-        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules)
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
+        if reference.strategy == "ref_adapter":
+            load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":
         prepare_packed(model, backend)
     apply_checkpointing(model, cfg.gradient_checkpointing)
@@ -130,17 +146,9 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
 
     steps_per_epoch = math.ceil(len(pairs) / (cfg.pairs_per_step * d.world_size))
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch)
-
-
-def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
-    """Build a micro-batch on `device`. Flex batches are padded to a multiple of the flex block; compiled code marks
-    the token dimension dynamic after the first new length, so lengths vary without recompiling."""
-    if backend.name == "padded":
-        batch = pad_pairs(pairs, pad_id)
-    else:
-        batch = pack_pairs(pairs, FLEX_PAD if backend.name == "flex" else 1, pad_id)
-    return batch.to(device)
+    beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
+    return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,
+                 cfg.loss_terms(), beta)
 
 
 def attended_pairs(p: TokenizedPair) -> int:
@@ -149,39 +157,61 @@ def attended_pairs(p: TokenizedPair) -> int:
     return n_p * (n_p + 1) // 2 + n_c * n_p + n_c * (n_c + 1) // 2 + n_r * n_p + n_r * (n_r + 1) // 2
 
 
+def chosen_targets(p: TokenizedPair) -> int:
+    """Predicted chosen tokens: no state predicts the first token of an unprompted completion."""
+    return len(p.chosen) - (len(p.prompt) == 0)
+
+
+@torch.no_grad()
+def step_logps(s: Setup, groups: list[list[TokenizedPair]]) -> tuple[StepView, list]:
+    """Every pair's log-probs over the whole step, without grad: losses that sort the step's pairs (aot) need the
+    ranks before any backward. One extra policy forward, for those losses only; the reference results are kept."""
+    parts, refs = [], []
+    for group in groups:
+        batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
+        mask = build_mask(batch, s.backend)
+        pol = policy_logps(s.policy, batch, mask)
+        refs.append(s.reference.logps(s.model, batch, s.backend, mask))
+        parts.append(loss_inputs(pol, refs[-1], batch.lengths, s.cfg.ld_alpha))
+    return step_view(parts), refs
+
+
 def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
     """Forward and backward over this rank's share of one optimizer step's pairs (all of them on one process);
     gradients accumulate in .grad and are summed across ranks on the last micro-step."""
     cfg, d = s.cfg, s.dist
     n_pairs = len(step_pairs)  # the whole step, all ranks
-    chosen_tokens = sum(len(p.chosen) for p in step_pairs)
-    params = LossParams(beta=cfg.beta, label_smoothing=cfg.label_smoothing)
-    pad_id = s.tokenizer.pad_token_id or 0
-    micro = rank_micro_batches(step_pairs, d.rank, d.world_size, cfg.max_tokens_per_batch,
-                               cfg.per_device_train_batch_size)
-    for i, group in enumerate(micro):
+    beta = s.beta.value()
+    params = loss_params(cfg, beta)
+    # NLL terms are token means over the step's chosen tokens, written per pair like every other term
+    tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
+    groups = rank_micro_batches(step_pairs, d.rank, d.world_size, cfg.max_tokens_per_batch,
+                                cfg.per_device_train_batch_size)
+    view, refs = None, None
+    if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
+        assert d.world_size == 1, "losses that sort the step are refused under torchrun (config validation)"
+        view, refs = step_logps(s, groups)
+    offset = 0
+    for i, group in enumerate(groups):
         real = bool(group)  # an empty share still runs (zero-weighted) so every rank joins the same collectives
-        batch = make_batch(group or step_pairs[:1], s.backend, pad_id, s.device)
+        batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device, cfg.max_tokens_per_batch)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
-        with grad_sync(s.policy, last=i == len(micro) - 1):
-            pol, _ = s.policy(batch, mask)
-            ref = s.reference.logps(s.model, batch, s.backend, mask) if s.reference.strategy != "none" else None
-            x = LossInputs(pol[:b], pol[b:], ref[:b] if ref is not None else None,
-                           ref[b:] if ref is not None else None, batch.lengths[:b], batch.lengths[b:])
-            loss = 0.0
-            for name in cfg.loss_type.split(","):
-                loss = loss + LOSSES[name].fn(x, params).sum()
+        with grad_sync(s.policy, last=i == len(groups) - 1):
+            pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
+            ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
+            in_step = at(view, offset, b) if view is not None else None
+            x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
             # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
-            loss = loss / n_pairs
-            if cfg.rpo_alpha:
-                loss = loss + cfg.rpo_alpha * (-x.policy_chosen.sum()) / max(1, chosen_tokens)
+            loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
             if not real:
                 loss = loss * 0.0
             loss.backward()
         if real:
-            metrics.add(loss, cfg.beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
+            s.beta.observe(x)
+            metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
                         x.ref_rejected, sum(p.num_tokens for p in group))
+        offset += b
 
 
 def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
@@ -203,18 +233,23 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     scheduler = build_scheduler(optimizer, cfg, s.total_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
     step_pairs_total = cfg.pairs_per_step * d.world_size
+    extra = {"reference": s.reference.model} if cfg.sync_ref_model else None
     start = 0
     resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
         check_resume_step_size(resume, cfg, d)
         if ckpt.is_sharded(resume):
-            ckpt.load_sharded_checkpoint(resume, model, optimizer, scheduler, d.rank)
+            ckpt.load_sharded_checkpoint(resume, model, optimizer, scheduler, d.rank, extra)
         elif d.sharded:
-            ckpt.load_unsharded_into_ranks(resume, model, optimizer, scheduler)
+            ckpt.load_unsharded_into_ranks(resume, model, optimizer, scheduler, extra)
         else:
             ckpt.load_weights(model, resume)
             ckpt.load_training_state(resume, optimizer, scheduler)
-        start = ckpt.load_progress(resume)["step"]
+            if cfg.sync_ref_model:
+                ckpt.load_extra_module(resume, "reference", s.reference.model)
+        state = ckpt.load_progress(resume)
+        start = state["step"]
+        s.beta.load_state_dict(state.get("beta", {}))
         log.info("Resumed from %s at step %d.", resume, start)
     if d.is_main:
         save_config(cfg, out / "config.yaml")
@@ -237,6 +272,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                 orders = {epoch: step_order(len(s.pairs), step_pairs_total, cfg.seed, epoch)}
             step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
+            beta = s.beta.value()
             run_step(s, step_pairs, metrics)
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = clip_grad_norm(trainable, max_norm)
@@ -244,18 +280,22 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            reduce_beta_drift(s.beta, d)
+            s.beta.step()
+            done = step + 1
+            if cfg.sync_ref_model and done % cfg.ref_model_sync_steps == 0:
+                s.reference.sync(model, cfg.ref_model_mixup_alpha)
 
             tokens = sum(p.num_tokens for p in step_pairs)
             rate.add(len(step_pairs), tokens)
             if peak:
                 flops += step_flops(lm_config, tokens, sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
-                                    sum(attended_pairs(p) for p in step_pairs), s.reference.strategy != "none")
-            done = step + 1
+                                    sum(attended_pairs(p) for p in step_pairs), s.reference.online)
             if done % cfg.logging_steps == 0 or done == s.total_steps:
                 t0 = rate.t0
                 reduce_metrics(metrics, d)
                 record = {"step": done, "epoch": round(step / s.steps_per_epoch + 1 / s.steps_per_epoch, 4),
-                          **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr}
+                          **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr, "beta": float(beta)}
                 if peak:
                     record["mfu"] = flops / max(time.perf_counter() - t0, 1e-9) / (peak * d.world_size)
                     flops = 0.0
@@ -267,12 +307,13 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             if cfg.save_steps > 0 and done % cfg.save_steps == 0 and done < s.total_steps:
-                state = {"epoch": epoch, "pairs_per_step": step_pairs_total, "world_size": d.world_size}
+                state = {"epoch": epoch, "beta": s.beta.state_dict(), "pairs_per_step": step_pairs_total,
+                         "world_size": d.world_size}
                 if d.sharded:
                     ckpt.save_sharded_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg,
-                                                 d.rank)
+                                                 d.rank, extra)
                 else:
-                    ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg)
+                    ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg, extra)
                 if d.is_main:
                     ckpt.rotate(out, cfg.save_total_limit)
     finally:
