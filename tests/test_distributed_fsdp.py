@@ -1,5 +1,5 @@
 """FSDP2 on two CPU ranks (gloo): same weights as one rank, a sharded checkpoint resumed on one rank, a consolidated
-`final/`, and LoRA with the adapters-off reference under --deepspeed zero2."""
+`final/`, and LoRA with the adapters-off reference and a step-sorting loss under --deepspeed zero2."""
 
 import pytest
 from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_ranks, weights
@@ -53,8 +53,10 @@ def test_one_rank_checkpoint_resumes_on_two_fsdp_ranks(fsdp):
 
 
 def test_zero2_lora_two_ranks_match_one_rank(tmp_path, model_dirs):
+    """LoRA with the adapters-off reference through the sharded module, and aot, which ranks pairs over the whole
+    step: the ranks gather the step's log-ratios before any backward."""
     common = dict(model=str(model_dirs("llama")), dataset=[str(dataset(tmp_path))], train_type="lora",
-                  lora_rank=4, lora_alpha=8, lora_dropout=0.0, **BASE)
+                  lora_rank=4, lora_alpha=8, lora_dropout=0.0, loss_type="aot", **BASE)
     run_ranks(2, output_dir=str(tmp_path / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
               deepspeed="zero2", **common)
     train(TrainConfig(output_dir=str(tmp_path / "ws1"), per_device_train_batch_size=4, gradient_accumulation_steps=2,

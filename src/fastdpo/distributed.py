@@ -405,6 +405,28 @@ def reduce_beta_drift(beta, d: Dist) -> None:
     beta._tokens.copy_(both[1])
 
 
+def gather_step_view(view, d: Dist, device: torch.device):
+    """The step-wide StepView over all ranks' pairs (rank order; `view` is this rank's, None without pairs), and
+    the position of this rank's first pair in it. Sorting losses (aot) then rank pairs over the whole step."""
+    if d.world_size == 1:
+        return view, 0
+    import torch.distributed as dist
+
+    from fastdpo.losses import StepView
+
+    names = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected")
+    local = torch.stack([getattr(view, n) for n in names]) if view is not None else torch.zeros(4, 0, device=device)
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(d.world_size)]
+    dist.all_gather(sizes, torch.tensor([local.shape[1]], device=device))
+    sizes = [int(n) for n in sizes]
+    padded = torch.zeros(4, max(sizes), dtype=torch.float32, device=device)
+    padded[:, : local.shape[1]] = local
+    parts = [torch.empty_like(padded) for _ in range(d.world_size)]
+    dist.all_gather(parts, padded)
+    full = torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
+    return StepView(*full.unbind(0)), sum(sizes[: d.rank])
+
+
 def max_over_ranks(value: float, d: Dist, device: torch.device) -> float:
     if d.world_size == 1:
         return value

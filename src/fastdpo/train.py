@@ -27,6 +27,7 @@ from fastdpo.distributed import (
     barrier,
     clip_grad_norm,
     full_state_dict,
+    gather_step_view,
     grad_sync,
     init_distributed,
     max_over_ranks,
@@ -163,17 +164,20 @@ def chosen_targets(p: TokenizedPair) -> int:
 
 
 @torch.no_grad()
-def step_logps(s: Setup, groups: list[list[TokenizedPair]]) -> tuple[StepView, list]:
-    """Every pair's log-probs over the whole step, without grad: losses that sort the step's pairs (aot) need the
-    ranks before any backward. One extra policy forward, for those losses only; the reference results are kept."""
+def step_logps(s: Setup, groups: list[list[TokenizedPair]], filler: list[TokenizedPair]) -> tuple[StepView, list, int]:
+    """Every pair's log-probs over the whole step (all ranks), without grad: losses that sort the step's pairs (aot)
+    need the ranks before any backward. One extra policy forward, for those losses only; the reference results are
+    kept. Also returns where this rank's pairs start in the step-wide view."""
     parts, refs = [], []
     for group in groups:
-        batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
+        batch = make_batch(group or filler, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
         mask = build_mask(batch, s.backend)
         pol = policy_logps(s.policy, batch, mask)
         refs.append(s.reference.logps(s.model, batch, s.backend, mask))
-        parts.append(loss_inputs(pol, refs[-1], batch.lengths, s.cfg.ld_alpha))
-    return step_view(parts), refs
+        if group:
+            parts.append(loss_inputs(pol, refs[-1], batch.lengths, s.cfg.ld_alpha))
+    view, start = gather_step_view(step_view(parts) if parts else None, s.dist, s.device)
+    return view, refs, start
 
 
 def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
@@ -187,11 +191,9 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
     tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
     groups = rank_micro_batches(step_pairs, d.rank, d.world_size, cfg.max_tokens_per_batch,
                                 cfg.per_device_train_batch_size)
-    view, refs = None, None
+    view, refs, offset = None, None, 0
     if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
-        assert d.world_size == 1, "losses that sort the step are refused under torchrun (config validation)"
-        view, refs = step_logps(s, groups)
-    offset = 0
+        view, refs, offset = step_logps(s, groups, step_pairs[:1])
     for i, group in enumerate(groups):
         real = bool(group)  # an empty share still runs (zero-weighted) so every rank joins the same collectives
         batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device, cfg.max_tokens_per_batch)
@@ -200,7 +202,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         with grad_sync(s.policy, last=i == len(groups) - 1):
             pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
             ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
-            in_step = at(view, offset, b) if view is not None else None
+            in_step = at(view, offset if real else 0, b) if view is not None else None
             x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
             # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
             loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
@@ -211,7 +213,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
             s.beta.observe(x)
             metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
                         x.ref_rejected, sum(p.num_tokens for p in group))
-        offset += b
+            offset += b
 
 
 def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
