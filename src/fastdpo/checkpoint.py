@@ -92,11 +92,20 @@ def complete_checkpoints(out_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def rotate(out_dir: Path, keep: int) -> None:
-    """Delete the oldest complete checkpoints beyond `keep` (0 keeps all); never the newest."""
+def rotate(out_dir: Path, keep: int, best: str | Path | None = None) -> None:
+    """Delete the oldest complete checkpoints beyond `keep` (0 keeps all); never the newest, never `best`.
+    As in HF: the best counts as one of the `keep` (ranked just below the newest), so keep=1 keeps two when the best
+    is not the newest."""
     if keep <= 0:
         return
-    for p in complete_checkpoints(out_dir)[:-keep]:
+    found = complete_checkpoints(out_dir)
+    names = [p.name for p in found]
+    best_name = Path(best).name if best else None
+    if best_name in names[:-1]:
+        best_path = found.pop(names.index(best_name))
+        found.insert(len(found) - 1, best_path)
+        keep = max(keep, 2)
+    for p in found[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
 
 

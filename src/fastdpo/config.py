@@ -19,7 +19,7 @@ import yaml
 from fastdpo.errors import FastDPOError
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
-ATTN_IMPLS = ("auto", "flex", "dense", "padded")
+ATTN_IMPLS = ("auto", "flex", "dense", "padded", "flash_attn", "flash_attention_2", "sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 CHECKPOINT_POLICIES = ("none", "full", "ffn", "attn")
 
@@ -38,7 +38,8 @@ class TrainConfig:
     model_type: str = _f("", "Expected model_type (e.g. qwen3, llama); checked against the model's config.")
     torch_dtype: str = _f("auto", "Parameter dtype: float32|bfloat16|float16|auto (bf16 on GPU, fp32 on CPU).")
     trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
-    train_type: str = _f("full", "full|lora.")
+    train_type: str = _f("full", "full|lora|qlora (qlora: LoRA on a 4-bit nf4 base; CUDA + bitsandbytes).")
+    quant_bits: int = _f(4, "Bits of the quantised base for --train_type qlora (4: nf4 with double quantisation; 8).")
     lora_rank: int = _f(8, "LoRA rank.")
     lora_alpha: int = _f(32, "LoRA alpha.")
     lora_dropout: float = _f(0.05, "LoRA dropout.")
@@ -54,7 +55,8 @@ class TrainConfig:
     max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: pack per_device_train_batch_size pairs).")
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
     attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
-    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K (true = full).")
+    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true = full).")
+    max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing auto` / `fastdpo tune` (0: 90% of the GPU).")
     torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")
     # schedule
     max_steps: int = _f(-1, "Optimizer steps to run (overrides num_train_epochs when > 0).")
@@ -96,6 +98,13 @@ class TrainConfig:
     sync_ref_model: bool = _f(False, "TR-DPO: every --ref_model_sync_steps, ref = alpha * policy + (1 - alpha) * ref.")
     ref_model_mixup_alpha: float = _f(0.6, "TR-DPO mix-up weight alpha of the policy.")
     ref_model_sync_steps: int = _f(512, "TR-DPO: optimizer steps between reference updates.")
+    # evaluation during training
+    val_dataset: list = _f([], "Held-out preference files (like --dataset) evaluated during training.", nargs="+")
+    split_dataset_ratio: float = _f(0.0, "Hold out this fraction of --dataset for evaluation (without --val_dataset).")
+    eval_steps: int = _f(0, "Evaluate every N optimizer updates (0: at every save and at the end) on the held-out pairs.")
+    metric_for_best_model: str = _f("loss", "Eval metric ranking checkpoints (loss, rewards/accuracies, ...); the best "
+                                    "checkpoint is never rotated away.")
+    greater_is_better: bool | None = _f(None, "Whether larger metric_for_best_model is better (default: no for losses).")
     # run
     output_dir: str = _f("output", "Where checkpoints, metrics and the final model go.")
     seed: int = _f(42, "Seed for data order, init and dropout.")
@@ -116,11 +125,14 @@ class TrainConfig:
             raise FastDPOError("--model is required: a local HF model dir or a hub id.")
         if not self.dataset:
             raise FastDPOError("--dataset is required: one or more JSONL/JSON files with prompt/chosen/rejected.")
-        _choice("train_type", self.train_type, ("full", "lora"))
+        _choice("train_type", self.train_type, ("full", "lora", "qlora"))
+        if self.train_type == "qlora" and self.quant_bits not in (4, 8):
+            raise FastDPOError(f"--quant_bits must be 4 or 8 for --train_type qlora, got {self.quant_bits}.")
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
-        checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
+        if self.gradient_checkpointing != "auto":
+            checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
@@ -136,10 +148,11 @@ class TrainConfig:
             raise FastDPOError(f"--learning_rate must be >= 0, got {self.learning_rate}.")
         if self.max_tokens_per_batch and self.max_tokens_per_batch < 16:
             raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
-        if self.train_type == "lora" and self.lora_rank < 1:
+        if self.uses_lora and self.lora_rank < 1:
             raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
         self._validate_loss()
         self._validate_reference()
+        self._validate_eval()
         from fastdpo.distributed import parallel_plan
 
         parallel_plan(self.fsdp, self.deepspeed, self)  # raises on what cannot be honoured
@@ -177,14 +190,14 @@ class TrainConfig:
     def _validate_reference(self) -> None:
         if self.precompute_ref_batch_size < 0:
             raise FastDPOError(f"--precompute_ref_batch_size must be >= 0, got {self.precompute_ref_batch_size}.")
-        if self.adapters and self.train_type != "lora":
+        if self.adapters and not self.uses_lora:
             raise FastDPOError("--adapters starts a LoRA adapter from a saved one: it needs --train_type lora.")
         if self.ref_adapters and self.ref_model:
             raise FastDPOError("Give either --ref_model or --ref_adapters (applied to --model), not both.")
         if self.sync_ref_model:
             if not self.needs_reference():
                 raise FastDPOError("--sync_ref_model has no reference to update: the loss is reference-free.")
-            if self.train_type == "lora":
+            if self.uses_lora:
                 raise FastDPOError("--sync_ref_model (TR-DPO) needs full fine-tuning: a LoRA reference is the "
                                    "base model itself. Use --train_type full.")
             if self.precompute_ref_log_probs:
@@ -220,6 +233,28 @@ class TrainConfig:
         from fastdpo.losses import LOSSES
 
         return any(LOSSES[name].needs_reference for name, _ in self.loss_terms())
+
+    def _validate_eval(self) -> None:
+        from fastdpo.evaluate import check_metric_name
+
+        if not 0 <= self.split_dataset_ratio < 1:
+            raise FastDPOError(f"--split_dataset_ratio must be in [0, 1), got {self.split_dataset_ratio}.")
+        if self.val_dataset and self.split_dataset_ratio > 0:
+            raise FastDPOError("Give --val_dataset or --split_dataset_ratio, not both.")
+        if self.eval_steps < 0:
+            raise FastDPOError(f"--eval_steps must be >= 0, got {self.eval_steps}.")
+        has_val = bool(self.val_dataset) or self.split_dataset_ratio > 0
+        if self.eval_steps > 0 and not has_val:
+            raise FastDPOError("--eval_steps needs held-out pairs: add --val_dataset FILE or --split_dataset_ratio R.")
+        if has_val and self.eval_steps > 0 and self.save_steps > 0 and self.save_steps % self.eval_steps:
+            raise FastDPOError(f"--save_steps {self.save_steps} must be a multiple of --eval_steps {self.eval_steps}, so "
+                               "every checkpoint has an evaluation to rank it by.")
+        check_metric_name(self.metric_for_best_model)
+
+    @property
+    def uses_lora(self) -> bool:
+        """LoRA adapters are trained (on a full-precision or a quantised base)."""
+        return self.train_type in ("lora", "qlora")
 
     @property
     def pairs_per_step(self) -> int:
@@ -281,6 +316,7 @@ def _parse_dict(text: str) -> dict:
 
 def _flag_type(f: dataclasses.Field) -> Any:
     t = f.type if isinstance(f.type, str) else f.type.__name__
+    t = t.replace(" | None", "")
     return {"bool": _parse_bool, "int": int, "float": float, "dict": _parse_dict, "list": str}.get(t, str)
 
 
@@ -326,8 +362,9 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
             values[name] = getattr(args, name)
     if "gradient_checkpointing" in values:
         values["gradient_checkpointing"] = str(values["gradient_checkpointing"]).lower()
-    if isinstance(values.get("dataset"), str):
-        values["dataset"] = [values["dataset"]]
+    for name in ("dataset", "val_dataset"):
+        if isinstance(values.get(name), str):
+            values[name] = [values[name]]
     return cls(**values)
 
 
@@ -350,6 +387,9 @@ def load_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise FastDPOError(f"{path}: unknown key {key!r}.{hint}")
         typ = _flag_type(fields[key])
+        if value is None and fields[key].default is None:  # an optional flag left unset (e.g. greater_is_better)
+            out[key] = None
+            continue
         try:
             if typ is _parse_bool and not isinstance(value, bool):
                 value = _parse_bool(value)

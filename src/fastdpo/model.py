@@ -61,10 +61,29 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
+def quantization_config(bits: int, device: torch.device, dtype: torch.dtype):
+    """bitsandbytes settings for a QLoRA base: nf4 with double quantisation (4 bits), or LLM.int8 (8 bits)."""
+    if device.type != "cuda":
+        raise FastDPOError("--train_type qlora needs a CUDA GPU (bitsandbytes kernels). On CPU use --train_type lora.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise FastDPOError("--train_type qlora needs bitsandbytes: pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    if bits == 4:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               model_type: str = ""):
-    """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention."""
+               model_type: str = "", quant_bits: int = 0):
+    """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
+    `quant_bits` 4 or 8 loads a quantised base for QLoRA."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    quant = quantization_config(quant_bits, device, dtype) if quant_bits else None
 
     if _is_local(path):
         p = Path(path).expanduser()
@@ -80,12 +99,13 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             "Drop --model_type or point --model at the right model."
         )
     try:
+        extra = {"quantization_config": quant, "device_map": {"": device}} if quant else {}
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **extra
         )
     except (OSError, ValueError) as e:
         raise FastDPOError(f"Cannot load model weights from {path}: {str(e).splitlines()[0]}") from None
-    return model.to(device)
+    return model if quant else model.to(device)
 
 
 def check_adapter_dir(path: str, flag: str) -> Path:
@@ -159,9 +179,21 @@ class Backend:
     window: int | None = None
 
 
+# Names users bring from ms-swift / transformers scripts, and why the packed backend serves them instead.
+_VARLEN = ("Variable-length kernels (flash-attn) cannot express the prefix-shared rule, where rejected tokens see the "
+           "prompt but not chosen; FlexAttention runs that rule directly, with the prompt computed once.")
+FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
+                "sdpa": "The packed layout needs its own mask; SDPA is what the dense and padded paths use.",
+                "eager": "The packed layout needs its own mask; the padded path uses the model's own attention."}
+
+
 def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device) -> Backend:
     """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
     cfg = base_causal_lm(model).config
+    if attn_impl in FOREIGN_ATTN:
+        log.info("--attn_impl %s: using the %s backend. %s", attn_impl, "flex" if device.type == "cuda" else "dense",
+                 FOREIGN_ATTN[attn_impl])
+        attn_impl = "auto"
     if not padding_free or attn_impl == "padded":
         return Backend("padded")
     ok, window, reason = sliding_window(cfg)
@@ -230,6 +262,11 @@ def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch
         input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
     ).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+
+
+def use_model_attention(model) -> None:
+    """Give the model back its own (SDPA) attention, e.g. before `generate`, after packed forwards."""
+    _set_attn(model, "sdpa")
 
 
 def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -145,7 +145,7 @@ def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[Toke
     if cfg.precompute_ref_log_probs:
         table = precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id, ref_model)
         return Reference("precompute", table=table)
-    if cfg.train_type == "lora" and not cfg.ref_model and ref_model is None:
+    if cfg.uses_lora and not cfg.ref_model and ref_model is None:
         return Reference("ref_adapter" if cfg.ref_adapters else "adapter_off")
     param = next(policy.parameters())
     if ref_model is not None or cfg.ref_model:

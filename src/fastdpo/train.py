@@ -11,7 +11,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from fastdpo.distributed import (
     wrap_models,
 )
 from fastdpo.errors import FastDPOError
+from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
@@ -80,6 +81,8 @@ class Setup:
     steps_per_epoch: int
     loss_terms: list[tuple[str, float]]  # (loss name, weight)
     beta: BetaSchedule
+    val_pairs: list[TokenizedPair] = field(default_factory=list)  # held-out pairs for evaluation during training
+    val_reference: Reference | None = None  # their precomputed reference (None: the training reference)
 
 
 def seed_all(seed: int) -> None:
@@ -102,12 +105,19 @@ def pad_id(tokenizer) -> int:
 
 
 def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair]]:
-    rows = load_rows(cfg.dataset, cfg.seed)
+    """The training rows and pairs (held-out rows excluded)."""
+    return load_splits(cfg, tokenizer)[:2]
+
+
+def load_splits(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
+    """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio)."""
+    rows, val_rows = held_out_rows(cfg, load_rows(cfg.dataset, cfg.seed))
     pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
     if stats.dropped_prompt_too_long or stats.truncated:
         log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
                     stats.dropped_prompt_too_long, stats.truncated)
-    return rows, pairs
+    val_pairs = tokenize_rows(tokenizer, val_rows, cfg.max_length)[0] if val_rows else []
+    return rows, pairs, val_rows, val_pairs
 
 
 def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
@@ -119,10 +129,19 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows, pairs = load_data(cfg, tokenizer)
+    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer)
+    if cfg.gradient_checkpointing == "auto":
+        from fastdpo.tune import auto_policy
 
-    model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
-    return assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
+        dict_rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in rows]
+        cfg.gradient_checkpointing = auto_policy(cfg, dict_rows, device)
+
+    model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
+                       cfg.quant_bits if cfg.train_type == "qlora" else 0)
+    val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
+    s = assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
+    s.val_pairs, s.val_reference = val_pairs, val_reference
+    return s
 
 
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
@@ -133,7 +152,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     d = d or Dist()
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model)
-    if cfg.train_type == "lora":
+    if cfg.uses_lora:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
         if reference.strategy == "ref_adapter":
             load_ref_adapter(model, cfg.ref_adapters)
@@ -253,6 +272,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         start = state["step"]
         s.beta.load_state_dict(state.get("beta", {}))
         log.info("Resumed from %s at step %d.", resume, start)
+    evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
+                             s.val_reference)
     if d.is_main:
         save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
@@ -306,18 +327,23 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                 if sink is not None:
                     sink.log(record)
                 last = record
+            if evaluator.due(done, s.total_steps):  # every rank evaluates (the forwards are collective)
+                record = evaluator.run(s, done, round(done / s.steps_per_epoch, 4))
+                if sink is not None:
+                    sink.log(record)
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             if cfg.save_steps > 0 and done % cfg.save_steps == 0 and done < s.total_steps:
-                state = {"epoch": epoch, "beta": s.beta.state_dict(), "pairs_per_step": step_pairs_total,
-                         "world_size": d.world_size}
+                evaluator.best.saved(done, out / f"checkpoint-{done}")
+                state = {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress(),
+                         "pairs_per_step": step_pairs_total, "world_size": d.world_size}
                 if d.sharded:
                     ckpt.save_sharded_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg,
                                                  d.rank, extra)
                 else:
                     ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg, extra)
                 if d.is_main:
-                    ckpt.rotate(out, cfg.save_total_limit)
+                    ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint)
     finally:
         if bar is not None:
             bar[0].stop()
@@ -336,7 +362,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             shutil.rmtree(final)
         tmp.rename(final)
     barrier(d)
-    return {"final_dir": str(final), "last": last, **summary}
+    evaluator.best.saved(s.total_steps, final)
+    return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
 
 
 def check_resume_step_size(resume: Path, cfg: TrainConfig, d: Dist) -> None:
