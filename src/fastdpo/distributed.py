@@ -57,6 +57,14 @@ def parallel_plan(fsdp: str, deepspeed: str, cfg=None) -> Plan:
     shard_grad_op = zero2: FSDP2 keeping gathered parameters from forward to backward.
     no_shard (or nothing): DDP.
     """
+    plan = _requested_plan(fsdp, deepspeed, cfg)
+    if plan.mode == "fsdp" and cfg is not None and cfg.train_type == "qlora":
+        raise FastDPOError("--train_type qlora cannot be sharded with FSDP2 (4-bit base weights). Drop --fsdp/--deepspeed "
+                           "to use DDP: QLoRA trains only the adapters, which DDP replicates cheaply.")
+    return plan
+
+
+def _requested_plan(fsdp: str, deepspeed: str, cfg) -> Plan:
     if fsdp and deepspeed:
         raise FastDPOError("--fsdp and --deepspeed both set: choose one (--deepspeed zero3 = --fsdp full_shard).")
     if deepspeed:
