@@ -61,16 +61,19 @@ def torchrun_args(argv: list[str], env: dict, visible_gpus: int) -> list[str]:
 
 
 def failure_message(failures: dict) -> str:
-    """One message from torchrun's failures {global rank: ProcessFailure}: the rank that failed first by itself,
-    then the ranks the launcher stopped (SIGTERM) because of it."""
+    """One message from torchrun's failures {global rank: ProcessFailure}: first the likely cause (a rank killed
+    outright, else the earliest error exit), then the others; ranks the launcher stopped with SIGTERM come last."""
 
-    def stopped(f) -> bool:
-        return f.exitcode == -signal.SIGTERM
+    def stopped(f) -> bool:  # ended by the launcher (SIGTERM), directly or after a graceful stop (128 + 15)
+        return f.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+
+    def by_signal(f) -> bool:  # killed outright (SIGKILL, SIGSEGV, ...): a cause, not a consequence
+        return f.exitcode < 0 and not stopped(f)
 
     def how(f) -> str:
         return f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
 
-    order = sorted(failures, key=lambda r: (stopped(failures[r]), failures[r].timestamp, r))
+    order = sorted(failures, key=lambda r: (not by_signal(failures[r]), stopped(failures[r]), failures[r].timestamp, r))
     first = failures[order[0]]
     msg = f"rank {order[0]} (local rank {first.local_rank}, pid {first.pid}) {how(first)}"
     if order[1:]:
@@ -81,6 +84,7 @@ def failure_message(failures: dict) -> str:
 def launch(argv: list[str]) -> int:
     """Run `fastdpo <argv>` on NPROC_PER_NODE workers of this node; returns 0 or raises FastDPOError."""
     import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -92,4 +96,8 @@ def launch(argv: list[str]) -> int:
         run(parse_args(args))
     except ChildFailedError as e:
         raise FastDPOError(failure_message(e.failures)) from None
+    except SignalException as e:  # preemption: the workers got the signal too, finished their step and saved
+        log.warning("%s: workers stopped after a checkpoint. Continue with --resume_from_checkpoint latest.",
+                    e.sigval.name)
+        return 128 + int(e.sigval)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +93,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise FastDPOError(f"Cannot read the model config of {path}: {str(e).splitlines()[0]}") from None
+        hint = " Pass --trust_remote_code true only if you trust that code." if "custom code" in str(e) else ""
+        raise FastDPOError(f"Cannot read the model config of {path}: {str(e).splitlines()[0]}{hint}") from None
     if model_type and model_type != config.model_type:
         raise FastDPOError(
             f"--model_type {model_type!r} does not match {path}, whose config.json says {config.model_type!r}. "
@@ -105,6 +107,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
         )
     except (OSError, ValueError) as e:
         raise FastDPOError(f"Cannot load model weights from {path}: {str(e).splitlines()[0]}") from None
+    except pickle.UnpicklingError:  # a .bin file holding more than tensors: torch.load(weights_only=True) refused it
+        raise FastDPOError(
+            f"{path}: the PyTorch weight file holds objects other than tensors and was not loaded (it could run code). "
+            "Use a model saved as safetensors."
+        ) from None
     return model if quant else model.to(device)
 
 

@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import random
-import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from fastdpo.data.pack import step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
 from fastdpo.distributed import (
     Dist,
+    any_rank,
     barrier,
     clip_grad_norm,
     full_state_dict,
@@ -56,10 +57,10 @@ from fastdpo.model import (
     prepare_packed,
     resolve_device,
     resolve_dtype,
-    save_model,
 )
 from fastdpo.optim import build_optimizer, build_scheduler
 from fastdpo.reference import Reference, build_reference, load_ref_adapter
+from fastdpo.signals import GracefulStop
 
 log = logging.getLogger("fastdpo")
 
@@ -256,6 +257,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     step_pairs_total = cfg.pairs_per_step * d.world_size
     extra = {"reference": s.reference.model} if cfg.sync_ref_model else None
     start = 0
+    if d.is_main:
+        ckpt.clean_partial(out)  # leftovers of a write or delete a kill interrupted
     resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
         check_resume_step_size(resume, cfg, d)
@@ -271,7 +274,11 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         state = ckpt.load_progress(resume)
         start = state["step"]
         s.beta.load_state_dict(state.get("beta", {}))
+        if d.is_main:
+            ckpt.truncate_metrics(out / "metrics.jsonl", start)
         log.info("Resumed from %s at step %d.", resume, start)
+    ckpt.warn_later_checkpoints(out, start)
+    ckpt.check_disk_space(out, model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
                              s.val_reference)
     if d.is_main:
@@ -288,6 +295,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     bar = _progress_bar(console, s.total_steps, start) if progress and console is not None else None
     orders: dict[int, list[list[int]]] = {}
     last: dict = {}
+    stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
+    stopped_at: Path | None = None
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
@@ -333,34 +342,41 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                     sink.log(record)
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
-            if cfg.save_steps > 0 and done % cfg.save_steps == 0 and done < s.total_steps:
+            periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
+            stopping = any_rank(stop.requested, d, device)  # all ranks stop after the same step
+            if (periodic or stopping) and done < s.total_steps:
+                evaluator.best.saved(done, out / f"checkpoint-{done}")
                 evaluator.best.saved(done, out / f"checkpoint-{done}")
                 state = {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress(),
                          "pairs_per_step": step_pairs_total, "world_size": d.world_size}
                 if d.sharded:
-                    ckpt.save_sharded_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg,
-                                                 d.rank, extra)
+                    saved = ckpt.save_sharded_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state,
+                                                         cfg, d.rank, extra)
                 else:
-                    ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg, extra)
+                    saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg, extra)
                 if d.is_main:
-                    ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint)
+                    ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint, keep=saved)
+                if stopping:
+                    stopped_at = saved
+                    break
     finally:
+        stop.restore()
         if bar is not None:
             bar[0].stop()
         if sink is not None:
             sink.close()
 
-    final = out / "final"
+    if stopped_at is not None:
+        log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
+                    stop.name or "a signal to another rank", done, stopped_at)
+        return {"final_dir": None, "stopped": stop.name or "SIGTERM", "checkpoint": str(stopped_at),
+                "exit_code": stop.exit_code() if stop.requested else 128 + signal.SIGTERM,
+                "last": last, **summary, **evaluator.summary()}
     weights = full_state_dict(model, d)  # FSDP2: every rank sends its shards to rank 0
+    final = out / "final"
     if d.is_main:
-        tmp = out / ".final.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        save_model(model, s.tokenizer, tmp, weights)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        with stop:  # a signal now lets the final write finish
+            final = ckpt.save_final(out, model, s.tokenizer, weights)
     barrier(d)
     evaluator.best.saved(s.total_steps, final)
     return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
