@@ -435,6 +435,17 @@ def gather_step_view(view, d: Dist, device: torch.device):
     return StepView(*full.unbind(0)), sum(sizes[: d.rank])
 
 
+def any_rank(flag: bool, d: Dist, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on some rank (e.g. a stop signal that reached only some processes)."""
+    if d.world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def max_over_ranks(value: float, d: Dist, device: torch.device) -> float:
     if d.world_size == 1:
         return value
