@@ -37,20 +37,26 @@ def _worker(rank: int, world: int, port: int, kwargs: dict) -> None:
     from fastdpo.train import train
 
     try:
-        train(TrainConfig(**kwargs), progress=False)
+        result = train(TrainConfig(**kwargs), progress=False)
     except BaseException:
         traceback.print_exc()
         os._exit(1)
+    os._exit(result.get("exit_code", 0))
 
 
-def run_ranks(world: int, timeout: float = 120, **kwargs) -> None:
-    """Train with `kwargs` on `world` ranks; fail the test if any rank fails or the job outlives `timeout`."""
+def start_ranks(world: int, **kwargs) -> list:
+    """Start `world` ranks training with `kwargs`; returns their processes."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "transformers", "fastdpo.train", "dist_helpers"])
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, kwargs)) for r in range(world)]
     for p in procs:
         p.start()
+    return procs
+
+
+def join_ranks(procs: list, timeout: float = 120) -> list[int]:
+    """Wait for the ranks (killing them after `timeout`, which fails the test); returns their exit codes."""
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -58,8 +64,13 @@ def run_ranks(world: int, timeout: float = 120, **kwargs) -> None:
     for p in alive:
         p.kill()
     assert not alive, f"ranks still running after {timeout}s"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [p.exitcode for p in procs]
 
+
+def run_ranks(world: int, timeout: float = 120, **kwargs) -> None:
+    """Train with `kwargs` on `world` ranks; fail the test if any rank fails or the job outlives `timeout`."""
+    codes = join_ranks(start_ranks(world, **kwargs), timeout)
+    assert codes == [0] * world, codes
 
 def weights(out: Path) -> dict:
     return load_file(str(out / "final" / "model.safetensors"))

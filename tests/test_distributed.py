@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import random_pairs
-from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_ranks, weights
+from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metrics, run_ranks, start_ranks, weights
 
 from fastdpo.cli import main
 from fastdpo.config import TrainConfig
@@ -171,6 +171,25 @@ def test_resume_with_another_step_size_is_refused(ddp):
                            "resume_from_checkpoint": str(tmp / "ws2" / "checkpoint-3")})
     with pytest.raises(FastDPOError, match="8 pairs per optimizer step; this run has 4.*--gradient_accumulation_steps 2"):
         train(wrong, progress=False)
+
+
+def test_a_signal_to_one_rank_stops_all_after_the_same_step(ddp, model_dirs):
+    """SIGTERM to rank 1 only: both ranks finish the step, write one sharded checkpoint together and exit 143 (a
+    rank that stopped alone would leave the other waiting in a collective)."""
+    tmp, one = ddp
+    out = tmp / "stopped"
+    procs = start_ranks(2, **{**one.to_dict(), "output_dir": str(out), "per_device_train_batch_size": 2,
+                              "max_steps": 100000})
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+        assert all(p.is_alive() for p in procs) and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    assert join_ranks(procs, timeout=60) == [143, 143]
+    saved = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+    assert len(saved) == 1 and (saved[0] / "sharded" / ".metadata").is_file()
+    step = json.loads((saved[0] / "state" / "trainer_state.json").read_text())["step"]
+    assert [r["step"] for r in metrics(out)] == list(range(1, step + 1))
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc")

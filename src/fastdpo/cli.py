@@ -39,8 +39,9 @@ def cmd_train(args: argparse.Namespace, console) -> int:
     cfg = build_config(args, TrainConfig)
     result = train(cfg, console=console, progress=not cfg.disable_progress)
     if result.get("stopped"):
-        console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; continue with "
-                      "--resume_from_checkpoint latest", highlight=False)
+        if _rank() == 0:
+            console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; "
+                          "continue with --resume_from_checkpoint latest", highlight=False)
         return result["exit_code"]
     if _rank() == 0:
         console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
