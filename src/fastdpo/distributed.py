@@ -216,6 +216,26 @@ def init_distributed(cfg, timeout_s: float | None = None) -> Dist:
     return Dist(rank, world, local_rank, plan.mode, plan.reshard_after_forward)
 
 
+class _NoHeartbeat:
+    def beat(self, step: int, phase: str) -> None:
+        pass
+
+    def start(self) -> _NoHeartbeat:
+        return self
+
+    def stop(self) -> None:
+        pass
+
+
+def heartbeat(cfg, d: Dist):
+    """The cross-rank heartbeat of heartbeat.py (stall after min(300 s, --ddp_timeout / 3)); a no-op on one process."""
+    if d.world_size == 1:
+        return _NoHeartbeat()
+    from fastdpo.heartbeat import Heartbeat
+
+    return Heartbeat.for_process_group(ddp_timeout=cfg.ddp_timeout)
+
+
 def shutdown(d: Dist) -> None:
     if d.world_size > 1:
         import torch.distributed as dist

@@ -22,6 +22,7 @@ from fastdpo.config import TrainConfig, save_config
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import step_order
 from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
+from fastdpo.diagnostics import oom_error
 from fastdpo.distributed import (
     Dist,
     any_rank,
@@ -30,6 +31,7 @@ from fastdpo.distributed import (
     full_state_dict,
     gather_step_view,
     grad_sync,
+    heartbeat,
     init_distributed,
     max_over_ranks,
     policy_logps,
@@ -43,7 +45,7 @@ from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers
-from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
+from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
     Backend,
     add_lora,
@@ -58,6 +60,7 @@ from fastdpo.model import (
     resolve_device,
     resolve_dtype,
 )
+from fastdpo.monitor import Monitor
 from fastdpo.optim import build_optimizer, build_scheduler
 from fastdpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.signals import GracefulStop
@@ -232,7 +235,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         if real:
             s.beta.observe(x)
             metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
-                        x.ref_rejected, sum(p.num_tokens for p in group))
+                        x.ref_rejected, sum(p.num_tokens for p in group), x.chosen_tokens, x.rejected_tokens)
             offset += b
 
 
@@ -240,7 +243,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     """Train per `cfg`; returns a summary (final dir, last metrics). Under torchrun every rank calls this; only rank
     0 logs and writes files other than checkpoint shards."""
     cfg.validate()
-    d = init_distributed(cfg)
+    d = init_distributed(cfg, timeout_s=cfg.ddp_timeout)
     try:
         return run_training(cfg, d, console if d.is_main else None, progress and d.is_main)
     finally:
@@ -287,7 +290,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
 
-    sink = MetricsSink(out, console, append=resume is not None) if d.is_main else None
+    monitor = Monitor(cfg, out, console, optimizer, start, write=d.is_main)  # rank 0 writes the sinks
     lm_config = base_causal_lm(model).config
     peak = device_peak_flops(device)
     rate = Throughput()
@@ -295,8 +298,10 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     bar = _progress_bar(console, s.total_steps, start) if progress and console is not None else None
     orders: dict[int, list[list[int]]] = {}
     last: dict = {}
+    step_pairs: list[TokenizedPair] = []
     stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
     stopped_at: Path | None = None
+    hb = heartbeat(cfg, d).start()  # names a rank that stops progressing, long before --ddp_timeout
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
@@ -305,11 +310,16 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
             beta = s.beta.value()
+            hb.beat(step + 1, "forward")
             run_step(s, step_pairs, metrics)
+            reduce_metrics(metrics, d)  # the step's sums over all ranks: the guard below decides alike everywhere
+            hb.beat(step + 1, "optimizer")
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = clip_grad_norm(trainable, max_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            # a NaN/Inf loss or gradient skips the update (counted; N in a row stop the run)
+            if monitor.finite_update(metrics.loss_sum, grad_norm, step + 1, [p.index for p in step_pairs]):
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             reduce_beta_drift(s.beta, d)
@@ -325,7 +335,6 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                                     sum(attended_pairs(p) for p in step_pairs), s.reference.online)
             if done % cfg.logging_steps == 0 or done == s.total_steps:
                 t0 = rate.t0
-                reduce_metrics(metrics, d)
                 record = {"step": done, "epoch": round(step / s.steps_per_epoch + 1 / s.steps_per_epoch, 4),
                           **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr, "beta": float(beta)}
                 if peak:
@@ -333,19 +342,17 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                     flops = 0.0
                 record.update(rate.read())
                 record["memory/peak_gib"] = round(max_over_ranks(peak_memory_gib(device), d, device), 3)
-                if sink is not None:
-                    sink.log(record)
+                monitor.log(record)  # adds the vital signs, raises alerts, writes every sink
                 last = record
             if evaluator.due(done, s.total_steps):  # every rank evaluates (the forwards are collective)
-                record = evaluator.run(s, done, round(done / s.steps_per_epoch, 4))
-                if sink is not None:
-                    sink.log(record)
+                hb.beat(done, "eval")
+                monitor.write(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
             stopping = any_rank(stop.requested, d, device)  # all ranks stop after the same step
             if (periodic or stopping) and done < s.total_steps:
-                evaluator.best.saved(done, out / f"checkpoint-{done}")
+                hb.beat(done, "save")
                 evaluator.best.saved(done, out / f"checkpoint-{done}")
                 state = {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress(),
                          "pairs_per_step": step_pairs_total, "world_size": d.world_size}
@@ -359,12 +366,14 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                 if stopping:
                     stopped_at = saved
                     break
+    except torch.OutOfMemoryError as e:
+        raise oom_error(e, cfg, device, step_pairs) from None
     finally:
+        hb.stop()
         stop.restore()
         if bar is not None:
             bar[0].stop()
-        if sink is not None:
-            sink.close()
+        monitor.close()
 
     if stopped_at is not None:
         log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
@@ -379,6 +388,10 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             final = ckpt.save_final(out, model, s.tokenizer, weights)
     barrier(d)
     evaluator.best.saved(s.total_steps, final)
+    if cfg.plot and d.is_main:
+        from fastdpo.plot import write_dashboard
+
+        log.info("Dashboard: %s", write_dashboard(out))
     return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
 
 
