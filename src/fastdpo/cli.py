@@ -41,6 +41,12 @@ def cmd_train(args: argparse.Namespace, console) -> int:
     return 0
 
 
+def cmd_check_data(args: argparse.Namespace, console) -> int:
+    from fastdpo.data.check import run_check_data
+
+    return run_check_data(build_config(args, TrainConfig), console)
+
+
 def cmd_demo(args: argparse.Namespace, console) -> int:
     from fastdpo.demo import run_demo
 
@@ -56,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="Train with DPO.", allow_abbrev=False)
     add_config_flags(t, TrainConfig)
     t.set_defaults(func=cmd_train)
+    c = sub.add_parser("check-data", help="Check every dataset row; with --model, token lengths and what "
+                       "--max_length would drop. Takes the train flags (and --config).", allow_abbrev=False)
+    add_config_flags(c, TrainConfig)
+    c.set_defaults(func=cmd_check_data)
     d = sub.add_parser("demo", help="Train a built-in tiny model on CPU and show the result (no download).")
     d.add_argument("--output_dir", default="fastdpo-demo", help="Where the demo writes its model and plot.")
     d.add_argument("--quick", action="store_true", help="A shorter run (for tests).")

@@ -44,8 +44,24 @@ class TrainConfig:
     lora_dropout: float = _f(0.05, "LoRA dropout.")
     target_modules: str = _f("all-linear", "LoRA targets: all-linear or comma-separated module names.")
     # data
-    dataset: list = _f([], "One or more JSONL/JSON files with prompt/chosen/rejected; `path#N` takes N rows.", nargs="+")
-    max_length: int = _f(2048, "Max tokens of prompt+completion per sequence; longer completions are cut.")
+    dataset: list = _f([], "Datasets: JSONL/JSON/Parquet/CSV files or dirs, HF dataset ids or saved dirs "
+                       "(`name:subset`); `path#N` takes N rows. Row formats: see the README.", nargs="+")
+    split: str = _f("train", "Split to read from HF datasets (hub ids, dataset repos, save_to_disk dirs).")
+    max_length: int = _f(2048, "Max tokens of prompt+completion per sequence (see --truncation_strategy).")
+    truncation_strategy: str = _f("right", "Over --max_length: right = cut completions, dropping pairs whose prompt "
+                                  "alone fills it (default, TRL keep_start); left = trim the prompt from the left, "
+                                  "completions whole; delete = drop the pair.")
+    max_prompt_length: int = _f(0, "Keep the last N prompt tokens (0: off; with delete, longer pairs are dropped).")
+    max_completion_length: int = _f(0, "Keep the first N completion tokens (0: off; with delete, longer pairs are dropped).")
+    template: str = _f("", "Chat template for conversational rows: chatml|llama3|identity|hh or a Jinja file "
+                       "(default: the tokenizer's chat_template).")
+    system: str = _f("", "System prompt for conversational rows that have none.")
+    dataset_num_proc: int = _f(1, "Processes that tokenise the dataset.")
+    load_from_cache_file: bool = _f(True, "Reuse tokenised data cached under a fingerprint of data, tokenizer, settings.")
+    dataset_cache_dir: str = _f("", "Tokenisation cache dir (default: $FASTDPO_CACHE_DIR, else ~/.cache/fastdpo).")
+    streaming: bool = _f(False, "Read and tokenise lazily, for data larger than memory; needs --max_steps.")
+    shuffle_buffer_size: int = _f(10000, "Pairs in the seeded shuffle buffer when streaming.")
+    dataloader_num_workers: int = _f(0, "Processes that read and tokenise ahead of training when streaming.")
     # batching
     per_device_train_batch_size: int = _f(8, "Pairs per micro-batch (without a token budget).")
     gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step. A step covers bs x accum x world pairs.")
@@ -85,8 +101,7 @@ class TrainConfig:
         """Check values in one place; raise FastDPOError naming the flag and a fix."""
         if not self.model:
             raise FastDPOError("--model is required: a local HF model dir or a hub id.")
-        if not self.dataset:
-            raise FastDPOError("--dataset is required: one or more JSONL/JSON files with prompt/chosen/rejected.")
+        self.validate_data()
         _choice("train_type", self.train_type, ("full", "lora"))
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         _choice("torch_dtype", self.torch_dtype, DTYPES)
@@ -114,6 +129,23 @@ class TrainConfig:
         for name in self.loss_type.split(","):
             if name not in LOSSES:
                 raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSSES))}.")
+
+    def validate_data(self) -> None:
+        """The data flags alone (also used by `fastdpo check-data`)."""
+        if not self.dataset:
+            raise FastDPOError("--dataset is required: one or more dataset files, dirs or HF dataset ids.")
+        _choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
+        for name in ("max_length", "dataset_num_proc", "shuffle_buffer_size"):
+            if getattr(self, name) < 1:
+                raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("max_prompt_length", "max_completion_length", "dataloader_num_workers"):
+            if getattr(self, name) < 0:
+                raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
+        if self.streaming and self.max_steps <= 0:
+            raise FastDPOError("--streaming needs --max_steps > 0: the size of a streamed dataset is not known ahead.")
+        from fastdpo.data.template import resolve_template
+
+        resolve_template(self.template)  # raises on an unknown name or a missing file
 
     @property
     def pairs_per_step(self) -> int:

@@ -16,9 +16,10 @@ import torch
 
 from fastdpo import checkpoint as ckpt
 from fastdpo.config import TrainConfig, save_config
-from fastdpo.data.load import load_rows
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches, step_order
-from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
+from fastdpo.data.prepare import DataOptions, load_pairs
+from fastdpo.data.stream import PairStream
+from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.losses import LOSSES, LossInputs, LossParams
 from fastdpo.memory import apply_checkpointing
@@ -58,6 +59,7 @@ class Setup:
     pairs: list[TokenizedPair]
     total_steps: int
     steps_per_epoch: int
+    stream: PairStream | None = None  # --streaming: pairs come from here instead of `pairs`
 
 
 def seed_all(seed: int) -> None:
@@ -84,11 +86,13 @@ def build_setup(cfg: TrainConfig) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows = load_rows(cfg.dataset, cfg.seed)
-    pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
-    if stats.dropped_prompt_too_long or stats.truncated:
-        log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
-                    stats.dropped_prompt_too_long, stats.truncated)
+    data_opts = DataOptions.from_config(cfg)
+    stream = PairStream(cfg.dataset, tokenizer, data_opts) if cfg.streaming else None
+    pairs: list[TokenizedPair] = []
+    if stream is None:
+        pairs, summary = load_pairs(cfg.dataset, tokenizer, data_opts)
+        summary.log()
+        summary.save(out / "data_summary.json")
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
@@ -102,9 +106,9 @@ def build_setup(cfg: TrainConfig) -> Setup:
     apply_checkpointing(model, cfg.gradient_checkpointing)
     model.train()
 
-    steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step)
+    steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step) if stream is None else cfg.max_steps
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch)
+    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch, stream)
 
 
 def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
@@ -163,6 +167,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
         ckpt.load_training_state(resume, optimizer, scheduler)
         start = ckpt.load_progress(resume)["step"]
         log.info("Resumed from %s at step %d.", resume, start)
+        if s.stream is not None:  # replay the stream's deterministic order up to the resume point
+            s.stream.skip(start * cfg.pairs_per_step)
     save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
@@ -179,9 +185,12 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
-            if epoch not in orders:
-                orders = {epoch: step_order(len(s.pairs), cfg.pairs_per_step, cfg.seed, epoch)}
-            step_pairs = [s.pairs[i] for i in orders[epoch][k]]
+            if s.stream is not None:
+                step_pairs = s.stream.take(cfg.pairs_per_step)
+            else:
+                if epoch not in orders:
+                    orders = {epoch: step_order(len(s.pairs), cfg.pairs_per_step, cfg.seed, epoch)}
+                step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
             run_step(s, step_pairs, metrics)
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
@@ -218,6 +227,10 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
         if bar is not None:
             bar[0].stop()
         sink.close()
+        if s.stream is not None:
+            s.stream.close()
+            s.stream.summary().save(out / "data_summary.json")
+            s.stream.summary().log()
 
     final = out / "final"
     tmp = out / ".final.tmp"
