@@ -25,7 +25,7 @@ SHOWN = 50  # messages printed per list
 @dataclass
 class CheckReport:
     sources: list[tuple[str, int, dict]] = field(default_factory=list)  # (spec, rows, formats)
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # in row order
     duplicates: list[str] = field(default_factory=list)
     over_length: list[str] = field(default_factory=list)
     lengths: dict = field(default_factory=lambda: {"prompt": [], "chosen": [], "rejected": []})
@@ -46,12 +46,18 @@ class _Checker:
         self.opts, self.tokenizer, self.report = opts, tokenizer, report
         self.seen: dict[bytes, str] = {}
         self.pending: list[Row] = []
+        self.errors: list[tuple[int, str]] = []  # (record ordinal, message): sorted into row order at the end
+        self.ordinal = 0
+        self.ordinals: dict[str, int] = {}  # source -> ordinal of the pending rows
+
+    def error(self, message: str, ordinal: int | None = None) -> None:
+        self.errors.append((self.ordinal if ordinal is None else ordinal, message))
 
     def row(self, row: Row) -> None:
         r = self.report
         if row.identical:
-            r.errors.append(f"{row.source}: chosen is identical to rejected: there is no preference to learn. "
-                            "Fix one of them or drop the row.")
+            self.error(f"{row.source}: chosen is identical to rejected: there is no preference to learn. "
+                       "Fix one of them or drop the row.")
             return
         key = hashlib.blake2b(row.key().encode(), digest_size=16).digest()
         if key in self.seen:
@@ -60,19 +66,22 @@ class _Checker:
             self.seen[key] = row.source
         if self.tokenizer is not None:
             self.pending.append(row)
+            self.ordinals[row.source] = self.ordinal
             if len(self.pending) >= CHUNK:
                 self.flush()
 
     def flush(self) -> None:
         if not self.pending:
             return
-        rows, self.pending = self.pending, []
+        rows, self.pending, ordinals = self.pending, [], self.ordinals
+        self.ordinals = {}
         problems: list = []
         lengths: list = []
         o: TokenizeOptions = self.opts.tokenize
         _, stats = tokenize_chunk(self.tokenizer, rows, o, problems=problems, lengths=lengths)
         self.report.stats.add(stats)
-        self.report.errors += [str(e) for e in problems]
+        for e in problems:
+            self.error(str(e), ordinals[e.where])
         for k, p, c, r in lengths:
             self.report.lengths["prompt"].append(p)
             self.report.lengths["chosen"].append(c)
@@ -95,20 +104,22 @@ def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckRepo
         try:
             for rec in iter_records(spec, opts.split):
                 n += 1
+                checker.ordinal += 1
                 try:
                     row = rec.row()
                 except FastDPOError as e:
-                    report.errors.append(str(e))
+                    checker.error(str(e))
                     continue
                 formats[row.format] = formats.get(row.format, 0) + 1
                 checker.row(row)
         except FastDPOError as e:  # the source itself: missing file, unreadable Parquet, unknown HF dataset
-            report.errors.append(str(e))
+            checker.error(str(e))
             unreadable = True
         if n == 0 and not unreadable:
-            report.errors.append(f"{spec.label}: has no rows. Check the file or the --split.")
+            checker.error(f"{spec.label}: has no rows. Check the file or the --split.")
         report.sources.append((text, n, formats))
     checker.flush()
+    report.errors = [m for _, m in sorted(checker.errors, key=lambda e: e[0])]
     return report
 
 
