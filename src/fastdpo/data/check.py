@@ -157,7 +157,8 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
                      f"trimmed in {s.prompt_trimmed}.")
     else:
         lines.append("token lengths: pass --model to count tokens and see what --max_length would drop.")
-    lines.append("OK: no errors." if report.ok else f"FAILED: {len(report.errors)} errors.")
+    n = len(report.errors)
+    lines.append("OK: no errors." if report.ok else f"FAILED: {n} error{'s' if n > 1 else ''}.")
     return lines
 
 
