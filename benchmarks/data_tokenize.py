@@ -5,7 +5,8 @@
 Writes a synthetic preference JSONL (plain-text rows, plus a share of conversational rows rendered through the
 ChatML template), trains a byte-level BPE tokenizer on a sample of it (a stand-in for a real model's; pass
 --tokenizer DIR to use one), then reads one full epoch through `PairStream` exactly as training does: lazy reading,
-worker processes, the seeded shuffle buffer. Peak memory sums this process and its workers (see PeakMemory). `--mode memory` runs the in-memory path (`load_pairs`, no cache) for comparison.
+worker processes, the seeded shuffle buffer. Peak memory sums this process and its workers (see PeakMemory).
+`--mode memory` runs the in-memory path (`load_pairs`, no cache) for comparison.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def main() -> None:
     result = {
         "mode": args.mode, "rows": args.rows, "workers": args.workers, "pairs": pairs, "tokens": tokens,
         "seconds": round(secs, 1), "rows_per_s": round(args.rows / secs), "tokens_per_s": round(tokens / secs),
-        "peak_rss_mib": round(mem.rss / 2**20), "peak_pss_mib": round(mem.pss / 2**20), "file_mib": round(data.stat().st_size / 2**20),
+        "peak_rss_mib": round(mem.rss / 2**20), "peak_pss_mib": round(mem.pss / 2**20),
+        "file_mib": round(data.stat().st_size / 2**20),
         "cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
         "load_avg_1m": round(os.getloadavg()[0], 1),
     }

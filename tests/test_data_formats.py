@@ -38,6 +38,8 @@ def test_implicit_conversational_prompt_is_the_common_prefix():
     # UltraFeedback style: a string prompt column copying the first user turn; the conversations hold the prompt
     row2 = to_row({"prompt": "w1", **value}, W)
     assert row2.prompt == shared and row2.format == "implicit_conversational"
+    # ... and a `messages` column holding a copy of the chosen conversation for SFT
+    assert to_row({"prompt": "w1", **value, "messages": value["chosen"]}, W).prompt == shared
 
 
 def test_implicit_text_prompt_cut_at_a_word_boundary():

@@ -88,6 +88,20 @@ def test_chat_template_multi_turn_and_system_prompts():
     assert "w1 <|im_end|> <|im_start|> assistant w2" in tok.decode(pairs[0].prompt)
 
 
+def test_prefilled_reply_and_hh_rows():
+    tok = chat_tokenizer("chatml")
+    prefill = {"prompt": [user("w1"), assistant("w2")], "chosen": [assistant("w5")], "rejected": [assistant("w7")]}
+    hh = {"chosen": "\n\nHuman: w1\n\nAssistant: w2\n\nHuman: w3\n\nAssistant: w5",
+          "rejected": "\n\nHuman: w1\n\nAssistant: w2\n\nHuman: w3\n\nAssistant: w7"}
+    (a, b), _ = tok_pairs(tok, [prefill, hh])
+    round_trip(tok, hh, b)
+    row = rows_of([prefill])[0]
+    full = tok.apply_chat_template(row.prompt + row.chosen, tokenize=False)
+    assert a.prompt + a.chosen == ids(tok, full) and tok.decode(a.prompt).endswith("assistant w2")
+    (h,), _ = tok_pairs(tok, [hh], template=BUILTIN_TEMPLATES["hh"])
+    assert tok.decode(h.chosen) == "w5 <eos>" and tok.decode(h.rejected) == "w7 <eos>"
+
+
 def test_template_from_a_jinja_file_receives_the_tools_column(tmp_path):
     f = tmp_path / "tools.jinja"
     f.write_text("{% if tools %}{{ '<|im_start|>tool\n' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"

@@ -242,10 +242,10 @@ def to_row(value: object, where: str) -> Row:
         raise RowError(where, None, f"expected a JSON object with prompt/chosen/rejected, got {_kind(value)}.",
                        "Write one object per row.")
     tools = _tools(value, where)
+    if "chosen" in value or "rejected" in value:  # before `messages`: some TRL datasets add an SFT copy of chosen
+        return _pair_row(value, where, tools)
     if value.get("messages") is not None:
         return _swift_row(value, where, tools)
-    if "chosen" in value or "rejected" in value:
-        return _pair_row(value, where, tools)
     if "prompt" in value:
         raise _missing(value, "chosen", where)
     raise RowError(where, None, f"has no preference fields (fields present: {_fields(value)}).",
