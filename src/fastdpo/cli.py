@@ -54,6 +54,18 @@ def cmd_demo(args: argparse.Namespace, console) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace, console) -> int:
+    from fastdpo.bench import run_bench
+
+    cfg = build_config(args, TrainConfig)
+    if args.shape:
+        cfg.model = cfg.model or f"<random-init {args.shape}>"
+    cfg.dataset = cfg.dataset or ["<anchor workload>"]
+    cfg.validate()
+    run_bench(cfg, args.shape, args.steps, args.warmup, args.compare, getattr(args, "dataset", None) or [], args.json, console)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fastdpo", description="Fast, memory-lean DPO training on a packed, prefix-shared layout.",
                 allow_abbrev=False)
@@ -66,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "--max_length would drop. Takes the train flags (and --config).", allow_abbrev=False)
     add_config_flags(c, TrainConfig)
     c.set_defaults(func=cmd_check_data)
+    b = sub.add_parser("bench", help="Measure pairs/s, MFU and peak memory (optionally next to TRL).",
+                       allow_abbrev=False)
+    add_config_flags(b, TrainConfig)
+    b.add_argument("--shape", help="Random-init shape: qwen3-0.6b, qwen3-1.7b, qwen3-8b, llama3-8b.")
+    b.add_argument("--steps", type=int, default=20, help="Measured optimizer steps.")
+    b.add_argument("--warmup", type=int, default=5, help="Warm-up steps (compilation, allocator).")
+    b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger.")
+    b.add_argument("--json", help="Write the results and environment to this JSON file.")
+    b.set_defaults(func=cmd_bench)
     d = sub.add_parser("demo", help="Train a built-in tiny model on CPU and show the result (no download).")
     d.add_argument("--output_dir", default="fastdpo-demo", help="Where the demo writes its model and plot.")
     d.add_argument("--quick", action="store_true", help="A shorter run (for tests).")

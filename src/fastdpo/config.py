@@ -69,6 +69,7 @@ class TrainConfig:
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
     attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
     gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K (true = full).")
+    torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")
     # schedule
     max_steps: int = _f(-1, "Optimizer steps to run (overrides num_train_epochs when > 0).")
     num_train_epochs: float = _f(1.0, "Epochs over the dataset.")

@@ -54,3 +54,9 @@ def apply_checkpointing(model, policy: str) -> list[str]:
             _wrap(layer.self_attn)
             wrapped.append(f"layers.{i}.self_attn")
     return wrapped
+
+
+def compile_layers(model) -> None:
+    """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers)."""
+    for layer in decoder_layers(model):
+        layer.compile()  # automatic dynamic shapes: one recompile marks the token dimension dynamic

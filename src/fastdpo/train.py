@@ -22,7 +22,7 @@ from fastdpo.data.stream import PairStream
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.losses import LOSSES, LossInputs, LossParams
-from fastdpo.memory import apply_checkpointing
+from fastdpo.memory import apply_checkpointing, compile_layers
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
     Backend,
@@ -95,8 +95,14 @@ def build_setup(cfg: TrainConfig) -> Setup:
         summary.save(out / "data_summary.json")
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
-    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
     ref_model = load_model(cfg.ref_model, dtype, device, cfg.trust_remote_code) if cfg.ref_model else None
+    return assemble(cfg, device, model, tokenizer, pairs, ref_model, stream)
+
+
+def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
+             ref_model=None, stream: PairStream | None = None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, step counts."""
+    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
     needs_ref = any(LOSSES[n].needs_reference for n in cfg.loss_type.split(","))
     reference = build_reference(model, cfg.train_type, ref_model, needs_ref, backend)
     if cfg.train_type == "lora":
@@ -104,6 +110,8 @@ def build_setup(cfg: TrainConfig) -> Setup:
     if backend.name != "padded":
         prepare_packed(model, backend)
     apply_checkpointing(model, cfg.gradient_checkpointing)
+    if cfg.torch_compile:
+        compile_layers(model)
     model.train()
 
     steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step) if stream is None else cfg.max_steps
@@ -112,6 +120,8 @@ def build_setup(cfg: TrainConfig) -> Setup:
 
 
 def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
+    """Build a micro-batch on `device`. Flex batches are padded to a multiple of the flex block; compiled code marks
+    the token dimension dynamic after the first new length, so lengths vary without recompiling."""
     if backend.name == "padded":
         batch = pad_pairs(pairs, pad_id)
     else:

@@ -1,0 +1,270 @@
+"""`fastdpo bench`: throughput, MFU and peak memory of the real training step on the anchor workload, with TRL's
+DPOTrainer side by side (`--compare trl`, `--compare trl-liger`) on the same rows in the same invocation.
+
+The anchor workload: synthetic pairs whose lengths follow a real-world spread (log-normal; prompt mean ~303 tokens,
+chosen ~385, rejected ~373, pair <= 2048 tokens), texts of words `t<id>` that a word-level tokenizer maps one to one
+onto a 151,936-entry vocabulary (Qwen3's), so lengths are exact and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fastdpo.config import TrainConfig
+from fastdpo.data.load import Row
+from fastdpo.data.tokenize import tokenize_rows
+from fastdpo.errors import FastDPOError
+
+VOCAB = 151936
+
+SHAPES = {
+    "qwen3-0.6b": dict(family="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(family="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "llama3-8b": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                      vocab_size=128256, rope_theta=500000.0),
+}
+
+
+def anchor_pairs(n: int, vocab: int = VOCAB, seed: int = 1, prompt_mean: int = 256, resp_mean: int = 320,
+                 max_total: int = 2048) -> list[dict]:
+    """The anchor rule: log-normal lengths, words t<id> drawn from one seeded stream (same rule and seed as the
+    reference benchmark, so the rows are identical)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = max(16, min(int(rng.lognormvariate(0, 0.6) * prompt_mean), 1024))
+        c = max(8, min(int(rng.lognormvariate(0, 0.6) * resp_mean), (max_total - p) - 1))
+        r = max(8, min(int(rng.lognormvariate(0, 0.6) * resp_mean), (max_total - p) - 1))
+
+        def words(k: int) -> str:
+            return " ".join(f"t{rng.randrange(10, vocab)}" for _ in range(k))
+
+        out.append({"prompt": words(p) + " ", "chosen": words(c), "rejected": words(r)})
+    return out
+
+
+def anchor_tokenizer(vocab: int = VOCAB):
+    """Word-level tokenizer: `t<i>` -> i, specials <unk> <pad> <eos> <bos> -> 0..3."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<eos>", "<bos>"]
+    v = {s: i for i, s in enumerate(specials)}
+    v.update({f"t{i}": i for i in range(len(specials), vocab)})
+    tok = Tokenizer(models.WordLevel(vocab=v, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>")
+
+
+def shape_config(name: str):
+    import transformers
+
+    if name not in SHAPES:
+        raise FastDPOError(f"--shape {name!r} is unknown. Choose from: {', '.join(SHAPES)}.")
+    spec = dict(SHAPES[name])
+    family = spec.pop("family")
+    cls = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
+    spec.setdefault("vocab_size", VOCAB)
+    return cls(max_position_embeddings=32768, **spec)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int) -> dict:
+    """Time `steps` optimizer steps of the real training step after `warmup` steps."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.metrics import device_peak_flops, model_flops_per_token, step_flops
+    from fastdpo.model import base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
+    from fastdpo.optim import build_optimizer, build_scheduler
+    from fastdpo.train import StepMetrics, assemble, attended_pairs, run_step, seed_all
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.torch_dtype, device)
+    seed_all(cfg.seed)
+    if shape:
+        tokenizer = anchor_tokenizer(shape_config(shape).vocab_size)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype, attn_implementation="sdpa")
+    else:
+        tokenizer = load_tokenizer(cfg.model)
+        model = load_model(cfg.model, dtype, device)
+    pairs, _ = tokenize_rows(tokenizer, [Row(r["prompt"], r["chosen"], r["rejected"], f"row {i}")
+                                         for i, r in enumerate(rows)], cfg.max_length)
+    t_init = time.perf_counter()
+    s = assemble(cfg, device, model, tokenizer, pairs)
+    optimizer = build_optimizer(s.model, cfg, device)
+    scheduler = build_scheduler(optimizer, cfg, steps + warmup)
+    trainable = [p for p in s.model.parameters() if p.requires_grad]
+    per_step = cfg.pairs_per_step
+    lm_cfg = base_causal_lm(s.model).config
+    times, flops, tokens, n_pairs = [], 0.0, 0, 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t_first = None
+    for step in range(warmup + steps):
+        step_pairs = pairs[step * per_step:(step + 1) * per_step]
+        run_step(s, step_pairs, StepMetrics(device))
+        torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter())
+        prev = times[-2] if len(times) > 1 else t_init
+        print(f"bench step {step}: {times[-1] - prev:.3f}s", file=sys.stderr, flush=True)
+        if step == 0:
+            t_first = times[0] - t_init
+        if step >= warmup:
+            tokens += sum(p.num_tokens for p in step_pairs)
+            n_pairs += len(step_pairs)
+            flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
+                                sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
+                                sum(attended_pairs(p) for p in step_pairs), s.reference.strategy != "none")
+    dt = times[-1] - times[warmup - 1] if warmup else times[-1] - t_init
+    peak = device_peak_flops(device)
+    return {
+        "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
+        "s_per_step": round(dt / steps, 4), "mfu": round(flops / dt / peak, 4) if peak else None,
+        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "first_step_s": round(t_first, 1), "backend": s.backend.name, "reference": s.reference.strategy,
+        "params": sum(p.numel() for p in s.model.parameters()),
+        "flops_per_token_fwd": model_flops_per_token(lm_cfg),
+    }
+
+
+TRL_SCRIPT = r'''
+import json, sys, time, dataclasses, copy, torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, TrainerCallback
+from trl import DPOConfig, DPOTrainer
+sys.path.insert(0, sys.argv[1])
+from fastdpo.bench import anchor_tokenizer, shape_config, anchor_pairs
+shape, variant, bs, steps, warm, n_rows = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+torch.manual_seed(0)
+cfg = shape_config(shape)
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+rows = anchor_pairs(n_rows)
+kw = dict(output_dir="/tmp/trl_out", per_device_train_batch_size=bs, gradient_accumulation_steps=1,
+          max_steps=steps + warm, learning_rate=1e-6, logging_steps=1000, save_strategy="no", report_to=[], bf16=True,
+          max_length=2048, dataloader_num_workers=2, beta=0.1, gradient_checkpointing=True, remove_unused_columns=False,
+          seed=0, use_liger_kernel=variant.endswith("liger"))
+peft_config = None
+if variant.startswith("lora"):
+    from peft import LoraConfig
+    peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+fields = {f.name for f in dataclasses.fields(DPOConfig)}
+args = DPOConfig(**{k: v for k, v in kw.items() if k in fields})
+times = []
+class T(TrainerCallback):
+    def on_step_end(self, a, s, c, **k):
+        torch.cuda.synchronize(); times.append(time.perf_counter())
+ref = None if peft_config else copy.deepcopy(model).eval()
+tr = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows[:bs * (steps + warm)]),
+                processing_class=anchor_tokenizer(cfg.vocab_size), callbacks=[T()], peft_config=peft_config)
+torch.cuda.reset_peak_memory_stats()
+tr.train()
+dt = times[-1] - times[warm - 1]
+sel = rows[bs * warm: bs * (steps + warm)]
+toks = sum(len(r["prompt"].split()) + len(r["chosen"].split()) + len(r["rejected"].split()) for r in sel)
+print("RESULT " + json.dumps(dict(impl="trl-" + variant, pairs_per_s=round(bs * steps / dt, 2),
+      tokens_per_s=round(toks / dt), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))), flush=True)
+'''
+
+
+def run_trl(shape: str, variant: str, bs: int, steps: int, warmup: int) -> dict:
+    """TRL's DPOTrainer in a fresh process (its own memory peak), on the same rows."""
+    src = str(Path(__file__).resolve().parent.parent)
+    n_rows = bs * (steps + warmup)
+    proc = subprocess.run([sys.executable, "-c", TRL_SCRIPT, src, shape, variant, str(bs), str(steps), str(warmup),
+                           str(n_rows)], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stdout + proc.stderr)[-2000:]
+    return {"impl": "trl-" + variant, "error": tail}
+
+
+def environment() -> dict:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "date": time.strftime("%Y-%m-%d")}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import trl
+
+        env["trl"] = trl.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def print_table(console, results: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title="fastdpo bench")
+    for col in ("impl", "pairs/s", "tokens/s", "MFU", "peak GiB", "vs fastdpo"):
+        table.add_column(col)
+    ours = next((r for r in results if r.get("impl") == "fastdpo" and "pairs_per_s" in r), None)
+    for r in results:
+        if "error" in r:
+            table.add_row(r["impl"], "failed", "", "", "", "")
+            continue
+        ratio = f"{ours['pairs_per_s'] / r['pairs_per_s']:.2f}x" if ours and r is not ours else ""
+        table.add_row(r["impl"], f"{r['pairs_per_s']:.2f}", str(r.get("tokens_per_s", "")),
+                      f"{r['mfu']:.1%}" if r.get("mfu") else "", str(r.get("peak_gib", "")), ratio)
+    console.print(table)
+
+
+def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, compare: list[str], dataset: list[str],
+              out_json: str | None, console) -> list[dict]:
+    if shape is None and not cfg.model:
+        raise FastDPOError("fastdpo bench needs --shape NAME (random-init) or --model PATH.")
+    n = cfg.pairs_per_step * (steps + warmup)
+    if dataset:
+        from fastdpo.data.load import load_rows
+
+        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in load_rows(dataset, cfg.seed)]
+        if len(rows) < n:
+            raise FastDPOError(f"--dataset has {len(rows)} rows; the bench needs {n} (pairs per step x steps).")
+    else:
+        rows = anchor_pairs(n)
+    results = [{**run_fastdpo(cfg, shape, rows, steps, warmup), "config": cfg.to_dict()}]
+    gc.collect()  # free our model before TRL's process starts on the same GPU
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for variant in compare:
+        if dataset or shape is None:
+            raise FastDPOError("--compare runs on the anchor workload with --shape only.")
+        name = {"trl": "default", "trl-liger": "liger", "trl-lora": "lora", "trl-lora-liger": "lora_liger"}.get(variant)
+        if name is None:
+            raise FastDPOError(f"--compare {variant!r}: choose trl, trl-liger, trl-lora or trl-lora-liger.")
+        results.append(run_trl(shape, name, cfg.pairs_per_step, steps, warmup))
+    record = {"shape": shape, "model": cfg.model, "steps": steps, "warmup": warmup, "env": environment(),
+              "results": results}
+    if out_json:
+        Path(out_json).write_text(json.dumps(record, indent=1))
+    if console is not None:
+        print_table(console, results)
+    return results
