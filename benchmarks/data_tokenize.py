@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import random
+import resource
 import threading
 import time
 from pathlib import Path
@@ -141,6 +142,8 @@ def main() -> None:
                        num_workers=args.workers, num_proc=args.workers, use_cache=False)
     tokens = pairs = 0
     t0 = time.perf_counter()
+    cpu0 = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
     with PeakMemory() as mem:
         if args.mode == "stream":
             stream = PairStream([str(data)], tokenizer, opts)
@@ -155,9 +158,12 @@ def main() -> None:
             got, _ = load_pairs([str(data)], tokenizer, opts)
             pairs, tokens = len(got), sum(p.num_tokens for p in got)
     secs = time.perf_counter() - t0
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime")) - cpu0
     result = {
         "mode": args.mode, "rows": args.rows, "workers": args.workers, "pairs": pairs, "tokens": tokens,
         "seconds": round(secs, 1), "rows_per_s": round(args.rows / secs), "tokens_per_s": round(tokens / secs),
+        "cpu_seconds": round(cpu, 1), "rows_per_cpu_s": round(args.rows / cpu),
         "peak_rss_mib": round(mem.rss / 2**20), "peak_pss_mib": round(mem.pss / 2**20),
         "file_mib": round(data.stat().st_size / 2**20),
         "cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),

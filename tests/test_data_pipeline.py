@@ -50,6 +50,30 @@ def test_worker_processes_give_the_same_pairs(tmp_path, data):
     assert as_tuples(two) == as_tuples(ref) and summary.stats.pairs == 1100
 
 
+def test_one_file_with_every_format(tmp_path):
+    from data_helpers import assistant, chat_tokenizer, user
+
+    conv = [user("w1"), assistant("w2"), user("w3")]
+    rows = [
+        {"prompt": "w1 w2", "chosen": " w5", "rejected": " w7"},
+        {"prompt": conv, "chosen": [assistant("w5")], "rejected": [assistant("w7")], "tools": []},
+        {"chosen": "w1 w2 w5", "rejected": "w1 w2 w7 w8"},
+        {"chosen": conv + [assistant("w5")], "rejected": conv + [assistant("w7")], "system": "w9"},
+        {"chosen": "\n\nHuman: w1\n\nAssistant: w5", "rejected": "\n\nHuman: w1\n\nAssistant: w7"},
+        {"messages": conv + [assistant("w5")], "rejected_response": "w7"},
+        {"messages": conv + [assistant("w5")], "rejected_messages": conv + [assistant("w7")]},
+    ]
+    f = write_jsonl(tmp_path / "all.jsonl", rows)
+    pairs, summary = load_pairs([str(f)], chat_tokenizer("chatml"), DataOptions(use_cache=False))
+    assert summary.stats.formats == {"standard": 1, "conversational": 1, "implicit_text": 1,
+                                     "implicit_conversational": 1, "hh_rlhf": 1, "ms_swift": 2}
+    assert [p.index for p in pairs] == list(range(7))
+    tok = chat_tokenizer("chatml")
+    assert tok.decode(pairs[2].prompt) == "<bos> w1 w2" and tok.decode(pairs[2].rejected) == "w7 w8 <eos>"
+    assert pairs[5].prompt == pairs[6].prompt  # ms-swift: both ways to give the rejected reply
+    assert tok.decode(pairs[5].chosen) == tok.decode(pairs[6].chosen) == "w5 <|im_end|>"
+
+
 def stream_opts(**kw):
     return DataOptions(**{"shuffle_buffer_size": 64, **kw})
 
