@@ -64,3 +64,29 @@ def easy_rows(n: int, seed: int = 0) -> list[dict]:
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def lora_run(tmp_path_factory, model_dirs):
+    """A LoRA adapter trained on the easy preference (qwen3 base): (base dir, adapter dir, training output dir)."""
+    from fastdpo.config import TrainConfig
+    from fastdpo.train import train
+
+    root = tmp_path_factory.mktemp("lora_run")
+    base = model_dirs("qwen3")
+    data = write_jsonl(root / "train.jsonl", easy_rows(64, seed=1))
+    cfg = TrainConfig(model=str(base), dataset=[str(data)], output_dir=str(root / "out"), train_type="lora",
+                      lora_rank=4, lora_alpha=8, learning_rate=8e-3, beta=0.5, max_steps=12,
+                      per_device_train_batch_size=8, seed=3)
+    result = train(cfg, progress=False)
+    return base, Path(result["final_dir"]), root / "out"
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    """`fastdpo ARGS` in this process (fast); returns (exit code, everything printed)."""
+    from fastdpo.cli import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return rc, captured.out + captured.err

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import easy_rows, write_jsonl
 
 
@@ -94,3 +93,9 @@ def test_yaml_unknown_key(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("learnin_rate: 1e-5\n")
     assert_clean_error(fastdpo("train", "--config", str(cfg)), "run.yaml", "learning_rate")
+
+
+def test_qlora_on_cpu_is_a_clear_error(tmp_path, data, model_dirs):
+    res = fastdpo("train", "--model", str(model_dirs()), "--dataset", str(data), "--train_type", "qlora",
+                  "--quant_bits", "4", "--device", "cpu", "--output_dir", str(tmp_path / "o"))
+    assert_clean_error(res, "qlora", "CUDA")

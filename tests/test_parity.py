@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import random_pairs
 from transformers import AutoModelForCausalLM
 
-from conftest import random_pairs
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.model import Backend, choose_backend, prepare_packed, sequence_logps
 
@@ -99,3 +99,14 @@ def test_gradients_match_padded_path(model_dirs):
 def test_mixed_layer_types_fall_back_to_padded(model_dirs):
     model = load(model_dirs("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1))
     assert choose_backend(model, "auto", True, torch.device("cpu")).name == "padded"
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attention_2", "sdpa", "eager"])
+def test_foreign_attn_names_are_accepted(model_dirs, name, caplog):
+    import logging
+
+    model = load(model_dirs("qwen3"))
+    with caplog.at_level(logging.INFO, logger="fastdpo"):
+        backend = choose_backend(model, name, True, torch.device("cpu"))
+    assert backend.name == "dense"
+    assert f"--attn_impl {name}" in caplog.text

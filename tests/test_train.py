@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
-from conftest import easy_rows, write_jsonl
 from fastdpo.config import TrainConfig
 from fastdpo.train import train
 

@@ -56,7 +56,7 @@ def flex_block_mask(batch: PairBatch, window: int | None = None):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _check_window(kwargs: dict, window: int | None) -> None:

@@ -88,7 +88,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int) -> dict:
+def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int,
+                verbose: bool = True) -> dict:
     """Time `steps` optimizer steps of the real training step after `warmup` steps."""
     from transformers import AutoModelForCausalLM
 
@@ -130,7 +131,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         _sync(device)
         times.append(time.perf_counter())
         prev = times[-2] if len(times) > 1 else t_init
-        print(f"bench step {step}: {times[-1] - prev:.3f}s", file=sys.stderr, flush=True)
+        if verbose:
+            print(f"bench step {step}: {times[-1] - prev:.3f}s", file=sys.stderr, flush=True)
         if step == 0:
             t_first = times[0] - t_init
         if step >= warmup:
@@ -138,7 +140,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
             n_pairs += len(step_pairs)
             flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
                                 sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
-                                sum(attended_pairs(p) for p in step_pairs), s.reference.strategy != "none")
+                                sum(attended_pairs(p) for p in step_pairs), s.reference.online)
     dt = times[-1] - times[warmup - 1] if warmup else times[-1] - t_init
     peak = device_peak_flops(device)
     return {
@@ -158,7 +160,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import DPOConfig, DPOTrainer
 sys.path.insert(0, sys.argv[1])
 from fastdpo.bench import anchor_tokenizer, shape_config, anchor_pairs
-shape, variant, bs, steps, warm, n_rows = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+shape, variant = sys.argv[2:4]
+bs, steps, warm, n_rows = map(int, sys.argv[4:8])
 torch.manual_seed(0)
 cfg = shape_config(shape)
 with torch.device("cuda"):

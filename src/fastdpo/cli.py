@@ -37,6 +37,10 @@ def cmd_train(args: argparse.Namespace, console) -> int:
 
     cfg = build_config(args, TrainConfig)
     result = train(cfg, console=console, progress=not cfg.disable_progress)
+    if result.get("stopped"):
+        console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; continue with "
+                      "--resume_from_checkpoint latest", highlight=False)
+        return result["exit_code"]
     console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
     return 0
 
@@ -45,6 +49,36 @@ def cmd_check_data(args: argparse.Namespace, console) -> int:
     from fastdpo.data.check import run_check_data
 
     return run_check_data(build_config(args, TrainConfig), console)
+
+
+def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
+    from fastdpo.precompute import precompute_ref
+
+    result = precompute_ref(build_config(args, TrainConfig))
+    how = "reused" if result["reused"] else "computed"
+    console.print(f"[bold green]done[/]: reference log-probs of {result['pairs']} pairs {how}: {result['path']}")
+    return 0
+
+
+def cmd_infer(args: argparse.Namespace, console) -> int:
+    from fastdpo.infer import InferConfig, run_infer
+
+    run_infer(build_config(args, InferConfig), console=console)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, console) -> int:
+    from fastdpo.evaluate import EvalConfig, run_eval
+
+    run_eval(build_config(args, EvalConfig), console=console)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, console) -> int:
+    from fastdpo.export import ExportConfig, merge_lora
+
+    merge_lora(build_config(args, ExportConfig), console=console)
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace, console) -> int:
@@ -66,6 +100,30 @@ def cmd_bench(args: argparse.Namespace, console) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace, console) -> int:
+    from fastdpo.bench import anchor_pairs
+    from fastdpo.data.load import load_rows
+    from fastdpo.tune import run_tune
+
+    cfg = build_config(args, TrainConfig)
+    if args.shape:
+        cfg.model = cfg.model or f"<random-init {args.shape}>"
+    if not cfg.dataset and not args.shape:
+        raise FastDPOError("fastdpo tune needs --dataset (your data) or --shape (the anchor workload).")
+    n = cfg.pairs_per_step * (args.steps + args.warmup)
+    if cfg.dataset:
+        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in load_rows(cfg.dataset, cfg.seed)]
+        rows = (rows * (n // len(rows) + 1))[:n]
+    else:
+        rows = anchor_pairs(n)
+        cfg.dataset = ["<anchor workload>"]
+    cfg.gradient_checkpointing = "none"
+    cfg.validate()
+    run_tune(cfg, rows, args.policies, args.budgets, args.steps, args.warmup, cfg.max_memory_gib, args.json, console,
+             args.shape)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fastdpo", description="Fast, memory-lean DPO training on a packed, prefix-shared layout.",
                 allow_abbrev=False)
@@ -78,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "--max_length would drop. Takes the train flags (and --config).", allow_abbrev=False)
     add_config_flags(c, TrainConfig)
     c.set_defaults(func=cmd_check_data)
+    r = sub.add_parser("precompute-ref", help="Cache reference log-probs ahead of training (same flags as train).",
+                       allow_abbrev=False)
+    add_config_flags(r, TrainConfig)
+    r.set_defaults(func=cmd_precompute_ref)
     b = sub.add_parser("bench", help="Measure pairs/s, MFU and peak memory (optionally next to TRL).",
                        allow_abbrev=False)
     add_config_flags(b, TrainConfig)
@@ -87,11 +149,37 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger.")
     b.add_argument("--json", help="Write the results and environment to this JSON file.")
     b.set_defaults(func=cmd_bench)
+    _after_training_commands(sub)
+    tn = sub.add_parser("tune", help="Measure checkpointing policies x token budgets; pick the fastest that fits.",
+                        allow_abbrev=False)
+    add_config_flags(tn, TrainConfig)
+    tn.add_argument("--shape", help="Random-init shape instead of --model (anchor workload).")
+    tn.add_argument("--policies", nargs="+", default=["none", "ffn", "attn", "full"], help="Policies to try.")
+    tn.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096, 8192], help="Token budgets to try.")
+    tn.add_argument("--steps", type=int, default=3, help="Measured steps per candidate.")
+    tn.add_argument("--warmup", type=int, default=1, help="Warm-up steps per candidate.")
+    tn.add_argument("--json", help="Write the table and the choice to this JSON file.")
+    tn.set_defaults(func=cmd_tune)
     d = sub.add_parser("demo", help="Train a built-in tiny model on CPU and show the result (no download).")
     d.add_argument("--output_dir", default="fastdpo-demo", help="Where the demo writes its model and plot.")
     d.add_argument("--quick", action="store_true", help="A shorter run (for tests).")
     d.set_defaults(func=cmd_demo)
     return p
+
+
+def _after_training_commands(sub) -> None:
+    from fastdpo.evaluate import EvalConfig
+    from fastdpo.export import ExportConfig
+    from fastdpo.infer import InferConfig
+
+    for name, cls, func, text in (
+        ("infer", InferConfig, cmd_infer, "Generate with a trained model (streamed; --compare: base vs tuned)."),
+        ("eval", EvalConfig, cmd_eval, "Evaluate on held-out pairs, with a reward function, and lm-eval tasks."),
+        ("export", ExportConfig, cmd_export, "Merge a LoRA adapter into its base model (--merge_lora)."),
+    ):
+        p = sub.add_parser(name, help=text, allow_abbrev=False)
+        add_config_flags(p, cls)
+        p.set_defaults(func=func)
 
 
 def main(argv: list[str] | None = None) -> int:

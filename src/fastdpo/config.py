@@ -19,7 +19,7 @@ import yaml
 from fastdpo.errors import FastDPOError
 
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
-ATTN_IMPLS = ("auto", "flex", "dense", "padded")
+ATTN_IMPLS = ("auto", "flex", "dense", "padded", "flash_attn", "flash_attention_2", "sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 CHECKPOINT_POLICIES = ("none", "full", "ffn", "attn")
 
@@ -38,11 +38,14 @@ class TrainConfig:
     model_type: str = _f("", "Expected model_type (e.g. qwen3, llama); checked against the model's config.")
     torch_dtype: str = _f("auto", "Parameter dtype: float32|bfloat16|float16|auto (bf16 on GPU, fp32 on CPU).")
     trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
-    train_type: str = _f("full", "full|lora.")
+    train_type: str = _f("full", "full|lora|qlora (qlora: LoRA on a 4-bit nf4 base; CUDA + bitsandbytes).")
+    quant_bits: int = _f(4, "Bits of the quantised base for --train_type qlora (4: nf4 with double quantisation; 8).")
     lora_rank: int = _f(8, "LoRA rank.")
     lora_alpha: int = _f(32, "LoRA alpha.")
     lora_dropout: float = _f(0.05, "LoRA dropout.")
     target_modules: str = _f("all-linear", "LoRA targets: all-linear or comma-separated module names.")
+    adapters: str = _f("", "LoRA: start the trained adapter from this PEFT adapter dir instead of a fresh one.")
+    ref_adapters: str = _f("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
     # data
     dataset: list = _f([], "Datasets: JSONL/JSON/Parquet/CSV files or dirs, HF dataset ids or saved dirs "
                        "(`name:subset`); `path#N` takes N rows. Row formats: see the README.", nargs="+")
@@ -68,7 +71,8 @@ class TrainConfig:
     max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: pack per_device_train_batch_size pairs).")
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
     attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
-    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K (true = full).")
+    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true = full).")
+    max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing auto` / `fastdpo tune` (0: 90% of the GPU).")
     torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")
     # schedule
     max_steps: int = _f(-1, "Optimizer steps to run (overrides num_train_epochs when > 0).")
@@ -84,10 +88,39 @@ class TrainConfig:
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
     # loss
-    loss_type: str = _f("sigmoid", "Preference loss (see `fastdpo losses`).")
-    beta: float = _f(0.1, "DPO beta (strength of the KL constraint).")
-    label_smoothing: float = _f(0.0, "Conservative DPO label smoothing in [0, 0.5).")
+    loss_type: str = _f("sigmoid", "Preference loss, or several comma-separated (sigmoid,sft); see the README's table.")
+    loss_weights: str = _f("", "Comma-separated weights of the --loss_type terms (default 1 each), e.g. 1,0.1.")
+    beta: float = _f(0.1, "DPO beta (strength of the KL constraint; IPO's tau; SimPO/CPO's temperature).")
+    label_smoothing: float = _f(0.0, "Label smoothing eps in [0, 0.5): cDPO (sigmoid), robust, exo_pair, aot, simpo, cpo.")
     rpo_alpha: float = _f(0.0, "Weight of the NLL(chosen) term (RPO); 0 disables.")
+    ld_alpha: float = _f(1.0, "LD-DPO: weight of completion tokens past the length both completions share (1 = off).")
+    f_divergence_type: str = _f("reverse_kl", "f-DPO divergence: reverse_kl|forward_kl|js_divergence|alpha_divergence.")
+    f_alpha_divergence_coef: float = _f(0.5, "alpha of --f_divergence_type alpha_divergence.")
+    use_weighting: bool = _f(False, "WPO: weight each pair by the policy's length-normalised probability of both answers.")
+    discopop_tau: float = _f(0.05, "DiscoPOP temperature tau.")
+    simpo_gamma: float = _f(0.5, "SimPO target reward margin gamma.")
+    cpo_alpha: float = _f(1.0, "CPO: weight of the NLL(chosen) term.")
+    orpo_alpha: float = _f(0.1, "ORPO: weight lambda of the odds-ratio term.")
+    beta_schedule: str = _f("constant", "constant|kl_adaptive: lower beta while the policy drifts far from the reference.")
+    beta_kl_target: float = _f(0.5, "kl_adaptive: drift (mean |log-ratio| per token, nats) above which beta is lowered.")
+    beta_kl_window: int = _f(100, "kl_adaptive: optimizer steps in the running mean of the drift.")
+    beta_min_ratio: float = _f(0.5, "kl_adaptive: beta never goes below this fraction of --beta.")
+    # reference
+    precompute_ref_log_probs: bool = _f(False, "Compute reference log-probs once before training (cached on disk) "
+                                               "and hold no reference model while training.")
+    precompute_ref_batch_size: int = _f(0, "Pairs per forward of the precompute pass (0: 4x per_device_train_batch_size; "
+                                           "with --max_tokens_per_batch, a 4x token budget).")
+    ref_cache_dir: str = _f("", "Reference cache dir (default $FASTDPO_CACHE_DIR/ref_logps or ~/.cache/fastdpo/ref_logps).")
+    sync_ref_model: bool = _f(False, "TR-DPO: every --ref_model_sync_steps, ref = alpha * policy + (1 - alpha) * ref.")
+    ref_model_mixup_alpha: float = _f(0.6, "TR-DPO mix-up weight alpha of the policy.")
+    ref_model_sync_steps: int = _f(512, "TR-DPO: optimizer steps between reference updates.")
+    # evaluation during training
+    val_dataset: list = _f([], "Held-out preference files (like --dataset) evaluated during training.", nargs="+")
+    split_dataset_ratio: float = _f(0.0, "Hold out this fraction of --dataset for evaluation (without --val_dataset).")
+    eval_steps: int = _f(0, "Evaluate every N optimizer updates (0: at every save and at the end) on the held-out pairs.")
+    metric_for_best_model: str = _f("loss", "Eval metric ranking checkpoints (loss, rewards/accuracies, ...); the best "
+                                    "checkpoint is never rotated away.")
+    greater_is_better: bool | None = _f(None, "Whether larger metric_for_best_model is better (default: no for losses).")
     # run
     output_dir: str = _f("output", "Where checkpoints, metrics and the final model go.")
     seed: int = _f(42, "Seed for data order, init and dropout.")
@@ -103,11 +136,14 @@ class TrainConfig:
         if not self.model:
             raise FastDPOError("--model is required: a local HF model dir or a hub id.")
         self.validate_data()
-        _choice("train_type", self.train_type, ("full", "lora"))
+        _choice("train_type", self.train_type, ("full", "lora", "qlora"))
+        if self.train_type == "qlora" and self.quant_bits not in (4, 8):
+            raise FastDPOError(f"--quant_bits must be 4 or 8 for --train_type qlora, got {self.quant_bits}.")
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
-        checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
+        if self.gradient_checkpointing != "auto":
+            checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
@@ -123,13 +159,110 @@ class TrainConfig:
             raise FastDPOError(f"--learning_rate must be >= 0, got {self.learning_rate}.")
         if self.max_tokens_per_batch and self.max_tokens_per_batch < 16:
             raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
-        if self.train_type == "lora" and self.lora_rank < 1:
+        if self.uses_lora and self.lora_rank < 1:
             raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
+        self._validate_loss()
+        self._validate_reference()
+        self._validate_eval()
+
+    def _validate_loss(self) -> None:
+        from fastdpo.losses import F_DIVERGENCES, LOSSES
+
+        specs = {name: LOSSES[name] for name, _ in self.loss_terms()}
+        _choice("f_divergence_type", self.f_divergence_type, tuple(F_DIVERGENCES))
+        if self.f_divergence_type != "reverse_kl" and not all(sp.f_divergence for sp in specs.values()):
+            ok = ", ".join(n for n, sp in LOSSES.items() if sp.f_divergence)
+            raise FastDPOError(f"--f_divergence_type {self.f_divergence_type} is defined only for the losses built on "
+                               f"the reward difference ({ok}). Drop it or change --loss_type.")
+        if self.use_weighting and any(sp.sorts_step for sp in specs.values()):
+            raise FastDPOError("--use_weighting does not apply to aot / aot_unpaired (they sort pairs, so per-pair "
+                               "weights would not line up). Drop one of them.")
+        if "exo_pair" in specs and self.label_smoothing <= 0:
+            raise FastDPOError("--loss_type exo_pair needs --label_smoothing > 0 (the EXO paper uses 1e-3).")
+        if not 0 <= self.ld_alpha <= 1:
+            raise FastDPOError(f"--ld_alpha must be in [0, 1] (1 = plain DPO), got {self.ld_alpha}.")
+        if self.discopop_tau <= 0:
+            raise FastDPOError(f"--discopop_tau must be > 0, got {self.discopop_tau}.")
+        for name in ("rpo_alpha", "cpo_alpha", "orpo_alpha"):
+            if getattr(self, name) < 0:
+                raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
+        _choice("beta_schedule", self.beta_schedule, ("constant", "kl_adaptive"))
+        if self.beta_schedule == "kl_adaptive":
+            if not self.needs_reference():
+                raise FastDPOError("--beta_schedule kl_adaptive follows the policy-reference log-ratio, but "
+                                   f"--loss_type {self.loss_type} is reference-free. Use --beta_schedule constant.")
+            if self.beta_kl_window < 1 or not 0 < self.beta_min_ratio <= 1 or self.beta_kl_target < 0:
+                raise FastDPOError("kl_adaptive needs --beta_kl_window >= 1, --beta_min_ratio in (0, 1] and "
+                                   "--beta_kl_target >= 0.")
+
+    def _validate_reference(self) -> None:
+        if self.precompute_ref_batch_size < 0:
+            raise FastDPOError(f"--precompute_ref_batch_size must be >= 0, got {self.precompute_ref_batch_size}.")
+        if self.adapters and not self.uses_lora:
+            raise FastDPOError("--adapters starts a LoRA adapter from a saved one: it needs --train_type lora.")
+        if self.ref_adapters and self.ref_model:
+            raise FastDPOError("Give either --ref_model or --ref_adapters (applied to --model), not both.")
+        if self.sync_ref_model:
+            if not self.needs_reference():
+                raise FastDPOError("--sync_ref_model has no reference to update: the loss is reference-free.")
+            if self.uses_lora:
+                raise FastDPOError("--sync_ref_model (TR-DPO) needs full fine-tuning: a LoRA reference is the "
+                                   "base model itself. Use --train_type full.")
+            if self.precompute_ref_log_probs:
+                raise FastDPOError("--sync_ref_model changes the reference during training, so it cannot be "
+                                   "precomputed. Drop --precompute_ref_log_probs.")
+            if not 0 <= self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
+                raise FastDPOError("TR-DPO needs --ref_model_mixup_alpha in [0, 1] and --ref_model_sync_steps >= 1.")
+
+    def loss_terms(self) -> list[tuple[str, float]]:
+        """[(loss name, weight)] from --loss_type and --loss_weights (comma strings, or YAML lists)."""
         from fastdpo.losses import LOSSES
 
-        for name in self.loss_type.split(","):
+        raw = self.loss_type if isinstance(self.loss_type, list) else str(self.loss_type).split(",")
+        names = [str(n).strip() for n in raw if str(n).strip()]
+        if not names:
+            raise FastDPOError("--loss_type is empty. Give a loss name, e.g. sigmoid.")
+        for name in names:
             if name not in LOSSES:
                 raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSSES))}.")
+        w = self.loss_weights
+        raw_w = w if isinstance(w, list) else [w] if isinstance(w, (int, float)) else str(w).split(",")
+        raw_w = [x for x in raw_w if str(x).strip()]
+        try:
+            weights = [float(x) for x in raw_w] or [1.0] * len(names)
+        except ValueError:
+            raise FastDPOError(f"--loss_weights {w!r}: expected comma-separated numbers, e.g. 1,0.1.") from None
+        if len(weights) != len(names):
+            raise FastDPOError(f"--loss_weights has {len(weights)} values for {len(names)} losses in --loss_type "
+                               f"{','.join(names)}. Give one weight per loss.")
+        return list(zip(names, weights))
+
+    def needs_reference(self) -> bool:
+        from fastdpo.losses import LOSSES
+
+        return any(LOSSES[name].needs_reference for name, _ in self.loss_terms())
+
+    def _validate_eval(self) -> None:
+        from fastdpo.evaluate import check_metric_name
+
+        if not 0 <= self.split_dataset_ratio < 1:
+            raise FastDPOError(f"--split_dataset_ratio must be in [0, 1), got {self.split_dataset_ratio}.")
+        if self.val_dataset and self.split_dataset_ratio > 0:
+            raise FastDPOError("Give --val_dataset or --split_dataset_ratio, not both.")
+        if self.eval_steps < 0:
+            raise FastDPOError(f"--eval_steps must be >= 0, got {self.eval_steps}.")
+        has_val = bool(self.val_dataset) or self.split_dataset_ratio > 0
+        if self.eval_steps > 0 and not has_val:
+            raise FastDPOError("--eval_steps needs held-out pairs: add --val_dataset FILE or --split_dataset_ratio R.")
+        if has_val and self.eval_steps > 0 and self.save_steps > 0 and self.save_steps % self.eval_steps:
+            raise FastDPOError(f"--save_steps {self.save_steps} must be a multiple of --eval_steps {self.eval_steps}, so "
+                               "every checkpoint has an evaluation to rank it by.")
+        check_metric_name(self.metric_for_best_model)
+
+    @property
+    def uses_lora(self) -> bool:
+        """LoRA adapters are trained (on a full-precision or a quantised base)."""
+        return self.train_type in ("lora", "qlora")
 
     def validate_data(self) -> None:
         """The data flags alone (also used by `fastdpo check-data`)."""
@@ -142,8 +275,17 @@ class TrainConfig:
         for name in ("max_prompt_length", "max_completion_length", "dataloader_num_workers"):
             if getattr(self, name) < 0:
                 raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
-        if self.streaming and self.max_steps <= 0:
-            raise FastDPOError("--streaming needs --max_steps > 0: the size of a streamed dataset is not known ahead.")
+        if self.streaming:  # the data is read once, lazily: nothing may need all of it ahead
+            if self.max_steps <= 0:
+                raise FastDPOError("--streaming needs --max_steps > 0: the size of a streamed dataset is not known ahead.")
+            if self.split_dataset_ratio > 0:
+                raise FastDPOError("--streaming cannot hold out --split_dataset_ratio of a stream. Give --val_dataset.")
+            if self.precompute_ref_log_probs:
+                raise FastDPOError("--precompute_ref_log_probs needs every training pair ahead, which --streaming does "
+                                   "not have. Drop it: the reference then runs alongside the policy.")
+            if str(self.gradient_checkpointing) == "auto":
+                raise FastDPOError("--gradient_checkpointing auto measures on data in memory. With --streaming, name a "
+                                   "policy: none, full, ffn, attn or every:K.")
         from fastdpo.data.template import resolve_template
 
         resolve_template(self.template)  # raises on an unknown name or a missing file
@@ -208,6 +350,7 @@ def _parse_dict(text: str) -> dict:
 
 def _flag_type(f: dataclasses.Field) -> Any:
     t = f.type if isinstance(f.type, str) else f.type.__name__
+    t = t.replace(" | None", "")
     return {"bool": _parse_bool, "int": int, "float": float, "dict": _parse_dict, "list": str}.get(t, str)
 
 
@@ -253,8 +396,9 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
             values[name] = getattr(args, name)
     if "gradient_checkpointing" in values:
         values["gradient_checkpointing"] = str(values["gradient_checkpointing"]).lower()
-    if isinstance(values.get("dataset"), str):
-        values["dataset"] = [values["dataset"]]
+    for name in ("dataset", "val_dataset"):
+        if isinstance(values.get(name), str):
+            values[name] = [values[name]]
     return cls(**values)
 
 
@@ -277,6 +421,9 @@ def load_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise FastDPOError(f"{path}: unknown key {key!r}.{hint}")
         typ = _flag_type(fields[key])
+        if value is None and fields[key].default is None:  # an optional flag left unset (e.g. greater_is_better)
+            out[key] = None
+            continue
         try:
             if typ is _parse_bool and not isinstance(value, bool):
                 value = _parse_bool(value)

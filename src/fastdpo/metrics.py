@@ -61,12 +61,19 @@ class MetricsSink:
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
         if self.console is not None:
-            keys = ("loss", "rewards/margins", "rewards/accuracies", "grad_norm", "learning_rate", "pairs_per_second")
-            shown = "  ".join(f"{k.split('/')[-1]}={_fmt(record[k])}" for k in keys if k in record)
+            keys = ("loss", "rewards/margins", "rewards/accuracies", "grad_norm", "learning_rate", "pairs_per_second",
+                    "eval_loss", "eval_rewards/margins", "eval_rewards/accuracies")
+            shown = "  ".join(f"{_label(k)}={_fmt(record[k])}" for k in keys if k in record)
             self.console.print(f"step {record['step']:>5}  {shown}")
 
     def close(self) -> None:
         self.file.close()
+
+
+def _label(key: str) -> str:
+    """`rewards/margins` -> `margins`, `eval_rewards/margins` -> `eval_margins`."""
+    prefix = "eval_" if key.startswith("eval_") else ""
+    return prefix + key.removeprefix("eval_").split("/")[-1]
 
 
 def _fmt(v) -> str:

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fastdpo import attention
-from fastdpo.data.pack import PairBatch
+from fastdpo.data.pack import PairBatch, pack_pairs, pad_pairs
 from fastdpo.errors import FastDPOError
 from fastdpo.logprobs import sequence_sums, token_logps
 
 log = logging.getLogger("fastdpo")
 
 # Families whose attention is fully described by the pair rule (+ an optional uniform sliding window).
+FLEX_PAD = 128  # flex rows are padded to a multiple of its block size
 PACKED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "granite", "olmo2", "qwen3_moe"}
 
 
@@ -60,10 +62,29 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
+def quantization_config(bits: int, device: torch.device, dtype: torch.dtype):
+    """bitsandbytes settings for a QLoRA base: nf4 with double quantisation (4 bits), or LLM.int8 (8 bits)."""
+    if device.type != "cuda":
+        raise FastDPOError("--train_type qlora needs a CUDA GPU (bitsandbytes kernels). On CPU use --train_type lora.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise FastDPOError("--train_type qlora needs bitsandbytes: pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    if bits == 4:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               model_type: str = ""):
-    """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention."""
+               model_type: str = "", quant_bits: int = 0):
+    """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
+    `quant_bits` 4 or 8 loads a quantised base for QLoRA."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    quant = quantization_config(quant_bits, device, dtype) if quant_bits else None
 
     if _is_local(path):
         p = Path(path).expanduser()
@@ -72,24 +93,42 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise FastDPOError(f"Cannot read the model config of {path}: {str(e).splitlines()[0]}") from None
+        hint = " Pass --trust_remote_code true only if you trust that code." if "custom code" in str(e) else ""
+        raise FastDPOError(f"Cannot read the model config of {path}: {str(e).splitlines()[0]}{hint}") from None
     if model_type and model_type != config.model_type:
         raise FastDPOError(
             f"--model_type {model_type!r} does not match {path}, whose config.json says {config.model_type!r}. "
             "Drop --model_type or point --model at the right model."
         )
     try:
+        extra = {"quantization_config": quant, "device_map": {"": device}} if quant else {}
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **extra
         )
     except (OSError, ValueError) as e:
         raise FastDPOError(f"Cannot load model weights from {path}: {str(e).splitlines()[0]}") from None
-    return model.to(device)
+    except pickle.UnpicklingError:  # a .bin file holding more than tensors: torch.load(weights_only=True) refused it
+        raise FastDPOError(
+            f"{path}: the PyTorch weight file holds objects other than tensors and was not loaded (it could run code). "
+            "Use a model saved as safetensors."
+        ) from None
+    return model if quant else model.to(device)
 
 
-def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str):
-    from peft import LoraConfig, get_peft_model
+def check_adapter_dir(path: str, flag: str) -> Path:
+    p = Path(path).expanduser()
+    if not (p / "adapter_config.json").is_file():
+        raise FastDPOError(f"{flag} {path}: not a PEFT adapter dir (adapter_config.json is missing). "
+                           "Point it at a directory written by save_pretrained of a LoRA model.")
+    return p
 
+
+def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, adapters: str = ""):
+    """Wrap `model` with a trainable LoRA adapter named "default": a fresh one, or the one saved in `adapters`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapters:
+        return PeftModel.from_pretrained(model, str(check_adapter_dir(adapters, "--adapters")), is_trainable=True)
     targets = "all-linear" if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
     try:
@@ -147,9 +186,21 @@ class Backend:
     window: int | None = None
 
 
+# Names users bring from ms-swift / transformers scripts, and why the packed backend serves them instead.
+_VARLEN = ("Variable-length kernels (flash-attn) cannot express the prefix-shared rule, where rejected tokens see the "
+           "prompt but not chosen; FlexAttention runs that rule directly, with the prompt computed once.")
+FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
+                "sdpa": "The packed layout needs its own mask; SDPA is what the dense and padded paths use.",
+                "eager": "The packed layout needs its own mask; the padded path uses the model's own attention."}
+
+
 def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device) -> Backend:
     """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
     cfg = base_causal_lm(model).config
+    if attn_impl in FOREIGN_ATTN:
+        log.info("--attn_impl %s: using the %s backend. %s", attn_impl, "flex" if device.type == "cuda" else "dense",
+                 FOREIGN_ATTN[attn_impl])
+        attn_impl = "auto"
     if not padding_free or attn_impl == "padded":
         return Backend("padded")
     ok, window, reason = sliding_window(cfg)
@@ -187,6 +238,20 @@ def decoder(model):
     return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
 
 
+def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0) -> PairBatch:
+    """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
+    padded to the token budget (one static shape, so compiled kernels are built once), or to a multiple of the flex
+    block for a pair longer than the budget."""
+    if backend.name == "padded":
+        batch = pad_pairs(pairs, pad_id)
+    elif backend.name == "flex":
+        tokens = sum(p.num_tokens for p in pairs)
+        batch = pack_pairs(pairs, budget if budget and tokens <= budget else FLEX_PAD, pad_id)
+    else:
+        batch = pack_pairs(pairs, 1, pad_id)
+    return batch.to(device)
+
+
 def build_mask(batch: PairBatch, backend: Backend):
     if backend.name == "flex":
         return attention.flex_block_mask(batch, backend.window)
@@ -195,15 +260,25 @@ def build_mask(batch: PairBatch, backend: Backend):
     return batch.attention_mask
 
 
-def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
+def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch.Tensor:
+    """(N, H) final hidden states at the positions that predict the N completion targets."""
     if mask is None:
         mask = build_mask(batch, backend)
     _set_attn(model, "sdpa" if backend.name == "padded" else attention.ATTN_NAME)
     hidden = decoder(model)(
         input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
     ).last_hidden_state
-    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+
+
+def use_model_attention(model) -> None:
+    """Give the model back its own (SDPA) attention, e.g. before `generate`, after packed forwards."""
+    _set_attn(model, "sdpa")
+
+
+def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
+    hidden = target_hidden(model, batch, backend, mask)
     head = output_head(model)
     tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap)
     return sequence_sums(tok, batch.seq, batch.lengths.numel()), tok
@@ -218,7 +293,8 @@ def model_summary(model) -> dict:
 
 def save_model(model, tokenizer, out: Path) -> None:
     """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer."""
-    model.save_pretrained(out, safe_serialization=True)
+    only_trained = {"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}  # not a reference adapter
+    model.save_pretrained(out, safe_serialization=True, **only_trained)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     (out / "fastdpo.json").write_text(json.dumps({"format": "fastdpo-model", "version": 1}))

@@ -7,21 +7,23 @@ from __future__ import annotations
 import logging
 import math
 import random
-import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from fastdpo import checkpoint as ckpt
+from fastdpo.beta import BetaSchedule
 from fastdpo.config import TrainConfig, save_config
-from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches, step_order
-from fastdpo.data.prepare import DataOptions, load_pairs
+from fastdpo.data.load import Row, load_rows
+from fastdpo.data.pack import split_micro_batches, step_order
+from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.data.stream import PairStream
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
-from fastdpo.losses import LOSSES, LossInputs, LossParams
+from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
+from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers
 from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
@@ -32,18 +34,18 @@ from fastdpo.model import (
     choose_backend,
     load_model,
     load_tokenizer,
+    make_batch,
     model_summary,
     prepare_packed,
     resolve_device,
     resolve_dtype,
-    save_model,
-    sequence_logps,
 )
 from fastdpo.optim import build_optimizer, build_scheduler
-from fastdpo.reference import Reference, build_reference
+from fastdpo.reference import Reference, build_reference, load_ref_adapter
+from fastdpo.seqlogps import completion_logps
+from fastdpo.signals import GracefulStop
 
 log = logging.getLogger("fastdpo")
-FLEX_PAD = 128
 
 
 @dataclass
@@ -59,7 +61,11 @@ class Setup:
     pairs: list[TokenizedPair]
     total_steps: int
     steps_per_epoch: int
-    stream: PairStream | None = None  # --streaming: pairs come from here instead of `pairs`
+    loss_terms: list[tuple[str, float]]  # (loss name, weight)
+    beta: BetaSchedule
+    val_pairs: list[TokenizedPair] = field(default_factory=list)  # held-out pairs for evaluation during training
+    val_reference: Reference | None = None  # their precomputed reference (None: the training reference)
+    stream: PairStream | None = None  # --streaming: training pairs come from here instead of `pairs`
 
 
 def seed_all(seed: int) -> None:
@@ -77,6 +83,32 @@ def check_output_dir(out: Path) -> None:
         raise FastDPOError(f"--output_dir {out} is not writable ({e.strerror}). Choose another directory.") from None
 
 
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id or 0
+
+
+def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair]]:
+    """The training rows and pairs (held-out rows excluded)."""
+    return load_splits(cfg, tokenizer)[:2]
+
+
+def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
+                ) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
+    """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio). The data
+    summary is logged (and saved in `summary_dir`). With --streaming the training data is read lazily by a
+    PairStream instead: no training rows or pairs here."""
+    opts = DataOptions.from_config(cfg)
+    rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split))
+    pairs: list[TokenizedPair] = []
+    if not cfg.streaming:
+        pairs, summary = tokenize_pairs(rows, tokenizer, opts)
+        summary.log()
+        if summary_dir is not None:
+            summary.save(summary_dir / "data_summary.json")
+    val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []
+    return rows, pairs, val_rows, val_pairs
+
+
 def build_setup(cfg: TrainConfig) -> Setup:
     cfg.validate()
     out = Path(cfg.output_dir)
@@ -86,27 +118,33 @@ def build_setup(cfg: TrainConfig) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    data_opts = DataOptions.from_config(cfg)
-    stream = PairStream(cfg.dataset, tokenizer, data_opts) if cfg.streaming else None
-    pairs: list[TokenizedPair] = []
-    if stream is None:
-        pairs, summary = load_pairs(cfg.dataset, tokenizer, data_opts)
-        summary.log()
-        summary.save(out / "data_summary.json")
+    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out)
+    stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
+    if cfg.gradient_checkpointing == "auto":
+        from fastdpo.tune import auto_policy
 
-    model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
-    ref_model = load_model(cfg.ref_model, dtype, device, cfg.trust_remote_code) if cfg.ref_model else None
-    return assemble(cfg, device, model, tokenizer, pairs, ref_model, stream)
+        dict_rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in rows]
+        cfg.gradient_checkpointing = auto_policy(cfg, dict_rows, device)
+
+    model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
+                       cfg.quant_bits if cfg.train_type == "qlora" else 0)
+    val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
+    s = assemble(cfg, device, model, tokenizer, pairs, rows=rows)
+    s.val_pairs, s.val_reference, s.stream = val_pairs, val_reference, stream
+    return s
 
 
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
-             ref_model=None, stream: PairStream | None = None) -> Setup:
-    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, step counts."""
+             ref_model=None, rows: list[Row] | None = None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, step counts.
+    `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
+    key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
-    needs_ref = any(LOSSES[n].needs_reference for n in cfg.loss_type.split(","))
-    reference = build_reference(model, cfg.train_type, ref_model, needs_ref, backend)
-    if cfg.train_type == "lora":
-        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules)
+    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model)
+    if cfg.uses_lora:
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
+        if reference.strategy == "ref_adapter":
+            load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":
         prepare_packed(model, backend)
     apply_checkpointing(model, cfg.gradient_checkpointing)
@@ -114,19 +152,11 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         compile_layers(model)
     model.train()
 
-    steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step) if stream is None else cfg.max_steps
+    # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
+    steps_per_epoch = cfg.max_steps if cfg.streaming else math.ceil(len(pairs) / cfg.pairs_per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch, stream)
-
-
-def make_batch(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device: torch.device):
-    """Build a micro-batch on `device`. Flex batches are padded to a multiple of the flex block; compiled code marks
-    the token dimension dynamic after the first new length, so lengths vary without recompiling."""
-    if backend.name == "padded":
-        batch = pad_pairs(pairs, pad_id)
-    else:
-        batch = pack_pairs(pairs, FLEX_PAD if backend.name == "flex" else 1, pad_id)
-    return batch.to(device)
+    beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
+    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch, cfg.loss_terms(), beta)
 
 
 def attended_pairs(p: TokenizedPair) -> int:
@@ -135,31 +165,53 @@ def attended_pairs(p: TokenizedPair) -> int:
     return n_p * (n_p + 1) // 2 + n_c * n_p + n_c * (n_c + 1) // 2 + n_r * n_p + n_r * (n_r + 1) // 2
 
 
+def chosen_targets(p: TokenizedPair) -> int:
+    """Predicted chosen tokens: no state predicts the first token of an unprompted completion."""
+    return len(p.chosen) - (len(p.prompt) == 0)
+
+
+@torch.no_grad()
+def step_logps(s: Setup, groups: list[list[TokenizedPair]]) -> tuple[StepView, list]:
+    """Every pair's log-probs over the whole step, without grad: losses that sort the step's pairs (aot) need the
+    ranks before any backward. One extra policy forward, for those losses only; the reference results are kept."""
+    parts, refs = [], []
+    for group in groups:
+        batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
+        mask = build_mask(batch, s.backend)
+        pol = completion_logps(s.model, batch, s.backend, mask)
+        refs.append(s.reference.logps(s.model, batch, s.backend, mask))
+        parts.append(loss_inputs(pol, refs[-1], batch.lengths, s.cfg.ld_alpha))
+    return step_view(parts), refs
+
+
 def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
     """Forward and backward over one optimizer step's pairs; gradients accumulate in .grad."""
     cfg = s.cfg
     n_pairs = len(step_pairs)
-    chosen_tokens = sum(len(p.chosen) for p in step_pairs)
-    params = LossParams(beta=cfg.beta, label_smoothing=cfg.label_smoothing)
-    pad_id = s.tokenizer.pad_token_id or 0
-    for group in split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size):
-        batch = make_batch(group, s.backend, pad_id, s.device)
+    beta = s.beta.value()
+    params = loss_params(cfg, beta)
+    # NLL terms are token means over the step's chosen tokens, written per pair like every other term
+    tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
+    groups = split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
+    view, refs = None, None
+    if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
+        view, refs = step_logps(s, groups)
+    offset = 0
+    for i, group in enumerate(groups):
+        batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
-        pol, _ = sequence_logps(s.model, batch, s.backend, mask)
-        ref = s.reference.logps(s.model, batch, s.backend, mask) if s.reference.strategy != "none" else None
-        x = LossInputs(pol[:b], pol[b:], ref[:b] if ref is not None else None, ref[b:] if ref is not None else None,
-                       batch.lengths[:b], batch.lengths[b:])
-        loss = 0.0
-        for name in cfg.loss_type.split(","):
-            loss = loss + LOSSES[name].fn(x, params).sum()
+        pol = completion_logps(s.model, batch, s.backend, mask, wpo=cfg.use_weighting)
+        ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
+        in_step = at(view, offset, b) if view is not None else None
+        x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
         # divide by the pairs of the whole step, not the micro-batch: accumulation is then exact
-        loss = loss / n_pairs
-        if cfg.rpo_alpha:
-            loss = loss + cfg.rpo_alpha * (-x.policy_chosen.sum()) / max(1, chosen_tokens)
+        loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
         loss.backward()
-        metrics.add(loss, cfg.beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
+        s.beta.observe(x)
+        metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
                     x.ref_rejected, sum(p.num_tokens for p in group))
+        offset += b
 
 
 def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
@@ -171,14 +223,24 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     scheduler = build_scheduler(optimizer, cfg, s.total_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
     start = 0
+    ckpt.clean_partial(out)  # leftovers of a write or delete a kill interrupted
     resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
         ckpt.load_weights(model, resume)
         ckpt.load_training_state(resume, optimizer, scheduler)
-        start = ckpt.load_progress(resume)["step"]
+        state = ckpt.load_progress(resume)
+        start = state["step"]
+        s.beta.load_state_dict(state.get("beta", {}))
+        if cfg.sync_ref_model:
+            ckpt.load_extra_module(resume, "reference", s.reference.model)
+        ckpt.truncate_metrics(out / "metrics.jsonl", start)
         log.info("Resumed from %s at step %d.", resume, start)
         if s.stream is not None:  # replay the stream's deterministic order up to the resume point
             s.stream.skip(start * cfg.pairs_per_step)
+    ckpt.warn_later_checkpoints(out, start)
+    ckpt.check_disk_space(out, model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
+    evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
+                             s.val_reference)
     save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
@@ -192,6 +254,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     bar = _progress_bar(console, s.total_steps, start) if progress and console is not None else None
     orders: dict[int, list[list[int]]] = {}
     last: dict = {}
+    stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
+    stopped_at: Path | None = None
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
@@ -202,6 +266,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                     orders = {epoch: step_order(len(s.pairs), cfg.pairs_per_step, cfg.seed, epoch)}
                 step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
+            beta = s.beta.value()
             run_step(s, step_pairs, metrics)
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
@@ -209,17 +274,20 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            s.beta.step()
+            done = step + 1
+            if cfg.sync_ref_model and done % cfg.ref_model_sync_steps == 0:
+                s.reference.sync(model, cfg.ref_model_mixup_alpha)
 
             tokens = sum(p.num_tokens for p in step_pairs)
             rate.add(len(step_pairs), tokens)
             if peak:
                 flops += step_flops(lm_config, tokens, sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
-                                    sum(attended_pairs(p) for p in step_pairs), s.reference.strategy != "none")
-            done = step + 1
+                                    sum(attended_pairs(p) for p in step_pairs), s.reference.online)
             if done % cfg.logging_steps == 0 or done == s.total_steps:
                 t0 = rate.t0
                 record = {"step": done, "epoch": round(step / s.steps_per_epoch + 1 / s.steps_per_epoch, 4),
-                          **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr}
+                          **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr, "beta": float(beta)}
                 if peak:
                     record["mfu"] = flops / max(time.perf_counter() - t0, 1e-9) / peak
                     flops = 0.0
@@ -227,13 +295,22 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 record["memory/peak_gib"] = round(peak_memory_gib(device), 3)
                 sink.log(record)
                 last = record
+            if evaluator.due(done, s.total_steps):
+                sink.log(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
-            if cfg.save_steps > 0 and done % cfg.save_steps == 0 and done < s.total_steps:
-                ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
-                                     {"epoch": epoch}, cfg)
-                ckpt.rotate(out, cfg.save_total_limit)
+            periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
+            if (periodic or stop.requested) and done < s.total_steps:
+                evaluator.best.saved(done, out / f"checkpoint-{done}")
+                saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
+                                             {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress()}, cfg,
+                                             {"reference": s.reference.model} if cfg.sync_ref_model else None)
+                ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint, keep=saved)
+                if stop.requested:
+                    stopped_at = saved
+                    break
     finally:
+        stop.restore()
         if bar is not None:
             bar[0].stop()
         sink.close()
@@ -242,16 +319,15 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
             s.stream.summary().save(out / "data_summary.json")
             s.stream.summary().log()
 
-    final = out / "final"
-    tmp = out / ".final.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_model(model, s.tokenizer, tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    return {"final_dir": str(final), "last": last, **summary}
+    if stopped_at is not None:
+        log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
+                    stop.name, done, stopped_at)
+        return {"final_dir": None, "stopped": stop.name, "exit_code": stop.exit_code(), "checkpoint": str(stopped_at),
+                "last": last, **summary, **evaluator.summary()}
+    with stop:  # a signal now lets the final write finish
+        final = ckpt.save_final(out, model, s.tokenizer)
+    evaluator.best.saved(s.total_steps, final)
+    return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
 
 
 def _progress_bar(console, total: int, start: int):

@@ -1,8 +1,9 @@
-"""On-disk cache of tokenised pairs, keyed by a fingerprint of the data, the tokenizer and the settings.
+"""On-disk cache of tokenised pairs, keyed by a fingerprint of the rows, the tokenizer and the settings.
 
-A hit skips reading, validating and tokenising. The key changes when any file's bytes, a HF dataset's fingerprint,
-the tokenizer (vocabulary, specials, chat template), a length or template setting, the split, the seed (it picks
-`#N` samples) or this cache format change. Entries are written to a temporary dir and renamed into place.
+A hit skips tokenising (most of the cost). The key is computed from the rows themselves, so it follows whatever
+chose them (files, `#N` samples, splits, held-out rows) and changes when any row's text, the tokenizer (vocabulary,
+specials, chat template), a length or template setting, or this cache format changes. Entries are written to a
+temporary dir and renamed into place.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fastdpo import __version__
-from fastdpo.data.sources import fingerprint, parse_spec
+from fastdpo.data.formats import Row
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats
 
 CACHE_FORMAT = 1
@@ -47,12 +48,22 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def data_key(specs: list[str], split: str, seed: int, tokenizer, options: TokenizeOptions) -> str:
+def rows_fingerprint(rows: list[Row]) -> str:
+    """Every row's texts (or canonical JSON of its messages) and tools, in order."""
+    h = hashlib.blake2b(digest_size=16)
+    for r in rows:
+        for part in (r.prompt, r.chosen, r.rejected, r.tools):
+            b = part.encode("utf-8") if isinstance(part, str) else json.dumps(part, sort_keys=True).encode("utf-8")
+            h.update(len(b).to_bytes(8, "little") + bytes([isinstance(part, str)]))
+            h.update(b)
+    return h.hexdigest()
+
+
+def data_key(rows: list[Row], tokenizer, options: TokenizeOptions) -> str:
     parts = {
         "format": CACHE_FORMAT,
         "version": __version__,
-        "data": [fingerprint(parse_spec(s), split) for s in specs],
-        "seed": seed if any(parse_spec(s).count for s in specs) else None,
+        "rows": rows_fingerprint(rows),
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "options": dataclasses.asdict(options),
     }

@@ -63,7 +63,17 @@ class Row:
 
 
 def _fields(value: dict) -> str:
-    return ", ".join(sorted(map(str, value))) or "none"
+    return ", ".join(sorted(map(str, value))).encode("utf-8", "backslashreplace").decode() or "none"
+
+
+def _unicode(text: str, name: str, where: str) -> str:
+    """Valid Unicode text: a lone surrogate (from a JSON escape such as "\\ud800") reaches no tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(where, name, f"holds an unpaired surrogate {text[e.start]!r} at character {e.start}, which is "
+                       "not valid Unicode text.", "Fix or remove that escape.") from None
+    return text
 
 
 def _missing(value: dict, name: str, where: str) -> RowError:
@@ -78,9 +88,9 @@ def _text(value: object, name: str, where: str, completion: bool) -> str:
     if not isinstance(value, str):
         raise RowError(where, name, f"must be a string or a list of messages, got {_kind(value)}.",
                        "Convert it to plain text or to [{\"role\": ..., \"content\": ...}] messages.")
-    if completion and not value.strip():
+    if completion and not value:
         raise RowError(where, name, "is empty.", "Every pair needs two non-empty completions; fix or drop the row.")
-    return value
+    return _unicode(value, name, where)
 
 
 def _messages(value: object, name: str, where: str) -> list[dict]:
@@ -103,6 +113,9 @@ def _messages(value: object, name: str, where: str) -> list[dict]:
         if content is not None and not isinstance(content, str):
             raise RowError(where, f"{name}[{i}].content", f"must be a string, got {_kind(content)}.",
                            "Only text content is supported: join the text parts into one string.")
+        for k, v in m.items():
+            if isinstance(v, str):
+                _unicode(v, f"{name}[{i}].{k}", where)
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 
@@ -113,7 +126,7 @@ def _reply(messages: list[dict], name: str, where: str) -> list[dict]:
     if first["role"] != "assistant":
         raise RowError(where, f"{name}[0].role", f"is {first['role']!r}, but a completion must start with an "
                        "assistant turn.", "Only the assistant reply may differ between chosen and rejected.")
-    if not first.get("tool_calls") and not str(first.get("content", "")).strip():
+    if not first.get("tool_calls") and not first.get("content"):
         raise RowError(where, f"{name}[0].content", "is empty.",
                        "Every pair needs two non-empty completions; fix or drop the row.")
     return messages
@@ -139,6 +152,7 @@ def _with_system(prompt: list[dict], value: dict, where: str) -> list[dict]:
         return prompt
     if not isinstance(system, str):
         raise RowError(where, "system", f"must be a string, got {_kind(system)}.", "Fix the row.")
+    _unicode(system, "system", where)
     return [{"role": "system", "content": system}, *prompt] if system else prompt
 
 
@@ -153,6 +167,10 @@ def _tools(value: dict, where: str) -> list | None:
             raise RowError(where, "tools", f"is not valid JSON ({e.msg}).", "Give a list of tool schemas.") from None
     if not isinstance(tools, list):
         raise RowError(where, "tools", f"must be a list of tool schemas, got {_kind(tools)}.", "Fix the row.")
+    try:
+        _unicode(json.dumps(tools, ensure_ascii=False), "tools", where)
+    except (ValueError, RecursionError):  # nested too deeply, or a number too long to write back
+        raise RowError(where, "tools", "cannot be written back as JSON.", "Fix the tool schemas.") from None
     return tools or None
 
 
@@ -188,11 +206,12 @@ def _pair_row(value: dict, where: str, tools: list | None) -> Row:
     c, r, p = value["chosen"], value["rejected"], value.get("prompt")
     if isinstance(c, str) and isinstance(r, str):
         if p is None:
+            c, r = _text(c, "chosen", where, True), _text(r, "rejected", where, True)
             hc, hr = parse_hh(c), parse_hh(r)
             if hc is not None and hr is not None:
                 prompt, chosen, rejected = _split_common(hc, hr, ("chosen", "rejected"), where)
                 return Row(_with_system(prompt, value, where), chosen, rejected, where, tools, "hh_rlhf")
-            return _implicit_text(_text(c, "chosen", where, True), _text(r, "rejected", where, True), where)
+            return _implicit_text(c, r, where)
         if isinstance(p, list):
             raise RowError(where, "chosen", "is a string but prompt is a list of messages.",
                            "Give chosen and rejected as assistant message lists, or all three as strings.")

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastdpo.data.formats import Row, RowError, to_row
-from fastdpo.data.sources import Spec, file_records, iter_records, sample
+from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, source_kind
 from fastdpo.data.sources import parse_spec as parse_dataset_spec
 from fastdpo.errors import FastDPOError
 
-__all__ = ["Row", "RowError", "check_row", "load_file", "load_rows", "load_spec", "parse_spec", "sample_rows"]
+__all__ = ["MAX_SAMPLED_ROWS", "Row", "RowError", "check_row", "load_file", "load_rows", "load_spec", "parse_spec",
+           "sample_rows"]
 
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
@@ -23,14 +24,24 @@ def check_row(value: object, where: str) -> Row:
     return to_row(value, where)
 
 
+def _records(path: Path) -> list[tuple[int, object]]:
+    """(line, decoded value) of the rows of a JSONL / JSON file, numbered as `Row.source` numbers them."""
+    out = []
+    for rec in file_records(path):
+        if rec.error is not None:
+            raise FastDPOError(f"{rec.where}: {rec.error}")
+        head, _, line = rec.where.rpartition(":")
+        if head == str(path) and line.isdigit():
+            out.append((int(line), rec.value))
+    return out
+
+
 def load_file(path_str: str) -> list[Row]:
     """All rows of one local file or directory of data files."""
-    path = Path(path_str)
-    if not path.exists():
+    spec = Spec(path_str, path_str)
+    if source_kind(spec) not in ("file", "dir"):
         raise FastDPOError(f"Dataset {path_str} not found. Check the path given to --dataset.")
-    if path.is_dir():
-        return load_spec(Spec(path_str, path_str))
-    return [r.row() for r in file_records(path)]
+    return load_spec(spec)
 
 
 def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdpo.data.cache import cache_root, data_key, load_cached, save_cached
+from fastdpo.data.formats import Row
 from fastdpo.data.load import load_rows
 from fastdpo.data.parallel import ordered_map
 from fastdpo.data.template import resolve_template
@@ -49,9 +50,9 @@ class DataOptions:
 class DataSummary:
     """What loading did: rows per format, pairs kept, what the length limits dropped or trimmed."""
 
-    datasets: list[str]
     stats: TokenizeStats
     options: TokenizeOptions
+    datasets: list[str] = field(default_factory=list)
     cached: bool = False
 
     def text(self) -> str:
@@ -89,13 +90,20 @@ def _tokenize_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats]:
 def load_pairs(specs: list[str], tokenizer, opts: DataOptions) -> tuple[list[TokenizedPair], DataSummary]:
     """Every pair of the datasets `specs`, tokenised and length-limited, in dataset order (index = row position).
     Raises FastDPOError on the first bad row or when no pair survives."""
+    pairs, summary = tokenize_pairs(load_rows(specs, opts.seed, opts.split), tokenizer, opts)
+    summary.datasets = list(specs)
+    return pairs, summary
+
+
+def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions) -> tuple[list[TokenizedPair], DataSummary]:
+    """Rows -> pairs (index = position in `rows`), from the cache when the same rows were tokenised the same way
+    before, else with `opts.num_proc` processes. Raises on the first bad row or when no pair survives."""
     root = cache_root(opts.cache_dir)
-    key = data_key(specs, opts.split, opts.seed, tokenizer, opts.tokenize) if opts.use_cache else None
+    key = data_key(rows, tokenizer, opts.tokenize) if opts.use_cache else None
     if key is not None:
         hit = load_cached(root, key)
         if hit is not None:
-            return hit[0], DataSummary(list(specs), hit[1], opts.tokenize, cached=True)
-    rows = load_rows(specs, opts.seed, opts.split)
+            return hit[0], DataSummary(hit[1], opts.tokenize, cached=True)
     chunks = ((start, rows[start: start + CHUNK]) for start in range(0, len(rows), CHUNK))
     workers = opts.num_proc if opts.num_proc > 1 else 0
     stats = TokenizeStats()
@@ -110,4 +118,4 @@ def load_pairs(specs: list[str], tokenizer, opts: DataOptions) -> tuple[list[Tok
             save_cached(root, key, pairs, stats)
         except OSError as e:  # a read-only cache dir must not stop training
             log.warning("Could not write the tokenisation cache under %s (%s).", root, e.strerror)
-    return pairs, DataSummary(list(specs), stats, opts.tokenize)
+    return pairs, DataSummary(stats, opts.tokenize)

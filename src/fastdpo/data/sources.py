@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import codecs
 import csv
-import hashlib
 import json
 import random
 import re
@@ -23,6 +22,7 @@ from fastdpo.data.formats import Row, to_row
 from fastdpo.errors import FastDPOError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+MAX_SAMPLED_ROWS = 10_000_000  # `path#N` above this is a typo, not a plan (and would exhaust memory)
 # CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
 CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools")
 _WS = re.compile(r"\s*")
@@ -59,11 +59,14 @@ def parse_spec(text: str) -> Spec:
     name, count = text, None
     if "#" in text:
         name, _, n = text.rpartition("#")
-        if not n.isdigit() or int(n) < 1:
+        digits = n.lstrip("0")
+        if not (n.isascii() and n.isdigit()) or not digits:  # ascii: "²".isdigit() holds, int("²") fails
             raise FastDPOError(f"--dataset {text!r}: the part after '#' must be a positive row count, e.g. data.jsonl#500.")
-        count = int(n)
+        if len(digits) > 9 or int(digits) > MAX_SAMPLED_ROWS:
+            raise FastDPOError(f"--dataset {text!r}: at most {MAX_SAMPLED_ROWS:,} rows can be sampled from one dataset.")
+        count = int(digits)
     subset = None
-    if ":" in name and not Path(name).expanduser().exists():
+    if ":" in name and not _stat(name)[0]:
         head, _, sub = name.rpartition(":")
         if head and sub and "/" not in sub:
             name, subset = head, sub
@@ -74,12 +77,24 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).suffix in DATA_SUFFIXES or name.count("/") > 1
 
 
+def _stat(name: str) -> tuple[bool, bool, bool]:
+    """(exists, is_dir, is_file) of a local path; a FastDPOError for names the OS refuses."""
+    p = Path(name).expanduser()
+    try:
+        return p.exists(), p.is_dir(), p.is_file()
+    except (OSError, ValueError) as e:  # name too long, unencodable, NUL byte, unreadable parent
+        raise FastDPOError(f"Dataset {name!r}: not a usable path ({getattr(e, 'strerror', None) or e}).") from None
+
+
 def source_kind(spec: Spec) -> str:
     """file | dir (of data files) | saved (`save_to_disk`) | hub (`datasets.load_dataset`: ids and dataset repos)."""
     p = Path(spec.name).expanduser()
-    if p.is_file():
+    exists, is_dir, is_file = _stat(spec.name)
+    if exists and not (is_dir or is_file):  # a pipe or device could block or never end
+        raise FastDPOError(f"Dataset {spec.name} is not a regular file or directory. Give a data file or directory.")
+    if is_file:
         return "file"
-    if p.is_dir():
+    if is_dir:
         if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
             return "saved"
         card = p / "README.md"
@@ -92,7 +107,11 @@ def source_kind(spec: Spec) -> str:
 
 
 def data_files(path: Path) -> list[Path]:
-    files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES and not f.name.startswith("."))
+    try:
+        files = sorted(f for f in path.rglob("*")
+                       if f.suffix in DATA_SUFFIXES and not f.name.startswith(".") and f.is_file())
+    except OSError as e:
+        raise FastDPOError(f"Dataset dir {path}: cannot list it ({e.strerror}).") from None
     if not files:
         raise FastDPOError(f"Dataset dir {path} holds no {', '.join(DATA_SUFFIXES)} files.")
     return files
@@ -104,6 +123,11 @@ def data_files(path: Path) -> list[Path]:
 def _utf8_error(path: Path, raw: bytes, e: UnicodeDecodeError) -> Record:
     line = raw[: e.start].count(b"\n") + 1
     return Record(f"{path}:{line}", error=f"not valid UTF-8 (byte 0x{raw[e.start]:02x}). Re-save the file as UTF-8.")
+
+
+def _unparsable(e: Exception) -> str:
+    """Why json.loads failed, for errors other than JSONDecodeError."""
+    return "nested too deeply" if isinstance(e, RecursionError) else "a number too long to convert"
 
 
 def _jsonl_records(path: Path) -> Iterator[Record]:
@@ -125,6 +149,8 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
                 yield Record(where, json.loads(line))
             except json.JSONDecodeError as e:
                 yield Record(where, error=f"invalid JSON ({e.msg}, column {e.colno}). Fix or remove this line.")
+            except (ValueError, RecursionError) as e:
+                yield Record(where, error=f"invalid JSON ({_unparsable(e)}). Fix or remove this line.")
 
 
 def _json_array_records(path: Path, text: str) -> Iterator[Record]:
@@ -148,6 +174,9 @@ def _json_array_records(path: Path, text: str) -> Iterator[Record]:
         except json.JSONDecodeError as e:
             yield Record(f"{path}:{e.lineno}", error=f"invalid JSON ({e.msg}, column {e.colno}). Fix the syntax.")
             return
+        except (ValueError, RecursionError) as e:
+            yield Record(f"{path}:{line_at(i)}", error=f"invalid JSON ({_unparsable(e)}). Fix this row.")
+            return
         yield Record(f"{path}:{line_at(i)}", value)
         i = _WS.match(text, end).end()
         if i < len(text) and text[i] == ",":
@@ -159,7 +188,8 @@ def _json_array_records(path: Path, text: str) -> Iterator[Record]:
 
 def _json_records(path: Path) -> Iterator[Record]:
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip(codecs.BOM_UTF8).lstrip()
+        head = f.read(4096)
+    head = head[len(codecs.BOM_UTF8):].lstrip() if head.startswith(codecs.BOM_UTF8) else head.lstrip()
     if not head.startswith(b"[") and path.suffix != ".json":
         yield from _jsonl_records(path)
         return
@@ -179,6 +209,9 @@ def _json_records(path: Path) -> Iterator[Record]:
             yield from _jsonl_records(path)
             return
         yield Record(f"{path}:{e.lineno}", error=f"invalid JSON ({e.msg}, column {e.colno}). Fix the syntax.")
+        return
+    except (ValueError, RecursionError) as e:
+        yield Record(f"{path}:1", error=f"invalid JSON ({_unparsable(e)}). Fix the file.")
         return
     if isinstance(value, dict) and isinstance(value.get("data"), list):
         for i, v in enumerate(value["data"]):
@@ -294,19 +327,3 @@ def sample(items: list, n: int, seed: int) -> list:
     whole, rest = divmod(n, len(items))
     return items * whole + rng.sample(items, rest)
 
-
-def fingerprint(spec: Spec, split: str) -> str:
-    """Changes whenever the spec's data changes: file contents, or the `datasets` fingerprint."""
-    kind = source_kind(spec)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{kind}\0{spec.label}\0{spec.count}\0{split}".encode())
-    path = Path(spec.name).expanduser()
-    if kind in ("file", "dir"):
-        for f in [path] if kind == "file" else data_files(path):
-            h.update(str(f.relative_to(path) if kind == "dir" else f.name).encode())
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-    else:
-        h.update(str(getattr(hf_dataset(spec, split), "_fingerprint", "")).encode())
-    return h.hexdigest()

@@ -107,7 +107,7 @@ class PairStream:
             next(self._it)
 
     def summary(self) -> DataSummary:
-        return DataSummary([s.text for s in self.specs], self.stats, self.opts.tokenize)
+        return DataSummary(self.stats, self.opts.tokenize, [s.text for s in self.specs])
 
     def close(self) -> None:
         self._it.close()

@@ -1,0 +1,476 @@
+"""Evaluation on held-out preference pairs, shared by `fastdpo eval` and evaluation during training.
+
+The pairs go through the same packed forward as training (`sequence_logps`, the reference's `logps`), without grad,
+in eval mode. Metrics carry TRL's names (`loss`, `rewards/accuracies`, ...); during training they are logged with an
+`eval_` prefix, and the best checkpoint by `--metric_for_best_model` is tracked and protected from rotation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastdpo.config import _f
+from fastdpo.data.load import Row, load_rows
+from fastdpo.data.pack import split_micro_batches
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.errors import FastDPOError
+from fastdpo.infer import GenerationArgs, ModelArgs
+from fastdpo.logprobs import _chunk_logits
+from fastdpo.losses import LOSSES, LossInputs, LossParams, loss_inputs, loss_params, total_loss
+from fastdpo.model import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
+from fastdpo.reference import REF_ADAPTER, Reference, active_adapter, precomputed_table
+from fastdpo.seqlogps import completion_logps
+
+# Metrics of held-out pairs that can rank checkpoints (`--metric_for_best_model`, with or without `eval_`).
+PAIR_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                "logps/rejected")
+
+
+# ---------------------------------------------------------------- held-out rows
+
+
+def split_rows(rows: list[Row], ratio: float, seed: int) -> tuple[list[Row], list[Row]]:
+    """Hold out ceil(ratio x rows) rows, chosen with `seed`; both parts keep the file order."""
+    n_val = math.ceil(ratio * len(rows))
+    if n_val >= len(rows):
+        raise FastDPOError(f"--split_dataset_ratio {ratio} leaves no training rows out of {len(rows)}. Lower it.")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_val])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def held_out_rows(cfg, rows: list[Row]) -> tuple[list[Row], list[Row]]:
+    """(training rows, validation rows) per --val_dataset or --split_dataset_ratio (no validation rows otherwise)."""
+    if cfg.val_dataset:
+        return rows, load_rows(cfg.val_dataset, cfg.seed)
+    if cfg.split_dataset_ratio > 0:
+        return split_rows(rows, cfg.split_dataset_ratio, cfg.seed)
+    return rows, []
+
+
+# ---------------------------------------------------------------- the forward over held-out pairs
+
+
+def held_out_reference(cfg, policy, device, pairs: list[TokenizedPair], rows: list[Row], pad_id: int):
+    """With --precompute_ref_log_probs, the reference table of the held-out pairs (the training table holds the
+    training pairs only); None otherwise: the online strategies evaluate with the training reference.
+    `policy` must not yet carry the trained LoRA adapter (like the training table)."""
+    if not pairs or not cfg.precompute_ref_log_probs or not cfg.needs_reference():
+        return None
+    backend = choose_backend(policy, cfg.attn_impl, cfg.padding_free, device)
+    return Reference("precompute", table=precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id))
+
+
+def _batches(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device, max_tokens: int, batch_size: int):
+    for group in split_micro_batches(pairs, max_tokens, batch_size):
+        batch = make_batch(group, backend, pad_id, device, max_tokens)
+        yield batch, build_mask(batch, backend)
+
+
+LOSS_INPUT_FIELDS = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected", "chosen_tokens",
+                     "rejected_tokens", "chosen_nll_logps", "pair_weights")
+
+
+@torch.no_grad()
+def pair_logps(model, reference: Reference, pairs: list[TokenizedPair], backend: Backend, pad_id: int, device,
+               max_tokens: int = 0, batch_size: int = 8, ld_alpha: float = 1.0, wpo: bool = False) -> LossInputs:
+    """The loss inputs of every pair, policy and reference (None when there is none), through the training forward
+    (`completion_logps`, `Reference.logps`) in eval mode: one `LossInputs` over all pairs (micro-batch order, on the
+    CPU), so losses that rank pairs see the whole set."""
+    parts = []
+    with _eval_mode(model):
+        for batch, mask in _batches(pairs, backend, pad_id, device, max_tokens, batch_size):
+            pol = completion_logps(model, batch, backend, mask, wpo=wpo)
+            ref = reference.logps(model, batch, backend, mask)
+            parts.append(loss_inputs(pol, ref, batch.lengths, ld_alpha))
+
+    def cat(name: str):
+        values = [getattr(x, name) for x in parts]
+        return None if values[0] is None else torch.cat([v.detach().float().cpu() for v in values])
+
+    return LossInputs(**{name: cat(name) for name in LOSS_INPUT_FIELDS})
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str, float]],
+                       rpo_alpha: float = 0.0) -> dict:
+    """Held-out metrics from per-pair log-probs (TRL names). Implicit rewards are beta x (policy - reference)
+    log-prob sums (beta x policy without a reference); accuracy counts pairs whose chosen reward is strictly larger.
+    `loss` is the training loss over the set (`total_loss` of the weighted terms, plus RPO, averaged over pairs);
+    it is left out when a term needs a reference and there is none."""
+    beta = float(params.beta)
+    has_ref = x.ref_chosen is not None
+    rc = beta * (x.policy_chosen - x.ref_chosen) if has_ref else beta * x.policy_chosen
+    rr = beta * (x.policy_rejected - x.ref_rejected) if has_ref else beta * x.policy_rejected
+    out = {}
+    if has_ref or not any(LOSSES[name].needs_reference for name, _ in terms):
+        out["loss"] = float(total_loss(x, params, terms, rpo_alpha).mean())
+    out.update({
+        "rewards/chosen": float(rc.mean()),
+        "rewards/rejected": float(rr.mean()),
+        "rewards/margins": float((rc - rr).mean()),
+        "rewards/accuracies": float((rc > rr).float().mean()),
+        "logps/chosen": float(x.policy_chosen.mean()),
+        "logps/rejected": float(x.policy_rejected.mean()),
+    })
+    return out
+
+
+def per_token_logps(x: LossInputs) -> dict:
+    """Mean log-prob per completion token (token-weighted), policy and reference."""
+    out = {"logps_per_token/chosen": float(x.policy_chosen.sum() / x.chosen_tokens.sum()),
+           "logps_per_token/rejected": float(x.policy_rejected.sum() / x.rejected_tokens.sum())}
+    if x.ref_chosen is not None:
+        out["ref_logps_per_token/chosen"] = float(x.ref_chosen.sum() / x.chosen_tokens.sum())
+        out["ref_logps_per_token/rejected"] = float(x.ref_rejected.sum() / x.rejected_tokens.sum())
+    return out
+
+
+@torch.no_grad()
+def token_kl(model, reference: Reference, pairs: list[TokenizedPair], backend: Backend, pad_id: int, device,
+             max_tokens: int = 0, batch_size: int = 8, chunk: int = 2048) -> float:
+    """Mean per-token KL(policy || reference) of the next-token distributions at every completion position of the
+    pairs (chosen and rejected, teacher-forced), over the whole vocabulary, in float32, a chunk at a time. Needs a
+    reference model (not a precomputed table)."""
+    assert reference.strategy not in ("none", "precompute"), reference.strategy
+    total, count = 0.0, 0
+    with _eval_mode(model):
+        for batch, mask in _batches(pairs, backend, pad_id, device, max_tokens, batch_size):
+            h = target_hidden(model, batch, backend, mask)
+            head = output_head(model)
+            if reference.strategy in ("adapter_off", "ref_adapter"):
+                ctx = model.disable_adapter() if reference.strategy == "adapter_off" else active_adapter(model,
+                                                                                                       REF_ADAPTER)
+                with ctx:
+                    h_ref = target_hidden(model, batch, backend, mask)
+                    head_ref = output_head(model)
+            else:
+                h_ref = target_hidden(reference.model, batch, backend, mask)
+                head_ref = output_head(reference.model)
+            for s in range(0, h.shape[0], chunk):
+                lp = torch.log_softmax(_chunk_logits(h[s : s + chunk], head.weight, head.scale, head.softcap)[0], -1)
+                lq = torch.log_softmax(
+                    _chunk_logits(h_ref[s : s + chunk], head_ref.weight, head_ref.scale, head_ref.softcap)[0], -1)
+                total += float((lp.exp() * (lp - lq)).sum())
+            count += h.shape[0]
+    return total / max(count, 1)
+
+
+# ---------------------------------------------------------------- best checkpoint
+
+
+def metric_key(name: str) -> str:
+    """`loss` or `eval_loss` -> `eval_loss` (HF accepts both)."""
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def check_metric_name(name: str) -> None:
+    bare = name.removeprefix("eval_")
+    if bare not in PAIR_METRICS:
+        raise FastDPOError(f"--metric_for_best_model {name!r} is not an eval metric. Choose from: "
+                           f"{', '.join(PAIR_METRICS)} (with or without the eval_ prefix).")
+
+
+@dataclass
+class BestTracker:
+    """The best evaluation so far and the checkpoint saved at its step (HF's best_metric / best_model_checkpoint)."""
+
+    metric: str  # eval_-prefixed
+    greater_is_better: bool
+    best_metric: float | None = None
+    best_step: int | None = None
+    best_model_checkpoint: str | None = None
+
+    @classmethod
+    def from_config(cls, metric: str, greater_is_better: bool | None) -> BestTracker:
+        key = metric_key(metric)
+        if greater_is_better is None:  # as HF: lower is better for losses, higher for everything else
+            greater_is_better = not key.endswith("loss")
+        return cls(key, greater_is_better)
+
+    def update(self, step: int, record: dict) -> bool:
+        """Take an evaluation record; True when it is the new best. NaN never wins."""
+        value = record.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return False
+        better = self.best_metric is None or (value > self.best_metric if self.greater_is_better
+                                              else value < self.best_metric)
+        if better:
+            self.best_metric, self.best_step = float(value), step
+        return better
+
+    def saved(self, step: int, path: Path) -> None:
+        """A model was saved at `step` into `path`: it becomes the best checkpoint when its step is the best."""
+        if step == self.best_step:
+            self.best_model_checkpoint = str(path)
+
+    def state(self) -> dict:
+        return {"best_metric": self.best_metric, "best_step": self.best_step,
+                "best_model_checkpoint": self.best_model_checkpoint, "metric_for_best_model": self.metric}
+
+    def load(self, state: dict) -> None:
+        if state.get("metric_for_best_model") == self.metric:  # a changed metric starts a fresh ranking
+            self.best_metric = state.get("best_metric")
+            self.best_step = state.get("best_step")
+            self.best_model_checkpoint = state.get("best_model_checkpoint")
+
+
+# ---------------------------------------------------------------- evaluation during training
+
+
+class TrainingEval:
+    """Evaluation every --eval_steps optimizer updates (else at every save) and at the end, on the validation pairs,
+    with best-checkpoint tracking. Does nothing without validation pairs."""
+
+    def __init__(self, cfg, pairs: list[TokenizedPair], progress: dict | None = None, reference: Reference | None = None):
+        self.cfg = cfg
+        self.pairs = pairs
+        self.reference = reference  # the held-out table of a precomputed reference; else the training reference
+        self.best = BestTracker.from_config(cfg.metric_for_best_model, cfg.greater_is_better)
+        self.last_step: int | None = None
+        if progress:
+            self.best.load(progress)
+
+    def due(self, step: int, total: int) -> bool:
+        if not self.pairs:
+            return False
+        if step == total:
+            return True
+        if self.cfg.eval_steps > 0:
+            return step % self.cfg.eval_steps == 0
+        return self.cfg.save_steps > 0 and step % self.cfg.save_steps == 0
+
+    def run(self, s, step: int, epoch: float) -> dict:
+        """Evaluate the policy of setup `s` now; returns the eval_-prefixed record (and updates the best)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        pad_id = s.tokenizer.pad_token_id or 0
+        x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
+                       cfg.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting)
+        metrics = preference_metrics(x, loss_params(cfg, s.beta.value()), s.loss_terms, cfg.rpo_alpha)
+        dt = time.perf_counter() - t0
+        record = {"step": step, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()},
+                  "eval_runtime": round(dt, 4), "eval_pairs_per_second": len(self.pairs) / max(dt, 1e-9)}
+        self.best.update(step, record)
+        self.last_step = step
+        return record
+
+    def progress(self) -> dict:
+        """What a checkpoint stores so a resumed run keeps ranking against the same best."""
+        return self.best.state() if self.pairs else {}
+
+    def summary(self) -> dict:
+        if not self.pairs:
+            return {}
+        return {"eval_pairs": len(self.pairs), **self.best.state()}
+
+
+# ---------------------------------------------------------------- `fastdpo eval`
+
+
+@dataclass
+class EvalConfig(ModelArgs, GenerationArgs):
+    dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train.", nargs="+")
+    ref_model: str = _f("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
+    max_length: int = _f(2048, "Max tokens of prompt+completion per sequence, as in training.")
+    loss_type: str = _f("sigmoid", "Preference loss reported as `loss`.")
+    beta: float = _f(0.1, "DPO beta of the implicit rewards (use the training value).")
+    label_smoothing: float = _f(0.0, "Label smoothing of the reported loss.")
+    per_device_eval_batch_size: int = _f(8, "Pairs per packed micro-batch.")
+    max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: per_device_eval_batch_size pairs).")
+    attn_impl: str = _f("auto", "auto|flex|dense|padded, as in training.")
+    kl: bool = _f(True, "Also measure the per-token KL(policy || reference) on the held-out completions.")
+    reward_fn: str = _f("", "module:function (or path/file.py:function) scoring generated answers; with a base to "
+                            "compare, also the win rate of tuned over base.")
+    eval_limit: int = _f(64, "Rows whose prompts are answered for --reward_fn (0: all).")
+    lm_eval_tasks: str = _f("", "Comma-separated lm-evaluation-harness tasks (needs `pip install lm-eval`).")
+    lm_eval_limit: int = _f(0, "Examples per lm-eval task (0: all).")
+    lm_eval_include_path: str = _f("", "Directory of extra lm-eval task YAMLs (e.g. local tasks).")
+    output_dir: str = _f("eval_output", "Where eval_report.json and generations.jsonl go.")
+
+    def validate(self) -> None:
+        from fastdpo.config import ATTN_IMPLS, _choice
+
+        self.validate_model()
+        self.validate_generation()
+        if not self.dataset:
+            raise FastDPOError("--dataset is required: held-out JSONL/JSON files with prompt/chosen/rejected.")
+        _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
+        for name in ("per_device_eval_batch_size", "max_length"):
+            if getattr(self, name) < 1:
+                raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.beta <= 0:
+            raise FastDPOError(f"--beta must be > 0, got {self.beta}.")
+        for name in self.loss_type.split(","):
+            if name not in LOSSES:
+                raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSSES))}.")
+        if self.eval_limit < 0 or self.lm_eval_limit < 0:
+            raise FastDPOError("--eval_limit and --lm_eval_limit must be >= 0 (0: all).")
+
+
+def run_eval(cfg: EvalConfig, console=None) -> dict:
+    """`fastdpo eval`: held-out preference metrics, generation metrics under --reward_fn, lm-eval tasks; writes
+    output_dir/eval_report.json (and generations.jsonl) and prints a table."""
+    from fastdpo.data.tokenize import tokenize_rows
+    from fastdpo.infer import load_for_generation
+    from fastdpo.model import choose_backend, load_model, prepare_packed, resolve_device, resolve_dtype
+    from fastdpo.rewards import load_reward_fn
+
+    cfg.validate()
+    reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None  # fail fast, before loading models
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    loaded = load_for_generation(cfg, need_base=True)
+    model, tok = loaded.model, loaded.tokenizer
+    ref_model = load_model(cfg.ref_model, resolve_dtype(cfg.torch_dtype, device), device,
+                           cfg.trust_remote_code).eval() if cfg.ref_model else loaded.base
+    if ref_model is not None:
+        reference = Reference("separate", ref_model)
+    elif hasattr(model, "disable_adapter"):
+        reference = Reference("adapter_off", None)
+    else:
+        reference = Reference("none", None)
+    backend = choose_backend(model, cfg.attn_impl, True, device)
+    if backend.name != "padded":
+        prepare_packed(model, backend)
+        if ref_model is not None:
+            prepare_packed(ref_model, backend)
+
+    rows = load_rows(cfg.dataset, cfg.seed)
+    pairs, _ = tokenize_rows(tok, rows, cfg.max_length)
+    pad_id = tok.pad_token_id or 0
+    args = (backend, pad_id, device, cfg.max_tokens_per_batch, cfg.per_device_eval_batch_size)
+    x = pair_logps(model, reference, pairs, *args)
+    terms = [(name, 1.0) for name in cfg.loss_type.split(",")]
+    metrics = {**preference_metrics(x, LossParams(cfg.beta, cfg.label_smoothing), terms), **per_token_logps(x)}
+    if cfg.kl and reference.strategy != "none":
+        metrics["kl"] = token_kl(model, reference, pairs, *args)
+    report = {"model": cfg.model, "adapters": cfg.adapters, "checkpoint": cfg.checkpoint, "dataset": cfg.dataset,
+              "reference": reference.strategy, "pairs": len(pairs), "metrics": metrics}
+
+    if reward_fn is not None:
+        base = ref_model if not loaded.tuned else None  # with no tuned model on top, compare against --ref_model
+        report["generation"] = generation_metrics(cfg, loaded, base, rows, reward_fn, out / "generations.jsonl")
+    if cfg.lm_eval_tasks:
+        report["lm_eval"] = run_lm_eval(model, tok, cfg)
+    (out / "eval_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
+    if console is not None:
+        show_report(console, report)
+        console.print(f"report in {out / 'eval_report.json'}")
+    return report
+
+
+def generation_metrics(cfg: EvalConfig, loaded, base, rows: list[Row], reward_fn, path: Path) -> dict:
+    """Answer the rows' prompts with the tuned model (and the base: adapters off, the base of a full checkpoint, or
+    `base`), score every answer with the reward function, and compare."""
+    from fastdpo.infer import generate_texts
+    from fastdpo.rewards import score, win_rate
+
+    rows = rows[: cfg.eval_limit] if cfg.eval_limit else rows
+    prompts = [r.prompt for r in rows]
+    columns = row_columns(rows)
+    tuned_text = generate_texts(loaded.model, loaded.tokenizer, prompts, cfg)
+    tuned = score(reward_fn, cfg.reward_fn, prompts, tuned_text, columns)
+    result = {"prompts": len(prompts), "reward/tuned": sum(tuned) / len(tuned)}
+    records = [{"prompt": p, "response": t, "reward": s} for p, t, s in zip(prompts, tuned_text, tuned)]
+    if loaded.tuned or base is not None:
+        with loaded.base_model() if loaded.tuned else contextlib.nullcontext(base) as base_model:
+            base_text = generate_texts(base_model, loaded.tokenizer, prompts, cfg)
+        base_scores = score(reward_fn, cfg.reward_fn, prompts, base_text, columns)
+        result["reward/base"] = sum(base_scores) / len(base_scores)
+        result.update(win_rate(base_scores, tuned))
+        for r, t, s in zip(records, base_text, base_scores):
+            r.update(base_response=t, base_reward=s)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return result
+
+
+def row_columns(rows: list[Row]) -> dict[str, list]:
+    """Columns handed to a reward function: chosen, rejected, and every other field that all rows' source records
+    carry (e.g. a reference `answer`), read back from the JSON/JSONL files the rows came from."""
+    from fastdpo.data.load import _records
+
+    columns: dict[str, list] = {"chosen": [r.chosen for r in rows], "rejected": [r.rejected for r in rows]}
+    records: dict[str, dict[int, object]] = {}
+    extras = []
+    for r in rows:
+        path, _, line = r.source.rpartition(":")
+        if path not in records:
+            p = Path(path)
+            records[path] = dict(_records(p)) if p.is_file() and p.suffix in (".json", ".jsonl") else {}
+        rec = records[path].get(int(line)) if line.isdigit() else None
+        extras.append(rec if isinstance(rec, dict) else {})
+    shared = set.intersection(*(set(e) for e in extras)) - {"prompt", "chosen", "rejected"} if extras else set()
+    for key in sorted(shared):
+        columns[key] = [e[key] for e in extras]
+    return columns
+
+
+def run_lm_eval(model, tokenizer, cfg: EvalConfig) -> dict:
+    """Standard benchmarks through lm-evaluation-harness on the in-memory model; returns its per-task results."""
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+    except ImportError:
+        raise FastDPOError("--lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval") from None
+    from fastdpo.model import use_model_attention
+
+    use_model_attention(model)
+    model.eval()
+    tasks = [t.strip() for t in cfg.lm_eval_tasks.split(",") if t.strip()]
+    manager = _task_manager(cfg.lm_eval_include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise FastDPOError(f"--lm_eval_tasks: unknown task(s) {', '.join(unknown)}. List them with `lm-eval ls tasks`"
+                           " (add --lm_eval_include_path for local task YAMLs).")
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.per_device_eval_batch_size,
+              max_length=cfg.max_length)
+    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=cfg.lm_eval_limit or None, task_manager=manager,
+                                      random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed)
+    return {task: {k: v for k, v in res.items() if isinstance(v, (int, float, str))}
+            for task, res in results["results"].items()}
+
+
+@functools.cache
+def _task_manager(include_path: str):
+    """lm-eval's task index (it reads thousands of task files: built once per process)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path or None)
+
+
+def show_report(console, report: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"held-out pairs: {report['pairs']} (reference: {report['reference']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in report["metrics"].items():
+        table.add_row(k, f"{v:.4f}")
+    for k, v in report.get("generation", {}).items():
+        table.add_row(f"generation {k}", f"{v:.4f}" if isinstance(v, float) else str(v))
+    for task, res in report.get("lm_eval", {}).items():
+        for k, v in res.items():
+            if isinstance(v, float):
+                table.add_row(f"{task} {k}", f"{v:.4f}")
+    console.print(table)

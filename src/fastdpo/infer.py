@@ -1,0 +1,354 @@
+"""Generation after training: load base + adapter (or a full checkpoint), format prompts with the model's chat template
+(plain text without one), generate with transformers `generate`, stream single answers, compare base and tuned side by
+side, or write a batch to JSONL (`fastdpo infer`).
+
+`generate_texts(model, tokenizer, prompts, GenerationArgs(...))` is the one entry point other commands (eval, demo)
+use: greedy at temperature 0, answers returned in prompt order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastdpo.config import _f
+from fastdpo.errors import FastDPOError
+from fastdpo.model import load_model, load_tokenizer, resolve_device, resolve_dtype, use_model_attention
+
+Prompt = str | list  # plain prompt text, or a list of chat messages {"role", "content"}
+
+
+@dataclass
+class ModelArgs:
+    """Which model to run: a base, optionally with a PEFT adapter or a fastdpo checkpoint on top."""
+
+    model: str = _f("", "Base model: local HF model dir or hub id.")
+    adapters: str = _f("", "PEFT adapter dir (e.g. a LoRA run's output_dir/final or checkpoint-N) to apply to --model.")
+    checkpoint: str = _f("", "fastdpo checkpoint or final dir: a LoRA adapter (applied to --model) or a full model.")
+    torch_dtype: str = _f("auto", "float32|bfloat16|float16|auto (bf16 on GPU, fp32 on CPU).")
+    device: str = _f("auto", "auto|cpu|cuda|cuda:N.")
+    trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
+
+    def validate_model(self) -> None:
+        if not self.model:
+            raise FastDPOError("--model is required: the base model (local HF model dir or hub id).")
+        if self.adapters and self.checkpoint:
+            raise FastDPOError("Give --adapters or --checkpoint, not both (--checkpoint accepts an adapter dir too).")
+        from fastdpo.config import DTYPES, _choice
+
+        _choice("torch_dtype", self.torch_dtype, DTYPES)
+
+
+@dataclass
+class GenerationArgs:
+    """Sampling settings; temperature 0 is greedy decoding (deterministic)."""
+
+    max_new_tokens: int = _f(256, "Most tokens to generate per answer.")
+    temperature: float = _f(0.0, "Sampling temperature; 0 = greedy (deterministic).")
+    top_p: float = _f(1.0, "Nucleus sampling mass (1 = off).")
+    top_k: int = _f(0, "Sample among the K most likely tokens (0 = off).")
+    repetition_penalty: float = _f(1.0, "Repetition penalty (1 = off).")
+    system: str = _f("", "System prompt (needs a tokenizer with a chat template).")
+    use_chat_template: bool = _f(True, "Format prompts with the tokenizer's chat template when it has one.")
+    max_batch_size: int = _f(16, "Prompts generated together in one batch.")
+    seed: int = _f(42, "Seed for sampling (temperature > 0).")
+
+    def validate_generation(self) -> None:
+        if self.max_new_tokens < 1:
+            raise FastDPOError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise FastDPOError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise FastDPOError(f"--top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise FastDPOError(f"--top_k must be >= 0 (0 = off), got {self.top_k}.")
+        if self.max_batch_size < 1:
+            raise FastDPOError(f"--max_batch_size must be >= 1, got {self.max_batch_size}.")
+
+
+@dataclass
+class InferConfig(ModelArgs, GenerationArgs):
+    prompt: str = _f("", "One prompt; the answer is streamed to the terminal.")
+    prompts: str = _f("", "JSONL file, one object per line with `prompt` (text) or `messages` (chat), optional `system`.")
+    compare: bool = _f(False, "Also answer with the base model (adapters off / --model) and print both side by side.")
+    result_path: str = _f("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
+
+    def validate(self) -> None:
+        self.validate_model()
+        self.validate_generation()
+        if bool(self.prompt) == bool(self.prompts):
+            raise FastDPOError("Give exactly one of --prompt TEXT or --prompts FILE.jsonl.")
+        if self.compare and not (self.adapters or self.checkpoint):
+            raise FastDPOError("--compare needs a tuned model to compare with the base: add --adapters or --checkpoint.")
+
+
+# ---------------------------------------------------------------- loading
+
+
+@dataclass
+class Loaded:
+    """A model ready to generate. `base` is a separate base model (full checkpoints only); with an adapter the base is
+    the same model with the adapter switched off."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    tuned: bool  # an adapter or checkpoint is on top of --model
+    base: torch.nn.Module | None = None
+
+    def base_model(self):
+        """Context manager yielding the base model: adapters disabled, or the separate base."""
+        if self.base is not None:
+            return contextlib.nullcontext(self.base)
+        if hasattr(self.model, "disable_adapter"):
+            return _adapter_off(self.model)
+        return contextlib.nullcontext(self.model)
+
+
+@contextlib.contextmanager
+def _adapter_off(model):
+    with model.disable_adapter():
+        yield model
+
+
+def checkpoint_kind(path: str, flag: str) -> str:
+    """`adapter` (PEFT adapter dir) or `full` (HF model dir); a clear error otherwise."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FastDPOError(f"--{flag} {path}: directory not found.")
+    if (p / "adapter_config.json").is_file():
+        return "adapter"
+    if (p / "config.json").is_file():
+        return "full"
+    hint = ""
+    if (p / "final").is_dir():
+        hint = f" It looks like a training output_dir: use {p / 'final'} or one of its checkpoint-N dirs."
+    raise FastDPOError(f"--{flag} {path}: neither a PEFT adapter (adapter_config.json) nor an HF model dir "
+                       f"(config.json).{hint}")
+
+
+def load_adapter(model, path: str, flag: str = "adapters"):
+    from peft import PeftModel
+
+    if checkpoint_kind(path, flag) != "adapter":
+        raise FastDPOError(f"--{flag} {path} is a full model, not an adapter. Pass it as --checkpoint instead.")
+    try:
+        return PeftModel.from_pretrained(model, path, is_trainable=False)
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise FastDPOError(f"--{flag} {path} does not fit --model: {str(e).splitlines()[0]}") from None
+
+
+def load_for_generation(args: ModelArgs, need_base: bool = False) -> Loaded:
+    """Load --model with --adapters / --checkpoint on top, in eval mode. `need_base` also loads the base model when the
+    checkpoint is a full model (with an adapter, the base is the adapter switched off: no second copy)."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.torch_dtype, device)
+    adapter = args.adapters or ""
+    full = ""
+    if args.checkpoint:
+        kind = checkpoint_kind(args.checkpoint, "checkpoint")
+        adapter, full = (args.checkpoint, "") if kind == "adapter" else ("", args.checkpoint)
+    tuned_dir = full or adapter
+    tok_dir = tuned_dir if tuned_dir and has_tokenizer(tuned_dir) else args.model  # training saves its tokenizer
+    tokenizer = load_tokenizer(tok_dir, args.trust_remote_code)
+    if full:
+        model = load_model(full, dtype, device, args.trust_remote_code)
+        base = load_model(args.model, dtype, device, args.trust_remote_code) if need_base else None
+        if base is not None:
+            base.eval()
+        return Loaded(model.eval(), tokenizer, True, base)
+    model = load_model(args.model, dtype, device, args.trust_remote_code)
+    if adapter:
+        model = load_adapter(model, adapter, "checkpoint" if args.checkpoint else "adapters")
+    return Loaded(model.eval(), tokenizer, bool(adapter))
+
+
+def has_tokenizer(path: str) -> bool:
+    return any((Path(path) / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+# ---------------------------------------------------------------- generation
+
+
+def prompt_ids(tokenizer, prompt: Prompt, system: str = "", use_chat_template: bool = True) -> list[int]:
+    """Token ids of one prompt: through the chat template (with the generation prompt) when the tokenizer has one,
+    else the plain text tokenised the way training tokenises prompts."""
+    template = use_chat_template and getattr(tokenizer, "chat_template", None)
+    if template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": system}, *messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not isinstance(prompt, str):
+        raise FastDPOError("Chat `messages` need a tokenizer with a chat template; this model has none. "
+                           "Give `prompt` text instead.")
+    if system:
+        raise FastDPOError("--system needs a tokenizer with a chat template; this model has none. Put the "
+                           "instructions into the prompt text instead.")
+    return tokenizer(prompt)["input_ids"]
+
+
+def generation_config(model, tokenizer, gen: GenerationArgs):
+    """The model's own generation config (stop tokens etc.) with our sampling settings on top."""
+    from transformers import GenerationConfig
+
+    base = getattr(model, "generation_config", None)
+    cfg = copy.deepcopy(base) if base is not None else GenerationConfig()
+    sample = gen.temperature > 0
+    cfg.update(max_new_tokens=gen.max_new_tokens, do_sample=sample, num_beams=1,
+               temperature=gen.temperature if sample else None, top_p=gen.top_p if sample else None,
+               top_k=gen.top_k if sample and gen.top_k > 0 else None,
+               repetition_penalty=gen.repetition_penalty if gen.repetition_penalty != 1.0 else None)
+    cfg.max_length = None
+    if cfg.eos_token_id is None:
+        cfg.eos_token_id = tokenizer.eos_token_id
+    cfg.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return cfg
+
+
+@torch.no_grad()
+def generate_ids(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs | None = None,
+                 streamer=None) -> list[list[int]]:
+    """Generated token ids (prompt excluded, stop token kept if produced) for each prompt, in order.
+    Batches of `gen.max_batch_size`, left-padded; `streamer` (a transformers streamer) needs a single prompt."""
+    gen = gen or GenerationArgs()
+    assert streamer is None or len(prompts) == 1, "streaming needs a single prompt"
+    use_model_attention(model)  # packed forwards (training, eval) switch attention to the pair layout
+    was_training = model.training
+    model.eval()
+    cfg = generation_config(model, tokenizer, gen)
+    device = next(model.parameters()).device
+    ids = [prompt_ids(tokenizer, p, gen.system, gen.use_chat_template) for p in prompts]
+    out: list[list[int]] = []
+    if gen.temperature > 0:
+        torch.manual_seed(gen.seed)
+    try:
+        for s in range(0, len(ids), gen.max_batch_size):
+            part = ids[s : s + gen.max_batch_size]
+            width = max(len(x) for x in part)
+            input_ids = torch.full((len(part), width), cfg.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(part), width), dtype=torch.long)
+            for i, x in enumerate(part):  # left padding: every prompt ends where generation starts
+                input_ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+                mask[i, width - len(x) :] = 1
+            seqs = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                                  generation_config=cfg, streamer=streamer)
+            for row in seqs[:, width:].tolist():
+                out.append(_strip_after_stop(row, cfg))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _strip_after_stop(row: list[int], cfg) -> list[int]:
+    """Cut the padding `generate` adds after a sequence has stopped (keeps the stop token)."""
+    stops = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    for i, t in enumerate(row):
+        if t in stops:
+            return row[: i + 1]
+    return row
+
+
+def generate_texts(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs | None = None,
+                   streamer=None) -> list[str]:
+    """Answers to `prompts` (text or chat messages), in order, special tokens removed. Greedy unless
+    `gen.temperature` > 0. Uses the chat template when the tokenizer has one, plain prompt text otherwise."""
+    return [tokenizer.decode(x, skip_special_tokens=True).strip() for x in
+            generate_ids(model, tokenizer, prompts, gen, streamer)]
+
+
+# ---------------------------------------------------------------- prompts file and the command
+
+
+def read_prompts(path: str) -> list[dict]:
+    """Rows of a prompts JSONL: each with `prompt` (text) or `messages` (chat), optional `system`; other fields are
+    kept and copied to the output (so a preference file works too)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FastDPOError(f"Prompts file {path} not found. Check --prompts.")
+    rows = []
+    for lineno, line in enumerate(p.read_text(encoding="utf-8-sig").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FastDPOError(f"{where}: invalid JSON ({e.msg}, column {e.colno}). Fix or remove this line.") from None
+        if not isinstance(row, dict):
+            raise FastDPOError(f"{where}: expected a JSON object with `prompt` or `messages`.")
+        if isinstance(row.get("prompt"), str):
+            pass
+        elif isinstance(row.get("messages"), list) and all(isinstance(m, dict) for m in row["messages"]):
+            pass
+        else:
+            raise FastDPOError(f"{where}: needs a `prompt` string or a `messages` list of {{role, content}} objects.")
+        rows.append(row)
+    if not rows:
+        raise FastDPOError(f"Prompts file {path} has no rows.")
+    return rows
+
+
+def _row_prompt(row: dict) -> Prompt:
+    return row["prompt"] if isinstance(row.get("prompt"), str) else row["messages"]
+
+
+def run_infer(cfg: InferConfig, console=None) -> list[dict]:
+    """`fastdpo infer`: answers (and base answers with --compare) for --prompt or each row of --prompts."""
+    from transformers import TextStreamer
+
+    cfg.validate()
+    loaded = load_for_generation(cfg, need_base=cfg.compare)
+    rows = [{"prompt": cfg.prompt}] if cfg.prompt else read_prompts(cfg.prompts)
+    # one system prompt per call: group rows by their own system prompt (or --system)
+    results: list[dict] = [dict(r) for r in rows]
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(str(r.get("system") or cfg.system), []).append(i)
+    stream = bool(cfg.prompt) and not cfg.compare and console is not None
+    for system, idx in groups.items():
+        gen = copy.copy(cfg)
+        gen.system = system
+        prompts = [_row_prompt(rows[i]) for i in idx]
+        streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+        answers = generate_texts(loaded.model, loaded.tokenizer, prompts, gen, streamer)
+        for i, a in zip(idx, answers):
+            results[i]["response"] = a
+        if cfg.compare:
+            with loaded.base_model() as base:
+                for i, a in zip(idx, generate_texts(base, loaded.tokenizer, prompts, gen)):
+                    results[i]["base_response"] = a
+    if console is not None and not stream:
+        show_answers(console, results, cfg.compare)
+    if cfg.prompts:
+        out = Path(cfg.result_path or Path(cfg.prompts).with_suffix(".infer.jsonl"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
+        if console is not None:
+            console.print(f"wrote {len(results)} answers to {out}")
+    return results
+
+
+def show_answers(console, results: list[dict], compare: bool, limit: int = 20) -> None:
+    """A readable table: prompt | answer, or prompt | base | tuned side by side."""
+    from rich.table import Table
+
+    table = Table(show_lines=True, expand=True)
+    table.add_column("prompt", ratio=1)
+    if compare:
+        table.add_column("base", ratio=2)
+        table.add_column("tuned", ratio=2)
+    else:
+        table.add_column("answer", ratio=2)
+    for r in results[:limit]:
+        prompt = r["prompt"] if isinstance(r.get("prompt"), str) else json.dumps(r.get("messages"), ensure_ascii=False)
+        cells = [r.get("base_response", ""), r["response"]] if compare else [r["response"]]
+        table.add_row(prompt, *cells)
+    console.print(table)
+    if len(results) > limit:
+        console.print(f"... {len(results) - limit} more in the result file")
