@@ -37,11 +37,11 @@ def _records(path: Path) -> list[tuple[int, object]]:
 
 
 def load_file(path_str: str) -> list[Row]:
-    """All rows of one local file or directory of data files."""
+    """All rows of one local file or directory of data files (an empty file gives none)."""
     spec = Spec(path_str, path_str)
     if source_kind(spec) not in ("file", "dir"):
         raise FastDPOError(f"Dataset {path_str} not found. Check the path given to --dataset.")
-    return load_spec(spec)
+    return [r.row() for r in iter_records(spec)]
 
 
 def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
