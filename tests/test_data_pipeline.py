@@ -152,3 +152,17 @@ def test_training_writes_the_data_summary(tmp_path, model_dirs):
     s = json.loads((tmp_path / "o" / "data_summary.json").read_text())
     assert (s["rows"], s["pairs"], s["dropped_identical"], s["dropped_prompt_too_long"]) == (18, 16, 1, 1)
     assert s["options"]["truncation_strategy"] == "right" and s["formats"] == {"standard": 18}
+
+
+@pytest.mark.parametrize("flags, needle", [
+    ({"max_steps": -1}, "needs --max_steps"),
+    ({"split_dataset_ratio": 0.1}, "--split_dataset_ratio"),
+    ({"precompute_ref_log_probs": True}, "--precompute_ref_log_probs"),
+    ({"gradient_checkpointing": "auto"}, "auto"),
+])
+def test_streaming_refuses_what_needs_the_data_ahead(flags, needle):
+    from fastdpo.errors import FastDPOError
+
+    cfg = TrainConfig(model="m", dataset=["d.jsonl"], streaming=True, **{"max_steps": 5, **flags})
+    with pytest.raises(FastDPOError, match=needle):
+        cfg.validate_data()
