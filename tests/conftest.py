@@ -1,4 +1,5 @@
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -64,6 +65,16 @@ def easy_rows(n: int, seed: int = 0) -> list[dict]:
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+@pytest.fixture
+def restore_logging():
+    """Tests that call `fastdpo.cli.main` in-process: the CLI sets up logging for a terminal; undo it afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from fastdpo.config import TrainConfig, _Parser, add_config_flags, build_config
+from fastdpo.config import TrainConfig, _parse_bool, _Parser, add_config_flags, build_config
 from fastdpo.errors import FastDPOError
 
 
@@ -33,10 +33,16 @@ def _setup_logging(console) -> None:
 
 
 def cmd_train(args: argparse.Namespace, console) -> int:
+    import torch
+
+    from fastdpo.diagnostics import oom_error
     from fastdpo.train import train
 
     cfg = build_config(args, TrainConfig)
-    result = train(cfg, console=console, progress=not cfg.disable_progress)
+    try:
+        result = train(cfg, console=console, progress=not cfg.disable_progress)
+    except torch.OutOfMemoryError as e:  # while loading (the loop explains its own)
+        raise oom_error(e, cfg, torch.device("cuda") if torch.cuda.is_available() else None) from None
     if result.get("stopped"):
         console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; continue with "
                       "--resume_from_checkpoint latest", highlight=False)
@@ -85,6 +91,41 @@ def cmd_demo(args: argparse.Namespace, console) -> int:
     from fastdpo.demo import run_demo
 
     run_demo(args.output_dir, console=console, quick=args.quick)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, console) -> int:
+    from fastdpo.plot import write_dashboard
+
+    console.print(f"dashboard: {write_dashboard(args.output_dir, args.out)}", highlight=False)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, console) -> int:
+    import json
+
+    from fastdpo.verify import print_results, results_json, run_verify
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    results = run_verify(args.model, args.dataset, args.pairs, args.max_length, args.device, args.torch_dtype,
+                         args.tolerance, policies, args.compile, args.seed, args.trust_remote_code)
+    print_results(results, console, cuda=results[0].peak_mib is not None)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results_json(results), f, indent=1)
+    return 0 if all(r.passed for r in results) else 1
+
+
+def cmd_env(args: argparse.Namespace, console) -> int:
+    import json
+
+    from fastdpo.envinfo import collect, print_env
+
+    info = collect()
+    if args.json:
+        console.print_json(json.dumps(info))
+    else:
+        print_env(info, console)
     return 0
 
 
@@ -164,6 +205,29 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--output_dir", default="fastdpo-demo", help="Where the demo writes its model and plot.")
     d.add_argument("--quick", action="store_true", help="A shorter run (for tests).")
     d.set_defaults(func=cmd_demo)
+    pl = sub.add_parser("plot", help="Draw a run's dashboard (loss, rewards, KL, grad norm, lr, speed, memory) as PNG.")
+    pl.add_argument("output_dir", help="The --output_dir of a training run (holds metrics.jsonl).")
+    pl.add_argument("--out", default=None, help="PNG path (default: OUTPUT_DIR/metrics.png).")
+    pl.set_defaults(func=cmd_plot)
+    v = sub.add_parser("verify", help="Check that every fast path and checkpointing policy gives the plain gradients.",
+                       allow_abbrev=False)
+    v.add_argument("--model", required=True, help="Local HF model dir or hub id.")
+    v.add_argument("--dataset", required=True, nargs="+", help="JSONL/JSON files with prompt/chosen/rejected.")
+    v.add_argument("--pairs", type=int, default=8, help="Pairs in the verified batch (the first N rows).")
+    v.add_argument("--max_length", type=int, default=512, help="Max tokens per sequence.")
+    v.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N.")
+    v.add_argument("--torch_dtype", default="float32", help="float32 (default, exact comparison)|bfloat16|float16.")
+    v.add_argument("--tolerance", type=float, default=None, help="Max relative difference (default by dtype).")
+    v.add_argument("--policies", default="full,ffn,attn,every:2", help="Checkpointing policies to verify.")
+    v.add_argument("--compile", type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                   help="Also verify compiled decoder layers, as --torch_compile trains (default: on CUDA only).")
+    v.add_argument("--seed", type=int, default=42, help="Seed for `path#N` sampling.")
+    v.add_argument("--trust_remote_code", action="store_true", help="Allow model code from the model dir / hub.")
+    v.add_argument("--json", default=None, help="Also write the results to this JSON file.")
+    v.set_defaults(func=cmd_verify)
+    e = sub.add_parser("env", help="Versions, GPUs and the NCCL variables that matter, with advice.")
+    e.add_argument("--json", action="store_true", help="Print JSON.")
+    e.set_defaults(func=cmd_env)
     return p
 
 

@@ -130,6 +130,19 @@ class TrainConfig:
     resume_from_checkpoint: str = _f("", "Checkpoint dir, or `latest` for the newest complete one in output_dir.")
     device: str = _f("auto", "auto|cpu|cuda|cuda:N.")
     disable_progress: bool = _f(False, "No progress bar (logs only).")
+    # monitoring
+    report_to: str = _f("none", "Extra metric sinks: none|all (the installed ones)|tensorboard|wandb, comma-separated "
+                        "(metrics.jsonl and the console are always written).")
+    logging_dir: str = _f("", "TensorBoard log dir (default: output_dir/runs).")
+    run_name: str = _f("", "Run name for Weights & Biases (default: the output_dir name).")
+    plot: bool = _f(False, "Write the dashboard output_dir/metrics.png (needs matplotlib) at the end of training.")
+    alert_patience: int = _f(5, "Logged steps a condition must hold before its alert (negative margins, gradient "
+                             "collapse; four times as many for accuracy stuck at 0.5).")
+    kl_ratio_threshold: float = _f(0.3, "Alert when kl_ratio (|per-token KL| / |rewards/chosen|) exceeds this.")
+    max_nonfinite_steps: int = _f(5, "Steps with a NaN/Inf loss or gradient skip their update; stop after this many "
+                                  "in a row (0: never stop).")
+    ddp_timeout: int = _f(1800, "Seconds a distributed collective may wait before the run fails (torch.distributed "
+                          "timeout); the heartbeat names a stalled rank well before that.")
 
     def validate(self) -> None:
         """Check values in one place; raise FastDPOError naming the flag and a fix."""
@@ -161,6 +174,21 @@ class TrainConfig:
             raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
         if self.uses_lora and self.lora_rank < 1:
             raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
+        from fastdpo.sinks import check_installed, report_targets
+
+        check_installed(report_targets(self.report_to))
+        if self.plot:
+            from fastdpo.plot import require_matplotlib
+
+            require_matplotlib("--plot")
+        if self.alert_patience < 1:
+            raise FastDPOError(f"--alert_patience must be >= 1, got {self.alert_patience}.")
+        if self.kl_ratio_threshold <= 0:
+            raise FastDPOError(f"--kl_ratio_threshold must be > 0, got {self.kl_ratio_threshold}.")
+        if self.max_nonfinite_steps < 0:
+            raise FastDPOError(f"--max_nonfinite_steps must be >= 0 (0: never stop), got {self.max_nonfinite_steps}.")
+        if self.ddp_timeout < 1:
+            raise FastDPOError(f"--ddp_timeout must be >= 1 second, got {self.ddp_timeout}.")
         self._validate_loss()
         self._validate_reference()
         self._validate_eval()

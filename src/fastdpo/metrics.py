@@ -1,83 +1,80 @@
-"""Step metrics (TRL names, DESIGN §10), the metrics.jsonl sink, the console and the progress bar."""
+"""Step metrics (TRL names, DESIGN §10) with the vital signs of a DPO run, throughput and MFU."""
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from pathlib import Path
 
 import torch
 
 # Per-pair sums accumulated over the micro-batches of one step, divided once by the step's pair count.
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected")
+# Per-token sums (log-ratio to the reference, completion tokens), divided once by the step's completion tokens.
+TOKEN_SUMS = ("logratio/chosen", "logratio/rejected", "tokens/chosen", "tokens/rejected")
+KL_RATIO_FLOOR = 1e-2  # |rewards/chosen| below this is treated as this: no ratio blow-up while rewards are ~0
 
 
 class StepMetrics:
     """Sums on the device during a step (no host sync); `finish` divides and reads them once."""
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(len(PAIR_METRICS) + 1, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(1 + len(PAIR_METRICS) + len(TOKEN_SUMS), dtype=torch.float64, device=device)
         self.pairs = 0
         self.tokens = 0
+        self.has_reference = False
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The step's loss so far, on the device (for the non-finite guard)."""
+        return self.sums[0]
 
     @torch.no_grad()
-    def add(self, loss_sum: torch.Tensor, beta: float, pol_c, pol_r, ref_c, ref_r, num_tokens: int) -> None:
+    def add(self, loss_sum: torch.Tensor, beta: float, pol_c, pol_r, ref_c, ref_r, num_tokens: int,
+            len_c: torch.Tensor | None = None, len_r: torch.Tensor | None = None) -> None:
+        """Per-pair log-prob sums (B,) of one micro-batch; len_c/len_r (B,) are completion tokens per sequence."""
         rc = beta * (pol_c - ref_c) if ref_c is not None else beta * pol_c
         rr = beta * (pol_r - ref_r) if ref_r is not None else beta * pol_r
+        zero = pol_c.new_zeros(())
+        len_c = pol_c.new_zeros(pol_c.shape) if len_c is None else len_c
+        len_r = pol_r.new_zeros(pol_r.shape) if len_r is None else len_r
         vals = torch.stack([
             loss_sum.detach().float(), rc.sum(), rr.sum(), (rc - rr).sum(), (rc > rr).float().sum(),
             pol_c.sum(), pol_r.sum(),
+            (pol_c - ref_c).sum() if ref_c is not None else zero, (pol_r - ref_r).sum() if ref_r is not None else zero,
+            len_c.sum().to(pol_c.dtype), len_r.sum().to(pol_r.dtype),
         ])
         self.sums += vals.double()
         self.pairs += int(pol_c.numel())
         self.tokens += num_tokens
+        self.has_reference = self.has_reference or ref_c is not None
 
     def finish(self) -> dict:
         v = self.sums.tolist()
         out = {"loss": v[0]}
         for name, s in zip(PAIR_METRICS, v[1:]):
             out[name] = s / max(1, self.pairs)
+        lr_c, lr_r, n_c, n_r = v[1 + len(PAIR_METRICS):]
+        if n_c and n_r:
+            out["logps/chosen_per_token"] = out["logps/chosen"] * self.pairs / n_c
+            out["logps/rejected_per_token"] = out["logps/rejected"] * self.pairs / n_r
+            if self.has_reference:
+                out["kl/chosen"] = lr_c / n_c
+                out["kl/rejected"] = lr_r / n_r
+                out["kl"] = (lr_c + lr_r) / (n_c + n_r)
+                out["kl_ratio"] = kl_ratio(out["kl"], out["rewards/chosen"])
         return out
+
+
+def kl_ratio(kl: float, chosen_reward: float) -> float:
+    """|kl| / |rewards/chosen| (seed 000 §5.2: how far the policy drifted per unit of reward it gained), with the
+    denominator floored at KL_RATIO_FLOOR so that the ratio stays finite while rewards are still ~0."""
+    return abs(kl) / max(abs(chosen_reward), KL_RATIO_FLOOR)
 
 
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return 0.0
-
-
-class MetricsSink:
-    """One JSON object per logged step in output_dir/metrics.jsonl, plus a console line."""
-
-    def __init__(self, out_dir: Path, console, append: bool):
-        self.path = out_dir / "metrics.jsonl"
-        self.file = open(self.path, "a" if append else "w", encoding="utf-8")
-        self.console = console
-
-    def log(self, record: dict) -> None:
-        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in record.items()}
-        self.file.write(json.dumps(clean) + "\n")
-        self.file.flush()
-        if self.console is not None:
-            keys = ("loss", "rewards/margins", "rewards/accuracies", "grad_norm", "learning_rate", "pairs_per_second",
-                    "eval_loss", "eval_rewards/margins", "eval_rewards/accuracies")
-            shown = "  ".join(f"{_label(k)}={_fmt(record[k])}" for k in keys if k in record)
-            self.console.print(f"step {record['step']:>5}  {shown}")
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def _label(key: str) -> str:
-    """`rewards/margins` -> `margins`, `eval_rewards/margins` -> `eval_margins`."""
-    prefix = "eval_" if key.startswith("eval_") else ""
-    return prefix + key.removeprefix("eval_").split("/")[-1]
-
-
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 class Throughput:

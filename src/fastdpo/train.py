@@ -21,11 +21,12 @@ from fastdpo.data.pack import split_micro_batches, step_order
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.data.stream import PairStream
 from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.diagnostics import oom_error
 from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers
-from fastdpo.metrics import MetricsSink, StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
+from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
     Backend,
     add_lora,
@@ -40,6 +41,7 @@ from fastdpo.model import (
     resolve_device,
     resolve_dtype,
 )
+from fastdpo.monitor import Monitor
 from fastdpo.optim import build_optimizer, build_scheduler
 from fastdpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.seqlogps import completion_logps
@@ -210,7 +212,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         loss.backward()
         s.beta.observe(x)
         metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
-                    x.ref_rejected, sum(p.num_tokens for p in group))
+                    x.ref_rejected, sum(p.num_tokens for p in group), x.chosen_tokens, x.rejected_tokens)
         offset += b
 
 
@@ -246,7 +248,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
 
-    sink = MetricsSink(out, console, append=resume is not None)
+    monitor = Monitor(cfg, out, console, optimizer, start)
     lm_config = base_causal_lm(model).config
     peak = device_peak_flops(device)
     rate = Throughput()
@@ -254,6 +256,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     bar = _progress_bar(console, s.total_steps, start) if progress and console is not None else None
     orders: dict[int, list[list[int]]] = {}
     last: dict = {}
+    step_pairs: list[TokenizedPair] = []
     stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
     stopped_at: Path | None = None
     try:
@@ -271,7 +274,9 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            # a NaN/Inf loss or gradient skips the update (counted; N in a row stop the run)
+            if monitor.finite_update(metrics.loss_sum, grad_norm, step + 1, [p.index for p in step_pairs]):
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             s.beta.step()
@@ -293,10 +298,10 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                     flops = 0.0
                 record.update(rate.read())
                 record["memory/peak_gib"] = round(peak_memory_gib(device), 3)
-                sink.log(record)
+                monitor.log(record)  # adds the vital signs, raises alerts, writes every sink
                 last = record
             if evaluator.due(done, s.total_steps):
-                sink.log(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
+                monitor.write(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
@@ -309,11 +314,13 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 if stop.requested:
                     stopped_at = saved
                     break
+    except torch.OutOfMemoryError as e:
+        raise oom_error(e, cfg, device, step_pairs) from None
     finally:
         stop.restore()
         if bar is not None:
             bar[0].stop()
-        sink.close()
+        monitor.close()
         if s.stream is not None:
             s.stream.close()
             s.stream.summary().save(out / "data_summary.json")
@@ -327,6 +334,10 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     with stop:  # a signal now lets the final write finish
         final = ckpt.save_final(out, model, s.tokenizer)
     evaluator.best.saved(s.total_steps, final)
+    if cfg.plot:
+        from fastdpo.plot import write_dashboard
+
+        log.info("Dashboard: %s", write_dashboard(out))
     return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
 
 

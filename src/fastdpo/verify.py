@@ -1,0 +1,329 @@
+"""`fastdpo verify`: on your model and data, the gradients of one batch through every fast path and every activation
+checkpointing policy, compared with the plain computation (seed 000 §3.3); and whether each policy really lowers
+memory, naming the likely cause when it does not (seed 000 §6.1).
+
+The plain path is the conventional padded batch through the model's own SDPA attention without checkpointing. Every
+other path runs the same DPO loss (sigmoid, reference log-probs from the plain path) and must match it per parameter
+group within a tolerance: max |g - g_plain| / max |g_plain| over the group.
+
+Memory: on CUDA the peak allocated during forward+backward; everywhere the bytes held for backward after the forward
+(distinct storages autograd saved, parameters excluded, plus the inputs a checkpointed module keeps for recompute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdpo.config import checkpoint_policy
+from fastdpo.data.load import load_rows
+from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
+from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
+from fastdpo.losses import LossInputs, LossParams, dpo_sigmoid_loss
+from fastdpo.memory import apply_checkpointing, compile_layers, decoder_layers
+from fastdpo.model import (
+    Backend,
+    base_causal_lm,
+    choose_backend,
+    load_model,
+    load_tokenizer,
+    prepare_packed,
+    resolve_device,
+    resolve_dtype,
+    sequence_logps,
+)
+
+POLICIES = ("full", "ffn", "attn", "every:2")
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+LOWERED = 0.97  # a policy "lowers memory" when it uses less than this fraction of the same path without it
+
+
+@dataclass
+class PathResult:
+    name: str
+    backend: str
+    policy: str
+    groups: dict[str, float]  # parameter group -> max relative gradient difference to the plain path
+    tolerance: float
+    held_mib: float  # bytes held for backward after the forward
+    peak_mib: float | None  # CUDA peak during forward+backward
+    seconds: float
+    lowered: bool | None = None  # policies only: memory below the same path without checkpointing
+    causes: list[str] = field(default_factory=list)  # why not, when it was not lowered
+
+    @property
+    def worst(self) -> float:
+        return max(self.groups.values()) if self.groups else 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.worst <= self.tolerance
+
+
+def param_group(name: str) -> str:
+    n = name.lower()
+    if "lm_head" in n:
+        return "lm_head"
+    if "embed" in n or "wte" in n:
+        return "embed"
+    if "norm" in n:
+        return "norm"
+    if "attn" in n or "attention" in n:
+        return "attention"
+    if "mlp" in n or "experts" in n or "feed_forward" in n:
+        return "mlp"
+    return "other"
+
+
+def relative_differences(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per parameter group: max |got - ref| / max |ref|."""
+    diff: dict[str, float] = {}
+    scale: dict[str, float] = {}
+    for name, r in ref.items():
+        g = param_group(name)
+        diff[g] = max(diff.get(g, 0.0), float((got[name] - r).abs().max()))
+        scale[g] = max(scale.get(g, 0.0), float(r.abs().max()))
+    return {g: diff[g] / scale[g] if scale[g] > 0 else diff[g] for g in diff}
+
+
+class HeldForBackward:
+    """Bytes of the distinct storages a forward leaves held for backward: tensors autograd saves (parameters
+    excluded) and the inputs a checkpointed module keeps to recompute from. Works on any device."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.ckpt_modules = [m for m in model.modules() if getattr(m, "_fastdpo_ckpt", False)]
+        self.storages: dict[int, int] = {}
+
+    def _count(self, t) -> None:
+        if isinstance(t, torch.Tensor):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+                return
+            if st.data_ptr() not in self.params:
+                self.storages[st.data_ptr()] = st.nbytes()
+
+    def _pack(self, t):
+        self._count(t)
+        return t
+
+    def _pre_hook(self, module, args, kwargs):
+        if torch.is_grad_enabled() and module.training:
+            for a in list(args) + list(kwargs.values()):
+                self._count(a)
+
+    def __enter__(self) -> HeldForBackward:
+        self.handles = [m.register_forward_pre_hook(self._pre_hook, with_kwargs=True) for m in self.ckpt_modules]
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+        for h in self.handles:
+            h.remove()
+
+    @property
+    def mib(self) -> float:
+        return sum(self.storages.values()) / 2**20
+
+
+def no_saving_causes(model: torch.nn.Module, wrapped: list[str], longest_pair: int) -> list[str]:
+    """The likely reasons a checkpointing policy did not lower memory: the five cases of seed 000 §6.1, a policy
+    that wrapped nothing, and short sequences (§6.5)."""
+    causes = []
+    if not wrapped:
+        causes.append("the policy wrapped no module: this model's decoder layers lack the .mlp / .self_attn it names")
+    if getattr(model, "_orig_mod", None) is not None or any(
+            getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
+        causes.append("torch.compile is applied around the checkpointed modules and can inline across their "
+                      "boundaries (§6.1 case 1): compile inside the checkpointed regions, or compile without "
+                      "mode='max-autotune'")
+    if not torch.is_grad_enabled():
+        causes.append("the forward ran under torch.no_grad (§6.1 case 2): nothing is kept for backward either way; "
+                      "use .detach() on the values you do not differentiate instead")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1 or getattr(base_causal_lm(model), "hf_device_map", None):
+        causes.append(f"device_map spread the layers over {sorted(map(str, devices))} (§6.1 case 3): checkpointed "
+                      "recompute across devices keeps extra copies; place the model on one device")
+    ckpt = [m for m in model.modules() if getattr(m, "_fastdpo_ckpt", False)]
+    if any(not m.training for m in ckpt):
+        causes.append("the model is in eval mode (§6.1 case 4): checkpointing is off outside model.train(); train in "
+                      "train mode and evaluate under torch.no_grad")
+    if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules()):
+        causes.append("FSDP wraps the model (§6.1 case 5): apply checkpointing per decoder layer before fully_shard "
+                      "so the two wrap the same units")
+    if not causes:
+        causes.append(f"activations are a small share of memory at this length (the longest pair has {longest_pair} "
+                      "tokens, §6.5): checkpointing pays off on long pairs; measure with real lengths (--max_length)")
+    return causes
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout would make every path differ; verification compares the deterministic computation."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+
+
+def _gradients(model, pairs: list[TokenizedPair], backend: Backend, ref: torch.Tensor, budget: int,
+               device: torch.device) -> tuple[dict[str, torch.Tensor], float, float | None]:
+    """Gradients of the step's DPO loss over `pairs` (micro-batches under `budget` tokens, accumulated), the MiB held
+    for backward by the largest micro-batch, and the CUDA peak."""
+    model.zero_grad(set_to_none=True)
+    n = len(pairs)
+    position = {id(p): i for i, p in enumerate(pairs)}
+    held = 0.0
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    for group in split_micro_batches(pairs, budget, n) if budget else [pairs]:
+        idx = torch.tensor([position[id(p)] for p in group], device=device)
+        if backend.name == "padded":
+            batch = pad_pairs(group).to(device)
+        else:
+            batch = pack_pairs(group, 128 if backend.name == "flex" else 1).to(device)
+        b = len(group)
+        with HeldForBackward(model) as meter:
+            pol, _ = sequence_logps(model, batch, backend)
+            x = LossInputs(pol[:b], pol[b:], ref[idx], ref[n + idx], batch.lengths[:b], batch.lengths[b:])
+            loss = dpo_sigmoid_loss(x, LossParams(beta=0.1)).sum() / n
+        held = max(held, meter.mib)
+        loss.backward()
+    peak = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return grads, held, peak
+
+
+def load_pairs(model_path: str, datasets: list[str], num_pairs: int, max_length: int, seed: int,
+               trust_remote_code: bool) -> list[TokenizedPair]:
+    tokenizer = load_tokenizer(model_path, trust_remote_code)
+    rows = load_rows(datasets, seed)[:num_pairs]
+    pairs, _ = tokenize_rows(tokenizer, rows, max_length)
+    return pairs
+
+
+def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_length: int = 512,
+               device: str = "auto", torch_dtype: str = "float32", tolerance: float | None = None,
+               policies: tuple[str, ...] = POLICIES, compile: bool | None = None, seed: int = 42,
+               trust_remote_code: bool = False) -> list[PathResult]:
+    """Run every path; the first result is the plain path itself (differences 0)."""
+    for p in policies:
+        checkpoint_policy(p)  # raises on a bad value
+    dev = resolve_device(device)
+    dtype = resolve_dtype(torch_dtype, dev)
+    tol = tolerance if tolerance is not None else TOLERANCE[dtype]
+    pairs = load_pairs(model_path, datasets, num_pairs, max_length, seed, trust_remote_code)
+    model = load_model(model_path, dtype, dev, trust_remote_code)
+    model.train()
+    _disable_dropout(model)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # compare like for like in float32
+    with torch.no_grad():
+        ref = sequence_logps(model, pad_pairs(pairs).to(dev), Backend("padded"))[0].detach()
+    longest = max(p.num_tokens for p in pairs)
+    budget = max(16, longest, sum(p.num_tokens for p in pairs) // 3)  # about three micro-batches
+
+    fast = choose_backend(model, "auto", True, dev)
+    paths: list[tuple[str, Backend, str, int, bool]] = []  # name, backend, policy, budget, compiled
+    if fast.name != "padded":
+        prepare_packed(model, fast)
+        names = ["dense", "flex"] if dev.type == "cuda" else ["dense"]
+        for b in names:
+            paths.append((f"packed {b}", Backend(b, fast.window), "none", 0, False))
+        paths.append((f"packed {fast.name}, budget {budget}", fast, "none", budget, False))
+        if compile if compile is not None else dev.type == "cuda":
+            paths.append((f"packed {fast.name}, compiled", fast, "none", 0, True))
+    main = fast if fast.name != "padded" else Backend("padded")
+    for p in policies:
+        paths.append((f"ckpt {p}", main, p, 0, False))
+
+    results = []
+    t0 = time.perf_counter()
+    plain, held, peak = _gradients(model, pairs, Backend("padded"), ref, 0, dev)
+    results.append(PathResult("plain (padded)", "padded", "none", relative_differences(plain, plain),
+                              tol, held, peak, time.perf_counter() - t0))
+    baseline: PathResult | None = None
+    for name, backend, policy, micro_budget, compiled in paths:
+        wrapped = apply_checkpointing(model, policy)
+        if compiled:
+            compile_layers(model)  # as --torch_compile does in training
+        t0 = time.perf_counter()
+        try:
+            grads, held, peak = _gradients(model, pairs, backend, ref, micro_budget, dev)
+        finally:
+            if compiled:
+                for layer in decoder_layers(model):
+                    layer._compiled_call_impl = None
+            apply_checkpointing(model, "none")
+        r = PathResult(name, backend.name, policy, relative_differences(grads, plain), tol, held, peak,
+                       time.perf_counter() - t0)
+        if policy == "none" and backend.name == main.name and not micro_budget and not compiled:
+            baseline = r
+        if policy != "none":
+            base = baseline or results[0]
+            mine, theirs = (r.peak_mib, base.peak_mib) if r.peak_mib is not None else (r.held_mib, base.held_mib)
+            r.lowered = mine < LOWERED * theirs
+            if not r.lowered:
+                apply_checkpointing(model, policy)
+                r.causes = no_saving_causes(model, wrapped, longest)
+                apply_checkpointing(model, "none")
+        results.append(r)
+    return results
+
+
+def print_results(results: list[PathResult], console, cuda: bool) -> None:
+    from rich.table import Table
+
+    groups = sorted({g for r in results for g in r.groups})
+    t = Table(title=f"gradients vs the plain path: max relative difference per parameter group (tolerance "
+                    f"{results[0].tolerance:g})")
+    t.add_column("path")
+    for g in groups:
+        t.add_column(g, justify="right")
+    t.add_column("result")
+    t.add_column("held MiB", justify="right")
+    if cuda:
+        t.add_column("peak MiB", justify="right")
+    t.add_column("lowered?")
+    t.add_column("s", justify="right")
+    for r in results:
+        verdict = "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]"
+        lowered = "" if r.lowered is None else ("yes" if r.lowered else "[yellow]no[/]")
+        row = [r.name] + [f"{r.groups.get(g, 0.0):.1e}" for g in groups] + [verdict, f"{r.held_mib:.2f}"]
+        if cuda:
+            row.append(f"{r.peak_mib:.1f}" if r.peak_mib is not None else "-")
+        t.add_row(*row, lowered, f"{r.seconds:.2f}")
+    width = console.width
+    console.width = max(width, 120)  # the table is wider than a default 80-column pipe; let it be
+    console.print(t)
+    console.width = width
+    ckpt_on = next((r.backend for r in results if r.policy != "none"), "")
+    console.print(f"ckpt: activation checkpointing policies on the {ckpt_on} path. held MiB: bytes kept for backward "
+                  "after the forward (largest micro-batch)"
+                  + ("; peak MiB: CUDA peak during forward+backward" if cuda else "")
+                  + "; lowered?: a policy uses less than the same path without checkpointing.", highlight=False)
+    for r in results:
+        for c in r.causes:
+            console.print(f"[yellow]{r.name}[/]: memory not lowered; likely cause: {c}.", highlight=False)
+    failed = [r.name for r in results if not r.passed]
+    if failed:
+        console.print(f"[bold red]FAIL[/]: {', '.join(failed)}", highlight=False)
+    else:
+        console.print(f"[bold green]PASS[/]: {len(results) - 1} paths match the plain path within "
+                      f"{results[0].tolerance:g}.")
+
+
+def results_json(results: list[PathResult]) -> list[dict]:
+    return [{**dataclasses.asdict(r), "worst": r.worst, "passed": r.passed} for r in results]

@@ -1,0 +1,258 @@
+"""Vital signs, the alert engine, the update guard and the sinks, on crafted records (no training)."""
+
+import importlib.machinery
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from fastdpo.alerts import AlertEngine, AlertRules
+from fastdpo.config import TrainConfig
+from fastdpo.errors import FastDPOError
+from fastdpo.metrics import KL_RATIO_FLOOR, StepMetrics, kl_ratio
+from fastdpo.monitor import Monitor, NonFiniteStop
+from fastdpo.sinks import open_sinks, report_targets
+
+
+def rec(step, **kw):
+    base = {"step": step, "loss": 0.6, "rewards/chosen": 0.1, "rewards/margins": 0.2, "rewards/accuracies": 0.8,
+            "kl": 0.001, "kl_ratio": 0.01, "grad_norm": 1.0, "skipped_steps": 0}
+    return {**base, **kw}
+
+
+def names(alerts):
+    return [a.name for a in alerts]
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_kl_and_per_token_logps_by_hand():
+    m = StepMetrics(torch.device("cpu"))
+    pc, pr = torch.tensor([-4.0, -6.0]), torch.tensor([-9.0, -3.0])
+    rc, rr = torch.tensor([-5.0, -6.5]), torch.tensor([-8.0, -2.0])
+    lc, lr = torch.tensor([2, 3]), torch.tensor([4, 1])
+    m.add(torch.tensor(1.0), 0.1, pc, pr, rc, rr, 20, lc, lr)
+    out = m.finish()
+    assert out["logps/chosen_per_token"] == pytest.approx(-10.0 / 5)
+    assert out["logps/rejected_per_token"] == pytest.approx(-12.0 / 5)
+    assert out["kl/chosen"] == pytest.approx((1.0 + 0.5) / 5)
+    assert out["kl/rejected"] == pytest.approx((-1.0 - 1.0) / 5)
+    assert out["kl"] == pytest.approx((1.5 - 2.0) / 10)
+    assert out["rewards/chosen"] == pytest.approx(0.1 * 1.5 / 2)
+    assert out["kl_ratio"] == pytest.approx(abs(out["kl"]) / abs(out["rewards/chosen"]))
+
+
+def test_step_metrics_do_not_depend_on_how_pairs_fall_into_micro_batches():
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(6, generator=g) * 5 for _ in range(4))
+    lc, lr = torch.randint(1, 9, (6,), generator=g), torch.randint(1, 9, (6,), generator=g)
+    whole = StepMetrics(torch.device("cpu"))
+    whole.add(torch.tensor(3.0), 0.1, pc, pr, rc, rr, 60, lc, lr)
+    split = StepMetrics(torch.device("cpu"))
+    for sl in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        split.add(torch.tensor(1.0), 0.1, pc[sl], pr[sl], rc[sl], rr[sl], 20, lc[sl], lr[sl])
+    a, b = whole.finish(), split.finish()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k  # float32 sums within a micro-batch
+
+
+def test_kl_ratio_is_guarded_against_zero_rewards():
+    assert kl_ratio(0.0, 0.0) == 0.0
+    assert kl_ratio(1e-4, 0.0) == pytest.approx(1e-4 / KL_RATIO_FLOOR)
+    assert kl_ratio(-0.05, -0.5) == pytest.approx(0.1)
+
+
+def test_no_kl_without_a_reference():
+    m = StepMetrics(torch.device("cpu"))
+    m.add(torch.tensor(1.0), 0.1, torch.tensor([-1.0]), torch.tensor([-2.0]), None, None, 5, torch.tensor([2]),
+          torch.tensor([2]))
+    out = m.finish()
+    assert "kl" not in out and "kl_ratio" not in out and out["logps/chosen_per_token"] == -0.5
+
+
+# ---------------------------------------------------------------- the alert engine
+
+
+def test_healthy_records_raise_nothing():
+    eng = AlertEngine(AlertRules(patience=3))
+    for s in range(1, 200):
+        acc = min(1.0, 0.5 + s / 100)
+        r = rec(s, grad_norm=1.0 + 0.3 * math.sin(s), **{"rewards/accuracies": acc})
+        assert eng.check(r, expected_update_gap=4.0) == []
+
+
+def test_swapped_labels_after_patience_then_rate_limited():
+    eng = AlertEngine(AlertRules(patience=3, cooldown=10))
+    bad = {"rewards/margins": -0.3, "rewards/accuracies": 0.2}
+    assert eng.check(rec(1, **bad)) == []
+    assert eng.check(rec(2, **bad)) == []
+    first = eng.check(rec(3, **bad))
+    assert names(first) == ["swapped_labels"] and "check the data" in first[0].advice
+    shown = [a for s in range(4, 30) for a in eng.check(rec(s, **bad))]
+    # held at every step, raised again only after the cooldown, with the count it held meanwhile
+    assert [a.step for a in shown] == [13, 23] and shown[0].repeats == 9
+    assert eng.summary() == {"swapped_labels": 3}
+
+
+def test_swapped_needs_both_negative_margin_and_low_accuracy():
+    eng = AlertEngine(AlertRules(patience=2))
+    for s in range(1, 10):
+        assert eng.check(rec(s, **{"rewards/margins": -0.1, "rewards/accuracies": 0.6})) == []
+
+
+def test_kl_ratio_threshold():
+    eng = AlertEngine(AlertRules(kl_ratio_threshold=0.3))
+    assert eng.check(rec(1, kl_ratio=0.29)) == []
+    a = eng.check(rec(2, kl_ratio=0.45))
+    assert names(a) == ["kl_ratio"] and "--beta" in a[0].advice
+
+
+def test_grad_spike_against_running_median():
+    eng = AlertEngine(AlertRules())
+    for s in range(1, 8):
+        assert eng.check(rec(s, grad_norm=1.0 + 0.1 * s)) == []
+    assert eng.check(rec(8, grad_norm=9.0)) == []  # 6x the median: not a spike
+    a = eng.check(rec(9, grad_norm=40.0))
+    assert names(a) == ["grad_spike"] and "--learning_rate" in a[0].advice
+
+
+def test_grad_collapse_must_be_sustained():
+    eng = AlertEngine(AlertRules(patience=3))
+    seq = [1.0, 1e-4, 1e-4, 0.5, 1e-4, 1e-5, 0.0]
+    got = [names(eng.check(rec(s, grad_norm=g))) for s, g in enumerate(seq, 1)]
+    assert got == [[], [], [], [], [], [], ["grad_collapse"]]
+
+
+def test_accuracy_stuck_at_half():
+    eng = AlertEngine(AlertRules(patience=2))
+    got = [names(eng.check(rec(s, **{"rewards/accuracies": a}))) for s, a in
+           enumerate([1.0, 1.0] + [0.5] * 8, 1)]
+    assert got[:9] == [[]] * 9  # the window of 4 x patience logged steps must fill and average 0.5 +- 0.05
+    assert got[9] == ["accuracy_stuck"]
+
+
+def test_nonfinite_and_update_gap():
+    eng = AlertEngine(AlertRules())
+    assert names(eng.check(rec(1, loss=float("nan"), skipped_steps=1))) == ["nonfinite"]
+    assert eng.check(rec(2, skipped_steps=1), expected_update_gap=4.0) == []  # no new skip since the last log
+    assert names(eng.check(rec(3, update_gap=8.0), expected_update_gap=4.0)) == ["update_gap"]
+
+
+# ---------------------------------------------------------------- the monitor (guard + vital signs)
+
+
+def monitor(tmp_path, **kw):
+    cfg = TrainConfig(model="m", dataset=["d"], output_dir=str(tmp_path), per_device_train_batch_size=2,
+                      gradient_accumulation_steps=4, **kw)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    return Monitor(cfg, tmp_path, None, opt, 0), opt, w
+
+
+def test_update_gap_counts_real_optimizer_steps(tmp_path):
+    mon, opt, w = monitor(tmp_path, alert_patience=2)
+    finite = torch.tensor(1.0)
+    for step in (1, 2):
+        w.grad = torch.ones(3)
+        assert mon.finite_update(finite, finite, step, list(range(8)))
+        opt.step()
+    mon.log(rec(2))
+    # a wrapper that swallows optimizer.step(): two steps, one real update
+    for step in (3, 4):
+        assert mon.finite_update(finite, finite, step, list(range(8)))
+    opt.step()
+    mon.log(rec(4))
+    mon.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["update_gap"] == 4.0 and lines[1]["update_gap"] == 8.0
+    alerts = [json.loads(x) for x in (tmp_path / "alerts.jsonl").read_text().splitlines()]
+    assert [a["name"] for a in alerts] == ["update_gap"] and alerts[0]["step"] == 4
+
+
+def test_guard_skips_counts_and_stops_after_n_in_a_row(tmp_path):
+    mon, opt, w = monitor(tmp_path, max_nonfinite_steps=3)
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    assert not mon.finite_update(nan, one, 1, [0])
+    assert not mon.finite_update(one, torch.tensor(float("inf")), 2, [1])
+    assert mon.finite_update(one, one, 3, [2])  # a finite step resets the run of bad ones
+    assert not mon.finite_update(nan, one, 4, [3])
+    assert not mon.finite_update(nan, one, 5, [4])
+    with pytest.raises(NonFiniteStop, match=r"step 6: 3 steps in a row.*after step 3.*No checkpoint.*rows of the last "
+                                            r"bad step: 5, 7"):
+        mon.finite_update(nan, one, 6, [7, 5])
+    mon.log(rec(6))
+    mon.close()
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["skipped_steps"] == 5
+
+
+# ---------------------------------------------------------------- sinks
+
+
+def test_report_to_parsing_and_missing_packages(monkeypatch):
+    assert report_targets("none") == [] and report_targets("TensorBoard, wandb") == ["tensorboard", "wandb"]
+    with pytest.raises(FastDPOError, match="'mlflow' is not one of"):
+        report_targets("mlflow")
+    import fastdpo.sinks as sinks
+
+    monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name: None)
+    assert report_targets("all") == []  # all installed ones
+    TrainConfig(model="m", dataset=["d"], report_to="all").validate()
+    cfg = TrainConfig(model="m", dataset=["d"], report_to="wandb")
+    with pytest.raises(FastDPOError, match="pip install wandb"):
+        cfg.validate()
+
+
+def test_wandb_sink_logs_by_step_and_finishes(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        id = "abc123"
+
+        def log(self, data, step):
+            calls.append(("log", step, data))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = TrainConfig(model="m", dataset=["d"], output_dir=str(tmp_path), report_to="wandb", run_name="exp1")
+    sinks = open_sinks(cfg, tmp_path, None, 0)
+    sinks.log({"step": 3, "loss": 0.5, "rewards/margins": 0.1, "note": "x"})
+    sinks.close()
+    assert calls[0][0] == "init" and calls[0][1]["name"] == "exp1" and calls[0][1]["config"]["report_to"] == "wandb"
+    assert calls[1] == ("log", 3, {"loss": 0.5, "rewards/margins": 0.1})
+    assert calls[-1] == ("finish",)
+    assert (tmp_path / ".wandb_run_id").read_text() == "abc123"  # a resumed run continues the same W&B run
+
+
+def test_non_writing_rank_guards_but_writes_nothing(tmp_path):
+    cfg = TrainConfig(model="m", dataset=["d"], output_dir=str(tmp_path), max_nonfinite_steps=1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    mon = Monitor(cfg, tmp_path, None, opt, 0, write=False)
+    mon.log(rec(1, **{"rewards/margins": -1.0, "rewards/accuracies": 0.0}))
+    mon.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(NonFiniteStop):
+        mon.finite_update(torch.tensor(float("nan")), torch.tensor(1.0), 2, [0])
+
+
+def test_oom_next_steps_follow_the_settings():
+    from fastdpo.diagnostics import oom_next_steps
+
+    cfg = TrainConfig(model="m", dataset=["d"], precompute_ref_log_probs=True, gradient_checkpointing="ffn",
+                      max_tokens_per_batch=4096, torch_dtype="bfloat16")
+    steps = oom_next_steps(cfg, None)
+    assert steps[0].startswith("--max_tokens_per_batch 2048 (now 4096)")
+    assert steps[1] == "--gradient_checkpointing full (now ffn)."
+    assert not any("precompute" in s or "bfloat16" in s for s in steps)
+    full = oom_next_steps(TrainConfig(model="m", dataset=["d"]), longest_micro_tokens=3000)
+    assert full[0].startswith("--max_tokens_per_batch 1500") and any("--precompute_ref_log_probs" in s for s in full)
