@@ -54,6 +54,12 @@ def cmd_train(args: argparse.Namespace, console) -> int:
     return 0
 
 
+def cmd_check_data(args: argparse.Namespace, console) -> int:
+    from fastdpo.data.check import run_check_data
+
+    return run_check_data(build_config(args, TrainConfig), console)
+
+
 def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
     from fastdpo.precompute import precompute_ref
 
@@ -174,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="Train with DPO.", allow_abbrev=False)
     add_config_flags(t, TrainConfig)
     t.set_defaults(func=cmd_train)
+    c = sub.add_parser("check-data", help="Check every dataset row; with --model, token lengths and what "
+                       "--max_length would drop. Takes the train flags (and --config).", allow_abbrev=False)
+    add_config_flags(c, TrainConfig)
+    c.set_defaults(func=cmd_check_data)
     r = sub.add_parser("precompute-ref", help="Cache reference log-probs ahead of training (same flags as train).",
                        allow_abbrev=False)
     add_config_flags(r, TrainConfig)

@@ -21,7 +21,9 @@ from fastdpo.beta import BetaSchedule
 from fastdpo.config import TrainConfig, save_config
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import step_order
-from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
+from fastdpo.data.prepare import DataOptions, tokenize_pairs
+from fastdpo.data.stream import PairStream
+from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.diagnostics import oom_error
 from fastdpo.distributed import (
     Dist,
@@ -87,6 +89,7 @@ class Setup:
     beta: BetaSchedule
     val_pairs: list[TokenizedPair] = field(default_factory=list)  # held-out pairs for evaluation during training
     val_reference: Reference | None = None  # their precomputed reference (None: the training reference)
+    stream: PairStream | None = None  # --streaming: training pairs come from here instead of `pairs`
 
 
 def seed_all(seed: int) -> None:
@@ -113,14 +116,20 @@ def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPai
     return load_splits(cfg, tokenizer)[:2]
 
 
-def load_splits(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
-    """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio)."""
-    rows, val_rows = held_out_rows(cfg, load_rows(cfg.dataset, cfg.seed))
-    pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
-    if stats.dropped_prompt_too_long or stats.truncated:
-        log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
-                    stats.dropped_prompt_too_long, stats.truncated)
-    val_pairs = tokenize_rows(tokenizer, val_rows, cfg.max_length)[0] if val_rows else []
+def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
+                ) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
+    """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio). The data
+    summary is logged (and saved in `summary_dir`). With --streaming the training data is read lazily by a
+    PairStream instead: no training rows or pairs here."""
+    opts = DataOptions.from_config(cfg)
+    rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split))
+    pairs: list[TokenizedPair] = []
+    if not cfg.streaming:
+        pairs, summary = tokenize_pairs(rows, tokenizer, opts)
+        summary.log()
+        if summary_dir is not None:
+            summary.save(summary_dir / "data_summary.json")
+    val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []
     return rows, pairs, val_rows, val_pairs
 
 
@@ -133,7 +142,8 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer)
+    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
+    stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
     if cfg.gradient_checkpointing == "auto":
         from fastdpo.tune import auto_policy
 
@@ -144,7 +154,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
                        cfg.quant_bits if cfg.train_type == "qlora" else 0)
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
     s = assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
-    s.val_pairs, s.val_reference = val_pairs, val_reference
+    s.val_pairs, s.val_reference, s.stream = val_pairs, val_reference, stream
     return s
 
 
@@ -168,7 +178,8 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     model.train()
     policy = wrap_models(model, reference, backend, d)
 
-    steps_per_epoch = math.ceil(len(pairs) / (cfg.pairs_per_step * d.world_size))
+    # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
+    steps_per_epoch = cfg.max_steps if cfg.streaming else math.ceil(len(pairs) / (cfg.pairs_per_step * d.world_size))
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
     return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,
@@ -280,6 +291,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         if d.is_main:
             ckpt.truncate_metrics(out / "metrics.jsonl", start)
         log.info("Resumed from %s at step %d.", resume, start)
+        if s.stream is not None:  # replay the stream's deterministic order up to the resume point
+            s.stream.skip(start * step_pairs_total)
     ckpt.warn_later_checkpoints(out, start)
     ckpt.check_disk_space(out, model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
@@ -305,9 +318,12 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
-            if epoch not in orders:
-                orders = {epoch: step_order(len(s.pairs), step_pairs_total, cfg.seed, epoch)}
-            step_pairs = [s.pairs[i] for i in orders[epoch][k]]
+            if s.stream is not None:  # every rank reads the same stream and takes the whole step
+                step_pairs = s.stream.take(step_pairs_total)
+            else:
+                if epoch not in orders:
+                    orders = {epoch: step_order(len(s.pairs), step_pairs_total, cfg.seed, epoch)}
+                step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
             beta = s.beta.value()
             hb.beat(step + 1, "forward")
@@ -374,6 +390,11 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         if bar is not None:
             bar[0].stop()
         monitor.close()
+        if s.stream is not None:
+            s.stream.close()
+            if d.is_main:
+                s.stream.summary().save(out / "data_summary.json")
+            s.stream.summary().log()
 
     if stopped_at is not None:
         log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
