@@ -150,7 +150,9 @@ def _parent(spec: dict) -> None:
             os.waitpid(pid, 0)
             kills += 1
             delays.append(round(delay, 3))
-            mid_write += any(p.name.startswith(".checkpoint-") and p.name.endswith(".tmp") for p in out.iterdir())
+            # a kill can land before the run has created its output dir
+            entries = list(out.iterdir()) if out.is_dir() else []
+            mid_write += any(p.name.startswith(".checkpoint-") and p.name.endswith(".tmp") for p in entries)
             after = _newest(out)
             if after < before:
                 went_back.append((before, after))

@@ -158,15 +158,15 @@ def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, sched
     return final
 
 
-def save_final(out_dir: Path, model, tokenizer) -> Path:
-    """Write the final model to `out_dir/final` atomically."""
+def save_final(out_dir: Path, model, tokenizer, state_dict: dict | None = None) -> Path:
+    """Write the final model to `out_dir/final` atomically. `state_dict`: full weights gathered from shards."""
     final = out_dir / "final"
     tmp = out_dir / ".final.tmp"
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        save_model(model, tokenizer, tmp)
+        save_model(model, tokenizer, tmp, state_dict)
         _publish(tmp, final)
     except _write_errors() as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -384,3 +384,122 @@ def truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- sharded checkpoints (multi-rank runs)
+# checkpoint-N/sharded/ holds model + optimizer through torch.distributed.checkpoint: every rank writes its own
+# shards, and a later run loads them on any number of ranks (one included). state/ holds the rest as above, with
+# one RNG file per rank. Published like the others (temporary dir, manifest, fsync, rename) by rank 0 once every
+# rank has written its part; output_dir must be shared by all nodes.
+
+SHARDED = "sharded"
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return (ckpt / SHARDED).is_dir()
+
+
+def _train_state(model, optimizer, extra_modules: dict | None) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    # frozen weights (a LoRA base) come from --model on resume: only what trains is saved
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    extra = {name: get_model_state_dict(m) for name, m in (extra_modules or {}).items()}
+    return {"model": model_sd, "optim": optim_sd, "extra": extra}
+
+
+def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
+                            rank: int, extra_modules: dict | None = None) -> Path:
+    """Write checkpoint-{step} from all ranks (each must call this) and return its path. `extra_modules` (name ->
+    module, e.g. a reference that training updates) are saved in the shards too."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".checkpoint-{step}.tmp"
+    try:
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / STATE).mkdir(parents=True)
+        dist.barrier()
+        dcp.save(_train_state(model, optimizer, extra_modules), checkpoint_id=str(tmp / SHARDED))
+        torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            st = tmp / STATE
+            torch.save(scheduler.state_dict(), st / "scheduler.pt")
+            save_config(config, st / "config.yaml")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            # written last, with the size of every other file: a checkpoint is complete only if all of them match
+            (st / DONE).write_text(json.dumps({"step": step, **progress, "files": _manifest(tmp)}, indent=1))
+            _publish(tmp, final)
+    except _write_errors() as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(final.name, out_dir, e) from e
+    dist.barrier()
+    return final
+
+
+def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int, extra_modules: dict | None = None) -> None:
+    """Load a sharded checkpoint into `model` and `optimizer` as they are now laid out (plain, DDP or FSDP2 on any
+    number of ranks), then the scheduler and this rank's RNG state (rank 0's when the checkpoint had fewer ranks)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    state = _train_state(model, optimizer, extra_modules)
+    with warnings.catch_warnings():  # one process reading shards of many is what we mean
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, checkpoint_id=str(ckpt / SHARDED))
+        except (OSError, RuntimeError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise FastDPOError(f"{ckpt / SHARDED}: not loadable into this model ({first}). Resume with the --model "
+                               "and --train_type it was trained with, or from another checkpoint.") from None
+    # strict=False: frozen weights are absent by design; dcp.load has already failed on any trainable key missing
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    for name, module in (extra_modules or {}).items():
+        set_model_state_dict(module, state["extra"][name])
+    st = ckpt / STATE
+    scheduler.load_state_dict(_load_state(st / "scheduler.pt"))
+    rng = st / f"rng-{rank}.pt"
+    set_rng_state(_load_state(rng if rng.is_file() else st / "rng-0.pt"))
+
+
+def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler, extra_modules: dict | None = None) -> None:
+    """Load a checkpoint written by one process (HF weights or PEFT adapter + optimizer.pt) into a model laid out
+    over several ranks (DDP or FSDP2): every rank reads the full tensors and keeps its shard."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    saved = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    adapter = f".{model.active_adapter}." if hasattr(model, "peft_config") else None
+    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
+    weights = {}
+    for name in names.values():
+        key = name.replace(adapter, ".") if adapter else name  # PEFT files drop the adapter name
+        if key not in saved:
+            raise FastDPOError(f"{ckpt}: no weight {key!r} for this model. Resume with the --model and --train_type "
+                               "the checkpoint was trained with.")
+        weights[name] = saved[key]
+    # optimizer.pt numbers parameters in param-group order; the distributed loader wants their names
+    order = [names[p] for g in optimizer.param_groups for p in g["params"]]
+    raw = _load_state(ckpt / STATE / "optimizer.pt", map_location="cpu")
+    optim = {"state": {order[i]: v for i, v in raw["state"].items()},
+             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in raw["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True, strict=False))
+    for name, module in (extra_modules or {}).items():
+        path = ckpt / STATE / f"{name}.safetensors"
+        if not path.is_file():
+            raise FastDPOError(f"{ckpt} has no saved {name} ({path.name}). Resume with the settings it was trained with.")
+        set_model_state_dict(module, load_file(str(path)), options=StateDictOptions(full_state_dict=True, strict=False))
+    scheduler.load_state_dict(_load_state(ckpt / STATE / "scheduler.pt"))
+    set_rng_state(_load_state(ckpt / STATE / "rng.pt"))

@@ -9,6 +9,7 @@ import sys
 
 from fastdpo.config import TrainConfig, _parse_bool, _Parser, add_config_flags, build_config
 from fastdpo.errors import FastDPOError
+from fastdpo.launch import launch, wants_launch
 
 
 def _console():
@@ -44,11 +45,19 @@ def cmd_train(args: argparse.Namespace, console) -> int:
     except torch.OutOfMemoryError as e:  # while loading (the loop explains its own)
         raise oom_error(e, cfg, torch.device("cuda") if torch.cuda.is_available() else None) from None
     if result.get("stopped"):
-        console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; continue with "
-                      "--resume_from_checkpoint latest", highlight=False)
+        if _rank() == 0:
+            console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; "
+                          "continue with --resume_from_checkpoint latest", highlight=False)
         return result["exit_code"]
-    console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
+    if _rank() == 0:
+        console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
     return 0
+
+
+def cmd_check_data(args: argparse.Namespace, console) -> int:
+    from fastdpo.data.check import run_check_data
+
+    return run_check_data(build_config(args, TrainConfig), console)
 
 
 def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
@@ -79,6 +88,10 @@ def cmd_export(args: argparse.Namespace, console) -> int:
 
     merge_lora(build_config(args, ExportConfig), console=console)
     return 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def cmd_demo(args: argparse.Namespace, console) -> int:
@@ -167,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="Train with DPO.", allow_abbrev=False)
     add_config_flags(t, TrainConfig)
     t.set_defaults(func=cmd_train)
+    c = sub.add_parser("check-data", help="Check every dataset row; with --model, token lengths and what "
+                       "--max_length would drop. Takes the train flags (and --config).", allow_abbrev=False)
+    add_config_flags(c, TrainConfig)
+    c.set_defaults(func=cmd_check_data)
     r = sub.add_parser("precompute-ref", help="Cache reference log-probs ahead of training (same flags as train).",
                        allow_abbrev=False)
     add_config_flags(r, TrainConfig)
@@ -252,9 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         _setup_logging(console)
+        if args.command == "train" and wants_launch():  # NPROC_PER_NODE=N fastdpo train ...: start N workers
+            build_config(args, TrainConfig).validate()  # bad flags fail here once, not once per worker
+            return launch(sys.argv[1:] if argv is None else list(argv))
         return args.func(args, console)
     except FastDPOError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        where = f"[rank {_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        console.print(f"[bold red]error:[/] {where}{e}", highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")

@@ -47,8 +47,24 @@ class TrainConfig:
     adapters: str = _f("", "LoRA: start the trained adapter from this PEFT adapter dir instead of a fresh one.")
     ref_adapters: str = _f("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
     # data
-    dataset: list = _f([], "One or more JSONL/JSON files with prompt/chosen/rejected; `path#N` takes N rows.", nargs="+")
-    max_length: int = _f(2048, "Max tokens of prompt+completion per sequence; longer completions are cut.")
+    dataset: list = _f([], "Datasets: JSONL/JSON/Parquet/CSV files or dirs, HF dataset ids or saved dirs "
+                       "(`name:subset`); `path#N` takes N rows. Row formats: see the README.", nargs="+")
+    split: str = _f("train", "Split to read from HF datasets (hub ids, dataset repos, save_to_disk dirs).")
+    max_length: int = _f(2048, "Max tokens of prompt+completion per sequence (see --truncation_strategy).")
+    truncation_strategy: str = _f("right", "Over --max_length: right = cut completions, dropping pairs whose prompt "
+                                  "alone fills it (default, TRL keep_start); left = trim the prompt from the left, "
+                                  "completions whole; delete = drop the pair.")
+    max_prompt_length: int = _f(0, "Keep the last N prompt tokens (0: off; with delete, longer pairs are dropped).")
+    max_completion_length: int = _f(0, "Keep the first N completion tokens (0: off; with delete, longer pairs are dropped).")
+    template: str = _f("", "Chat template for conversational rows: chatml|llama3|identity|hh or a Jinja file "
+                       "(default: the tokenizer's chat_template).")
+    system: str = _f("", "System prompt for conversational rows that have none.")
+    dataset_num_proc: int = _f(1, "Processes that tokenise the dataset.")
+    load_from_cache_file: bool = _f(True, "Reuse tokenised data cached under a fingerprint of data, tokenizer, settings.")
+    dataset_cache_dir: str = _f("", "Tokenisation cache dir (default: $FASTDPO_CACHE_DIR, else ~/.cache/fastdpo).")
+    streaming: bool = _f(False, "Read and tokenise lazily, for data larger than memory; needs --max_steps.")
+    shuffle_buffer_size: int = _f(10000, "Pairs in the seeded shuffle buffer when streaming.")
+    dataloader_num_workers: int = _f(0, "Processes that read and tokenise ahead of training when streaming.")
     # batching
     per_device_train_batch_size: int = _f(8, "Pairs per micro-batch (without a token budget).")
     gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step. A step covers bs x accum x world pairs.")
@@ -127,13 +143,16 @@ class TrainConfig:
                                   "in a row (0: never stop).")
     ddp_timeout: int = _f(1800, "Seconds a distributed collective may wait before the run fails (torch.distributed "
                           "timeout); the heartbeat names a stalled rank well before that.")
+    # scale-out (under torchrun or NPROC_PER_NODE)
+    fsdp: str = _f("", "full_shard|shard_grad_op: FSDP2 sharding; no_shard: DDP. Empty: DDP.")
+    deepspeed: str = _f("", "zero3 (= --fsdp full_shard), zero2 (= shard_grad_op), or a DeepSpeed JSON: its ZeRO "
+                            "stage maps onto FSDP2, the rest is checked or reported.")
 
     def validate(self) -> None:
         """Check values in one place; raise FastDPOError naming the flag and a fix."""
         if not self.model:
             raise FastDPOError("--model is required: a local HF model dir or a hub id.")
-        if not self.dataset:
-            raise FastDPOError("--dataset is required: one or more JSONL/JSON files with prompt/chosen/rejected.")
+        self.validate_data()
         _choice("train_type", self.train_type, ("full", "lora", "qlora"))
         if self.train_type == "qlora" and self.quant_bits not in (4, 8):
             raise FastDPOError(f"--quant_bits must be 4 or 8 for --train_type qlora, got {self.quant_bits}.")
@@ -177,6 +196,9 @@ class TrainConfig:
         self._validate_loss()
         self._validate_reference()
         self._validate_eval()
+        from fastdpo.distributed import parallel_plan
+
+        parallel_plan(self.fsdp, self.deepspeed, self)  # raises on what cannot be honoured
 
     def _validate_loss(self) -> None:
         from fastdpo.losses import F_DIVERGENCES, LOSSES
@@ -276,6 +298,32 @@ class TrainConfig:
     def uses_lora(self) -> bool:
         """LoRA adapters are trained (on a full-precision or a quantised base)."""
         return self.train_type in ("lora", "qlora")
+
+    def validate_data(self) -> None:
+        """The data flags alone (also used by `fastdpo check-data`)."""
+        if not self.dataset:
+            raise FastDPOError("--dataset is required: one or more dataset files, dirs or HF dataset ids.")
+        _choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
+        for name in ("max_length", "dataset_num_proc", "shuffle_buffer_size"):
+            if getattr(self, name) < 1:
+                raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("max_prompt_length", "max_completion_length", "dataloader_num_workers"):
+            if getattr(self, name) < 0:
+                raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
+        if self.streaming:  # the data is read once, lazily: nothing may need all of it ahead
+            if self.max_steps <= 0:
+                raise FastDPOError("--streaming needs --max_steps > 0: the size of a streamed dataset is not known ahead.")
+            if self.split_dataset_ratio > 0:
+                raise FastDPOError("--streaming cannot hold out --split_dataset_ratio of a stream. Give --val_dataset.")
+            if self.precompute_ref_log_probs:
+                raise FastDPOError("--precompute_ref_log_probs needs every training pair ahead, which --streaming does "
+                                   "not have. Drop it: the reference then runs alongside the policy.")
+            if str(self.gradient_checkpointing) == "auto":
+                raise FastDPOError("--gradient_checkpointing auto measures on data in memory. With --streaming, name a "
+                                   "policy: none, full, ffn, attn or every:K.")
+        from fastdpo.data.template import resolve_template
+
+        resolve_template(self.template)  # raises on an unknown name or a missing file
 
     @property
     def pairs_per_step(self) -> int:

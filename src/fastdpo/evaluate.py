@@ -83,14 +83,19 @@ LOSS_INPUT_FIELDS = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_reje
 
 @torch.no_grad()
 def pair_logps(model, reference: Reference, pairs: list[TokenizedPair], backend: Backend, pad_id: int, device,
-               max_tokens: int = 0, batch_size: int = 8, ld_alpha: float = 1.0, wpo: bool = False) -> LossInputs:
+               max_tokens: int = 0, batch_size: int = 8, ld_alpha: float = 1.0, wpo: bool = False,
+               policy_forward=None) -> LossInputs:
     """The loss inputs of every pair, policy and reference (None when there is none), through the training forward
     (`completion_logps`, `Reference.logps`) in eval mode: one `LossInputs` over all pairs (micro-batch order, on the
-    CPU), so losses that rank pairs see the whole set."""
+    CPU), so losses that rank pairs see the whole set. `policy_forward(batch, mask, wpo)`: the training module's
+    forward instead of `model`'s own (under DDP/FSDP2 the forward must go through the wrapped module)."""
     parts = []
     with _eval_mode(model):
         for batch, mask in _batches(pairs, backend, pad_id, device, max_tokens, batch_size):
-            pol = completion_logps(model, batch, backend, mask, wpo=wpo)
+            if policy_forward is not None:
+                pol = policy_forward(batch, mask, wpo)
+            else:
+                pol = completion_logps(model, batch, backend, mask, wpo=wpo)
             ref = reference.logps(model, batch, backend, mask)
             parts.append(loss_inputs(pol, ref, batch.lengths, ld_alpha))
 
@@ -264,8 +269,11 @@ class TrainingEval:
         cfg = self.cfg
         t0 = time.perf_counter()
         pad_id = s.tokenizer.pad_token_id or 0
+        from fastdpo.distributed import policy_logps
+
         x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
-                       cfg.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting)
+                       cfg.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
+                       functools.partial(policy_logps, s.policy))
         metrics = preference_metrics(x, loss_params(cfg, s.beta.value()), s.loss_terms, cfg.rpo_alpha)
         dt = time.perf_counter() - t0
         record = {"step": step, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()},

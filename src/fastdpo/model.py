@@ -291,10 +291,11 @@ def model_summary(model) -> dict:
     return {"model_type": lm.config.model_type, "params": total, "trainable": trainable}
 
 
-def save_model(model, tokenizer, out: Path) -> None:
-    """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer."""
+def save_model(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
+    """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer. `state_dict`: full weights
+    gathered from shards (FSDP2), saved instead of the model's own."""
     only_trained = {"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}  # not a reference adapter
-    model.save_pretrained(out, safe_serialization=True, **only_trained)
+    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict, **only_trained)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     (out / "fastdpo.json").write_text(json.dumps({"format": "fastdpo-model", "version": 1}))

@@ -101,8 +101,8 @@ def model_fingerprint(paths: list[str], cache_dir: Path) -> str:
 def data_fingerprint(rows: list[Row]) -> str:
     h = _hasher()
     for r in rows:
-        for text in (r.prompt, r.chosen, r.rejected):
-            b = text.encode("utf-8")
+        for text in (r.prompt, r.chosen, r.rejected):  # conversational rows: their messages as canonical JSON
+            b = text.encode("utf-8") if isinstance(text, str) else json.dumps(text, sort_keys=True).encode("utf-8")
             h.update(len(b).to_bytes(8, "little"))
             h.update(b)
     return h.hexdigest()

@@ -70,6 +70,7 @@ class Reference:
     strategy: str  # none | precompute | copy | separate | adapter_off | ref_adapter
     model: torch.nn.Module | None = None
     table: RefTable | None = None
+    runner: Callable | None = None  # under FSDP2: (batch, mask) -> SeqLogps through the sharded module
 
     @property
     def online(self) -> bool:
@@ -83,6 +84,8 @@ class Reference:
             return None
         if self.strategy == "precompute":
             return self.table.lookup(batch.index)
+        if self.runner is not None:
+            return self.runner(batch, mask)
         if self.strategy == "adapter_off":
             with policy.disable_adapter():
                 return completion_logps(policy, batch, backend, mask)

@@ -1,12 +1,15 @@
 """The training loop (DESIGN §6), readable top to bottom: set up, then for each optimizer step run its micro-batches
 (policy forward, reference forward, per-pair losses summed and divided by the step's pair count, backward), then clip,
-update, schedule, log and checkpoint."""
+update, schedule, log and checkpoint. Under torchrun every rank runs this loop on its share of each step's pairs
+(distributed.py holds the mechanics)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +20,29 @@ from fastdpo import checkpoint as ckpt
 from fastdpo.beta import BetaSchedule
 from fastdpo.config import TrainConfig, save_config
 from fastdpo.data.load import Row, load_rows
-from fastdpo.data.pack import split_micro_batches, step_order
-from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
+from fastdpo.data.pack import step_order
+from fastdpo.data.prepare import DataOptions, tokenize_pairs
+from fastdpo.data.stream import PairStream
+from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.diagnostics import oom_error
+from fastdpo.distributed import (
+    Dist,
+    any_rank,
+    barrier,
+    clip_grad_norm,
+    full_state_dict,
+    gather_step_view,
+    grad_sync,
+    heartbeat,
+    init_distributed,
+    max_over_ranks,
+    policy_logps,
+    rank_micro_batches,
+    reduce_beta_drift,
+    reduce_metrics,
+    shutdown,
+    wrap_models,
+)
 from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
@@ -42,7 +65,6 @@ from fastdpo.model import (
 from fastdpo.monitor import Monitor
 from fastdpo.optim import build_optimizer, build_scheduler
 from fastdpo.reference import Reference, build_reference, load_ref_adapter
-from fastdpo.seqlogps import completion_logps
 from fastdpo.signals import GracefulStop
 
 log = logging.getLogger("fastdpo")
@@ -53,8 +75,10 @@ class Setup:
     """Everything the loop needs, built once."""
 
     cfg: TrainConfig
+    dist: Dist
     device: torch.device
     model: torch.nn.Module
+    policy: torch.nn.Module  # the model's log-prob forward; wrapped in DDP or sharded by FSDP2 under torchrun
     tokenizer: object
     reference: Reference
     backend: Backend
@@ -65,6 +89,7 @@ class Setup:
     beta: BetaSchedule
     val_pairs: list[TokenizedPair] = field(default_factory=list)  # held-out pairs for evaluation during training
     val_reference: Reference | None = None  # their precomputed reference (None: the training reference)
+    stream: PairStream | None = None  # --streaming: training pairs come from here instead of `pairs`
 
 
 def seed_all(seed: int) -> None:
@@ -75,7 +100,7 @@ def seed_all(seed: int) -> None:
 def check_output_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".fastdpo_write_test"
+        probe = out / f".fastdpo_write_test.{os.getpid()}"  # one per rank
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -91,18 +116,24 @@ def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPai
     return load_splits(cfg, tokenizer)[:2]
 
 
-def load_splits(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
-    """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio)."""
-    rows, val_rows = held_out_rows(cfg, load_rows(cfg.dataset, cfg.seed))
-    pairs, stats = tokenize_rows(tokenizer, rows, cfg.max_length)
-    if stats.dropped_prompt_too_long or stats.truncated:
-        log.warning("max_length %d: %d pairs dropped (prompt too long), %d truncated.", cfg.max_length,
-                    stats.dropped_prompt_too_long, stats.truncated)
-    val_pairs = tokenize_rows(tokenizer, val_rows, cfg.max_length)[0] if val_rows else []
+def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
+                ) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
+    """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio). The data
+    summary is logged (and saved in `summary_dir`). With --streaming the training data is read lazily by a
+    PairStream instead: no training rows or pairs here."""
+    opts = DataOptions.from_config(cfg)
+    rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split))
+    pairs: list[TokenizedPair] = []
+    if not cfg.streaming:
+        pairs, summary = tokenize_pairs(rows, tokenizer, opts)
+        summary.log()
+        if summary_dir is not None:
+            summary.save(summary_dir / "data_summary.json")
+    val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []
     return rows, pairs, val_rows, val_pairs
 
 
-def build_setup(cfg: TrainConfig) -> Setup:
+def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     cfg.validate()
     out = Path(cfg.output_dir)
     check_output_dir(out)
@@ -111,7 +142,8 @@ def build_setup(cfg: TrainConfig) -> Setup:
     seed_all(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer)
+    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
+    stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
     if cfg.gradient_checkpointing == "auto":
         from fastdpo.tune import auto_policy
 
@@ -121,16 +153,17 @@ def build_setup(cfg: TrainConfig) -> Setup:
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
                        cfg.quant_bits if cfg.train_type == "qlora" else 0)
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
-    s = assemble(cfg, device, model, tokenizer, pairs, rows=rows)
-    s.val_pairs, s.val_reference = val_pairs, val_reference
+    s = assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
+    s.val_pairs, s.val_reference, s.stream = val_pairs, val_reference, stream
     return s
 
 
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
-             ref_model=None, rows: list[Row] | None = None) -> Setup:
-    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, step counts.
+             ref_model=None, rows: list[Row] | None = None, d: Dist | None = None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts.
     `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
+    d = d or Dist()
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model)
     if cfg.uses_lora:
@@ -143,11 +176,14 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     if cfg.torch_compile:
         compile_layers(model)
     model.train()
+    policy = wrap_models(model, reference, backend, d)
 
-    steps_per_epoch = math.ceil(len(pairs) / cfg.pairs_per_step)
+    # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
+    steps_per_epoch = cfg.max_steps if cfg.streaming else math.ceil(len(pairs) / (cfg.pairs_per_step * d.world_size))
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
-    return Setup(cfg, device, model, tokenizer, reference, backend, pairs, total, steps_per_epoch, cfg.loss_terms(), beta)
+    return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,
+                 cfg.loss_terms(), beta)
 
 
 def attended_pairs(p: TokenizedPair) -> int:
@@ -162,80 +198,112 @@ def chosen_targets(p: TokenizedPair) -> int:
 
 
 @torch.no_grad()
-def step_logps(s: Setup, groups: list[list[TokenizedPair]]) -> tuple[StepView, list]:
-    """Every pair's log-probs over the whole step, without grad: losses that sort the step's pairs (aot) need the
-    ranks before any backward. One extra policy forward, for those losses only; the reference results are kept."""
+def step_logps(s: Setup, groups: list[list[TokenizedPair]], filler: list[TokenizedPair]) -> tuple[StepView, list, int]:
+    """Every pair's log-probs over the whole step (all ranks), without grad: losses that sort the step's pairs (aot)
+    need the ranks before any backward. One extra policy forward, for those losses only; the reference results are
+    kept. Also returns where this rank's pairs start in the step-wide view."""
     parts, refs = [], []
     for group in groups:
-        batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
+        batch = make_batch(group or filler, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
         mask = build_mask(batch, s.backend)
-        pol = completion_logps(s.model, batch, s.backend, mask)
+        pol = policy_logps(s.policy, batch, mask)
         refs.append(s.reference.logps(s.model, batch, s.backend, mask))
-        parts.append(loss_inputs(pol, refs[-1], batch.lengths, s.cfg.ld_alpha))
-    return step_view(parts), refs
+        if group:
+            parts.append(loss_inputs(pol, refs[-1], batch.lengths, s.cfg.ld_alpha))
+    view, start = gather_step_view(step_view(parts) if parts else None, s.dist, s.device)
+    return view, refs, start
 
 
 def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
-    """Forward and backward over one optimizer step's pairs; gradients accumulate in .grad."""
-    cfg = s.cfg
-    n_pairs = len(step_pairs)
+    """Forward and backward over this rank's share of one optimizer step's pairs (all of them on one process);
+    gradients accumulate in .grad and are summed across ranks on the last micro-step."""
+    cfg, d = s.cfg, s.dist
+    n_pairs = len(step_pairs)  # the whole step, all ranks
     beta = s.beta.value()
     params = loss_params(cfg, beta)
     # NLL terms are token means over the step's chosen tokens, written per pair like every other term
     tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
-    groups = split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
-    view, refs = None, None
+    groups = rank_micro_batches(step_pairs, d.rank, d.world_size, cfg.max_tokens_per_batch,
+                                cfg.per_device_train_batch_size)
+    view, refs, offset = None, None, 0
     if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
-        view, refs = step_logps(s, groups)
-    offset = 0
+        view, refs, offset = step_logps(s, groups, step_pairs[:1])
     for i, group in enumerate(groups):
-        batch = make_batch(group, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
+        real = bool(group)  # an empty share still runs (zero-weighted) so every rank joins the same collectives
+        batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device, cfg.max_tokens_per_batch)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
-        pol = completion_logps(s.model, batch, s.backend, mask, wpo=cfg.use_weighting)
-        ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
-        in_step = at(view, offset, b) if view is not None else None
-        x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
-        # divide by the pairs of the whole step, not the micro-batch: accumulation is then exact
-        loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
-        loss.backward()
-        s.beta.observe(x)
-        metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
-                    x.ref_rejected, sum(p.num_tokens for p in group), x.chosen_tokens, x.rejected_tokens)
-        offset += b
+        with grad_sync(s.policy, last=i == len(groups) - 1):
+            pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
+            ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
+            in_step = at(view, offset if real else 0, b) if view is not None else None
+            x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
+            # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
+            loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
+            if not real:
+                loss = loss * 0.0
+            loss.backward()
+        if real:
+            s.beta.observe(x)
+            metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
+                        x.ref_rejected, sum(p.num_tokens for p in group), x.chosen_tokens, x.rejected_tokens)
+            offset += b
 
 
 def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
-    """Train per `cfg`; returns a summary (final dir, last metrics)."""
-    s = build_setup(cfg)
+    """Train per `cfg`; returns a summary (final dir, last metrics). Under torchrun every rank calls this; only rank
+    0 logs and writes files other than checkpoint shards."""
+    cfg.validate()
+    d = init_distributed(cfg, timeout_s=cfg.ddp_timeout)
+    try:
+        return run_training(cfg, d, console if d.is_main else None, progress and d.is_main)
+    finally:
+        shutdown(d)
+
+
+def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
+    s = build_setup(cfg, d)
     out = Path(cfg.output_dir)
     model, device = s.model, s.device
     optimizer = build_optimizer(model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg, s.total_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    step_pairs_total = cfg.pairs_per_step * d.world_size
+    extra = {"reference": s.reference.model} if cfg.sync_ref_model else None
     start = 0
-    ckpt.clean_partial(out)  # leftovers of a write or delete a kill interrupted
+    if d.is_main:
+        ckpt.clean_partial(out)  # leftovers of a write or delete a kill interrupted
     resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
     if resume is not None:
-        ckpt.load_weights(model, resume)
-        ckpt.load_training_state(resume, optimizer, scheduler)
+        check_resume_step_size(resume, cfg, d)
+        if ckpt.is_sharded(resume):
+            ckpt.load_sharded_checkpoint(resume, model, optimizer, scheduler, d.rank, extra)
+        elif d.sharded:
+            ckpt.load_unsharded_into_ranks(resume, model, optimizer, scheduler, extra)
+        else:
+            ckpt.load_weights(model, resume)
+            ckpt.load_training_state(resume, optimizer, scheduler)
+            if cfg.sync_ref_model:
+                ckpt.load_extra_module(resume, "reference", s.reference.model)
         state = ckpt.load_progress(resume)
         start = state["step"]
         s.beta.load_state_dict(state.get("beta", {}))
-        if cfg.sync_ref_model:
-            ckpt.load_extra_module(resume, "reference", s.reference.model)
-        ckpt.truncate_metrics(out / "metrics.jsonl", start)
+        if d.is_main:
+            ckpt.truncate_metrics(out / "metrics.jsonl", start)
         log.info("Resumed from %s at step %d.", resume, start)
+        if s.stream is not None:  # replay the stream's deterministic order up to the resume point
+            s.stream.skip(start * step_pairs_total)
     ckpt.warn_later_checkpoints(out, start)
     ckpt.check_disk_space(out, model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
                              s.val_reference)
-    save_config(cfg, out / "config.yaml")
+    if d.is_main:
+        save_config(cfg, out / "config.yaml")
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
 
-    monitor = Monitor(cfg, out, console, optimizer, start)
+    monitor = Monitor(cfg, out, console, optimizer, start, write=d.is_main)  # rank 0 writes the sinks
     lm_config = base_causal_lm(model).config
     peak = device_peak_flops(device)
     rate = Throughput()
@@ -246,23 +314,31 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     step_pairs: list[TokenizedPair] = []
     stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
     stopped_at: Path | None = None
+    hb = heartbeat(cfg, d).start()  # names a rank that stops progressing, long before --ddp_timeout
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
-            if epoch not in orders:
-                orders = {epoch: step_order(len(s.pairs), cfg.pairs_per_step, cfg.seed, epoch)}
-            step_pairs = [s.pairs[i] for i in orders[epoch][k]]
+            if s.stream is not None:  # every rank reads the same stream and takes the whole step
+                step_pairs = s.stream.take(step_pairs_total)
+            else:
+                if epoch not in orders:
+                    orders = {epoch: step_order(len(s.pairs), step_pairs_total, cfg.seed, epoch)}
+                step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
             beta = s.beta.value()
+            hb.beat(step + 1, "forward")
             run_step(s, step_pairs, metrics)
+            reduce_metrics(metrics, d)  # the step's sums over all ranks: the guard below decides alike everywhere
+            hb.beat(step + 1, "optimizer")
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+            grad_norm = clip_grad_norm(trainable, max_norm)
             lr = scheduler.get_last_lr()[0]
             # a NaN/Inf loss or gradient skips the update (counted; N in a row stop the run)
             if monitor.finite_update(metrics.loss_sum, grad_norm, step + 1, [p.index for p in step_pairs]):
                 optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            reduce_beta_drift(s.beta, d)
             s.beta.step()
             done = step + 1
             if cfg.sync_ref_model and done % cfg.ref_model_sync_steps == 0:
@@ -278,47 +354,82 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
                 record = {"step": done, "epoch": round(step / s.steps_per_epoch + 1 / s.steps_per_epoch, 4),
                           **metrics.finish(), "grad_norm": float(grad_norm), "learning_rate": lr, "beta": float(beta)}
                 if peak:
-                    record["mfu"] = flops / max(time.perf_counter() - t0, 1e-9) / peak
+                    record["mfu"] = flops / max(time.perf_counter() - t0, 1e-9) / (peak * d.world_size)
                     flops = 0.0
                 record.update(rate.read())
-                record["memory/peak_gib"] = round(peak_memory_gib(device), 3)
+                record["memory/peak_gib"] = round(max_over_ranks(peak_memory_gib(device), d, device), 3)
                 monitor.log(record)  # adds the vital signs, raises alerts, writes every sink
                 last = record
-            if evaluator.due(done, s.total_steps):
+            if evaluator.due(done, s.total_steps):  # every rank evaluates (the forwards are collective)
+                hb.beat(done, "eval")
                 monitor.write(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
             if bar is not None:
                 bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
             periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
-            if (periodic or stop.requested) and done < s.total_steps:
+            stopping = any_rank(stop.requested, d, device)  # all ranks stop after the same step
+            if (periodic or stopping) and done < s.total_steps:
+                hb.beat(done, "save")
                 evaluator.best.saved(done, out / f"checkpoint-{done}")
-                saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler,
-                                             {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress()}, cfg,
-                                             {"reference": s.reference.model} if cfg.sync_ref_model else None)
-                ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint, keep=saved)
-                if stop.requested:
+                state = {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress(),
+                         "pairs_per_step": step_pairs_total, "world_size": d.world_size}
+                if d.sharded:
+                    saved = ckpt.save_sharded_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state,
+                                                         cfg, d.rank, extra)
+                else:
+                    saved = ckpt.save_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state, cfg, extra)
+                if d.is_main:
+                    ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint, keep=saved)
+                if stopping:
                     stopped_at = saved
                     break
     except torch.OutOfMemoryError as e:
         raise oom_error(e, cfg, device, step_pairs) from None
     finally:
+        hb.stop()
         stop.restore()
         if bar is not None:
             bar[0].stop()
         monitor.close()
+        if s.stream is not None:
+            s.stream.close()
+            if d.is_main:
+                s.stream.summary().save(out / "data_summary.json")
+            s.stream.summary().log()
 
     if stopped_at is not None:
         log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
-                    stop.name, done, stopped_at)
-        return {"final_dir": None, "stopped": stop.name, "exit_code": stop.exit_code(), "checkpoint": str(stopped_at),
+                    stop.name or "a signal to another rank", done, stopped_at)
+        return {"final_dir": None, "stopped": stop.name or "SIGTERM", "checkpoint": str(stopped_at),
+                "exit_code": stop.exit_code() if stop.requested else 128 + signal.SIGTERM,
                 "last": last, **summary, **evaluator.summary()}
-    with stop:  # a signal now lets the final write finish
-        final = ckpt.save_final(out, model, s.tokenizer)
+    weights = full_state_dict(model, d)  # FSDP2: every rank sends its shards to rank 0
+    final = out / "final"
+    if d.is_main:
+        with stop:  # a signal now lets the final write finish
+            final = ckpt.save_final(out, model, s.tokenizer, weights)
+    barrier(d)
     evaluator.best.saved(s.total_steps, final)
-    if cfg.plot:
+    if cfg.plot and d.is_main:
         from fastdpo.plot import write_dashboard
 
         log.info("Dashboard: %s", write_dashboard(out))
     return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
+
+
+def check_resume_step_size(resume: Path, cfg: TrainConfig, d: Dist) -> None:
+    """The data order continues only if a step covers as many pairs as when the checkpoint was written."""
+    saved = ckpt.load_progress(resume).get("pairs_per_step")
+    now = cfg.pairs_per_step * d.world_size
+    if saved is None or saved == now:
+        return
+    per_rank = cfg.per_device_train_batch_size * d.world_size
+    hint = (f" Use --gradient_accumulation_steps {saved // per_rank} with this world size." if saved % per_rank == 0
+            else "")
+    raise FastDPOError(
+        f"{resume} was written with {saved} pairs per optimizer step; this run has {now} "
+        f"(per_device_train_batch_size {cfg.per_device_train_batch_size} x gradient_accumulation_steps "
+        f"{cfg.gradient_accumulation_steps} x {d.world_size} ranks). Keep the product equal to resume.{hint}"
+    )
 
 
 def _progress_bar(console, total: int, start: int):

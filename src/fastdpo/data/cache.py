@@ -1,0 +1,102 @@
+"""On-disk cache of tokenised pairs, keyed by a fingerprint of the rows, the tokenizer and the settings.
+
+A hit skips tokenising (most of the cost). The key is computed from the rows themselves, so it follows whatever
+chose them (files, `#N` samples, splits, held-out rows) and changes when any row's text, the tokenizer (vocabulary,
+specials, chat template), a length or template setting, or this cache format changes. Entries are written to a
+temporary dir and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from fastdpo import __version__
+from fastdpo.data.formats import Row
+from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats
+
+CACHE_FORMAT = 1
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    """--dataset_cache_dir, else $FASTDPO_CACHE_DIR, else $XDG_CACHE_HOME/fastdpo (~/.cache/fastdpo)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("FASTDPO_CACHE_DIR"):
+        return Path(os.environ["FASTDPO_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "fastdpo"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    specials = getattr(tokenizer, "special_tokens_map", {})
+    h.update(json.dumps([specials, str(tokenizer.chat_template), getattr(tokenizer, "add_bos_token", None),
+                         getattr(tokenizer, "add_eos_token", None)], sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def rows_fingerprint(rows: list[Row]) -> str:
+    """Every row's texts (or canonical JSON of its messages) and tools, in order."""
+    h = hashlib.blake2b(digest_size=16)
+    for r in rows:
+        for part in (r.prompt, r.chosen, r.rejected, r.tools):
+            b = part.encode("utf-8") if isinstance(part, str) else json.dumps(part, sort_keys=True).encode("utf-8")
+            h.update(len(b).to_bytes(8, "little") + bytes([isinstance(part, str)]))
+            h.update(b)
+    return h.hexdigest()
+
+
+def data_key(rows: list[Row], tokenizer, options: TokenizeOptions) -> str:
+    parts = {
+        "format": CACHE_FORMAT,
+        "version": __version__,
+        "rows": rows_fingerprint(rows),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "options": dataclasses.asdict(options),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def load_cached(root: Path, key: str) -> tuple[list[TokenizedPair], TokenizeStats] | None:
+    entry = root / "tokenized" / key
+    if not (entry / "stats.json").exists():
+        return None
+    with np.load(entry / "pairs.npz") as z:
+        tokens, lens, index = z["tokens"].tolist(), z["lens"].tolist(), z["index"].tolist()
+    pairs = []
+    at = 0
+    for (p, c, r), i in zip(lens, index):
+        pairs.append(TokenizedPair(tokens[at: at + p], tokens[at + p: at + p + c], tokens[at + p + c: at + p + c + r], i))
+        at += p + c + r
+    return pairs, TokenizeStats(**json.loads((entry / "stats.json").read_text()))
+
+
+def save_cached(root: Path, key: str, pairs: list[TokenizedPair], stats: TokenizeStats) -> Path:
+    entry = root / "tokenized" / key
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=entry.parent))
+    try:
+        tokens = np.fromiter((t for p in pairs for seq in (p.prompt, p.chosen, p.rejected) for t in seq), np.int32)
+        lens = np.array([(len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs], np.int32).reshape(-1, 3)
+        np.savez(tmp / "pairs.npz", tokens=tokens, lens=lens, index=np.array([p.index for p in pairs], np.int64))
+        (tmp / "stats.json").write_text(json.dumps(dataclasses.asdict(stats)))  # written last: marks completeness
+        try:
+            tmp.rename(entry)
+        except OSError:  # another process wrote the same entry first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return entry

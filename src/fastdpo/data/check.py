@@ -1,0 +1,177 @@
+"""`fastdpo check-data`: validate every row of the datasets and report what training would see.
+
+Errors (non-zero exit): unreadable rows (JSON syntax, invalid UTF-8, malformed CSV), missing fields, wrong types,
+empty completions, chosen identical to rejected, and with `--model` rows the chat template or tokenizer cannot
+handle. Warnings: duplicate pairs, pairs over `--max_length`. With `--model`: p50/p95/max token lengths and what
+the length flags would drop or trim. Every message names the file and line (or index), the field and a fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+from fastdpo.data.formats import Row
+from fastdpo.data.prepare import DataOptions
+from fastdpo.data.sources import parse_spec
+from fastdpo.data.tokenize import TokenizeOptions, TokenizeStats, tokenize_chunk
+from fastdpo.errors import FastDPOError
+
+CHUNK = 512
+SHOWN = 50  # messages printed per list
+
+
+@dataclass
+class CheckReport:
+    sources: list[tuple[str, int, dict]] = field(default_factory=list)  # (spec, rows, formats)
+    errors: list[str] = field(default_factory=list)  # in row order
+    duplicates: list[str] = field(default_factory=list)
+    over_length: list[str] = field(default_factory=list)
+    lengths: dict = field(default_factory=lambda: {"prompt": [], "chosen": [], "rejected": []})
+    stats: TokenizeStats = field(default_factory=TokenizeStats)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def percentile(sorted_values: list[int], q: float) -> int:
+    """Nearest-rank percentile of sorted values."""
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+class _Checker:
+    def __init__(self, opts: DataOptions, tokenizer, report: CheckReport):
+        self.opts, self.tokenizer, self.report = opts, tokenizer, report
+        self.seen: dict[bytes, str] = {}
+        self.pending: list[Row] = []
+        self.errors: list[tuple[int, str]] = []  # (record ordinal, message): sorted into row order at the end
+        self.ordinal = 0
+        self.ordinals: dict[str, int] = {}  # source -> ordinal of the pending rows
+
+    def error(self, message: str, ordinal: int | None = None) -> None:
+        self.errors.append((self.ordinal if ordinal is None else ordinal, message))
+
+    def row(self, row: Row) -> None:
+        r = self.report
+        if row.identical:
+            self.error(f"{row.source}: chosen is identical to rejected: there is no preference to learn. "
+                       "Fix one of them or drop the row.")
+            return
+        key = hashlib.blake2b(row.key().encode(), digest_size=16).digest()
+        if key in self.seen:
+            r.duplicates.append(f"{row.source}: the same pair as {self.seen[key]}. Drop one of them.")
+        else:
+            self.seen[key] = row.source
+        if self.tokenizer is not None:
+            self.pending.append(row)
+            self.ordinals[row.source] = self.ordinal
+            if len(self.pending) >= CHUNK:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        rows, self.pending, ordinals = self.pending, [], self.ordinals
+        self.ordinals = {}
+        problems: list = []
+        lengths: list = []
+        o: TokenizeOptions = self.opts.tokenize
+        _, stats = tokenize_chunk(self.tokenizer, rows, o, problems=problems, lengths=lengths)
+        self.report.stats.add(stats)
+        for e in problems:
+            self.error(str(e), ordinals[e.where])
+        for k, p, c, r in lengths:
+            self.report.lengths["prompt"].append(p)
+            self.report.lengths["chosen"].append(c)
+            self.report.lengths["rejected"].append(r)
+            if p + max(c, r) > o.max_length:
+                self.report.over_length.append(f"{rows[k].source}: prompt {p} + completion {max(c, r)} tokens > "
+                                               f"--max_length {o.max_length}.")
+
+
+def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckReport:
+    """Validate every row of `specs` (all problems are collected, none raised), tokenising with `tokenizer` if
+    given."""
+    from fastdpo.data.sources import iter_records
+
+    report = CheckReport()
+    checker = _Checker(opts, tokenizer, report)
+    for text in specs:
+        spec = parse_spec(text)
+        n, formats, unreadable = 0, {}, False
+        try:
+            for rec in iter_records(spec, opts.split):
+                n += 1
+                checker.ordinal += 1
+                try:
+                    row = rec.row()
+                except FastDPOError as e:
+                    checker.error(str(e))
+                    continue
+                formats[row.format] = formats.get(row.format, 0) + 1
+                checker.row(row)
+        except FastDPOError as e:  # the source itself: missing file, unreadable Parquet, unknown HF dataset
+            checker.error(str(e))
+            unreadable = True
+        if n == 0 and not unreadable:
+            checker.error(f"{spec.label}: has no rows. Check the file or the --split.")
+        report.sources.append((text, n, formats))
+    checker.flush()
+    report.errors = [m for _, m in sorted(checker.errors, key=lambda e: e[0])]
+    return report
+
+
+def _listing(title: str, items: list[str]) -> list[str]:
+    if not items:
+        return []
+    out = [f"{title} ({len(items)}):"] + [f"  {m}" for m in items[:SHOWN]]
+    if len(items) > SHOWN:
+        out.append(f"  ... and {len(items) - SHOWN} more")
+    return out
+
+
+def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> list[str]:
+    lines = []
+    for text, n, formats in report.sources:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(formats.items())) or "none valid"
+        lines.append(f"{text}: {n} rows ({kinds})")
+    lines += _listing("errors", report.errors)
+    lines += _listing("warnings: duplicate pairs", report.duplicates)
+    if model:
+        o = opts.tokenize
+        lines.append(f"token lengths under the tokenizer of {model}:")
+        lines.append(f"  {'':9}{'p50':>8}{'p95':>8}{'max':>8}")
+        for name, values in report.lengths.items():
+            v = sorted(values)
+            if v:
+                lines.append(f"  {name:9}{percentile(v, .5):>8}{percentile(v, .95):>8}{v[-1]:>8}")
+        lines += _listing(f"warnings: pairs over --max_length {o.max_length}", report.over_length)
+        s = report.stats
+        lines.append(f"with --max_length {o.max_length} --truncation_strategy {o.truncation_strategy}"
+                     + (f" --max_prompt_length {o.max_prompt_length}" if o.max_prompt_length else "")
+                     + (f" --max_completion_length {o.max_completion_length}" if o.max_completion_length else "")
+                     + f": {s.pairs} pairs kept; dropped {s.dropped_prompt_too_long} (prompt fills max_length) and "
+                     f"{s.dropped_too_long} (over a length limit); completions cut in {s.truncated}, prompts "
+                     f"trimmed in {s.prompt_trimmed}.")
+    else:
+        lines.append("token lengths: pass --model to count tokens and see what --max_length would drop.")
+    n = len(report.errors)
+    lines.append("OK: no errors." if report.ok else f"FAILED: {n} error{'s' if n > 1 else ''}.")
+    return lines
+
+
+def run_check_data(cfg, console) -> int:
+    """The command: validate the data flags, check every row, print the report; 1 when there are errors."""
+    cfg.validate_data()
+    tokenizer = None
+    if cfg.model:
+        from fastdpo.model import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    opts = DataOptions.from_config(cfg)
+    report = check_data(cfg.dataset, opts, tokenizer)
+    for line in report_lines(report, opts, cfg.model):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return 0 if report.ok else 1

@@ -1,0 +1,108 @@
+"""Chat templates for conversational rows: the tokenizer's `chat_template`, or `--template` (a built-in name or a
+Jinja file), plus `--system`.
+
+The prompt is rendered with the generation prompt (or continuing a final assistant turn, as TRL does); each
+completion is what the full conversation's rendering adds after it. A template that renders the prompt differently
+alone than inside the conversation is reported with the row: the completion is never silently shifted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastdpo.data.formats import Row, RowError
+from fastdpo.errors import FastDPOError
+
+# The end-of-sequence token closes the final assistant turn in the text templates, as TRL appends it to plain text.
+BUILTIN_TEMPLATES = {
+    "chatml": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + "
+        "(m['content'] or '') | trim + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    # message texts joined as they are: the same tokens as the equivalent plain-text row
+    "identity": (
+        "{{ special_prefix | default('') }}{% for m in messages %}{{ m['content'] or '' }}"
+        "{% if loop.last and m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    ),
+    # Anthropic HH-RLHF text layout
+    "hh": (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ '\n\nHuman: ' }}{% elif m['role'] == 'assistant' %}"
+        "{{ '\n\nAssistant: ' }}{% else %}{{ '\n\n' + m['role'] + ': ' }}{% endif %}{{ m['content'] or '' }}"
+        "{% if loop.last and m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '\n\nAssistant:' }}{% endif %}"
+    ),
+}
+
+
+def resolve_template(value: str) -> str | None:
+    """--template NAME|FILE -> Jinja text; '' -> None (use the tokenizer's own)."""
+    if not value:
+        return None
+    if value in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[value]
+    p = Path(value).expanduser()
+    if p.is_file():
+        try:
+            return p.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FastDPOError(f"--template {value}: cannot read it ({e}). Give a UTF-8 Jinja file.") from None
+    raise FastDPOError(f"--template {value!r} is neither a built-in ({', '.join(sorted(BUILTIN_TEMPLATES))}) "
+                       "nor an existing Jinja file.")
+
+
+def _first_difference(a: str, b: str) -> int:
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChatRenderer:
+    """Renders conversational rows to (prompt, prompt+chosen, prompt+rejected) texts."""
+
+    def __init__(self, tokenizer, template: str | None = None, system: str | None = None):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.system = system or None
+        # the specials the tokenizer itself puts before text (e.g. BOS): the identity template repeats them
+        self.extra = {"special_prefix": tokenizer.decode(tokenizer("")["input_ids"])}
+
+    @property
+    def available(self) -> bool:
+        return bool(self.template or getattr(self.tokenizer, "chat_template", None))
+
+    def _apply(self, messages: list[dict], row: Row, **kw) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=row.tools, chat_template=self.template,
+                                                      tokenize=False, **kw, **self.extra)
+        except Exception as e:  # a template is user code: any error it raises is about this row or the template
+            raise RowError(row.source, None, f"the chat template failed on this row ({type(e).__name__}: {e}).",
+                           "Fix the row or the template (--template).") from None
+
+    def render(self, row: Row) -> tuple[str, str, str]:
+        if not self.available:
+            raise RowError(row.source, None, "is conversational but the tokenizer has no chat_template.",
+                           f"Pass --template ({', '.join(sorted(BUILTIN_TEMPLATES))}) or a Jinja file.")
+        prompt = list(row.prompt)
+        if self.system and not (prompt and prompt[0]["role"] == "system"):
+            prompt.insert(0, {"role": "system", "content": self.system})
+        if not prompt:
+            text = ""
+        elif prompt[-1]["role"] == "assistant":  # a prefilled reply is continued, as TRL does
+            text = self._apply(prompt, row, continue_final_message=True)
+        else:
+            text = self._apply(prompt, row, add_generation_prompt=True)
+        full = [self._apply(prompt + row.chosen, row), self._apply(prompt + row.rejected, row)]
+        for name, f in zip(("chosen", "rejected"), full):
+            if not f.startswith(text):
+                i = _first_difference(text, f)
+                raise RowError(row.source, None, f"the chat template renders the prompt differently alone than before "
+                               f"the {name} reply: from character {i}, alone {text[i:i + 30]!r}, in the conversation "
+                               f"{f[i:i + 30]!r}.", "Use a template whose generation prompt matches how it renders "
+                               "the assistant turn (--template NAME or a Jinja file).")
+        return text, full[0], full[1]

@@ -1,0 +1,498 @@
+"""Scale-out (DESIGN §8): torchrun ranks, DDP or FSDP2, rank-aware micro-batches, reduced metrics.
+
+The loop stays the single-process loop; it asks this module for a few things:
+- `init_distributed(cfg)`: read torchrun's env vars, start the process group, pick DDP or FSDP2 (`--fsdp`,
+  `--deepspeed` aliases), quiet the logs of ranks other than 0.
+- `wrap_models(...)`: the policy's completion log-prob forward as one module (so DDP/FSDP2 hooks see the whole
+  computation), wrapped in DDP or sharded with `fully_shard` per decoder layer; the reference likewise.
+- `rank_micro_batches(...)`: this rank's share of a step's pairs (equal counts, balanced tokens), cut into as many
+  micro-batches as every other rank has, so the collectives of the micro-steps line up.
+- `grad_sync(...)`: DDP `no_sync` / FSDP2 deferred reduce on all but the last micro-step.
+- `reduce_metrics`, `clip_grad_norm`, `full_state_dict`: the step's numbers over all ranks.
+
+Gradients are *summed* across ranks (not averaged): every rank divides its loss by the pairs of the whole step, so
+the sum is the gradient of the global mean, exactly as one process with all pairs would compute it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastdpo.data.pack import split_micro_batches
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.errors import FastDPOError
+
+log = logging.getLogger("fastdpo")
+
+FSDP_MODES = ("full_shard", "shard_grad_op", "no_shard")
+FSDP_OPTIONS = ("auto_wrap",)  # accepted for HF compatibility: we always wrap per decoder layer
+DEEPSPEED_ALIASES = {"zero2": "shard_grad_op", "zero3": "full_shard"}
+
+
+# ---------------------------------------------------------------- what --fsdp / --deepspeed ask for
+
+
+@dataclass
+class Plan:
+    """How ranks share the model: `ddp` (replicas) or `fsdp` (FSDP2 shards), and what the flags mapped to."""
+
+    mode: str = "ddp"
+    reshard_after_forward: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def parallel_plan(fsdp: str, deepspeed: str, cfg=None) -> Plan:
+    """Map `--fsdp` / `--deepspeed` onto DDP or FSDP2. Raises FastDPOError for what cannot be honoured.
+
+    full_shard = zero3: FSDP2 resharding after forward (parameters gathered again in backward).
+    shard_grad_op = zero2: FSDP2 keeping gathered parameters from forward to backward.
+    no_shard (or nothing): DDP.
+    """
+    plan = _requested_plan(fsdp, deepspeed, cfg)
+    if plan.mode == "fsdp" and cfg is not None and cfg.train_type == "qlora":
+        raise FastDPOError("--train_type qlora cannot be sharded with FSDP2 (4-bit base weights). Drop --fsdp/--deepspeed "
+                           "to use DDP: QLoRA trains only the adapters, which DDP replicates cheaply.")
+    return plan
+
+
+def _requested_plan(fsdp: str, deepspeed: str, cfg) -> Plan:
+    if fsdp and deepspeed:
+        raise FastDPOError("--fsdp and --deepspeed both set: choose one (--deepspeed zero3 = --fsdp full_shard).")
+    if deepspeed:
+        if deepspeed in DEEPSPEED_ALIASES:
+            mode = DEEPSPEED_ALIASES[deepspeed]
+            plan = _plan_for(mode)
+            plan.notes.append(f"--deepspeed {deepspeed} -> --fsdp {mode} ({_describe(mode)})")
+            return plan
+        if deepspeed.endswith("_offload") and deepspeed[: -len("_offload")] in DEEPSPEED_ALIASES:
+            raise FastDPOError(f"--deepspeed {deepspeed}: CPU offload is not supported. Use --deepspeed "
+                               f"{deepspeed[: -len('_offload')]} (FSDP2 sharding) and, if memory is short, "
+                               "--gradient_checkpointing or more ranks.")
+        if deepspeed.endswith(".json") or Path(deepspeed).is_file():
+            return deepspeed_json_plan(deepspeed, cfg)
+        raise FastDPOError(f"--deepspeed {deepspeed!r}: use zero2, zero3, or the path of a DeepSpeed JSON file.")
+    if not fsdp:
+        return Plan("ddp", notes=["DDP (parameters replicated on every rank)"])
+    words = fsdp.replace(",", " ").split()
+    modes = [w for w in words if w in FSDP_MODES]
+    unknown = [w for w in words if w not in FSDP_MODES + FSDP_OPTIONS]
+    if "offload" in unknown:
+        raise FastDPOError(f"--fsdp {fsdp!r}: CPU offload is not supported. Drop `offload`; use "
+                           "--gradient_checkpointing or more ranks if memory is short.")
+    if unknown or len(modes) != 1:
+        raise FastDPOError(f"--fsdp {fsdp!r}: give one of {', '.join(FSDP_MODES)} (optionally with auto_wrap).")
+    plan = _plan_for(modes[0])
+    plan.notes.append(f"--fsdp {modes[0]} -> {_describe(modes[0])}")
+    return plan
+
+
+def _plan_for(mode: str) -> Plan:
+    if mode == "no_shard":
+        return Plan("ddp")
+    return Plan("fsdp", reshard_after_forward=mode == "full_shard")
+
+
+def _describe(mode: str) -> str:
+    return {"full_shard": "FSDP2, parameters resharded after forward (ZeRO-3)",
+            "shard_grad_op": "FSDP2, parameters kept gathered from forward to backward (ZeRO-2)",
+            "no_shard": "DDP, parameters replicated"}[mode]
+
+
+def deepspeed_json_plan(path: str, cfg=None) -> Plan:
+    """Read a DeepSpeed config: map the ZeRO stage, check batch/clipping values against our flags, and say what
+    does not carry over (DeepSpeed's engine knobs have no FSDP2 counterpart)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FastDPOError(f"--deepspeed {path}: file not found. Give zero2, zero3 or an existing JSON file.")
+    try:
+        ds = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise FastDPOError(f"--deepspeed {path} line {e.lineno}: not valid JSON ({e.msg}).") from None
+    if not isinstance(ds, dict):
+        raise FastDPOError(f"--deepspeed {path}: expected a JSON object at the top level.")
+    zero = ds.get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0))
+    mode = {0: "no_shard", 1: "shard_grad_op", 2: "shard_grad_op", 3: "full_shard"}.get(stage)
+    if mode is None:
+        raise FastDPOError(f"--deepspeed {path}: zero_optimization.stage {stage} is not 0-3.")
+    plan = _plan_for(mode)
+    mapped = [f"zero_optimization.stage={stage} -> --fsdp {mode} ({_describe(mode)})"]
+    ignored = []
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in ("none", None):
+            ignored.append(f"zero_optimization.{key}.device={device} (CPU/NVMe offload is not supported)")
+    checks = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+              "gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
+    for key, flag in checks.items():
+        if key not in ds or ds[key] == "auto" or cfg is None:
+            continue
+        ours = getattr(cfg, flag)
+        if float(ds[key]) != float(ours):
+            raise FastDPOError(f"--deepspeed {path}: {key}={ds[key]} but --{flag} is {ours}. Set --{flag} "
+                               f"{ds[key]} or write \"auto\" in the JSON.")
+        mapped.append(f"{key}={ds[key]} (matches --{flag})")
+    if (ds.get("bf16") or {}).get("enabled") is True:
+        mapped.append("bf16.enabled -> bf16 parameters with fp32 gradient reductions (--torch_dtype auto|bfloat16)")
+    if (ds.get("fp16") or {}).get("enabled") is True:
+        ignored.append("fp16 (loss-scaled fp16 is not supported; use --torch_dtype bfloat16)")
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            ignored.append(f"{key} (fastdpo uses AdamW and --lr_scheduler_type; set --learning_rate etc.)")
+    known = set(checks) | {"zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "train_batch_size"}
+    ignored += [f"{k} (DeepSpeed engine setting)" for k in ds if k not in known]
+    ignored += [f"zero_optimization.{k} (DeepSpeed engine setting)" for k in zero
+                if k not in ("stage", "offload_optimizer", "offload_param")]
+    plan.notes.append(f"--deepspeed {path}: mapped " + "; ".join(mapped))
+    if ignored:
+        plan.notes.append(f"--deepspeed {path}: not mapped " + "; ".join(ignored))
+    return plan
+
+
+# ---------------------------------------------------------------- process group
+
+
+@dataclass
+class Dist:
+    """This process's place in the job. A plain run is rank 0 of 1 with mode `single`."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    mode: str = "single"  # single | ddp | fsdp
+    reshard_after_forward: bool = True
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Checkpoints go through torch.distributed.checkpoint (one shard file per rank)."""
+        return self.world_size > 1
+
+
+def init_distributed(cfg, timeout_s: float | None = None) -> Dist:
+    """Join the torchrun job described by the env vars (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or
+    return a single-process Dist when not launched by torchrun (or launched with one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = parallel_plan(cfg.fsdp, cfg.deepspeed, cfg)
+    if world <= 1:
+        if cfg.fsdp or cfg.deepspeed:
+            log.info("One process: --fsdp/--deepspeed have no effect (launch with torchrun or NPROC_PER_NODE).")
+        return Dist()
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        raise FastDPOError(f"WORLD_SIZE={world} is set but RANK is not. Launch with torchrun (or NPROC_PER_NODE=N "
+                           "fastdpo train ...), which sets both.")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world > torch.cuda.device_count():
+            raise FastDPOError(
+                f"{local_world} processes per node but only {torch.cuda.device_count()} GPUs are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Set NPROC_PER_NODE / "
+                "--nproc_per_node to the number of visible GPUs."
+            )
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", **kw)
+    if rank != 0:
+        log.setLevel(logging.ERROR)  # rank 0 speaks for the job
+    for note in plan.notes:
+        log.info("Parallelism over %d ranks: %s.", world, note)
+    return Dist(rank, world, local_rank, plan.mode, plan.reshard_after_forward)
+
+
+class _NoHeartbeat:
+    def beat(self, step: int, phase: str) -> None:
+        pass
+
+    def start(self) -> _NoHeartbeat:
+        return self
+
+    def stop(self) -> None:
+        pass
+
+
+def heartbeat(cfg, d: Dist):
+    """The cross-rank heartbeat of heartbeat.py (stall after min(300 s, --ddp_timeout / 3)); a no-op on one process."""
+    if d.world_size == 1:
+        return _NoHeartbeat()
+    from fastdpo.heartbeat import Heartbeat
+
+    return Heartbeat.for_process_group(ddp_timeout=cfg.ddp_timeout)
+
+
+def shutdown(d: Dist) -> None:
+    if d.world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def barrier(d: Dist) -> None:
+    if d.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+# ---------------------------------------------------------------- models
+
+
+class LogpsModule(torch.nn.Module):
+    """`completion_logps` as one module forward: DDP and FSDP2 attach their hooks to module calls, and our forward
+    runs the decoder and then reads the output head's weight directly (chunked log-probs), so the whole
+    computation must sit inside one call. Parameters are the wrapped model's (FQNs gain a `model.` prefix).
+    Returns a tuple (the wrappers find tensors in tuples, not in our dataclass); `policy_logps` rebuilds SeqLogps.
+    `reference` runs the LoRA reference on this same module without grad: `adapter_off` or `ref_adapter`."""
+
+    def __init__(self, model: torch.nn.Module, backend):
+        super().__init__()
+        self.model = model
+        self.backend = backend
+
+    def forward(self, batch, mask, wpo: bool = False, reference: str = ""):
+        from fastdpo.reference import REF_ADAPTER, active_adapter
+        from fastdpo.seqlogps import completion_logps
+
+        if not reference:
+            out = completion_logps(self.model, batch, self.backend, mask, wpo)
+        else:
+            off = reference == "adapter_off"
+            with torch.no_grad(), (self.model.disable_adapter() if off else active_adapter(self.model, REF_ADAPTER)):
+                out = completion_logps(self.model, batch, self.backend, mask, wpo)
+        return out.sums, out.shared, out.wpo
+
+
+def policy_logps(module: torch.nn.Module, batch, mask, wpo: bool = False, reference: str = ""):
+    """SeqLogps of a batch through a LogpsModule, plain or wrapped in DDP / FSDP2."""
+    from fastdpo.seqlogps import SeqLogps
+
+    return SeqLogps(*module(batch, mask, wpo, reference))
+
+
+def _sum_in_fp32(_state, bucket):
+    """DDP comm hook: sum (not average) the gradient bucket across ranks, reducing in float32."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    wide = buf if buf.dtype == torch.float32 else buf.float()
+    fut = dist.all_reduce(wide, async_op=True).get_future()
+
+    def done(f):
+        if wide is not buf:
+            buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(done)
+
+
+def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
+    """FSDP2: one group per decoder layer plus the root (embeddings, final norm, head); fp32 gradient reductions;
+    gradients summed, not averaged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from fastdpo.memory import decoder_layers
+
+    device_type = "cuda" if next(module.parameters()).is_cuda else "cpu"
+    mesh = init_device_mesh(device_type, (d.world_size,))
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in decoder_layers(module.model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn.Module:
+    """The policy forward module for the loop (plain, DDP or FSDP2). Under FSDP2 the reference is sharded too and
+    `reference.runner` is set so its forward goes through the sharded module."""
+    policy = LogpsModule(model, backend)
+    if d.mode == "single":
+        return policy
+    if d.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        on_cuda = next(model.parameters()).is_cuda
+        policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, forward_sync_buffers=False)
+        policy.register_comm_hook(None, _sum_in_fp32)
+        return policy
+    _shard(policy, d, d.reshard_after_forward)
+    if reference.strategy in ("copy", "separate"):
+        ref = LogpsModule(reference.model, backend)
+        _shard(ref, d, reshard=True)
+        reference.runner = functools.partial(policy_logps, ref)
+    elif reference.strategy in ("adapter_off", "ref_adapter"):
+        reference.runner = functools.partial(policy_logps, policy, reference=reference.strategy)
+    return policy
+
+
+@contextlib.contextmanager
+def grad_sync(policy: torch.nn.Module, last: bool):
+    """Reduce gradients across ranks only on the last micro-step of an optimizer step."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(policy, DDP) and not last:
+        with policy.no_sync():
+            yield
+        return
+    if isinstance(policy, FSDPModule):
+        policy.set_requires_gradient_sync(last)
+    yield
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm (over all shards); returns it as a plain tensor."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+# ---------------------------------------------------------------- data
+
+
+def split_ranks(pairs: list[TokenizedPair], world: int) -> list[list[TokenizedPair]]:
+    """Deal one optimizer step's pairs to ranks: pair counts differ by at most one (equal when the step divides
+    evenly), tokens balanced by giving each pair, longest first, to the rank with the fewest tokens and room left."""
+    if world == 1:
+        return [list(pairs)]
+    n = len(pairs)
+    room = [n // world + (1 if r < n % world else 0) for r in range(world)]
+    shares: list[list[TokenizedPair]] = [[] for _ in range(world)]
+    load = [0] * world
+    for p in sorted(pairs, key=lambda p: -p.num_tokens):
+        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], r))
+        shares[r].append(p)
+        load[r] += p.num_tokens
+        room[r] -= 1
+    return shares
+
+
+def rank_micro_batches(pairs: list[TokenizedPair], rank: int, world: int, max_tokens: int,
+                       pairs_per_micro: int) -> list[list[TokenizedPair]]:
+    """This rank's micro-batches of one step. Every rank computes every rank's plan (same seed, same pairs), so all
+    agree without communicating on the number of micro-steps: a rank with fewer splits its largest micro-batches;
+    one with fewer pairs than micro-steps gets empty micro-batches, which the loop runs as zero-weight forwards."""
+    plans = [split_micro_batches(share, max_tokens, pairs_per_micro) for share in split_ranks(pairs, world)]
+    count = max(len(p) for p in plans)
+    mine = plans[rank]
+    while len(mine) < count:
+        i = max(range(len(mine)), key=lambda j: len(mine[j]), default=-1)
+        if i < 0 or len(mine[i]) < 2:
+            mine.append([])
+            continue
+        group = mine.pop(i)
+        mine[i:i] = [group[: len(group) // 2], group[len(group) // 2 :]]
+    return mine
+
+
+# ---------------------------------------------------------------- metrics and final weights
+
+
+def reduce_metrics(metrics, d: Dist) -> None:
+    """Sum a StepMetrics' per-pair sums, pair and token counts over all ranks (in place), before `finish`."""
+    if d.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    counts = torch.tensor([metrics.pairs, metrics.tokens], dtype=metrics.sums.dtype, device=metrics.sums.device)
+    flat = torch.cat([metrics.sums, counts])
+    dist.all_reduce(flat)
+    metrics.sums = flat[:-2]
+    metrics.pairs, metrics.tokens = int(flat[-2]), int(flat[-1])
+
+
+def reduce_beta_drift(beta, d: Dist) -> None:
+    """kl_adaptive beta: sum the step's drift and token count over all ranks before the schedule closes the step, so
+    every rank (and a run on one rank) sets the same next beta."""
+    if d.world_size == 1 or not beta.adaptive:
+        return
+    import torch.distributed as dist
+
+    both = torch.stack([beta._drift, beta._tokens])
+    dist.all_reduce(both)
+    beta._drift.copy_(both[0])
+    beta._tokens.copy_(both[1])
+
+
+def gather_step_view(view, d: Dist, device: torch.device):
+    """The step-wide StepView over all ranks' pairs (rank order; `view` is this rank's, None without pairs), and
+    the position of this rank's first pair in it. Sorting losses (aot) then rank pairs over the whole step."""
+    if d.world_size == 1:
+        return view, 0
+    import torch.distributed as dist
+
+    from fastdpo.losses import StepView
+
+    names = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected")
+    local = torch.stack([getattr(view, n) for n in names]) if view is not None else torch.zeros(4, 0, device=device)
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(d.world_size)]
+    dist.all_gather(sizes, torch.tensor([local.shape[1]], device=device))
+    sizes = [int(n) for n in sizes]
+    padded = torch.zeros(4, max(sizes), dtype=torch.float32, device=device)
+    padded[:, : local.shape[1]] = local
+    parts = [torch.empty_like(padded) for _ in range(d.world_size)]
+    dist.all_gather(parts, padded)
+    full = torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
+    return StepView(*full.unbind(0)), sum(sizes[: d.rank])
+
+
+def any_rank(flag: bool, d: Dist, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on some rank (e.g. a stop signal that reached only some processes)."""
+    if d.world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def max_over_ranks(value: float, d: Dist, device: torch.device) -> float:
+    if d.world_size == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def full_state_dict(model: torch.nn.Module, d: Dist) -> dict | None:
+    """Under FSDP2, gather the full weights onto rank 0's CPU (every rank must call); otherwise None (the model's
+    own parameters are whole)."""
+    if d.mode != "fsdp":
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    lora = hasattr(model, "peft_config")  # only the adapters are saved: do not gather the frozen base
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
+    full = get_model_state_dict(model, options=options)
+    # tied weights (embeddings = output head) arrive as separate copies: share them again so save_pretrained
+    # recognises the tie and writes the usual single tensor
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for group in names.values():
+        present = [n for n in group if n in full]
+        for n in present[1:]:
+            full[n] = full[present[0]]
+    return full

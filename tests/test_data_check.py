@@ -1,0 +1,124 @@
+"""`fastdpo check-data` and `fastdpo train` on bad data: each bad-input class is named by file, line and field, with
+a fix, in one message and never a traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import easy_rows, write_jsonl
+from data_helpers import assistant, tokenizer_dir, user
+
+from fastdpo.cli import main
+
+GOOD = {"prompt": "w1 w2", "chosen": " w5 w6", "rejected": " w7"}
+CONV = {"prompt": [user("w1")], "chosen": [assistant("w5")], "rejected": [assistant("w7")]}
+
+
+def jsonl_with(bad_line: str | bytes, name="d.jsonl"):
+    """Two good rows, the bad line as line 3, one good row."""
+    good = json.dumps(GOOD).encode() + b"\n"
+    bad = bad_line if isinstance(bad_line, bytes) else bad_line.encode()
+    return name, good + json.dumps({**GOOD, "prompt": "w3"}).encode() + b"\n" + bad + b"\n" + \
+        json.dumps({**GOOD, "prompt": "w4"}).encode() + b"\n"
+
+
+# (class, file name, file bytes, where, text expected in the message)
+CASES = [
+    ("json syntax", *jsonl_with('{"prompt": "a", "chosen": "b"'), ":3", "invalid JSON"),
+    ("missing field", *jsonl_with('{"prompt": "a", "chosen": "b"}'), ":3", "field 'rejected' is missing"),
+    ("wrong type", *jsonl_with('{"prompt": "a", "chosen": "b", "rejected": 5}'), ":3", "field 'rejected' must be"),
+    ("empty string", *jsonl_with('{"prompt": "a", "chosen": "", "rejected": "c"}'), ":3", "field 'chosen' is empty"),
+    ("invalid utf-8", *jsonl_with(b'{"prompt": "a\xff", "chosen": "b", "rejected": "c"}'), ":3", "not valid UTF-8"),
+    ("not an object", *jsonl_with('["a", "b", "c"]'), ":3", "expected a JSON object"),
+    ("unknown format", *jsonl_with('{"question": "a", "answer": "b"}'), ":3", "no preference fields"),
+    ("bad message", *jsonl_with(json.dumps({**CONV, "chosen": [{"content": "w5"}]})), ":3",
+     "field 'chosen[0].role' is missing"),
+    ("mixed forms", *jsonl_with(json.dumps({**CONV, "rejected": "w7"})), ":3", "same form"),
+    ("csv extra cells", "d.csv", b'prompt,chosen,rejected\nw1,w2,w3\nw1,w2,w3,w4\n', ":3", "more cells"),
+    ("json array syntax", "d.json", b'[\n{"prompt": "w1", "chosen": "w2", "rejected": "w3"},\n{"prompt": }\n]',
+     ":3", "invalid JSON"),
+]
+
+
+def write_case(tmp_path, name, body):
+    f = tmp_path / name
+    f.write_bytes(body)
+    return f
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.mark.parametrize("name, body, where, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_check_data_names_the_line(tmp_path, capsys, name, body, where, needle):
+    f = write_case(tmp_path, name, body)
+    code, out = run_cli(capsys, "check-data", "--dataset", str(f))
+    assert code == 1, out
+    assert f"{f}{where}: " in out and needle in out, out
+    assert "Traceback" not in out and "FAILED: 1 error." in out, out
+
+
+@pytest.mark.parametrize("name, body, where, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_train_stops_at_the_bad_line(tmp_path, capsys, model_dirs, name, body, where, needle):
+    f = write_case(tmp_path, name, body)
+    code, out = run_cli(capsys, "train", "--model", str(model_dirs()), "--dataset", str(f), "--output_dir",
+                        str(tmp_path / "o"), "--max_steps", "1", "--load_from_cache_file", "false")
+    assert code == 1 and f"{f}{where}: " in out and needle in out, out
+    assert "Traceback" not in out, out
+
+
+def test_check_data_identical_duplicate_and_over_length(tmp_path, capsys):
+    rows = [GOOD, {"prompt": "w1", "chosen": " w2", "rejected": " w2"}, GOOD,
+            {"prompt": " ".join(["w9"] * 20), "chosen": " w5", "rejected": " w6"}, CONV]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    tok = tokenizer_dir(tmp_path / "tok", "chatml")
+    code, out = run_cli(capsys, "check-data", "--dataset", str(f), "--model", str(tok), "--max_length", "12")
+    assert code == 1, out  # identical chosen/rejected is an error
+    assert f"{f}:2: chosen is identical to rejected" in out
+    assert f"{f}:3: the same pair as {f}:1" in out  # a warning
+    assert f"{f}:4: prompt 21 + completion 2 tokens > --max_length 12" in out
+    assert "(conversational 1, standard 4)" in out
+    assert "dropped 1 (prompt fills max_length)" in out
+    # nearest-rank p50/p95/max over the 4 tokenised rows: prompts of 3, 3, 21 and 7 tokens
+    line = next(s for s in out.splitlines() if s.strip().startswith("prompt "))
+    assert line.split()[1:] == ["3", "21", "21"], out
+
+
+def test_check_data_reports_template_problems_with_the_row(tmp_path, capsys):
+    f = write_jsonl(tmp_path / "d.jsonl", [GOOD, CONV])
+    no_template = tokenizer_dir(tmp_path / "plain", None)
+    code, out = run_cli(capsys, "check-data", "--dataset", str(f), "--model", str(no_template))
+    assert code == 1 and f"{f}:2: is conversational but the tokenizer has no chat_template" in out, out
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['content'] + ' ' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ 'assistant ' }}{% endif %}")
+    code, out = run_cli(capsys, "check-data", "--dataset", str(f), "--model", str(no_template), "--template", str(bad))
+    assert code == 1 and f"{f}:2: the chat template renders the prompt differently" in out, out
+    code, out = run_cli(capsys, "check-data", "--dataset", str(f), "--model", str(no_template), "--template", "chatml")
+    assert code == 0 and "OK: no errors." in out, out
+
+
+def test_check_data_many_sources_and_a_clean_exit(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", easy_rows(30))
+    b = write_jsonl(tmp_path / "b.jsonl", [{"messages": [user("w1"), assistant("w5")], "rejected_response": "w7"}])
+    code, out = run_cli(capsys, "check-data", "--dataset", str(a), str(b), "--model", str(tokenizer_dir(tmp_path / "t")))
+    assert code == 0, out
+    assert f"{a}: 30 rows (standard 30)" in out and f"{b}: 1 rows (ms_swift 1)" in out
+    assert "p50" in out and "31 pairs kept" in out
+    code, out = run_cli(capsys, "check-data", "--dataset", str(tmp_path / "missing.jsonl"))
+    assert code == 1 and "not found" in out and "Traceback" not in out
+
+
+def test_the_real_command_exits_non_zero_without_a_traceback(tmp_path):
+    _, name, body, *_ = CASES[1]
+    f = write_case(tmp_path, name, body)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    res = subprocess.run([sys.executable, "-m", "fastdpo", "check-data", "--dataset", str(f)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1 and f"{f}:3: field 'rejected' is missing" in out and "Traceback" not in out, out

@@ -1,0 +1,228 @@
+"""Scale-out on CPU with gloo: rank-aware micro-batches, the --fsdp/--deepspeed mapping, the launcher, and DDP runs
+on 2 ranks that match 1 rank, resume on 1 rank from a 2-rank checkpoint, and a killed rank that ends the job."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import random_pairs
+from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metrics, run_ranks, start_ranks, weights
+
+from fastdpo.cli import main
+from fastdpo.config import TrainConfig
+from fastdpo.distributed import parallel_plan, rank_micro_batches, split_ranks
+from fastdpo.errors import FastDPOError
+from fastdpo.launch import failure_message, torchrun_args, wants_launch
+from fastdpo.train import train
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def test_split_ranks_gives_equal_pairs_and_balanced_tokens():
+    for seed in range(10):
+        pairs = random_pairs(16, 60, seed=seed, max_prompt=30, max_comp=20)
+        shares = split_ranks(pairs, 4)
+        assert [len(s) for s in shares] == [4, 4, 4, 4]
+        assert sorted(p.index for s in shares for p in s) == list(range(16))
+        loads = [sum(p.num_tokens for p in s) for s in shares]
+        assert max(loads) - min(loads) <= max(p.num_tokens for p in pairs)
+    assert [len(s) for s in split_ranks(random_pairs(6, 60), 4)] == [2, 2, 1, 1]  # a short last step
+    pairs = random_pairs(5, 60)
+    assert split_ranks(pairs, 1) == [pairs]  # one process: order untouched
+
+
+def test_rank_micro_batches_agree_on_the_number_of_micro_steps():
+    import random
+
+    r = random.Random(0)
+    for trial in range(40):
+        n, world = r.randint(1, 20), r.randint(2, 4)
+        budget, per_micro = r.choice([0, 40, 80]), r.randint(1, 4)
+        pairs = random_pairs(n, 60, seed=trial)
+        plans = [rank_micro_batches(pairs, k, world, budget, per_micro) for k in range(world)]
+        assert len({len(p) for p in plans}) == 1, (trial, [len(p) for p in plans])
+        assert sorted(p.index for plan in plans for g in plan for p in g) == list(range(n))
+        for plan in plans:
+            for g in plan:
+                assert len(g) <= max(per_micro, 1) or budget
+                assert not budget or len(g) <= 1 or sum(p.num_tokens for p in g) <= budget
+    # one pair on two ranks: rank 1 still runs one (empty, zero-weight) micro-step
+    assert rank_micro_batches(random_pairs(1, 60), 1, 2, 0, 2) == [[]]
+
+
+def test_fsdp_and_deepspeed_names_map_to_ddp_or_fsdp2():
+    assert parallel_plan("", "").mode == "ddp"
+    assert parallel_plan("no_shard", "").mode == "ddp"
+    full = parallel_plan("full_shard auto_wrap", "")
+    assert (full.mode, full.reshard_after_forward) == ("fsdp", True)
+    z2 = parallel_plan("", "zero2")
+    assert (z2.mode, z2.reshard_after_forward) == ("fsdp", False)
+    assert "shard_grad_op" in z2.notes[0]
+    z3 = parallel_plan("", "zero3")
+    assert (z3.mode, z3.reshard_after_forward) == ("fsdp", True)
+    for fsdp, ds, needle in [("full_shard", "zero3", "choose one"), ("bogus", "", "full_shard"),
+                             ("full_shard offload", "", "offload"), ("", "zero3_offload", "--deepspeed zero3"),
+                             ("", "zero9", "zero2, zero3")]:
+        with pytest.raises(FastDPOError, match=needle):
+            parallel_plan(fsdp, ds)
+
+
+def test_deepspeed_json_is_mapped_and_accounted_for(tmp_path):
+    cfg = TrainConfig(per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    ds = {"zero_optimization": {"stage": 3, "overlap_comm": True, "offload_optimizer": {"device": "cpu"}},
+          "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW"}, "steps_per_print": 10}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    plan = parallel_plan("", str(path), cfg)
+    assert (plan.mode, plan.reshard_after_forward) == ("fsdp", True)
+    mapped, ignored = plan.notes
+    assert "stage=3" in mapped and "gradient_accumulation_steps=4" in mapped and "bf16" in mapped
+    for key in ("offload_optimizer", "overlap_comm", "optimizer", "steps_per_print"):
+        assert key in ignored
+    ds["gradient_accumulation_steps"] = 8
+    path.write_text(json.dumps(ds))
+    with pytest.raises(FastDPOError, match="--gradient_accumulation_steps is 4"):
+        parallel_plan("", str(path), cfg)
+    path.write_text('{"zero_optimization": {\n "stage": 2,\n}')
+    with pytest.raises(FastDPOError, match="line 3"):
+        parallel_plan("", str(path), cfg)
+
+
+def test_bad_parallel_flag_is_one_clean_message(capsys, tmp_path):
+    assert main(["train", "--model", "m", "--dataset", "d.jsonl", "--fsdp", "full_shardd"]) == 1
+    out = capsys.readouterr().out
+    assert "--fsdp 'full_shardd'" in out and "Traceback" not in out
+
+
+def test_nproc_per_node_becomes_a_torchrun_command():
+    env = {"NPROC_PER_NODE": "4"}
+    assert wants_launch(env) and not wants_launch({**env, "LOCAL_RANK": "0"})
+    args = torchrun_args(["train", "--model", "m"], env, visible_gpus=8)
+    assert args[:2] == ["--nproc_per_node", "4"] and "--standalone" in args
+    assert args[-4:] == ["fastdpo", "train", "--model", "m"]
+    multi = torchrun_args(["train"], {**env, "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+                                      "MASTER_PORT": "29400"}, visible_gpus=4)
+    assert " ".join(multi).startswith("--nproc_per_node 4 --max_restarts 0 --nnodes 2 --node_rank 1 "
+                                      "--master_addr 10.0.0.1 --master_port 29400")
+    with pytest.raises(FastDPOError, match="only 2 GPUs are visible"):
+        torchrun_args(["train"], env, visible_gpus=2)
+    with pytest.raises(FastDPOError, match="MASTER_ADDR"):
+        torchrun_args(["train"], {**env, "NNODES": "2", "NODE_RANK": "1"}, visible_gpus=4)
+    with pytest.raises(FastDPOError, match="NPROC_PER_NODE='x'"):
+        torchrun_args(["train"], {"NPROC_PER_NODE": "x"}, visible_gpus=0)
+
+
+def test_failure_message_names_the_rank_that_failed_first():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {0: ProcessFailure(0, 100, -signal.SIGTERM, ""), 1: ProcessFailure(1, 101, -signal.SIGKILL, ""),
+                2: ProcessFailure(0, 102, 1, "")}
+    msg = failure_message(failures)
+    assert msg.startswith("training failed: rank 1 (local rank 1, pid 101) was killed by SIGKILL; then rank 2 "
+                          "exited with code 1, rank 0 was killed by SIGTERM")
+
+
+# ---------------------------------------------------------------- DDP on two CPU ranks
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory, model_dirs):
+    """Two ranks x 2 pairs x 2 micro-steps (checkpoint at step 3) and one rank x 4 pairs x 2 micro-steps."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp))], **BASE)
+    run_ranks(2, output_dir=str(tmp / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              save_steps=3, **common)
+    one = TrainConfig(output_dir=str(tmp / "ws1"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      **common)
+    train(one, progress=False)
+    return tmp, one
+
+
+def test_ddp_two_ranks_match_one_rank(ddp):
+    tmp, _ = ddp
+    assert_weights_close(weights(tmp / "ws2"), weights(tmp / "ws1"), atol=1e-5)
+    two, one = metrics(tmp / "ws2"), metrics(tmp / "ws1")
+    assert len(two) == 6  # written by rank 0 only
+    for x, y in zip(two, one):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(ddp):
+    tmp, one = ddp
+    ck = tmp / "ws2" / "checkpoint-3"
+    assert (ck / "sharded" / ".metadata").is_file()
+    assert (ck / "state" / "rng-0.pt").is_file() and (ck / "state" / "rng-1.pt").is_file()
+    resumed = TrainConfig(**{**one.to_dict(), "output_dir": str(tmp / "resumed"), "resume_from_checkpoint": str(ck)})
+    train(resumed, progress=False)
+    assert_weights_close(weights(tmp / "resumed"), weights(tmp / "ws2"), atol=1e-6)
+    assert [r["step"] for r in metrics(tmp / "resumed")] == [4, 5, 6]
+
+
+def test_resume_with_another_step_size_is_refused(ddp):
+    tmp, one = ddp
+    wrong = TrainConfig(**{**one.to_dict(), "output_dir": str(tmp / "wrong"), "gradient_accumulation_steps": 1,
+                           "resume_from_checkpoint": str(tmp / "ws2" / "checkpoint-3")})
+    with pytest.raises(FastDPOError, match="8 pairs per optimizer step; this run has 4.*--gradient_accumulation_steps 2"):
+        train(wrong, progress=False)
+
+
+def test_a_signal_to_one_rank_stops_all_after_the_same_step(ddp, model_dirs):
+    """SIGTERM to rank 1 only: both ranks finish the step, write one sharded checkpoint together and exit 143 (a
+    rank that stopped alone would leave the other waiting in a collective)."""
+    tmp, one = ddp
+    out = tmp / "stopped"
+    procs = start_ranks(2, **{**one.to_dict(), "output_dir": str(out), "per_device_train_batch_size": 2,
+                              "max_steps": 100000})
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+        assert all(p.is_alive() for p in procs) and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    assert join_ranks(procs, timeout=60) == [143, 143]
+    saved = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+    assert len(saved) == 1 and (saved[0] / "sharded" / ".metadata").is_file()
+    step = json.loads((saved[0] / "state" / "trainer_state.json").read_text())["step"]
+    assert [r["step"] for r in metrics(out)] == list(range(1, step + 1))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc")
+def test_killed_rank_ends_the_job_with_a_message(tmp_path, model_dirs):
+    """NPROC_PER_NODE=2 fastdpo train ...: SIGKILL rank 1 mid-run; the job exits non-zero, naming rank 1, quickly."""
+    out = tmp_path / "out"
+    env = {**os.environ, "NPROC_PER_NODE": "2", "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "fastdpo", "train", "--model", str(model_dirs("qwen3")),
+                            "--dataset", str(dataset(tmp_path)), "--output_dir", str(out), "--max_steps", "100000",
+                            "--per_device_train_batch_size", "2", "--disable_progress"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):  # training runs
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+            time.sleep(0.2)
+        rank1 = [pid for pid in _children(job.pid) if _environ(pid).get("RANK") == "1"]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert time.monotonic() - killed < 30
+    assert f"rank 1 (local rank 1, pid {rank1[0]}) was killed by SIGKILL" in output, output
+    assert not (out / "final").exists()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def _environ(pid: int) -> dict:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)

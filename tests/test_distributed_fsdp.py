@@ -1,0 +1,68 @@
+"""FSDP2 on two CPU ranks (gloo): same weights as one rank, a sharded checkpoint resumed on one rank, a consolidated
+`final/`, and LoRA with the adapters-off reference and a step-sorting loss under --deepspeed zero2."""
+
+import pytest
+from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_ranks, weights
+from safetensors.torch import load_file
+
+from fastdpo.config import TrainConfig
+from fastdpo.train import train
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory, model_dirs):
+    """FSDP2 full_shard with a token budget (uneven micro-batch counts per rank), checkpoint at step 3; and one rank."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp))], **BASE)
+    run_ranks(2, output_dir=str(tmp / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              max_tokens_per_batch=40, save_steps=3, fsdp="full_shard", **common)
+    one = TrainConfig(output_dir=str(tmp / "ws1"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      save_steps=3, **common)
+    train(one, progress=False)
+    return tmp, one, common
+
+
+def test_fsdp_two_ranks_match_one_rank(fsdp):
+    from transformers import AutoModelForCausalLM
+
+    tmp, _, _ = fsdp
+    assert_weights_close(weights(tmp / "ws2"), weights(tmp / "ws1"), atol=1e-5)  # same tensors: tied head not doubled
+    for x, y in zip(metrics(tmp / "ws2"), metrics(tmp / "ws1")):
+        for key in ("loss", "rewards/margins", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+    model = AutoModelForCausalLM.from_pretrained(tmp / "ws2" / "final")  # final/ is an ordinary HF dir
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_fsdp_checkpoint_resumes_on_one_rank(fsdp):
+    tmp, one, _ = fsdp
+    ck = tmp / "ws2" / "checkpoint-3"
+    assert (ck / "sharded" / "__0_0.distcp").is_file() and (ck / "sharded" / "__1_0.distcp").is_file()
+    resumed = TrainConfig(**{**one.to_dict(), "output_dir": str(tmp / "resumed"), "resume_from_checkpoint": str(ck),
+                             "save_steps": 0})
+    train(resumed, progress=False)
+    assert_weights_close(weights(tmp / "resumed"), weights(tmp / "ws2"), atol=1e-6)
+
+
+def test_one_rank_checkpoint_resumes_on_two_fsdp_ranks(fsdp):
+    tmp, _, common = fsdp
+    run_ranks(2, output_dir=str(tmp / "scaled"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              fsdp="full_shard", resume_from_checkpoint=str(tmp / "ws1" / "checkpoint-3"), **common)
+    assert_weights_close(weights(tmp / "scaled"), weights(tmp / "ws1"), atol=1e-5)
+    assert [r["step"] for r in metrics(tmp / "scaled")] == [4, 5, 6]
+
+
+def test_zero2_lora_two_ranks_match_one_rank(tmp_path, model_dirs):
+    """LoRA with the adapters-off reference through the sharded module, and aot, which ranks pairs over the whole
+    step: the ranks gather the step's log-ratios before any backward."""
+    common = dict(model=str(model_dirs("llama")), dataset=[str(dataset(tmp_path))], train_type="lora",
+                  lora_rank=4, lora_alpha=8, lora_dropout=0.0, loss_type="aot", **BASE)
+    run_ranks(2, output_dir=str(tmp_path / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              deepspeed="zero2", **common)
+    train(TrainConfig(output_dir=str(tmp_path / "ws1"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      **common), progress=False)
+    a, b = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("ws2", "ws1"))
+    assert_weights_close(a, b, atol=1e-5)
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in a.items())
+    assert metrics(tmp_path / "ws2")[-1]["rewards/margins"] == pytest.approx(
+        metrics(tmp_path / "ws1")[-1]["rewards/margins"], rel=1e-4)
