@@ -7,7 +7,7 @@ Takes about 17 minutes on a 2-core CPU (it runs on one thread). From nothing but
 
 1. model/: a character-level tokenizer (digits, '+', <bos>/<eos>/<pad>, <|user|>/<|assistant|>) with a chat template,
    and a tiny Qwen3-style model (4 layers, hidden 128, 0.6M parameters) trained from random init with supervised
-   fine-tuning on 3-digit addition: "<|user|>347+589<|assistant|>" -> "936<eos>", loss on the answer only.
+   fine-tuning on 3-digit addition: "<bos><|user|>347+589<|assistant|>" -> "936<eos>", loss on the answer only.
    The demonstrations come from a sloppy teacher who, when the tens column carries into the hundreds, forgets that
    carry 60% of the time (writes the sum minus 100). Trained to convergence, the model has learned both habits and
    answers greedily with the more frequent one: right on every problem without that carry, wrong on nearly every
