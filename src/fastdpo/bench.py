@@ -14,6 +14,7 @@ import platform
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,26 +89,106 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def bench_model(cfg: TrainConfig, shape: str | None, device: torch.device, dtype: torch.dtype):
+    """(tokenizer, model): a random-init shape with the anchor tokenizer, or --model. A QLoRA base is quantised while
+    loading, from weights on disk: a random-init shape is saved to a temporary dir first and loaded like a user's."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.model import load_model, load_tokenizer
+
+    bits = cfg.quant_bits if cfg.train_type == "qlora" else 0
+    if not shape:
+        return load_tokenizer(cfg.model), load_model(cfg.model, dtype, device, quant_bits=bits)
+    tokenizer = anchor_tokenizer(shape_config(shape).vocab_size)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype, attn_implementation="sdpa")
+    if not bits:
+        return tokenizer, model
+    with tempfile.TemporaryDirectory(prefix="fastdpo-shape-") as tmp:
+        model.save_pretrained(tmp)
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return tokenizer, load_model(tmp, dtype, device, quant_bits=bits)
+
+
+def long_pair_rows(total: int, vocab: int = VOCAB, seed: int = 1) -> dict:
+    """One pair of about `total` tokens: prompt half, chosen and rejected a quarter each."""
+    rng = random.Random(seed + total)
+
+    def words(k: int) -> str:
+        return " ".join(f"t{rng.randrange(10, vocab)}" for _ in range(k))
+
+    return {"prompt": words(total // 2) + " ", "chosen": words(total // 4), "rejected": words(total // 4)}
+
+
+def run_longest(cfg: TrainConfig, shape: str | None, lengths: list[int], out_json: str | None, console) -> list[dict]:
+    """One full optimizer step on one pair of each length, shortest first, until one does not fit in GPU memory:
+    the longest pair this model and these settings train."""
+    from fastdpo.model import resolve_device, resolve_dtype
+    from fastdpo.optim import build_optimizer
+    from fastdpo.train import StepMetrics, assemble, run_step, seed_all
+
+    lengths = sorted(lengths)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.torch_dtype, device)
+    seed_all(cfg.seed)
+    cfg.max_length = max(cfg.max_length, lengths[-1] + 16)
+    cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps = 1, 1
+    tokenizer, model = bench_model(cfg, shape, device, dtype)
+    rows = [long_pair_rows(n, len(tokenizer)) for n in lengths]
+    pairs, _ = tokenize_rows(tokenizer, [Row(r["prompt"], r["chosen"], r["rejected"], f"pair of {n} tokens")
+                                         for n, r in zip(lengths, rows)], cfg.max_length)
+    s = assemble(cfg, device, model, tokenizer, pairs)
+    optimizer = build_optimizer(s.model, cfg, device)
+    results = []
+    for pair in pairs:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        try:
+            run_step(s, [pair], StepMetrics(device))
+            optimizer.step()
+            _sync(device)
+        except torch.OutOfMemoryError:
+            results.append({"pair_tokens": pair.num_tokens, "fits": False})
+            break
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+        results.append({"pair_tokens": pair.num_tokens, "fits": True, "step_s": round(time.perf_counter() - t0, 2),
+                        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                        if device.type == "cuda" else None})
+        print(f"pair of {pair.num_tokens} tokens: trains, {results[-1]}", file=sys.stderr, flush=True)
+        gc.collect()
+    if out_json:
+        Path(out_json).write_text(json.dumps({"shape": shape, "model": cfg.model, "config": cfg.to_dict(),
+                                              "env": environment(), "longest": results}, indent=1))
+    if console is not None:
+        from rich.table import Table
+
+        table = Table(title="fastdpo bench --pair_tokens (prompt 1/2, chosen 1/4, rejected 1/4)")
+        for col in ("pair tokens", "trains", "step s", "peak GiB"):
+            table.add_column(col)
+        for r in results:
+            table.add_row(str(r["pair_tokens"]), "yes" if r["fits"] else "no (out of memory)",
+                          str(r.get("step_s", "")), str(r.get("peak_gib", "")))
+        console.print(table)
+    return results
+
+
 def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int,
                 verbose: bool = True) -> dict:
     """Time `steps` optimizer steps of the real training step after `warmup` steps."""
-    from transformers import AutoModelForCausalLM
-
     from fastdpo.metrics import device_peak_flops, model_flops_per_token, step_flops
-    from fastdpo.model import base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
+    from fastdpo.model import base_causal_lm, resolve_device, resolve_dtype
     from fastdpo.optim import build_optimizer, build_scheduler
     from fastdpo.train import StepMetrics, assemble, attended_pairs, run_step, seed_all
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.torch_dtype, device)
     seed_all(cfg.seed)
-    if shape:
-        tokenizer = anchor_tokenizer(shape_config(shape).vocab_size)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype, attn_implementation="sdpa")
-    else:
-        tokenizer = load_tokenizer(cfg.model)
-        model = load_model(cfg.model, dtype, device)
+    tokenizer, model = bench_model(cfg, shape, device, dtype)
     pairs, _ = tokenize_rows(tokenizer, [Row(r["prompt"], r["chosen"], r["rejected"], f"row {i}")
                                          for i, r in enumerate(rows)], cfg.max_length)
     t_init = time.perf_counter()

@@ -144,6 +144,13 @@ def cmd_bench(args: argparse.Namespace, console) -> int:
         cfg.model = cfg.model or f"<random-init {args.shape}>"
     cfg.dataset = cfg.dataset or ["<anchor workload>"]
     cfg.validate()
+    if args.pair_tokens:
+        from fastdpo.bench import run_longest
+
+        if args.compare:
+            raise FastDPOError("--pair_tokens probes the longest pair on fastdpo alone; drop --compare.")
+        run_longest(cfg, args.shape, args.pair_tokens, args.json, console)
+        return 0
     run_bench(cfg, args.shape, args.steps, args.warmup, args.compare, getattr(args, "dataset", None) or [], args.json, console)
     return 0
 
@@ -196,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=5, help="Warm-up steps (compilation, allocator).")
     b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger.")
     b.add_argument("--json", help="Write the results and environment to this JSON file.")
+    b.add_argument("--pair_tokens", nargs="*", type=int, default=[],
+                   help="Longest-pair probe: one optimizer step on one pair of each of these lengths (prompt half, "
+                        "completions a quarter each), until one runs out of GPU memory.")
     b.set_defaults(func=cmd_bench)
     _after_training_commands(sub)
     tn = sub.add_parser("tune", help="Measure checkpointing policies x token budgets; pick the fastest that fits.",

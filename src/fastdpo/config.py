@@ -73,6 +73,8 @@ class TrainConfig:
     attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
     gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true = full).")
     max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing auto` / `fastdpo tune` (0: 90% of the GPU).")
+    activation_offloading: bool = _f(False, "Move activations saved for backward to pinned CPU memory (slower; pair "
+                                            "with --gradient_checkpointing none or ffn).")
     torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")
     # schedule
     max_steps: int = _f(-1, "Optimizer steps to run (overrides num_train_epochs when > 0).")
@@ -161,6 +163,9 @@ class TrainConfig:
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
         if self.gradient_checkpointing != "auto":
             checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
+        if self.activation_offloading and (self.deepspeed or self.fsdp not in ("", "no_shard")):
+            raise FastDPOError("--activation_offloading works with one GPU or DDP, not with FSDP2 sharding (it would "
+                               "copy the gathered weights too). Drop one of the two.")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")

@@ -58,5 +58,49 @@ def apply_checkpointing(model, policy: str) -> list[str]:
 
 def compile_layers(model) -> None:
     """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers)."""
+    import torch._dynamo
+
+    # one graph per static micro-batch length (a few per budget), with and without grad: keep them all
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
     for layer in decoder_layers(model):
-        layer.compile(dynamic=False)  # static token budget: one graph, built once
+        layer.compile(dynamic=False)  # static shapes: no dynamic-shape graphs
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Context for the forward pass: activations saved for backward move to (pinned) CPU memory and come back when
+    backward needs them. Parameters (and views of them), CPU tensors and small tensors stay where they are. The
+    copies are queued on the compute stream, so they cost transfer time but no host synchronisation; pair it with
+    `none` or `ffn` checkpointing (what a checkpointed region saves is recomputed, not offloaded)."""
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, model: torch.nn.Module, min_bytes: int | None = None):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        floor = self.MIN_BYTES if min_bytes is None else min_bytes
+        self.offloaded_bytes = 0
+
+        def pack(t: torch.Tensor):
+            size = t.numel() * t.element_size()
+            if size < floor or not t.is_contiguous() or t.untyped_storage().data_ptr() in params:
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=True)
+            self.offloaded_bytes += size
+            return (t.device, host)
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host = packed
+            return host.to(device, non_blocking=True)
+
+        super().__init__(pack, unpack)
+
+
+def offloading(enabled: bool, model: torch.nn.Module):
+    """`OffloadActivations(model)` when enabled, else a no-op context."""
+    import contextlib
+
+    return OffloadActivations(model) if enabled else contextlib.nullcontext()

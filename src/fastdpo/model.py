@@ -19,6 +19,7 @@ log = logging.getLogger("fastdpo")
 
 # Families whose attention is fully described by the pair rule (+ an optional uniform sliding window).
 FLEX_PAD = 128  # flex rows are padded to a multiple of its block size
+SHAPE_BUCKETS = 4  # a flex micro-batch is padded to the next quarter of the token budget: at most 4 static shapes
 PACKED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "granite", "olmo2", "qwen3_moe"}
 
 
@@ -238,15 +239,23 @@ def decoder(model):
     return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
 
 
+def flex_length(tokens: int, budget: int) -> int:
+    """Padded length of a flex micro-batch holding `tokens`: the next of SHAPE_BUCKETS equal steps of the budget (a
+    few static shapes, so compiled kernels are built a few times, not per batch, and a step's last, partly filled
+    micro-batch is not padded to the whole budget), or the next multiple of the flex block past the budget."""
+    if budget <= 0 or tokens > budget:
+        return -(-tokens // FLEX_PAD) * FLEX_PAD
+    step = -(-budget // (SHAPE_BUCKETS * FLEX_PAD)) * FLEX_PAD
+    return min(-(-tokens // step) * step, -(-budget // FLEX_PAD) * FLEX_PAD)
+
+
 def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0) -> PairBatch:
     """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
-    padded to the token budget (one static shape, so compiled kernels are built once), or to a multiple of the flex
-    block for a pair longer than the budget."""
+    padded to one of a few static lengths (`flex_length`)."""
     if backend.name == "padded":
         batch = pad_pairs(pairs, pad_id)
     elif backend.name == "flex":
-        tokens = sum(p.num_tokens for p in pairs)
-        batch = pack_pairs(pairs, budget if budget and tokens <= budget else FLEX_PAD, pad_id)
+        batch = pack_pairs(pairs, flex_length(sum(p.num_tokens for p in pairs), budget), pad_id)
     else:
         batch = pack_pairs(pairs, 1, pad_id)
     return batch.to(device)

@@ -156,6 +156,8 @@ def compute_table(model, pairs: list[TokenizedPair], backend: Backend, pad_id: i
         for group in split_micro_batches(pairs[start : start + PASS_WINDOW], max_tokens, pairs_per_batch):
             batch = make_batch(group, backend, pad_id, device, max_tokens)
             s = completion_logps(model, batch, backend)
+            if not index:
+                log.info("First reference batch (kernel compilation included) took %.1f s.", time.perf_counter() - t0)
             b = batch.num_pairs
             index.append(batch.index)
             values.append(torch.stack([s.sums[:b], s.sums[b:], s.shared[:b], s.shared[b:]], dim=1).float())

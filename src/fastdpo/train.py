@@ -46,7 +46,7 @@ from fastdpo.distributed import (
 from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
-from fastdpo.memory import apply_checkpointing, compile_layers
+from fastdpo.memory import apply_checkpointing, compile_layers, offloading
 from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
     Backend,
@@ -234,7 +234,8 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
         with grad_sync(s.policy, last=i == len(groups) - 1):
-            pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
+            with offloading(cfg.activation_offloading, s.model):
+                pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
             ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
             in_step = at(view, offset if real else 0, b) if view is not None else None
             x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)

@@ -53,8 +53,15 @@ class PairBatch:
         return int(self.input_ids.numel())
 
     def to(self, device: torch.device | str) -> PairBatch:
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
-        return PairBatch(**moved)
+        # pinned host memory: the copy is queued behind the running step instead of waiting for it (no host sync)
+        pin = torch.device(device).type == "cuda"
+
+        def move(v):
+            if not isinstance(v, torch.Tensor):
+                return v
+            return (v.pin_memory() if pin and v.device.type == "cpu" else v).to(device, non_blocking=True)
+
+        return PairBatch(**{k: move(v) for k, v in vars(self).items()})
 
 
 def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int) -> list[list[int]]:

@@ -1,0 +1,142 @@
+"""`fastdpo bench` pieces that run on CPU: static micro-batch lengths, the longest-pair probe, QLoRA's clear error,
+and activation offloading (gradients unchanged)."""
+
+import json
+
+import pytest
+import torch
+from conftest import easy_rows
+
+from fastdpo.config import TrainConfig
+from fastdpo.errors import FastDPOError
+from fastdpo.model import FLEX_PAD, SHAPE_BUCKETS, flex_length
+
+
+def test_flex_length_uses_few_static_shapes():
+    budget = 4096
+    lengths = {flex_length(t, budget) for t in range(1, budget + 1)}
+    assert len(lengths) == SHAPE_BUCKETS
+    assert max(lengths) == budget
+    for t in (1, 1000, 1024, 1025, 3000, 4096):
+        n = flex_length(t, budget)
+        assert n >= t and n % FLEX_PAD == 0 and n - t < budget // SHAPE_BUCKETS
+    assert flex_length(5000, budget) == 5120  # longer than the budget: the next flex block
+    assert flex_length(300, 0) == 384
+    assert flex_length(100, 200) == 128 and flex_length(200, 200) == 256  # tiny budgets: whole blocks
+
+
+def _cfg(tmp_path, model_dirs, **kw):
+    return TrainConfig(model=str(model_dirs("qwen3")), dataset=["x"], output_dir=str(tmp_path / "o"), **kw)
+
+
+def test_longest_pair_probe_stops_at_first_oom(tmp_path, model_dirs, monkeypatch):
+    from fastdpo import bench, train
+
+    real = train.run_step
+
+    def fake(s, pairs, m):
+        if pairs[0].num_tokens > 200:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(s, pairs, m)
+
+    monkeypatch.setattr(train, "run_step", fake)
+    out = tmp_path / "long.json"
+    res = bench.run_longest(_cfg(tmp_path, model_dirs, max_tokens_per_batch=64), None, [400, 96, 160, 800],
+                            str(out), console=None)
+    assert [r["fits"] for r in res] == [True, True, False]  # 800 is never tried
+    assert 96 <= res[0]["pair_tokens"] < res[1]["pair_tokens"] < res[2]["pair_tokens"]
+    assert json.loads(out.read_text())["longest"] == res
+
+
+def test_long_pair_rows_split():
+    from fastdpo.bench import long_pair_rows
+
+    r = long_pair_rows(1000)
+    assert [len(r[k].split()) for k in ("prompt", "chosen", "rejected")] == [500, 250, 250]
+
+
+def test_qlora_bench_on_cpu_is_a_clear_error(tmp_path, model_dirs):
+    from fastdpo.bench import bench_model
+
+    cfg = _cfg(tmp_path, model_dirs, train_type="qlora", quant_bits=4)
+    with pytest.raises(FastDPOError, match="needs a CUDA GPU"):
+        bench_model(cfg, None, torch.device("cpu"), torch.float32)
+
+
+def test_activation_offloading_keeps_gradients(model_dirs):
+    from fastdpo.memory import OffloadActivations
+    from fastdpo.model import load_model
+
+    model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
+    ids = torch.randint(4, 60, (2, 24))
+
+    def grads(ctx):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            loss = model(input_ids=ids).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    import contextlib
+
+    plain = grads(contextlib.nullcontext())
+    hooks = OffloadActivations(model, min_bytes=0)
+    offloaded = grads(hooks)
+    assert hooks.offloaded_bytes > 0
+    assert plain.keys() == offloaded.keys()
+    for n in plain:
+        torch.testing.assert_close(offloaded[n], plain[n], rtol=0, atol=0, msg=n)
+
+
+def test_activation_offloading_skips_parameters(model_dirs):
+    from fastdpo.memory import OffloadActivations
+    from fastdpo.model import load_model
+
+    model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
+    seen = []
+    hooks = OffloadActivations(model, min_bytes=0)
+    pack = hooks.pack_hook
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def spy(t):
+        out = pack(t)
+        seen.append((t.untyped_storage().data_ptr() in param_ptrs, isinstance(out, tuple)))
+        return out
+
+    hooks.pack_hook = spy
+    with hooks:
+        model(input_ids=torch.randint(4, 60, (1, 16))).logits.sum().backward()
+    assert any(is_param for is_param, _ in seen) and any(moved for _, moved in seen)
+    assert not any(is_param and moved for is_param, moved in seen)
+
+
+def test_activation_offloading_refuses_fsdp():
+    with pytest.raises(FastDPOError, match="activation_offloading"):
+        TrainConfig(model="m", dataset=["d"], activation_offloading=True, fsdp="full_shard").validate()
+
+
+def test_training_with_offloading_matches(tmp_path, model_dirs, monkeypatch):
+    from conftest import write_jsonl
+    from safetensors.torch import load_file
+
+    from fastdpo import memory
+    from fastdpo.train import train
+
+    moved = []
+    real_init = memory.OffloadActivations.__init__
+
+    def init(self, model, min_bytes=None):
+        real_init(self, model, 0)  # the tiny model's activations are all small: offload every one
+        moved.append(self)
+
+    monkeypatch.setattr(memory.OffloadActivations, "__init__", init)
+
+    data = write_jsonl(tmp_path / "data.jsonl", easy_rows(16, seed=1))
+    weights = {}
+    for flag in (False, True):
+        cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / f"o{flag}"),
+                          max_steps=2, learning_rate=1e-3, activation_offloading=flag, seed=3)
+        weights[flag] = load_file(f"{train(cfg, progress=False)['final_dir']}/model.safetensors")
+    assert moved and sum(h.offloaded_bytes for h in moved) > 0
+    for n in weights[False]:
+        torch.testing.assert_close(weights[True][n], weights[False][n], rtol=0, atol=0, msg=n)
