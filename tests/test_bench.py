@@ -140,3 +140,27 @@ def test_training_with_offloading_matches(tmp_path, model_dirs, monkeypatch):
     assert moved and sum(h.offloaded_bytes for h in moved) > 0
     for n in weights[False]:
         torch.testing.assert_close(weights[True][n], weights[False][n], rtol=0, atol=0, msg=n)
+
+
+def test_warm_shapes_leaves_no_gradients(tmp_path, model_dirs):
+    from fastdpo.bench import warm_shapes
+    from fastdpo.model import load_model, load_tokenizer
+    from fastdpo.train import assemble
+
+    cfg = _cfg(tmp_path, model_dirs, max_tokens_per_batch=512)
+    path = str(model_dirs("qwen3"))
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    s = assemble(cfg, torch.device("cpu"), model, load_tokenizer(path), [])
+    warm_shapes(s)
+    assert all(p.grad is None for p in s.model.parameters())
+
+
+def test_compile_layers_makes_frozen_embeddings_output_require_grad(model_dirs):
+    from fastdpo.memory import compile_layers
+    from fastdpo.model import add_lora, load_model
+
+    model = add_lora(load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu")), 4, 8, 0.0, "all-linear")
+    emb = model.get_input_embeddings()
+    assert not emb(torch.tensor([[5, 6]])).requires_grad
+    compile_layers(model)
+    assert emb(torch.tensor([[5, 6]])).requires_grad

@@ -177,6 +177,25 @@ def run_longest(cfg: TrainConfig, shape: str | None, lengths: list[int], out_jso
     return results
 
 
+def warm_shapes(s) -> None:
+    """Compile every static micro-batch length up front (one forward and backward of the policy on a filler pair of
+    each length), so that no measured step pays for a compilation."""
+    from fastdpo.data.tokenize import TokenizedPair
+    from fastdpo.distributed import policy_logps
+    from fastdpo.model import FLEX_PAD, build_mask, flex_length, make_batch
+    from fastdpo.train import pad_id
+
+    budget = s.cfg.max_tokens_per_batch
+    for length in sorted({flex_length(t, budget) for t in range(FLEX_PAD, budget + 1, FLEX_PAD)}):
+        n = length - FLEX_PAD // 2
+        pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
+        batch = make_batch([pair], s.backend, pad_id(s.tokenizer), s.device, budget)
+        pol = policy_logps(s.policy, batch, build_mask(batch, s.backend))
+        pol.sums.sum().backward()
+    s.model.zero_grad(set_to_none=True)
+    _sync(s.device)
+
+
 def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int,
                 verbose: bool = True) -> dict:
     """Time `steps` optimizer steps of the real training step after `warmup` steps."""
@@ -202,6 +221,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_first = None
+    if cfg.torch_compile and s.backend.name == "flex":
+        warm_shapes(s)
     for step in range(warmup + steps):
         step_pairs = pairs[step * per_step:(step + 1) * per_step]
         run_step(s, step_pairs, StepMetrics(device))

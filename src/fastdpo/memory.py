@@ -64,6 +64,12 @@ def compile_layers(model) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
+    from fastdpo.model import base_causal_lm
+
+    lm = base_causal_lm(model)
+    if not lm.get_input_embeddings().weight.requires_grad:
+        # frozen embeddings (LoRA): the first layer's input would not require grad and get a graph of its own
+        lm.enable_input_require_grads()
     for layer in decoder_layers(model):
         layer.compile(dynamic=False)  # static shapes: no dynamic-shape graphs
 
