@@ -221,7 +221,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_first = None
-    if cfg.torch_compile and s.backend.name == "flex":
+    if s.backend.name == "flex":  # compiled layers, and the compiled flex kernel on its own, build per length
         warm_shapes(s)
     for step in range(warmup + steps):
         step_pairs = pairs[step * per_step:(step + 1) * per_step]
