@@ -429,3 +429,36 @@ def test_eval_during_training_on_flex_matches_the_padded_eval(tmp_path, model_di
                                  output_dir=str(tmp_path / "ev")))
     for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert report["metrics"][key] == pytest.approx(evals[-1][f"eval_{key}"], rel=1e-4, abs=1e-5), key
+
+
+def test_eval_tokenises_like_training(tmp_path, model_dirs, monkeypatch):
+    """--template and the length limits mean the same in eval as in training: the scored pairs are training's."""
+    from fastdpo import evaluate
+    from fastdpo.data.load import load_rows
+    from fastdpo.data.prepare import DataOptions, tokenize_pairs
+
+    words = WORDS[4:40]
+    rows = [{"prompt": [{"role": "user", "content": " ".join(words[i:i + 6])}],
+             "chosen": [{"role": "assistant", "content": " ".join(words[i + 1:i + 5])}],
+             "rejected": [{"role": "assistant", "content": " ".join(words[i + 2:i + 9])}]} for i in range(6)]
+    data = write_jsonl(tmp_path / "conv.jsonl", rows)
+    model = model_dirs("qwen3")
+    seen = {}
+
+    def capture(model, reference, pairs, *args):
+        seen["pairs"] = pairs
+        raise SystemExit  # the tokenisation is what is checked
+
+    monkeypatch.setattr(evaluate, "pair_logps", capture)
+    cfg = EvalConfig(model=str(model), dataset=[str(data)], template="chatml", max_length=20,
+                     truncation_strategy="left", output_dir=str(tmp_path / "e"), kl=False)
+    with pytest.raises(SystemExit):
+        run_eval(cfg)
+    train_cfg = TrainConfig(model=str(model), dataset=[str(data)], template="chatml", max_length=20,
+                            truncation_strategy="left")
+    expected, _ = tokenize_pairs(load_rows([str(data)], 42), load_tokenizer(str(model)),
+                                 DataOptions.from_config(train_cfg))
+    assert seen["pairs"] == expected
+    assert all(p.num_tokens <= 20 + 20 for p in expected) and any(len(p.prompt) > 6 for p in expected)
+    with pytest.raises(FastDPOError, match="truncation_strategy"):
+        EvalConfig(model="m", dataset=["d"], truncation_strategy="middle").validate()

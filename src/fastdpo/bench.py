@@ -22,7 +22,7 @@ import torch
 
 from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row
-from fastdpo.data.tokenize import tokenize_rows
+from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.errors import FastDPOError
 
 VOCAB = 151936
@@ -138,8 +138,8 @@ def run_longest(cfg: TrainConfig, shape: str | None, lengths: list[int], out_jso
     cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps = 1, 1
     tokenizer, model = bench_model(cfg, shape, device, dtype)
     rows = [long_pair_rows(n, len(tokenizer)) for n in lengths]
-    pairs, _ = tokenize_rows(tokenizer, [Row(r["prompt"], r["chosen"], r["rejected"], f"pair of {n} tokens")
-                                         for n, r in zip(lengths, rows)], cfg.max_length)
+    pairs, _ = tokenize_pairs([Row(r["prompt"], r["chosen"], r["rejected"], f"pair of {n} tokens")
+                               for n, r in zip(lengths, rows)], tokenizer, DataOptions.for_scoring(cfg))
     s = assemble(cfg, device, model, tokenizer, pairs)
     optimizer = build_optimizer(s.model, cfg, device)
     results = []
@@ -208,8 +208,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     dtype = resolve_dtype(cfg.torch_dtype, device)
     seed_all(cfg.seed)
     tokenizer, model = bench_model(cfg, shape, device, dtype)
-    pairs, _ = tokenize_rows(tokenizer, [Row(r["prompt"], r["chosen"], r["rejected"], f"row {i}")
-                                         for i, r in enumerate(rows)], cfg.max_length)
+    pairs, _ = tokenize_pairs([Row(r["prompt"], r["chosen"], r["rejected"], f"row {i}") for i, r in enumerate(rows)],
+                              tokenizer, DataOptions.for_scoring(cfg))
     t_init = time.perf_counter()
     s = assemble(cfg, device, model, tokenizer, pairs)
     optimizer = build_optimizer(s.model, cfg, device)

@@ -300,6 +300,11 @@ class EvalConfig(ModelArgs, GenerationArgs):
     dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train.", nargs="+")
     ref_model: str = _f("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
     max_length: int = _f(2048, "Max tokens of prompt+completion per sequence, as in training.")
+    truncation_strategy: str = _f("right", "right|left|delete, as in training.")
+    max_prompt_length: int = _f(0, "Max prompt tokens (0: no separate limit), as in training.")
+    max_completion_length: int = _f(0, "Max tokens per completion (0: no separate limit), as in training.")
+    template: str = _f("", "Chat template for conversational rows, as in training: chatml|llama3|identity|hh or a "
+                           "Jinja file (default: the tokenizer's chat_template).")
     loss_type: str = _f("sigmoid", "Preference loss reported as `loss`.")
     beta: float = _f(0.1, "DPO beta of the implicit rewards (use the training value).")
     label_smoothing: float = _f(0.0, "Label smoothing of the reported loss.")
@@ -322,7 +327,11 @@ class EvalConfig(ModelArgs, GenerationArgs):
         self.validate_generation()
         if not self.dataset:
             raise FastDPOError("--dataset is required: held-out JSONL/JSON files with prompt/chosen/rejected.")
+        from fastdpo.data.template import resolve_template
+
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
+        _choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
+        resolve_template(self.template)  # raises on an unknown name or a missing file
         for name in ("per_device_eval_batch_size", "max_length"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
@@ -338,7 +347,7 @@ class EvalConfig(ModelArgs, GenerationArgs):
 def run_eval(cfg: EvalConfig, console=None) -> dict:
     """`fastdpo eval`: held-out preference metrics, generation metrics under --reward_fn, lm-eval tasks; writes
     output_dir/eval_report.json (and generations.jsonl) and prints a table."""
-    from fastdpo.data.tokenize import tokenize_rows
+    from fastdpo.data.prepare import DataOptions, tokenize_pairs
     from fastdpo.infer import load_for_generation
     from fastdpo.model import choose_backend, load_model, prepare_packed, resolve_device, resolve_dtype
     from fastdpo.rewards import load_reward_fn
@@ -365,7 +374,7 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
             prepare_packed(ref_model, backend)
 
     rows = load_rows(cfg.dataset, cfg.seed)
-    pairs, _ = tokenize_rows(tok, rows, cfg.max_length)
+    pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))  # tokenised exactly as training did
     pad_id = tok.pad_token_id or 0
     args = (backend, pad_id, device, cfg.max_tokens_per_batch, cfg.per_device_eval_batch_size)
     x = pair_logps(model, reference, pairs, *args)

@@ -46,6 +46,19 @@ class DataOptions:
                    num_workers=cfg.dataloader_num_workers, shuffle_buffer_size=cfg.shuffle_buffer_size)
 
 
+    @classmethod
+    def for_scoring(cls, cfg) -> DataOptions:
+        """Tokenisation of a config that scores pairs rather than trains on them (eval, bench): its length limits
+        and template, read like training's, defaults where it has no such flag; nothing cached."""
+        tok = TokenizeOptions(max_length=cfg.max_length,
+                              truncation_strategy=getattr(cfg, "truncation_strategy", "right"),
+                              max_prompt_length=getattr(cfg, "max_prompt_length", 0),
+                              max_completion_length=getattr(cfg, "max_completion_length", 0),
+                              template=resolve_template(getattr(cfg, "template", "")),
+                              system=getattr(cfg, "system", "") or None)
+        return cls(tok, seed=cfg.seed, use_cache=False)
+
+
 @dataclass
 class DataSummary:
     """What loading did: rows per format, pairs kept, what the length limits dropped or trimmed."""
