@@ -43,7 +43,7 @@ def test_kl_and_per_token_logps_by_hand():
     assert out["kl/rejected"] == pytest.approx((-1.0 - 1.0) / 5)
     assert out["kl"] == pytest.approx((1.5 - 2.0) / 10)
     assert out["rewards/chosen"] == pytest.approx(0.1 * 1.5 / 2)
-    assert out["kl_ratio"] == pytest.approx(abs(out["kl"]) / abs(out["rewards/chosen"]))
+    assert out["kl_ratio"] == pytest.approx(out["kl"] / out["rewards/chosen"]) and out["kl_ratio"] < 0
 
 
 def test_step_metrics_do_not_depend_on_how_pairs_fall_into_micro_batches():
@@ -64,7 +64,10 @@ def test_step_metrics_do_not_depend_on_how_pairs_fall_into_micro_batches():
 def test_kl_ratio_is_guarded_against_zero_rewards():
     assert kl_ratio(0.0, 0.0) == 0.0
     assert kl_ratio(1e-4, 0.0) == pytest.approx(1e-4 / KL_RATIO_FLOOR)
-    assert kl_ratio(-0.05, -0.5) == pytest.approx(0.1)
+    assert kl_ratio(-0.05, -0.5) == pytest.approx(0.1)  # both falling: drift without reward
+    assert kl_ratio(-0.05, 0.5) == pytest.approx(-0.1)  # rejected pushed down while chosen rises: healthy
+    assert kl_ratio(0.2, 0.5) == pytest.approx(0.4)
+    assert kl_ratio(0.001, -1e-6) == pytest.approx(-0.1)  # the floor keeps the sign
 
 
 def test_no_kl_without_a_reference():

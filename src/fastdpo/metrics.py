@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -11,7 +12,7 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "reward
                 "logps/rejected")
 # Per-token sums (log-ratio to the reference, completion tokens), divided once by the step's completion tokens.
 TOKEN_SUMS = ("logratio/chosen", "logratio/rejected", "tokens/chosen", "tokens/rejected")
-KL_RATIO_FLOOR = 1e-2  # |rewards/chosen| below this is treated as this: no ratio blow-up while rewards are ~0
+KL_RATIO_FLOOR = 1e-2  # |rewards/chosen| below this counts as this (sign kept): no blow-up while rewards are ~0
 
 
 class StepMetrics:
@@ -66,9 +67,12 @@ class StepMetrics:
 
 
 def kl_ratio(kl: float, chosen_reward: float) -> float:
-    """|kl| / |rewards/chosen| (seed 000 §5.2: how far the policy drifted per unit of reward it gained), with the
-    denominator floored at KL_RATIO_FLOOR so that the ratio stays finite while rewards are still ~0."""
-    return abs(kl) / max(abs(chosen_reward), KL_RATIO_FLOOR)
+    """kl / rewards/chosen, signed as seed 000 §5.2 defines it: how far the policy drifted per unit of reward it
+    gained. Positive when both move the same way (drift up with chosen rising, or both falling: likelihood of chosen
+    lost while the policy leaves the reference); negative in the healthy case where the completions' mean log-ratio
+    falls (rejected pushed down) while chosen's reward rises. |rewards/chosen| is floored at KL_RATIO_FLOOR (sign
+    kept) so that the ratio stays finite while rewards are still ~0."""
+    return kl / math.copysign(max(abs(chosen_reward), KL_RATIO_FLOOR), chosen_reward)
 
 
 def peak_memory_gib(device: torch.device) -> float:
