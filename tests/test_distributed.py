@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import random_pairs
 from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metrics, run_ranks, start_ranks, weights
 
@@ -226,3 +227,44 @@ def _children(pid: int) -> list[int]:
 def _environ(pid: int) -> dict:
     raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
     return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
+# ---------------------------------------------------------------- the precomputed reference, shared by ranks
+
+
+def test_each_rank_precomputes_its_share(tmp_path, model_dirs, monkeypatch):
+    from fastdpo import reference
+    from fastdpo.data.tokenize import TokenizedPair
+    from fastdpo.distributed import Dist
+    from fastdpo.model import choose_backend, load_model, load_tokenizer
+
+    path = str(model_dirs("qwen3"))
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    backend = choose_backend(model, "auto", True, torch.device("cpu"))
+    pairs = [TokenizedPair(prompt=[5, 6, 7], chosen=[8 + i % 5], rejected=[9, 10], index=i) for i in range(7)]
+    decided = []
+    monkeypatch.setattr(reference, "_everyone", lambda flag, world: decided.append((flag, world)) or flag)
+    monkeypatch.setattr(reference, "_gather", lambda table, device: table)
+    cfg = TrainConfig(model=path, dataset=["x"], precompute_ref_log_probs=True)
+    table = reference.precomputed_table(cfg, lambda: (model, backend), pairs, None, load_tokenizer(path).pad_token_id,
+                                        d=Dist(rank=1, world_size=3, mode="ddp"))
+    assert decided == [(False, 3)]
+    assert sorted(table.index.tolist()) == [1, 4]  # rank 1 of 3: pairs 1, 4
+    full = reference.precomputed_table(cfg, lambda: (model, backend), pairs, None, 0)
+    torch.testing.assert_close(table.logps[[1, 4]], full.logps[[1, 4]], rtol=1e-6, atol=1e-6)
+
+
+def test_two_ranks_share_the_precompute_and_match_one_rank(tmp_path, model_dirs):
+    from fastdpo.refcache import load_table
+
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp_path))], precompute_ref_log_probs=True,
+                  **BASE)
+    run_ranks(2, output_dir=str(tmp_path / "ws2"), per_device_train_batch_size=4, ref_cache_dir=str(tmp_path / "c2"),
+              **common)
+    train(TrainConfig(output_dir=str(tmp_path / "ws1"), per_device_train_batch_size=8,
+                      ref_cache_dir=str(tmp_path / "c1"), **common), progress=False)
+    assert_weights_close(weights(tmp_path / "ws2"), weights(tmp_path / "ws1"), atol=1e-5)
+    (two,), (one,) = list((tmp_path / "c2").rglob("*.safetensors")), list((tmp_path / "c1").rglob("*.safetensors"))
+    t2, t1 = load_table(two, "cpu"), load_table(one, "cpu")
+    assert t2.logps.shape[0] == t1.logps.shape[0] == 41  # every pair, gathered from both ranks' shares
+    torch.testing.assert_close(t2.logps, t1.logps, rtol=1e-5, atol=1e-5)

@@ -163,6 +163,8 @@ def compute_table(model, pairs: list[TokenizedPair], backend: Backend, pad_id: i
             values.append(torch.stack([s.sums[:b], s.sums[b:], s.shared[:b], s.shared[b:]], dim=1).float())
     model.train(was_training)
     log.info("Reference log-probs of %d pairs computed in %.1f s.", len(pairs), time.perf_counter() - t0)
+    if not index:  # an empty share (a rank with no pairs)
+        return RefTable(torch.zeros(0, dtype=torch.long), torch.zeros(0, 4), device)
     return RefTable(torch.cat(index).cpu(), torch.cat(values).cpu(), device)
 
 

@@ -132,7 +132,7 @@ def _check_same_shapes(ref, policy) -> None:
 
 
 def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[TokenizedPair], rows: list[Row] | None,
-                    pad_id: int, ref_model=None) -> Reference:
+                    pad_id: int, ref_model=None, d=None) -> Reference:
     """Choose and build the strategy. `policy` must not yet carry the trained LoRA adapter: it is the reference's
     starting point for copy, adapter_off and precompute. `ref_model`: an already loaded --ref_model (else it is
     loaded here, and only if needed). `rows` key the precompute cache; None computes without caching."""
@@ -143,7 +143,7 @@ def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[Toke
                         ", ".join(unused))
         return Reference("none")
     if cfg.precompute_ref_log_probs:
-        table = precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id, ref_model)
+        table = precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id, ref_model, d)
         return Reference("precompute", table=table)
     if cfg.uses_lora and not cfg.ref_model and ref_model is None:
         return Reference("ref_adapter" if cfg.ref_adapters else "adapter_off")
@@ -185,18 +185,51 @@ def cache_path(cfg: TrainConfig, pairs: list[TokenizedPair], rows: list[Row]) ->
 
 
 def precomputed_table(cfg: TrainConfig, get_policy: Callable[[], tuple[torch.nn.Module, Backend]],
-                      pairs: list[TokenizedPair], rows: list[Row] | None, pad_id: int, ref_model=None) -> RefTable:
+                      pairs: list[TokenizedPair], rows: list[Row] | None, pad_id: int, ref_model=None,
+                      d=None) -> RefTable:
     """The reference table from the on-disk cache, or computed and cached. `get_policy` gives the policy (before
     LoRA) and its backend; it is called only when the cache misses. Without `rows` (a model built in memory) or
-    with a `ref_model` given in memory, nothing identifies the weights on disk: computed, not cached."""
+    with a `ref_model` given in memory, nothing identifies the weights on disk: computed, not cached.
+    Under torchrun (`d` with several ranks) each rank computes every world_size-th pair and the shares are
+    exchanged, so the pass takes 1/world_size of the time; rank 0 writes the cache."""
     device = resolve_device(cfg.device)
+    world, rank = (d.world_size, d.rank) if d is not None else (1, 0)
     path, parts = cache_path(cfg, pairs, rows) if rows is not None and ref_model is None else (None, {})
     table = load_table(path, device) if path is not None else None
-    if table is not None and set(table.index.tolist()) >= {p.index for p in pairs}:
+    hit = table is not None and set(table.index.tolist()) >= {p.index for p in pairs}
+    if _everyone(hit, world):  # ranks decide together: one computing alone would leave the others waiting
         log.info("Reference log-probs reused from %s.", path)
         return table
 
-    log.info("Precomputing reference log-probs of %d pairs%s.", len(pairs), f" into {path}" if path else "")
+    log.info("Precomputing reference log-probs of %d pairs%s%s.", len(pairs), f" into {path}" if path else "",
+             f" ({world} ranks, each a share)" if world > 1 else "")
+    table = _compute(cfg, get_policy, pairs[rank::world], pad_id, ref_model, device)
+    if world > 1:
+        table = _gather(table, device)
+    if path is not None and rank == 0:
+        save_table(path, table, {**parts, "pairs": len(pairs)})
+    return table
+
+
+def _everyone(flag: bool, world: int) -> bool:
+    if world <= 1:
+        return flag
+    import torch.distributed as dist
+
+    flags = [None] * world
+    dist.all_gather_object(flags, flag)
+    return all(flags)
+
+
+def _gather(table: RefTable, device) -> RefTable:
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (table.index, table.values))
+    return RefTable(torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]), device)
+
+
+def _compute(cfg: TrainConfig, get_policy, pairs: list[TokenizedPair], pad_id: int, ref_model, device) -> RefTable:
     policy, backend = get_policy()
     batch_pairs = cfg.precompute_ref_batch_size or 4 * cfg.per_device_train_batch_size
     budget = 4 * cfg.max_tokens_per_batch
@@ -221,6 +254,4 @@ def precomputed_table(cfg: TrainConfig, get_policy: Callable[[], tuple[torch.nn.
         if backend.name != "padded":
             prepare_packed(policy, backend)
         table = compute_table(policy, pairs, backend, pad_id, device, batch_pairs, budget)
-    if path is not None:
-        save_table(path, table, {**parts, "pairs": len(pairs)})
     return table

@@ -165,7 +165,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     d = d or Dist()
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
-    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model)
+    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, d)
     if cfg.uses_lora:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
         if reference.strategy == "ref_adapter":
