@@ -29,9 +29,10 @@ class Monitor:
     `write=True` writes sinks and raises alerts."""
 
     def __init__(self, cfg, out_dir: Path, console, optimizer: torch.optim.Optimizer, start_step: int,
-                 write: bool = True):
+                 write: bool = True, world_size: int = 1):
         self.out_dir = out_dir
-        self.micro_pairs = cfg.per_device_train_batch_size
+        # a step's rows are all ranks' pairs; each rank runs its micro-steps in parallel with the others
+        self.micro_pairs = cfg.per_device_train_batch_size * world_size
         self.max_in_a_row = cfg.max_nonfinite_steps
         self.engine = AlertEngine(AlertRules(patience=cfg.alert_patience, kl_ratio_threshold=cfg.kl_ratio_threshold))
         self.writer = write

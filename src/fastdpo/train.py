@@ -304,7 +304,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
 
-    monitor = Monitor(cfg, out, console, optimizer, start, write=d.is_main)  # rank 0 writes the sinks
+    monitor = Monitor(cfg, out, console, optimizer, start, write=d.is_main, world_size=d.world_size)  # rank 0 writes
     lm_config = base_causal_lm(model).config
     peak = device_peak_flops(device)
     rate = Throughput()
