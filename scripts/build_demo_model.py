@@ -156,6 +156,30 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
+def save_portable_tokenizer(tok, path: Path) -> None:
+    """save_pretrained, then name the tokenizer the way transformers 4.x and 5.x both load it."""
+    tok.save_pretrained(path)
+    f = path / "tokenizer_config.json"
+    conf = json.loads(f.read_text())
+    for key in ("backend", "is_local", "local_files_only"):  # v5-only or load-time keys
+        conf.pop(key, None)
+    extra = conf.pop("extra_special_tokens", None)
+    if isinstance(extra, list) and extra:
+        conf["additional_special_tokens"] = extra
+    conf["tokenizer_class"] = "PreTrainedTokenizerFast"
+    f.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+
+
+def refresh_manifest(out: Path) -> None:
+    """Recompute the file digests and size of an existing build (after rewriting one of its files)."""
+    m = out / "manifest.json"
+    manifest = json.loads(m.read_text())
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json")
+    manifest["files"] = {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    manifest["bytes"] = sum(p.stat().st_size for p in files)
+    m.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "src/fastdpo/assets/demo"))
@@ -198,7 +222,7 @@ def main() -> None:
     (out / "model").mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out / "model", safe_serialization=True)
-    tok.save_pretrained(out / "model")
+    save_portable_tokenizer(tok, out / "model")
     write_jsonl(out / "pairs.jsonl", pairs)
     write_jsonl(out / "heldout.jsonl", [{"prompt": prompt_text(q), "question": q, "answer": answer(q)} for q in heldout])
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json")
