@@ -79,6 +79,17 @@ def quantization_config(bits: int, device: torch.device, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
+def _raised_from(e: BaseException | None, cls: type) -> bool:
+    """Whether `e` or an exception it was raised from (or while handling) is a `cls`."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, cls):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
                model_type: str = "", quant_bits: int = 0):
     """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
@@ -106,13 +117,15 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **extra
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, pickle.UnpicklingError) as e:
+        # a .bin file holding more than tensors: torch.load(weights_only=True) refused it (transformers 4.x wraps
+        # that refusal in an OSError)
+        if _raised_from(e, pickle.UnpicklingError):
+            raise FastDPOError(
+                f"{path}: the PyTorch weight file holds objects other than tensors and was not loaded (it could run "
+                "code). Use a model saved as safetensors."
+            ) from None
         raise FastDPOError(f"Cannot load model weights from {path}: {str(e).splitlines()[0]}") from None
-    except pickle.UnpicklingError:  # a .bin file holding more than tensors: torch.load(weights_only=True) refused it
-        raise FastDPOError(
-            f"{path}: the PyTorch weight file holds objects other than tensors and was not loaded (it could run code). "
-            "Use a model saved as safetensors."
-        ) from None
     return model if quant else model.to(device)
 
 
