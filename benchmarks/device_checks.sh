@@ -30,7 +30,9 @@ timeout ${T_TUNE:-300} python3 -m fastdpo tune --model /tmp/q06 --dataset /tmp/a
   --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tune.log"
 
 step "Qwen3-0.6B and Qwen3-1.7B vs TRL + Liger"
+C06="--torch_compile --precompute_ref_log_probs"
 OUT=$OUT PER_RUN=${T_06:-240} STEPS=20 WARMUP=3 benchmarks/device.sh qwen3-0.6b \
-  "--max_tokens_per_batch 4096 --gradient_checkpointing ffn --torch_compile --precompute_ref_log_probs" "trl-liger"
+  "--max_tokens_per_batch 4096 --gradient_checkpointing ffn $C06;--max_tokens_per_batch 8192 --gradient_checkpointing ffn $C06;--max_tokens_per_batch 8192 --gradient_checkpointing full $C06" \
+  "trl-liger"
 OUT=$OUT PER_RUN=${T_17:-300} STEPS=30 WARMUP=3 benchmarks/device.sh qwen3-1.7b \
   "--max_tokens_per_batch 4096 --gradient_checkpointing ffn --torch_compile --precompute_ref_log_probs" "trl-liger"
