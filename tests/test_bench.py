@@ -164,3 +164,26 @@ def test_compile_layers_makes_frozen_embeddings_output_require_grad(model_dirs):
     assert not emb(torch.tensor([[5, 6]])).requires_grad
     compile_layers(model)
     assert emb(torch.tensor([[5, 6]])).requires_grad
+
+
+def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch):
+    from fastdpo import train as train_mod
+    from fastdpo.data.tokenize import TokenizedPair
+    from fastdpo.model import Backend, load_model, load_tokenizer
+
+    pairs = [TokenizedPair(prompt=[5] * 300, chosen=[6] * 100, rejected=[7] * 100, index=i) for i in range(6)]
+    pairs.append(TokenizedPair(prompt=[5] * 2000, chosen=[6] * 600, rejected=[7] * 600, index=6))
+    assert train_mod.compile_budget(pairs, 8) == 7168  # 8 x ~886 tokens, rounded up to 1024s
+    assert train_mod.compile_budget(pairs, 1) == 4096  # never below the longest pair (3200)
+    monkeypatch.setattr(train_mod, "choose_backend", lambda *a: Backend("flex"))
+    monkeypatch.setattr(train_mod, "compile_layers", lambda model: None)
+    monkeypatch.setattr(train_mod, "prepare_packed", lambda *a: None)
+    path = str(model_dirs("qwen3"))
+    cfg = _cfg(tmp_path, model_dirs, torch_compile=True, per_device_train_batch_size=2)
+    train_mod.assemble(cfg, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                       load_tokenizer(path), pairs)
+    assert cfg.max_tokens_per_batch == 4096
+    kept = _cfg(tmp_path, model_dirs, torch_compile=True, max_tokens_per_batch=512)
+    train_mod.assemble(kept, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                       load_tokenizer(path), pairs)
+    assert kept.max_tokens_per_batch == 512
