@@ -20,8 +20,8 @@ def test_flex_length_uses_few_static_shapes():
     for t in (1, 1000, 1024, 1025, 3000, 4096):
         n = flex_length(t, budget)
         assert n >= t and n % FLEX_PAD == 0 and n - t < budget // SHAPE_BUCKETS
-    assert flex_length(5000, budget) == 5120  # longer than the budget: the next flex block
-    assert flex_length(300, 0) == 384
+    assert flex_length(4200, budget) == 5120 and flex_length(9000, budget) == 9216  # longer: quarter-budget steps
+    assert flex_length(300, 0) == 384  # no budget: the next flex block
     assert flex_length(100, 200) == 128 and flex_length(200, 200) == 256  # tiny budgets: whole blocks
 
 

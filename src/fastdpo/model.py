@@ -253,13 +253,14 @@ def decoder(model):
 
 
 def flex_length(tokens: int, budget: int) -> int:
-    """Padded length of a flex micro-batch holding `tokens`: the next of SHAPE_BUCKETS equal steps of the budget (a
-    few static shapes, so compiled kernels are built a few times, not per batch, and a step's last, partly filled
-    micro-batch is not padded to the whole budget), or the next multiple of the flex block past the budget."""
-    if budget <= 0 or tokens > budget:
+    """Padded length of a flex micro-batch holding `tokens`: the next multiple of a quarter of the budget (rounded to
+    the flex block), so a budget gives SHAPE_BUCKETS static lengths and compiled kernels are built a few times, not
+    per batch; a step's last, partly filled micro-batch is not padded to the whole budget; and a pair longer than the
+    budget takes a few more lengths, not one per pair. Without a budget: the next multiple of the flex block."""
+    if budget <= 0:
         return -(-tokens // FLEX_PAD) * FLEX_PAD
     step = -(-budget // (SHAPE_BUCKETS * FLEX_PAD)) * FLEX_PAD
-    return min(-(-tokens // step) * step, -(-budget // FLEX_PAD) * FLEX_PAD)
+    return -(-tokens // step) * step
 
 
 def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0) -> PairBatch:
