@@ -114,3 +114,21 @@ def test_flex_and_compiled_paths_pass_on_cuda(model_dirs, data):
     assert "packed flex" in names and "packed dense" in names and any("compiled" in n for n in names)
     assert all(r.passed for r in results), [(r.name, r.worst) for r in results if not r.passed]
     assert all(r.peak_mib is not None for r in results)
+
+
+def test_verify_takes_conversational_rows_with_a_template(model_dirs, capsys, tmp_path):
+    from conftest import WORDS
+
+    from fastdpo.verify import load_pairs
+
+    rows = [{"prompt": [{"role": "user", "content": " ".join(WORDS[4 + i:10 + i])}],
+             "chosen": [{"role": "assistant", "content": " ".join(WORDS[5 + i:8 + i])}],
+             "rejected": [{"role": "assistant", "content": " ".join(WORDS[6 + i:11 + i])}]} for i in range(4)]
+    data = write_jsonl(tmp_path / "conv.jsonl", rows)
+    model = str(model_dirs("qwen3"))
+    plain = load_pairs(model, [str(data)], 4, 512, 42, False, template="chatml")
+    chat = load_pairs(model, [str(data)], 4, 512, 42, False, template="chatml", system="be brief")
+    assert len(chat) == 4 and all(len(c.prompt) > len(p.prompt) for c, p in zip(chat, plain))
+    rc = main(["verify", "--model", model, "--dataset", str(data), "--pairs", "4", "--policies", "full",
+               "--template", "chatml"])
+    assert rc == 0 and "PASS" in capsys.readouterr().out

@@ -115,7 +115,8 @@ def cmd_verify(args: argparse.Namespace, console) -> int:
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     results = run_verify(args.model, args.dataset, args.pairs, args.max_length, args.device, args.torch_dtype,
-                         args.tolerance, policies, args.compile, args.seed, args.trust_remote_code)
+                         args.tolerance, policies, args.compile, args.seed, args.trust_remote_code, args.template,
+                         args.system)
     print_results(results, console, cuda=results[0].peak_mib is not None)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -240,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Also verify compiled decoder layers, as --torch_compile trains (default: on CUDA only).")
     v.add_argument("--seed", type=int, default=42, help="Seed for `path#N` sampling.")
     v.add_argument("--trust_remote_code", action="store_true", help="Allow model code from the model dir / hub.")
+    v.add_argument("--template", default="", help="Chat template for conversational rows, as in training.")
+    v.add_argument("--system", default="", help="System prompt for conversational rows that have none.")
     v.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     v.set_defaults(func=cmd_verify)
     e = sub.add_parser("env", help="Versions, GPUs and the NCCL variables that matter, with advice.")

@@ -21,7 +21,7 @@ import torch
 from fastdpo.config import checkpoint_policy
 from fastdpo.data.load import load_rows
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
-from fastdpo.data.tokenize import TokenizedPair, tokenize_rows
+from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.losses import LossInputs, LossParams, dpo_sigmoid_loss
 from fastdpo.memory import apply_checkpointing, compile_layers, decoder_layers
 from fastdpo.model import (
@@ -207,24 +207,29 @@ def _gradients(model, pairs: list[TokenizedPair], backend: Backend, ref: torch.T
 
 
 def load_pairs(model_path: str, datasets: list[str], num_pairs: int, max_length: int, seed: int,
-               trust_remote_code: bool) -> list[TokenizedPair]:
+               trust_remote_code: bool, template: str = "", system: str = "") -> list[TokenizedPair]:
+    """The first `num_pairs` rows, tokenised as training does (chat template, system prompt, length limit)."""
+    from types import SimpleNamespace
+
+    from fastdpo.data.prepare import DataOptions, tokenize_pairs
+
     tokenizer = load_tokenizer(model_path, trust_remote_code)
     rows = load_rows(datasets, seed)[:num_pairs]
-    pairs, _ = tokenize_rows(tokenizer, rows, max_length)
-    return pairs
+    opts = DataOptions.for_scoring(SimpleNamespace(max_length=max_length, seed=seed, template=template, system=system))
+    return tokenize_pairs(rows, tokenizer, opts)[0]
 
 
 def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_length: int = 512,
                device: str = "auto", torch_dtype: str = "float32", tolerance: float | None = None,
                policies: tuple[str, ...] = POLICIES, compile: bool | None = None, seed: int = 42,
-               trust_remote_code: bool = False) -> list[PathResult]:
+               trust_remote_code: bool = False, template: str = "", system: str = "") -> list[PathResult]:
     """Run every path; the first result is the plain path itself (differences 0)."""
     for p in policies:
         checkpoint_policy(p)  # raises on a bad value
     dev = resolve_device(device)
     dtype = resolve_dtype(torch_dtype, dev)
     tol = tolerance if tolerance is not None else TOLERANCE[dtype]
-    pairs = load_pairs(model_path, datasets, num_pairs, max_length, seed, trust_remote_code)
+    pairs = load_pairs(model_path, datasets, num_pairs, max_length, seed, trust_remote_code, template, system)
     model = load_model(model_path, dtype, dev, trust_remote_code)
     model.train()
     _disable_dropout(model)
