@@ -39,17 +39,45 @@ def dense_mask(batch: PairBatch, window: int | None = None) -> torch.Tensor:
     return m[None, None]
 
 
+MASK_CHUNK = 1 << 25  # query-block rows of the rule evaluated at once: at most ~32M elements
+
+
 def flex_block_mask(batch: PairBatch, window: int | None = None):
-    """A FlexAttention BlockMask for the micro-batch; T must be a multiple of FLEX_BLOCK."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """A FlexAttention BlockMask for the micro-batch; T must be a multiple of FLEX_BLOCK.
+
+    Built in plain tensor ops, not through a compiled `create_block_mask`, whose first compilation can take minutes
+    at some lengths (Triton's sort codegen): the rule is evaluated a chunk of query blocks at a time, each 128 x 128
+    tile classified as full (every entry allowed), partial, or empty, and the block lists ordered the way
+    `create_block_mask` orders them (full blocks apart, then a stable descending sort)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     pid, seg, pos = batch.pair_ids, batch.segments, batch.position_ids[0]
+    t, b = pid.numel(), FLEX_BLOCK
+    n = t // b
+    idx = torch.arange(t, device=pid.device)
+    step = max(1, MASK_CHUNK // (b * t))
+    partial, full = [], []
+    with torch.no_grad():
+        for start in range(0, n, step):
+            q = idx[start * b : min(n, start + step) * b]
+            m = allowed(pid[q, None], pid[None, :], seg[q, None], seg[None, :], q[:, None], idx[None, :],
+                        pos[q, None], pos[None, :], window).view(-1, b, n, b)
+            count = m.sum(dim=(1, 3))
+            full.append(count == b * b)
+            partial.append((count > 0) & (count < b * b))
 
-    def mask_mod(b, h, q, k):
-        return allowed(pid[q], pid[k], seg[q], seg[k], q, k, pos[q], pos[k], window)
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = blocks.sum(dim=-1, dtype=torch.int32)
+        indices = torch.argsort(blocks.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32)
+        return num[None, None].contiguous(), indices[None, None].contiguous()
 
-    t = pid.numel()
-    return create_block_mask(mask_mod, None, None, t, t, device=pid.device, BLOCK_SIZE=FLEX_BLOCK, _compile=True)
+    def mask_mod(b_, h, q_, k):
+        return allowed(pid[q_], pid[k], seg[q_], seg[k], q_, k, pos[q_], pos[k], window)
+
+    kv_num, kv_idx = ordered(torch.cat(partial))
+    full_num, full_idx = ordered(torch.cat(full))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=b, mask_mod=mask_mod,
+                                    seq_lengths=(t, t))
 
 
 @functools.cache
