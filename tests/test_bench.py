@@ -187,3 +187,21 @@ def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch):
     train_mod.assemble(kept, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
                        load_tokenizer(path), pairs)
     assert kept.max_tokens_per_batch == 512
+
+
+def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
+    from conftest import write_jsonl
+
+    from fastdpo.cli import main
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(16, seed=2))
+    out, prof = tmp_path / "b.json", tmp_path / "prof"
+    rc = main(["bench", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--steps", "2", "--warmup", "1",
+               "--per_device_train_batch_size", "4", "--json", str(out), "--profile", str(prof)])
+    assert rc == 0 and "fastdpo bench" in capsys.readouterr().out
+    r = json.loads(out.read_text())["results"][0]
+    assert r["pairs_per_s"] > 0 and r["backend"] == "dense"
+    assert r["profile"]["time"] == "cpu" and r["profile"]["top"][0]["self_ms"] > 0
+    assert json.loads((prof / "trace.json").read_text())["traceEvents"]
+    top = (prof / "top.txt").read_text().splitlines()
+    assert top[0].split()[:2] == ["self", "ms/step"] and len(top) > 5

@@ -197,8 +197,9 @@ def warm_shapes(s) -> None:
 
 
 def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int,
-                verbose: bool = True) -> dict:
-    """Time `steps` optimizer steps of the real training step after `warmup` steps."""
+                verbose: bool = True, profile_dir: str | None = None) -> dict:
+    """Time `steps` optimizer steps of the real training step after `warmup` steps; with `profile_dir`, profile
+    two more steps afterwards (outside the timing)."""
     from fastdpo.metrics import device_peak_flops, model_flops_per_token, step_flops
     from fastdpo.model import base_causal_lm, resolve_device, resolve_dtype
     from fastdpo.optim import build_optimizer, build_scheduler
@@ -223,14 +224,17 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     t_first = None
     if s.backend.name == "flex":  # compiled layers, and the compiled flex kernel on its own, build per length
         warm_shapes(s)
-    for step in range(warmup + steps):
-        step_pairs = pairs[step * per_step:(step + 1) * per_step]
+    def one_step(step_pairs):
         run_step(s, step_pairs, StepMetrics(device))
         torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
+
+    for step in range(warmup + steps):
+        step_pairs = pairs[step * per_step:(step + 1) * per_step]
+        one_step(step_pairs)
         times.append(time.perf_counter())
         prev = times[-2] if len(times) > 1 else t_init
         if verbose:
@@ -245,6 +249,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                                 sum(attended_pairs(p) for p in step_pairs), s.reference.online)
     dt = times[-1] - times[warmup - 1] if warmup else times[-1] - t_init
     peak = device_peak_flops(device)
+    profile = profile_steps(one_step, [pairs[i * per_step:(i + 1) * per_step] for i in range(2)], device,
+                            profile_dir) if profile_dir else None
     return {
         "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
         "s_per_step": round(dt / steps, 4), "mfu": round(flops / dt / peak, 4) if peak else None,
@@ -252,7 +258,32 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         "first_step_s": round(t_first, 1), "backend": s.backend.name, "reference": s.reference.strategy,
         "params": sum(p.numel() for p in s.model.parameters()),
         "flops_per_token_fwd": model_flops_per_token(lm_cfg),
+        **({"profile": profile} if profile else {}),
     }
+
+
+def profile_steps(one_step, steps: list, device: torch.device, out_dir: str, top: int = 30) -> dict:
+    """Run `one_step` on each of `steps` under torch.profiler; write a Chrome trace and a table of the operators
+    and kernels that took the most time (device time on CUDA, CPU time otherwise) into `out_dir`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        for step_pairs in steps:
+            one_step(step_pairs)
+    prof.export_chrome_trace(str(out / "trace.json"))
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]
+    total = sum(getattr(e, key, 0) for e in prof.key_averages()) or 1
+    rows = [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key, 0) / 1000 / len(steps), 3),
+             "share": round(getattr(e, key, 0) / total, 4)} for e in events]
+    lines = [f"{'self ms/step':>12} {'share':>7} {'calls':>6}  name"]
+    lines += [f"{r['self_ms']:>12.3f} {r['share']:>7.1%} {r['calls']:>6}  {r['name'][:120]}" for r in rows]
+    (out / "top.txt").write_text("\n".join(lines) + "\n")
+    return {"dir": str(out), "time": "device" if cuda else "cpu", "top": rows[:10]}
 
 
 TRL_SCRIPT = r'''
@@ -343,7 +374,7 @@ def print_table(console, results: list[dict]) -> None:
 
 
 def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, compare: list[str], dataset: list[str],
-              out_json: str | None, console) -> list[dict]:
+              out_json: str | None, console, profile_dir: str | None = None) -> list[dict]:
     if shape is None and not cfg.model:
         raise FastDPOError("fastdpo bench needs --shape NAME (random-init) or --model PATH.")
     n = cfg.pairs_per_step * (steps + warmup)
@@ -355,7 +386,7 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
             raise FastDPOError(f"--dataset has {len(rows)} rows; the bench needs {n} (pairs per step x steps).")
     else:
         rows = anchor_pairs(n)
-    results = [{**run_fastdpo(cfg, shape, rows, steps, warmup), "config": cfg.to_dict()}]
+    results = [{**run_fastdpo(cfg, shape, rows, steps, warmup, profile_dir=profile_dir), "config": cfg.to_dict()}]
     gc.collect()  # free our model before TRL's process starts on the same GPU
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

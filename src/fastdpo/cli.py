@@ -152,7 +152,8 @@ def cmd_bench(args: argparse.Namespace, console) -> int:
             raise FastDPOError("--pair_tokens probes the longest pair on fastdpo alone; drop --compare.")
         run_longest(cfg, args.shape, args.pair_tokens, args.json, console)
         return 0
-    run_bench(cfg, args.shape, args.steps, args.warmup, args.compare, getattr(args, "dataset", None) or [], args.json, console)
+    run_bench(cfg, args.shape, args.steps, args.warmup, args.compare, getattr(args, "dataset", None) or [], args.json,
+              console, args.profile)
     return 0
 
 
@@ -204,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=5, help="Warm-up steps (compilation, allocator).")
     b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger.")
     b.add_argument("--json", help="Write the results and environment to this JSON file.")
+    b.add_argument("--profile", metavar="DIR", help="After the measured steps, profile two more steps: a Chrome trace "
+                   "(DIR/trace.json) and the operators and kernels that took the most time (DIR/top.txt).")
     b.add_argument("--pair_tokens", nargs="*", type=int, default=[],
                    help="Longest-pair probe: one optimizer step on one pair of each of these lengths (prompt half, "
                         "completions a quarter each), until one runs out of GPU memory.")
