@@ -58,3 +58,9 @@ def test_flex_forward_with_our_block_mask_matches_dense():
     rows = mask[0, 0].any(-1)  # every query sees itself, so every row has an allowed key
     assert rows.all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_block_mask_keeps_the_sequence_length():
+    batch = pack_pairs(random_pairs(3, 100, seed=5, max_prompt=90, max_comp=60), FLEX_BLOCK)
+    t = batch.input_ids.shape[1]
+    assert flex_block_mask(batch).seq_lengths == (t, t) == reference(batch, None).seq_lengths

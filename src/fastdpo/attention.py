@@ -76,8 +76,8 @@ def flex_block_mask(batch: PairBatch, window: int | None = None):
 
     kv_num, kv_idx = ordered(torch.cat(partial))
     full_num, full_idx = ordered(torch.cat(full))
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=b, mask_mod=mask_mod,
-                                    seq_lengths=(t, t))
+    # T is a multiple of the block: the default sequence lengths (blocks x 128) are exactly (T, T)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=b, mask_mod=mask_mod)
 
 
 @functools.cache
