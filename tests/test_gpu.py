@@ -115,3 +115,22 @@ def test_activation_offloading_keeps_gradients_and_lowers_peak():
     assert rel(off, plain) < 1e-3
     assert max(rel(g_off[n], g_plain[n]) for n in g_plain) < 1e-2
     assert peak_off < 0.8 * peak_plain, (peak_off, peak_plain)
+
+
+def test_block_mask_matches_create_block_mask_on_cuda():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fastdpo.attention import FLEX_BLOCK, allowed, flex_block_mask
+
+    pairs = random_pairs(40, 151936, seed=3, max_prompt=400, max_comp=300)
+    batch = pack_pairs(pairs, 4096).to("cuda")
+    pid, seg, pos = batch.pair_ids, batch.segments, batch.position_ids[0]
+
+    def mask_mod(b, h, q, k):
+        return allowed(pid[q], pid[k], seg[q], seg[k], q, k, pos[q], pos[k], None)
+
+    t = pid.numel()
+    theirs = create_block_mask(mask_mod, None, None, t, t, device="cuda", BLOCK_SIZE=FLEX_BLOCK)
+    ours = flex_block_mask(batch)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
