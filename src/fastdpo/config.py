@@ -63,6 +63,7 @@ class TrainConfig:
     load_from_cache_file: bool = _f(True, "Reuse tokenised data cached under a fingerprint of data, tokenizer, settings.")
     dataset_cache_dir: str = _f("", "Tokenisation cache dir (default: $FASTDPO_CACHE_DIR, else ~/.cache/fastdpo).")
     streaming: bool = _f(False, "Read and tokenise lazily, for data larger than memory; needs --max_steps.")
+    shuffle: bool = _f(True, "Shuffle the pairs each epoch (seeded by --seed); false keeps the dataset order.")
     shuffle_buffer_size: int = _f(10000, "Pairs in the seeded shuffle buffer when streaming.")
     dataloader_num_workers: int = _f(0, "Processes that read and tokenise ahead of training when streaming.")
     # batching
@@ -423,17 +424,28 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -
         else:
             kw["type"] = typ
         parser.add_argument(f"--{f.name}", **kw)
+    if cls is TrainConfig:
+        from fastdpo.compat import add_foreign_flags
+
+        add_foreign_flags(parser)
 
 
 def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     """Merge defaults < YAML file < command line into a config object (not yet validated)."""
+    from fastdpo.compat import FOREIGN, apply_foreign
+
     values: dict[str, Any] = {}
     names = {f.name: f for f in dataclasses.fields(cls)}
+    foreign_names = FOREIGN if cls is TrainConfig else {}
+    foreign: dict[str, Any] = {}
     if getattr(args, "config", None):
-        values.update(load_yaml(args.config, names))
+        for key, value in load_yaml(args.config, names, foreign_names).items():
+            (foreign if key in foreign_names else values)[key] = value
     for name in names:
         if hasattr(args, name):
             values[name] = getattr(args, name)
+    foreign.update({name: getattr(args, name) for name in foreign_names if hasattr(args, name)})
+    apply_foreign(foreign, values)  # flags of ms-swift / HF scripts: mapped, noted, or refused
     if "gradient_checkpointing" in values:
         values["gradient_checkpointing"] = str(values["gradient_checkpointing"]).lower()
     for name in ("dataset", "val_dataset"):
@@ -442,7 +454,8 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     return cls(**values)
 
 
-def load_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict:
+def load_yaml(path: str, fields: dict[str, dataclasses.Field], extra=()) -> dict:
+    """Flag values of a YAML file; `extra` names more keys that are passed through as they are."""
     p = Path(path)
     if not p.is_file():
         raise FastDPOError(f"Config file {path} not found. Check the path given to --config.")
@@ -456,6 +469,9 @@ def load_yaml(path: str, fields: dict[str, dataclasses.Field]) -> dict:
         raise FastDPOError(f"{path}: expected a mapping of flag names to values at the top level.")
     out = {}
     for key, value in data.items():
+        if key in extra:
+            out[key] = value
+            continue
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -337,7 +337,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                 step_pairs = s.stream.take(step_pairs_total)
             else:
                 if epoch not in orders:
-                    orders = {epoch: step_order(len(s.pairs), step_pairs_total, cfg.seed, epoch)}
+                    orders = {epoch: step_order(len(s.pairs), step_pairs_total, cfg.seed, epoch, cfg.shuffle)}
                 step_pairs = [s.pairs[i] for i in orders[epoch][k]]
             metrics = StepMetrics(device)
             beta = s.beta.value()

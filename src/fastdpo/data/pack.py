@@ -64,11 +64,15 @@ class PairBatch:
         return PairBatch(**{k: move(v) for k, v in vars(self).items()})
 
 
-def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int) -> list[list[int]]:
+def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
     """Dataset indices of each optimizer step in one epoch. Depends only on the seed, the epoch and the step size,
-    never on micro-batching or the token budget. The last step of an epoch may be smaller."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(num_rows, generator=g).tolist()
+    never on micro-batching or the token budget. The last step of an epoch may be smaller. Without `shuffle`, the
+    dataset order."""
+    if not shuffle:
+        perm = list(range(num_rows))
+    else:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(num_rows, generator=g).tolist()
     return [perm[i : i + pairs_per_step] for i in range(0, num_rows, pairs_per_step)]
 
 

@@ -43,7 +43,8 @@ class DataOptions:
                               template=resolve_template(cfg.template), system=cfg.system or None)
         return cls(tok, split=cfg.split, seed=cfg.seed, num_proc=cfg.dataset_num_proc,
                    use_cache=cfg.load_from_cache_file, cache_dir=cfg.dataset_cache_dir, streaming=cfg.streaming,
-                   num_workers=cfg.dataloader_num_workers, shuffle_buffer_size=cfg.shuffle_buffer_size)
+                   num_workers=cfg.dataloader_num_workers,
+                   shuffle_buffer_size=cfg.shuffle_buffer_size if cfg.shuffle else 1)  # a 1-pair buffer keeps the order
 
 
     @classmethod
