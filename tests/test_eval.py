@@ -462,3 +462,13 @@ def test_eval_tokenises_like_training(tmp_path, model_dirs, monkeypatch):
     assert all(p.num_tokens <= 20 + 20 for p in expected) and any(len(p.prompt) > 6 for p in expected)
     with pytest.raises(FastDPOError, match="truncation_strategy"):
         EvalConfig(model="m", dataset=["d"], truncation_strategy="middle").validate()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--eval_backend", "OpenCompass"], "--eval_backend OpenCompass: fastdpo eval scores held-out preference pairs"),
+    (["--eval_dataset", "mt_bench,zh_cls"], "--eval_dataset mt_bench,zh_cls: name benchmark tasks with --lm_eval_tasks"),
+    (["--infer_backend", "vllm"], "--infer_backend vllm"),
+])
+def test_ms_swift_eval_flags_get_clear_answers(flags, needle, capsys):
+    rc, out = run_cli(capsys, "eval", "--model", "m", "--dataset", "d.jsonl", *flags)
+    assert rc == 1 and needle in out and "Traceback" not in out

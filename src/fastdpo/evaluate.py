@@ -319,12 +319,27 @@ class EvalConfig(ModelArgs, GenerationArgs):
     lm_eval_limit: int = _f(0, "Examples per lm-eval task (0: all).")
     lm_eval_include_path: str = _f("", "Directory of extra lm-eval task YAMLs (e.g. local tasks).")
     output_dir: str = _f("eval_output", "Where eval_report.json and generations.jsonl go.")
+    eval_backend: str = _f("", "ms-swift's evaluation backend: only lm-evaluation-harness runs here (see "
+                               "--lm_eval_tasks).")
+    eval_dataset: str = _f("", "ms-swift's benchmark list: name the tasks with --lm_eval_tasks instead.")
+    infer_backend: str = _f("pt", "pt: transformers generate (the one backend here).")
 
     def validate(self) -> None:
         from fastdpo.config import ATTN_IMPLS, _choice
 
         self.validate_model()
         self.validate_generation()
+        if self.eval_backend and self.eval_backend.lower() not in ("lm_eval", "lm-eval", "lm_evaluation_harness"):
+            raise FastDPOError(f"--eval_backend {self.eval_backend}: fastdpo eval scores held-out preference pairs "
+                               "(--dataset) and runs lm-evaluation-harness tasks (--lm_eval_tasks, e.g. "
+                               "gsm8k,mmlu). For OpenCompass, evaluate the exported model (fastdpo export) there.")
+        if self.eval_dataset:
+            raise FastDPOError(f"--eval_dataset {self.eval_dataset}: name benchmark tasks with --lm_eval_tasks "
+                               "(lm-evaluation-harness names, e.g. gsm8k,mmlu) and held-out preference pairs with "
+                               "--dataset.")
+        if self.infer_backend != "pt":
+            raise FastDPOError(f"--infer_backend {self.infer_backend}: fastdpo generates with transformers (pt); "
+                               "drop the flag.")
         if not self.dataset:
             raise FastDPOError("--dataset is required: held-out JSONL/JSON files with prompt/chosen/rejected.")
         from fastdpo.data.template import resolve_template

@@ -75,14 +75,23 @@ class GenerationArgs:
 class InferConfig(ModelArgs, GenerationArgs):
     prompt: str = _f("", "One prompt; the answer is streamed to the terminal.")
     prompts: str = _f("", "JSONL file, one object per line with `prompt` (text) or `messages` (chat), optional `system`.")
+    messages: str = _f("", "One conversation as JSON, a list of {role, content} (as ms-swift's --messages); the last "
+                           "turn is answered and streamed like --prompt.")
+    infer_backend: str = _f("pt", "pt: transformers generate (the one backend here; ms-swift's default).")
     compare: bool = _f(False, "Also answer with the base model (adapters off / --model) and print both side by side.")
     result_path: str = _f("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
 
     def validate(self) -> None:
         self.validate_model()
         self.validate_generation()
-        if bool(self.prompt) == bool(self.prompts):
-            raise FastDPOError("Give exactly one of --prompt TEXT or --prompts FILE.jsonl.")
+        if sum(map(bool, (self.prompt, self.prompts, self.messages))) != 1:
+            raise FastDPOError("Give exactly one of --prompt TEXT, --prompts FILE.jsonl or --messages JSON.")
+        if self.infer_backend != "pt":
+            raise FastDPOError(f"--infer_backend {self.infer_backend}: fastdpo generates with transformers (pt). To "
+                               "serve with vLLM or another engine, merge the adapter first (fastdpo export "
+                               "--merge_lora) and load the exported dir there; or drop the flag.")
+        if self.messages:
+            conversation(self.messages)  # raises on bad JSON or shape
         if self.compare and not (self.adapters or self.checkpoint):
             raise FastDPOError("--compare needs a tuned model to compare with the base: add --adapters or --checkpoint.")
 
@@ -294,6 +303,20 @@ def read_prompts(path: str) -> list[dict]:
     return rows
 
 
+def conversation(text: str) -> list[dict]:
+    """--messages: a JSON list of {"role", "content"} objects."""
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FastDPOError(f"--messages is not valid JSON ({e.msg}, column {e.colno}). Quote it for the shell: "
+                           "--messages '[{\"role\": \"user\", \"content\": \"...\"}]'.") from None
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise FastDPOError("--messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects.")
+    return messages
+
+
 def _row_prompt(row: dict) -> Prompt:
     return row["prompt"] if isinstance(row.get("prompt"), str) else row["messages"]
 
@@ -304,13 +327,18 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
 
     cfg.validate()
     loaded = load_for_generation(cfg, need_base=cfg.compare)
-    rows = [{"prompt": cfg.prompt}] if cfg.prompt else read_prompts(cfg.prompts)
+    if cfg.prompt:
+        rows = [{"prompt": cfg.prompt}]
+    elif cfg.messages:
+        rows = [{"messages": conversation(cfg.messages)}]
+    else:
+        rows = read_prompts(cfg.prompts)
     # one system prompt per call: group rows by their own system prompt (or --system)
     results: list[dict] = [dict(r) for r in rows]
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
         groups.setdefault(str(r.get("system") or cfg.system), []).append(i)
-    stream = bool(cfg.prompt) and not cfg.compare and console is not None
+    stream = bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
     for system, idx in groups.items():
         gen = copy.copy(cfg)
         gen.system = system
