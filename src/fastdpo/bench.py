@@ -178,8 +178,8 @@ def run_longest(cfg: TrainConfig, shape: str | None, lengths: list[int], out_jso
 
 
 def warm_shapes(s) -> None:
-    """Compile every static micro-batch length up front (one forward and backward of the policy on a filler pair of
-    each length), so that no measured step pays for a compilation."""
+    """Compile every static micro-batch length up front (the online reference's forward and the policy's forward
+    and backward on a filler pair of each length), so that no measured step pays for a compilation."""
     from fastdpo.data.tokenize import TokenizedPair
     from fastdpo.distributed import policy_logps
     from fastdpo.model import FLEX_PAD, build_mask, flex_length, make_batch
@@ -190,7 +190,10 @@ def warm_shapes(s) -> None:
         n = length - FLEX_PAD // 2
         pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
         batch = make_batch([pair], s.backend, pad_id(s.tokenizer), s.device, budget)
-        pol = policy_logps(s.policy, batch, build_mask(batch, s.backend))
+        mask = build_mask(batch, s.backend)
+        if s.reference.online:  # its no-grad forward compiles graphs of its own
+            s.reference.logps(s.model, batch, s.backend, mask)
+        pol = policy_logps(s.policy, batch, mask)
         pol.sums.sum().backward()
     s.model.zero_grad(set_to_none=True)
     _sync(s.device)
