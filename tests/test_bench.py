@@ -205,3 +205,33 @@ def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
     assert json.loads((prof / "trace.json").read_text())["traceEvents"]
     top = (prof / "top.txt").read_text().splitlines()
     assert top[0].split()[:2] == ["self", "ms/step"] and len(top) > 5
+
+
+def test_compare_runs_checks_the_loss_curve(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_runs", Path(__file__).resolve().parent.parent / "benchmarks" / "compare_runs.py")
+    cr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cr)
+
+    def run(name, losses, rate, peak, first=1):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": first + i, "loss": v, "pairs_per_second": rate, "memory/peak_gib": peak}
+                for i, v in enumerate(losses)]
+        rows.append({"step": first, "eval_loss": 0.6})  # an evaluation record: ignored
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d)
+
+    one = run("one", [0.69, 0.68, 0.66, 0.65], 10.0, 20.0)
+    two = run("two", [0.69, 0.6801, 0.6601, 0.6499], 19.0, 12.0)
+    off = run("off", [0.69, 0.68, 0.70, 0.65], 19.0, 12.0)
+    resumed = run("resumed", [0.66, 0.65], 10.0, 20.0, first=3)
+    assert cr.main([f"{one}:1", f"{two}:2", "--skip", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 95.0% |" in out and "| 12.0 |" in out  # 19 pairs/s on 2 GPUs = 9.5 per GPU vs 10
+    assert cr.main([f"{one}:1", f"{off}:2"]) == 1  # step 3 is 6 % off
+    assert cr.main([f"{one}:1", f"{resumed}:1"]) == 1  # only 2 of 4 steps: incomplete unless --overlap
+    assert cr.main([f"{one}:1", f"{resumed}:1", "--overlap"]) == 0
