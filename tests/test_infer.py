@@ -55,13 +55,19 @@ def test_sampling_is_seeded(model_dirs):
     assert a != greedy
 
 
-def test_chat_template_formats_prompts(tmp_path, model_dirs):
+def chat_model(tmp_path, model_dirs):
+    """A copy of the tiny llama dir whose tokenizer has CHAT_TEMPLATE."""
     m = tmp_path / "chat"
     shutil.copytree(model_dirs("llama"), m)
     cfg_path = m / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
+    return m
+
+
+def test_chat_template_formats_prompts(tmp_path, model_dirs):
+    m = chat_model(tmp_path, model_dirs)
     loaded = load_for_generation(ModelArgs(model=str(m)))
     tok = loaded.tokenizer
     assert tok.chat_template
@@ -154,12 +160,7 @@ def test_cli_errors(tmp_path, capsys, lora_run):
 def test_cli_answers_messages_like_ms_swift(tmp_path, capsys, model_dirs):
     """`--messages '[...]' --infer_backend pt` (seed 002's infer command): the conversation goes through the chat
     template and the answer is what generate_texts gives for the same messages."""
-    m = tmp_path / "chat"
-    shutil.copytree(model_dirs("llama"), m)
-    cfg_path = m / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
+    m = chat_model(tmp_path, model_dirs)
     messages = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w10 w11"}]
     rc, out = run_cli(capsys, "infer", "--model", m, "--infer_backend", "pt", "--max_new_tokens", 5,
                       "--messages", json.dumps(messages))
