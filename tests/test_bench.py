@@ -235,3 +235,24 @@ def test_compare_runs_checks_the_loss_curve(tmp_path, capsys):
     assert cr.main([f"{one}:1", f"{off}:2"]) == 1  # step 3 is 6 % off
     assert cr.main([f"{one}:1", f"{resumed}:1"]) == 1  # only 2 of 4 steps: incomplete unless --overlap
     assert cr.main([f"{one}:1", f"{resumed}:1", "--overlap"]) == 0
+
+
+def test_speed_hint_names_the_missing_settings():
+    from fastdpo.train import speed_hint
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    plain = TrainConfig(model="m", dataset=["d"])
+    hint = speed_hint(plain, cuda, "flex")
+    for flag in ("--torch_compile", "--max_tokens_per_batch 4096", "--gradient_checkpointing ffn",
+                 "--precompute_ref_log_probs", "fastdpo tune"):
+        assert flag in hint
+    assert speed_hint(plain, cpu, "dense") is None and speed_hint(plain, cuda, "padded") is None
+    tuned = TrainConfig(model="m", dataset=["d"], torch_compile=True, max_tokens_per_batch=4096,
+                        gradient_checkpointing="ffn", precompute_ref_log_probs=True)
+    assert speed_hint(tuned, cuda, "flex") is None
+    lora = TrainConfig(model="m", dataset=["d"], train_type="lora", torch_compile=True, max_tokens_per_batch=4096,
+                       gradient_checkpointing="full")
+    assert "--precompute_ref_log_probs" in speed_hint(lora, cuda, "flex")  # saves the adapters-off forward too
+    free = TrainConfig(model="m", dataset=["d"], loss_type="simpo", torch_compile=True, max_tokens_per_batch=4096,
+                       gradient_checkpointing="full")
+    assert speed_hint(free, cuda, "flex") is None  # reference-free: nothing to precompute

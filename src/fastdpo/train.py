@@ -158,6 +158,25 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     return s
 
 
+def speed_hint(cfg: TrainConfig, device: torch.device, backend: str) -> str | None:
+    """The settings behind the measured speed-ups, named once when a GPU run trains without them."""
+    if device.type != "cuda" or backend != "flex":
+        return None
+    missing = []
+    if not cfg.torch_compile:
+        missing.append("--torch_compile")
+    if not cfg.max_tokens_per_batch:
+        missing.append("--max_tokens_per_batch 4096 (about a few pairs' tokens)")
+    if cfg.gradient_checkpointing in ("none", "false"):
+        missing.append("--gradient_checkpointing ffn")
+    if not cfg.precompute_ref_log_probs and cfg.needs_reference() and not cfg.sync_ref_model:
+        missing.append("--precompute_ref_log_probs")
+    if not missing:
+        return None
+    return ("Faster on this GPU (README, Performance): " + ", ".join(missing) +
+            "; `fastdpo tune` measures these choices on your model and data.")
+
+
 def compile_budget(pairs: list[TokenizedPair], pairs_per_micro: int) -> int:
     """A token budget holding about `pairs_per_micro` pairs of average length, rounded up to 1024 tokens and never
     below the longest pair (so no pair needs a length of its own)."""
@@ -317,6 +336,9 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
+    hint = speed_hint(cfg, device, s.backend.name)
+    if hint and d.is_main:
+        log.info(hint)
 
     monitor = Monitor(cfg, out, console, optimizer, start, write=d.is_main, world_size=d.world_size)  # rank 0 writes
     lm_config = base_causal_lm(model).config
