@@ -45,7 +45,7 @@ def _rlhf_type(value: str, values: dict) -> str | None:
         raise FastDPOError(f"--rlhf_type {v} and --loss_type {given} disagree: drop one (--rlhf_type {v} means "
                            f"--loss_type {loss}).")
     values["loss_type"] = loss
-    return f"--rlhf_type {v}: training with --loss_type {loss}."
+    return f"training with --loss_type {loss}."
 
 
 def _sequence_parallel(name: str) -> Callable[[Any, dict], str | None]:
@@ -94,7 +94,7 @@ def _save_strategy(value: str, values: dict) -> str | None:
     if v == "steps":
         return None
     if v == "epoch":
-        return "--save_strategy epoch: checkpoints follow --save_steps; the final model is saved at the end."
+        return "checkpoints follow --save_steps; the final model is saved at the end."
     raise FastDPOError(f"--save_strategy {value}: choose steps, epoch or no.")
 
 
@@ -104,7 +104,7 @@ def _eval_strategy(value: str, values: dict) -> str | None:
         values["eval_steps"] = 0
         return None
     if v in ("steps", "epoch"):
-        return None if v == "steps" else "--eval_strategy epoch: held-out pairs are scored every --eval_steps."
+        return None if v == "steps" else "held-out pairs are scored every --eval_steps."
     raise FastDPOError(f"--eval_strategy {value}: choose steps, epoch or no.")
 
 
@@ -116,7 +116,7 @@ def _optim(value: str, values: dict) -> str | None:
 
 
 def _note(text: str) -> Callable[[Any, dict], str | None]:
-    return lambda value, values: f"--{{name}} {value}: {text}"
+    return lambda value, values: text
 
 
 @dataclass(frozen=True)
@@ -182,4 +182,4 @@ def apply_foreign(given: dict, values: dict) -> None:
     for name, value in given.items():
         note = FOREIGN[name].apply(value, values)
         if note:
-            log.info(note.replace("{name}", name))
+            log.info("--%s %s: %s", name, value, note)
