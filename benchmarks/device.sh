@@ -13,7 +13,7 @@ for c in "${CFGS[@]}"; do
   cmp=""; [ $i -eq 1 ] && [ -n "$COMPARE" ] && cmp="--compare $COMPARE"
   log="$OUT/${SHAPE}_$i.log"
   echo "== $SHAPE $c $cmp" > "$log"
-  timeout ${PER_RUN:-300} python3 -m fastdpo bench --shape "$SHAPE" --steps $STEPS --warmup $WARMUP $c $cmp \
+  timeout -k 20 ${PER_RUN:-300} python3 -m fastdpo bench --shape "$SHAPE" --steps $STEPS --warmup $WARMUP $c $cmp \
     --json "$OUT/${SHAPE}_$i.json" >> "$log" 2>&1
   echo "rc=$?" >> "$log"
 done

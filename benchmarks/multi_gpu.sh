@@ -1,30 +1,61 @@
 #!/usr/bin/env bash
-# Multi-GPU checks on one host with N GPUs (from the repo root; logs and tables in $OUT):
-# 1. Qwen3-1.7B full fine-tuning on the anchor workload, 20 steps, the same global batch (8 pairs) on 1 GPU, with DDP
-#    and with FSDP2 on N GPUs: loss curves compared step by step, pairs/s per GPU, peak memory per GPU.
-# 2. Qwen3-8B full fine-tuning with FSDP2 (--deepspeed zero3) and the precomputed reference, checkpoint at step 5.
-# 3. That sharded checkpoint resumed on one GPU.
+# Multi-GPU checks on one host with N GPUs (from the repo root; logs packed into $OUT/logs.tgz, tables printed).
+# PARTS picks what runs (default: all), in this order:
+#   bf16   Qwen3-1.7B full fine-tuning on the anchor workload, 20 steps, the same global batch (8 pairs), compiled, on
+#          1 GPU, with DDP and with FSDP2 on N GPUs: loss per step, pairs/s per GPU, peak memory per GPU.
+#   fp32   the same three runs in float32, 8 steps (float32 matmuls run at ~1/13 of bf16's rate on an H200): the loss
+#          curves must agree to float32 rounding, which separates the distributed code's correctness from the bf16
+#          rounding of different micro-batch layouts.
+#   resume the bf16 FSDP2 run's sharded checkpoint (step 10) resumed on one GPU: steps 11-20 against the FSDP2 run's.
+#   8b     Qwen3-8B full fine-tuning with FSDP2 (--deepspeed zero3) and the precomputed reference, 10 steps.
+# The 1-GPU runs go first, on GPU 0 (other work may use the other GPUs meanwhile). Each run gets at most the time left
+# before DEADLINE seconds (default 560), so that the logs are always packed.
 set -u
-N=${N:-2}; OUT=${OUT:-multi-out}; mkdir -p "$OUT"
+N=${N:-2}; OUT=${OUT:-multi-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; PARTS=" ${PARTS:-bf16 fp32 resume 8b} "
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fastdpo-inductor}
-python3 benchmarks/make_shape.py qwen3-1.7b /tmp/q17 /tmp/anchor.jsonl --rows 512 > /dev/null
+RUNS=/tmp/multi-runs; mkdir -p "$RUNS"
+has() { [[ "$PARTS" == *" $1 "* ]]; }
+run() {
+  local name=$1 t=$2; shift 2
+  local left=$(( ${DEADLINE:-560} - SECONDS - 20 )); [ "$left" -lt "$t" ] && t=$left
+  [ "$t" -lt 30 ] && { echo "== $name: skipped, no time left"; return; }
+  echo "== $name: $*" | tr -s ' \n' ' '; echo
+  timeout -k 20 "$t" "$@" --output_dir "$RUNS/$name" > "$LOGS/$name.log" 2>&1; echo "rc=$?"
+  grep -E "Error|error:" "$LOGS/$name.log" | tail -n 3
+  cp "$RUNS/$name/metrics.jsonl" "$LOGS/$name.metrics.jsonl" 2>/dev/null
+}
+[ -d /tmp/q17 ] || python3 benchmarks/make_shape.py qwen3-1.7b /tmp/q17 /tmp/anchor.jsonl --rows 192 > /dev/null
 C="--model /tmp/q17 --dataset /tmp/anchor.jsonl --max_steps 20 --learning_rate 1e-6 --logging_steps 1 --seed 1
-   --max_tokens_per_batch 4096 --gradient_checkpointing ffn --torch_compile --precompute_ref_log_probs
-   --disable_progress true --save_steps 0"
-run() { local name=$1; shift; echo "== $name"; timeout ${T_RUN:-240} "$@" --output_dir "$OUT/$name" > "$OUT/$name.log" 2>&1; echo "rc=$?"; }
-run 1gpu python3 -m fastdpo train $C --per_device_train_batch_size 8
-run ddp torchrun --nproc_per_node "$N" -m fastdpo train $C --per_device_train_batch_size $((8 / N))
-run fsdp torchrun --nproc_per_node "$N" -m fastdpo train $C --per_device_train_batch_size $((8 / N)) --fsdp full_shard
-python3 benchmarks/compare_runs.py "$OUT/1gpu:1" "$OUT/ddp:$N" "$OUT/fsdp:$N" --tolerance 0.02 | tee "$OUT/compare_1.7b.md"
-
-python3 benchmarks/make_shape.py qwen3-8b /tmp/q8 /tmp/anchor8.jsonl --rows 256 > /dev/null
-C8="--model /tmp/q8 --dataset /tmp/anchor8.jsonl --max_steps 10 --learning_rate 1e-6 --logging_steps 1 --seed 1
-    --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true
-    --per_device_train_batch_size $((8 / N)) --save_steps 5"
-run 8b_fsdp torchrun --nproc_per_node "$N" -m fastdpo train $C8 --deepspeed zero3
-tail -n 3 "$OUT/8b_fsdp/metrics.jsonl"
-run 8b_resume_1gpu python3 -m fastdpo train $C8 --per_device_train_batch_size 8 \
-  --resume_from_checkpoint "$OUT/8b_fsdp/checkpoint-5"
-python3 benchmarks/compare_runs.py "$OUT/8b_fsdp:$N" "$OUT/8b_resume_1gpu:1" --skip 6 --tolerance 0.02 --overlap \
-  | tee "$OUT/compare_8b_resume.md"
+   --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true"
+BF16="--torch_compile --torch_dtype bfloat16"; FP32="--torch_compile --torch_dtype float32 --max_steps 8"
+ONE="env CUDA_VISIBLE_DEVICES=0 python3 -m fastdpo train"; MANY="torchrun --nproc_per_node $N -m fastdpo train"
+per=$((8 / N))
+if has bf16; then run 1gpu 150 $ONE $C $BF16 --per_device_train_batch_size 8 --save_steps 0; fi
+if has fp32; then run 1gpu_fp32 120 $ONE $C $FP32 --per_device_train_batch_size 8 --save_steps 0; fi
+if has bf16; then
+  run ddp 150 $MANY $C $BF16 --per_device_train_batch_size $per --save_steps 0
+  run fsdp 150 $MANY $C $BF16 --per_device_train_batch_size $per --fsdp full_shard --save_steps 10
+  python3 benchmarks/compare_runs.py "$RUNS/1gpu:1" "$RUNS/ddp:$N" "$RUNS/fsdp:$N" --skip 3 --tolerance 0.05 \
+    | tee "$LOGS/compare_1.7b.md"
+fi
+if has fp32; then
+  run ddp_fp32 120 $MANY $C $FP32 --per_device_train_batch_size $per --save_steps 0
+  run fsdp_fp32 120 $MANY $C $FP32 --per_device_train_batch_size $per --fsdp full_shard --save_steps 0
+  python3 benchmarks/compare_runs.py "$RUNS/1gpu_fp32:1" "$RUNS/ddp_fp32:$N" "$RUNS/fsdp_fp32:$N" --skip 3 \
+    --tolerance 1e-3 | tee "$LOGS/compare_1.7b_fp32.md"
+fi
+if has resume; then
+  run resume_1gpu 150 $ONE $C $BF16 --per_device_train_batch_size 8 --save_steps 0 \
+    --resume_from_checkpoint "$RUNS/fsdp/checkpoint-10"
+  python3 benchmarks/compare_runs.py "$RUNS/fsdp:$N" "$RUNS/resume_1gpu:1" --skip 12 --tolerance 0.05 --overlap \
+    | tee "$LOGS/compare_resume.md"
+fi
+if has 8b; then
+  python3 benchmarks/make_shape.py qwen3-8b /tmp/q8 /tmp/anchor8.jsonl --rows 96 > /dev/null
+  run 8b_fsdp 400 $MANY --model /tmp/q8 --dataset /tmp/anchor8.jsonl --max_steps 10 --learning_rate 1e-6 \
+    --logging_steps 1 --seed 1 --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs \
+    --disable_progress true --save_steps 0 --per_device_train_batch_size $per --deepspeed zero3
+  tail -n 2 "$LOGS/8b_fsdp.metrics.jsonl" 2>/dev/null
+fi
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

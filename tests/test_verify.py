@@ -1,5 +1,7 @@
-"""`fastdpo verify`: every fast path and checkpointing policy gives the plain path's gradients, and the check has
-teeth; memory savings are measured and a missing saving gets a named cause."""
+"""`fastdpo verify`: every fast path and checkpointing policy gives the plain path's gradients (against the plain path
+in float32, within twice the plain path's own rounding error in lower precision), checkpointing gives the same
+gradients as no checkpointing, and the check has teeth; memory savings are measured and a missing saving gets a named
+cause."""
 
 import json
 
@@ -10,7 +12,16 @@ from conftest import easy_rows, write_jsonl
 from fastdpo.cli import main
 from fastdpo.memory import apply_checkpointing
 from fastdpo.model import Backend, load_model, prepare_packed
-from fastdpo.verify import HeldForBackward, no_saving_causes, param_group, run_verify
+from fastdpo.verify import (
+    TOLERANCE,
+    HeldForBackward,
+    PathResult,
+    no_saving_causes,
+    param_group,
+    relative_differences,
+    run_verify,
+    tolerance_for,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -33,25 +44,58 @@ def test_param_groups():
     assert param_group("model.embed_tokens.weight") == "embed" and param_group("lm_head.weight") == "lm_head"
 
 
+def test_relative_difference_is_a_norm_over_the_group():
+    ref = {"layers.0.mlp.w": torch.tensor([3.0, 0.0]), "layers.1.mlp.w": torch.tensor([0.0, 4.0]),
+           "embed_tokens.weight": torch.tensor([1.0])}
+    got = {"layers.0.mlp.w": torch.tensor([3.0, 0.5]), "layers.1.mlp.w": torch.tensor([0.0, 4.0]),
+           "embed_tokens.weight": torch.tensor([1.0])}
+    d = relative_differences(got, ref)
+    assert d["mlp"] == pytest.approx(0.5 / 5.0) and d["embed"] == 0.0
+
+
+def test_tolerance_is_twice_the_plain_paths_own_error_never_below_the_dtype_minimum():
+    assert tolerance_for(torch.float32, 0.0) == (1e-4, "dtype")
+    assert tolerance_for(torch.bfloat16, 0.005) == (3e-2, "dtype")
+    assert tolerance_for(torch.bfloat16, 0.105) == (pytest.approx(0.21), "floor")
+    assert tolerance_for(torch.float16, 0.02) == (pytest.approx(0.04), "floor")
+    assert tolerance_for(torch.bfloat16, 0.105, user=0.05) == (0.05, "user")
+
+
+def test_a_policy_passes_only_when_it_also_equals_the_path_without_checkpointing():
+    def row(worst, same):
+        return PathResult("ckpt full", "dense", "full", {"mlp": worst}, 0.2, 1.0, None, 0.1, dtype="bfloat16",
+                          floor=0.1, tolerance_from="floor", vs_no_ckpt=same, ckpt_tolerance=3e-2)
+
+    assert row(0.15, 0.0).passed and row(0.15, 3e-2).passed
+    assert not row(0.15, 0.031).passed  # within the float32 tolerance, but recomputation changed the gradients
+    assert not row(0.25, 0.0).passed
+    plain = PathResult("plain (padded)", "padded", "none", {"mlp": 0.1}, 0.2, 1.0, None, 0.1)
+    assert plain.passed and plain.vs_no_ckpt is None
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_every_path_and_policy_passes_on_cpu(model_dirs, data, family):
     results = run_verify(str(model_dirs(family)), [str(data)], num_pairs=8, max_length=64)
     names = [r.name for r in results]
-    assert names[0].startswith("plain") and results[0].worst == 0.0
+    assert names[0].startswith("plain") and results[0].worst == 0.0  # in float32 the plain path is the reference
     assert "packed dense" in names and any("budget" in n for n in names)
     assert [r.policy for r in results if r.policy != "none"] == ["full", "ffn", "attn", "every:2"]
     for r in results:
         assert r.passed, (r.name, r.groups)
         assert set(r.groups) >= {"attention", "mlp", "norm", "embed"}
         assert r.tolerance == 1e-4 and r.worst < 1e-5
+        assert r.truth_dtype == "float32" and r.floor == 0.0 and not r.fallback
+        assert (r.vs_no_ckpt is None) == (r.policy == "none")
     policies = {r.policy: r for r in results if r.policy != "none"}
+    assert all(r.vs_no_ckpt < 1e-5 and r.ckpt_tolerance == 1e-4 for r in policies.values())
     assert all(r.lowered and not r.causes for r in policies.values())
     packed = next(r for r in results if r.name == "packed dense")
     assert policies["full"].held_mib < policies["ffn"].held_mib < packed.held_mib
     assert packed.held_mib < results[0].held_mib  # the prompt is computed once, no padding
 
 
-def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, capsys, tmp_path, dtype):
     import fastdpo.attention as attention
 
     real = attention.allowed
@@ -62,11 +106,15 @@ def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, c
     monkeypatch.setattr(attention, "allowed", leaky)
     out = tmp_path / "r.json"
     rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--pairs", "6",
-               "--policies", "ffn", "--json", str(out)])
+               "--policies", "ffn", "--torch_dtype", dtype, "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 1 and "FAIL" in text
     rows = json.loads(out.read_text())
     assert rows[0]["passed"] and not any(r["passed"] for r in rows[1:])
+    assert all(r["worst"] > r["tolerance"] for r in rows[1:])  # far from float32, not merely from each other
+    assert rows[-1]["policy"] == "ffn" and rows[-1]["vs_no_ckpt"] < TOLERANCE[getattr(torch, dtype)]
+    if dtype == "bfloat16":
+        assert rows[0]["floor"] > 0 and rows[0]["tolerance"] == max(3e-2, 2 * rows[0]["floor"])
 
 
 def test_verify_command_passes(model_dirs, data, capsys, tmp_path):
@@ -74,9 +122,134 @@ def test_verify_command_passes(model_dirs, data, capsys, tmp_path):
     rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--pairs", "4",
                "--policies", "full,every:2", "--json", str(out)])
     text = capsys.readouterr().out
-    assert rc == 0 and "PASS: 4 paths match the plain path" in text and "held MiB" in text
+    assert rc == 0 and "PASS: 4 paths match the plain float32 path within 0.0001" in text and "held MiB" in text
+    assert "= no ckpt" in text and "tolerance 0.0001 (float32: the plain path is the reference)" in text
     rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows][-2:] == ["full", "every:2"] and all(r["passed"] for r in rows)
+    assert {"worst", "passed", "tolerance", "floor", "truth_dtype", "fallback", "vs_no_ckpt"} <= set(rows[0])
+    assert rows[0]["vs_no_ckpt"] is None and rows[-1]["vs_no_ckpt"] == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """Capture the model run_verify loads, with a copy of its parameters and buffers as loaded."""
+    import fastdpo.verify as verify
+
+    seen = {}
+
+    def load(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        seen["model"] = model
+        seen["before"] = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        return model
+
+    monkeypatch.setattr(verify, "load_model", load)
+    return seen
+
+
+def _unchanged(seen) -> None:
+    model = seen["model"]
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    assert now.keys() == seen["before"].keys()
+    for n, t in seen["before"].items():
+        assert now[n].dtype == t.dtype and torch.equal(now[n], t), n  # bit for bit
+
+
+def test_bfloat16_is_compared_with_float32_within_twice_its_own_error(model_dirs, data, loaded, monkeypatch,
+                                                                       capsys):
+    from rich.console import Console
+
+    import fastdpo.verify as verify
+
+    real = verify._gradients
+    dtypes = []
+
+    def gradients(model, *args):
+        dtypes.append({p.dtype for p in model.parameters()})
+        return real(model, *args)
+
+    monkeypatch.setattr(verify, "_gradients", gradients)
+    results = run_verify(str(model_dirs("qwen3")), [str(data)], num_pairs=8, max_length=64, torch_dtype="bfloat16",
+                         policies=("full", "ffn"))
+    assert dtypes[0] == {torch.float32} and all(d == {torch.bfloat16} for d in dtypes[1:])  # only the reference
+    assert all(p.dtype == torch.bfloat16 for p in loaded["model"].parameters())
+    _unchanged(loaded)
+    plain = results[0]
+    assert plain.name.startswith("plain") and plain.dtype == "bfloat16" and plain.truth_dtype == "float32"
+    assert plain.floor == plain.worst > 0 and not plain.fallback  # bfloat16 rounding, measured against float32
+    for r in results:
+        assert r.passed, (r.name, r.groups, r.vs_no_ckpt)
+        assert r.tolerance == max(3e-2, 2 * plain.floor) and r.floor == plain.floor
+    policies = [r for r in results if r.policy != "none"]
+    assert len(policies) == 2 and all(r.vs_no_ckpt <= 3e-2 and r.ckpt_tolerance == 3e-2 for r in policies)
+    verify.print_results(results, Console(width=200), cuda=False)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "bfloat16 gradients vs the plain float32 path" in text and "the minimum for bfloat16" in text
+    assert f"PASS: {len(results)} paths match the plain float32 path" in text
+
+
+def test_without_memory_for_float32_the_reference_is_the_bfloat16_plain_path(model_dirs, data, loaded, monkeypatch,
+                                                                             capsys, tmp_path):
+    import fastdpo.verify as verify
+
+    real = verify._gradients
+
+    def gradients(model, *args):
+        if any(p.dtype == torch.float32 for p in model.parameters()):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 1073741824 bytes. Error code 12")
+        return real(model, *args)
+
+    monkeypatch.setattr(verify, "_gradients", gradients)
+    out = tmp_path / "r.json"
+    rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--pairs", "6",
+               "--policies", "full", "--torch_dtype", "bfloat16", "--json", str(out)])
+    text = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "NOT compared with float32 because float32 did not fit in memory" in text
+    assert "tolerance 0.03, fixed for bfloat16" in text and "PASS: 3 paths match the plain bfloat16 path" in text
+    rows = json.loads(out.read_text())
+    assert all(r["truth_dtype"] == "bfloat16" and "can't allocate memory" in r["fallback"] for r in rows)
+    assert rows[0]["worst"] == 0.0 and rows[0]["floor"] == 0.0 and all(r["tolerance"] == 3e-2 for r in rows)
+    _unchanged(loaded)
+
+
+def test_other_errors_in_the_float32_reference_are_raised(model_dirs, data, loaded, monkeypatch):
+    import fastdpo.verify as verify
+
+    def broken(model, *args):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(verify, "_gradients", broken)
+    with pytest.raises(RuntimeError, match="shapes"):
+        run_verify(str(model_dirs("qwen3")), [str(data)], num_pairs=4, torch_dtype="bfloat16", policies=())
+    _unchanged(loaded)
+
+
+def test_a_policy_whose_recomputation_differs_fails(model_dirs, data, monkeypatch, capsys, tmp_path):
+    import fastdpo.memory as memory
+
+    real = memory.checkpoint
+
+    def drifting(fn, *args, **kwargs):  # the recompute in backward sees a slightly different input
+        calls = []
+
+        def run(x, *rest, **kw):
+            calls.append(1)
+            return fn(x * (1 + 1e-3) if len(calls) > 1 else x, *rest, **kw)
+
+        return real(run, *args, **kwargs)
+
+    monkeypatch.setattr(memory, "checkpoint", drifting)
+    out = tmp_path / "r.json"
+    rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--pairs", "6",
+               "--policies", "ffn", "--tolerance", "1e-2", "--json", str(out)])
+    text = " ".join(capsys.readouterr().out.split())
+    assert rc == 1 and "FAIL: ckpt ffn (differs from the path without checkpointing)" in text
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    ffn = rows["ckpt ffn"]
+    assert ffn["tolerance"] == 1e-2 and ffn["worst"] <= 1e-2  # within --tolerance of float32 ...
+    assert 1e-4 < ffn["vs_no_ckpt"] < 1e-2 and not ffn["passed"]  # ... but not what the same path gives without it
+    assert all(r["passed"] for n, r in rows.items() if n != "ckpt ffn")
 
 
 def test_eval_mode_is_named_when_checkpointing_saves_nothing(model_dirs):

@@ -237,8 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--pairs", type=int, default=8, help="Pairs in the verified batch (the first N rows).")
     v.add_argument("--max_length", type=int, default=512, help="Max tokens per sequence.")
     v.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N.")
-    v.add_argument("--torch_dtype", default="float32", help="float32 (default, exact comparison)|bfloat16|float16.")
-    v.add_argument("--tolerance", type=float, default=None, help="Max relative difference (default by dtype).")
+    v.add_argument("--torch_dtype", default="float32",
+                   help="float32 (default)|bfloat16|float16: the paths run in it; the reference runs in float32.")
+    v.add_argument("--tolerance", type=float, default=None,
+                   help="Max relative gradient difference to the float32 plain path (default: 2 x the plain path's "
+                        "own error in --torch_dtype, at least 1e-4 / 3e-2 / 1e-2 for float32 / bfloat16 / float16).")
     v.add_argument("--policies", default="full,ffn,attn,every:2", help="Checkpointing policies to verify.")
     v.add_argument("--compile", type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
                    help="Also verify compiled decoder layers, as --torch_compile trains (default: on CUDA only).")

@@ -332,7 +332,8 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         on_cuda = next(model.parameters()).is_cuda
-        policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, forward_sync_buffers=False)
+        # buffers (rotary tables) are equal on every rank: no broadcast before each forward
+        policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, broadcast_buffers=False)
         policy.register_comm_hook(None, _sum_in_fp32)
         return policy
     _shard(policy, d, d.reshard_after_forward)

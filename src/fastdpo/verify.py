@@ -2,9 +2,14 @@
 checkpointing policy, compared with the plain computation (seed 000 §3.3); and whether each policy really lowers
 memory, naming the likely cause when it does not (seed 000 §6.1).
 
-The plain path is the conventional padded batch through the model's own SDPA attention without checkpointing. Every
-other path runs the same DPO loss (sigmoid, reference log-probs from the plain path) and must match it per parameter
-group within a tolerance: max |g - g_plain| / max |g_plain| over the group.
+The plain path is the conventional padded batch through the model's own SDPA attention without checkpointing. The
+reference is the plain path in float32: in bfloat16 / float16 the parameters are upcast for that one computation and
+put back afterwards, bit for bit. Every path, the plain path in the model's dtype included, runs the same DPO loss
+(sigmoid, reference log-probs from the plain path) and is compared with the reference per parameter group:
+||g - g_ref|| / ||g_ref|| over the group's gradients. The plain path's own error in the model's dtype is the rounding
+floor of that dtype on this model; a path passes when it is within FACTOR x that floor (never below the fixed
+TOLERANCE of the dtype). A checkpointing policy must also give the same gradients as the same path without
+checkpointing, within the fixed TOLERANCE of the dtype (recomputation reproduces the forward).
 
 Memory: on CUDA the peak allocated during forward+backward; everywhere the bytes held for backward after the forward
 (distinct storages autograd saved, parameters excluded, plus the inputs a checkpointed module keeps for recompute).
@@ -37,7 +42,8 @@ from fastdpo.model import (
 )
 
 POLICIES = ("full", "ffn", "attn", "every:2")
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}  # the minimum tolerance per dtype
+FACTOR = 2  # a path may be at most this many times as far from float32 as the plain path in the same dtype
 LOWERED = 0.97  # a policy "lowers memory" when it uses less than this fraction of the same path without it
 
 
@@ -46,11 +52,18 @@ class PathResult:
     name: str
     backend: str
     policy: str
-    groups: dict[str, float]  # parameter group -> max relative gradient difference to the plain path
-    tolerance: float
+    groups: dict[str, float]  # parameter group -> relative gradient difference (norm) to the reference
+    tolerance: float  # bound on `worst`
     held_mib: float  # bytes held for backward after the forward
     peak_mib: float | None  # CUDA peak during forward+backward
     seconds: float
+    dtype: str = "float32"  # the model's dtype, which every path runs in
+    truth_dtype: str = "float32"  # dtype of the plain path that is the reference
+    floor: float = 0.0  # the plain path's own worst error in `dtype` against the reference (0 when it is the reference)
+    tolerance_from: str = "dtype"  # dtype: TOLERANCE[dtype]; floor: FACTOR x floor; user: --tolerance
+    fallback: str = ""  # why the reference is not float32 (it did not fit in memory); empty when it is
+    vs_no_ckpt: float | None = None  # policies only: worst group difference to the same path without checkpointing
+    ckpt_tolerance: float | None = None  # policies only: bound on `vs_no_ckpt`
     lowered: bool | None = None  # policies only: memory below the same path without checkpointing
     causes: list[str] = field(default_factory=list)  # why not, when it was not lowered
 
@@ -60,7 +73,8 @@ class PathResult:
 
     @property
     def passed(self) -> bool:
-        return self.worst <= self.tolerance
+        same = self.vs_no_ckpt is None or self.vs_no_ckpt <= (self.ckpt_tolerance or 0.0)
+        return self.worst <= self.tolerance and same
 
 
 def param_group(name: str) -> str:
@@ -79,14 +93,24 @@ def param_group(name: str) -> str:
 
 
 def relative_differences(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter group: max |got - ref| / max |ref|."""
+    """Per parameter group: ||got - ref|| / ||ref|| over the group's gradients taken together."""
     diff: dict[str, float] = {}
     scale: dict[str, float] = {}
     for name, r in ref.items():
         g = param_group(name)
-        diff[g] = max(diff.get(g, 0.0), float((got[name] - r).abs().max()))
-        scale[g] = max(scale.get(g, 0.0), float(r.abs().max()))
-    return {g: diff[g] / scale[g] if scale[g] > 0 else diff[g] for g in diff}
+        diff[g] = diff.get(g, 0.0) + float(torch.linalg.vector_norm(got[name] - r)) ** 2
+        scale[g] = scale.get(g, 0.0) + float(torch.linalg.vector_norm(r)) ** 2
+    return {g: (diff[g] / scale[g]) ** 0.5 if scale[g] > 0 else diff[g] ** 0.5 for g in diff}
+
+
+def tolerance_for(dtype: torch.dtype, floor: float, user: float | None = None) -> tuple[float, str]:
+    """The bound on a path's error against the reference, and where it comes from: --tolerance when given, else
+    FACTOR x the plain path's own error in `dtype`, never below TOLERANCE[dtype]."""
+    if user is not None:
+        return user, "user"
+    if FACTOR * floor > TOLERANCE[dtype]:
+        return FACTOR * floor, "floor"
+    return TOLERANCE[dtype], "dtype"
 
 
 class HeldForBackward:
@@ -206,6 +230,41 @@ def _gradients(model, pairs: list[TokenizedPair], backend: Backend, ref: torch.T
     return grads, held, peak
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m in text for m in ("out of memory", "can't allocate memory",
+                                                                   "not enough memory"))
+
+
+def float32_gradients(model, pairs: list[TokenizedPair], ref: torch.Tensor,
+                      device: torch.device) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """The plain path's gradients with the parameters upcast to float32 for this one computation (buffers such as
+    rotary frequencies stay as they are): (gradients, ""), or (None, why) when float32 does not fit in memory. Either
+    way every parameter is back in its own dtype afterwards, bit for bit: bfloat16 and float16 values round-trip
+    through float32 exactly."""
+    params = list(model.parameters())  # each shared (tied) parameter once
+    dtypes = [p.dtype for p in params]
+    model.zero_grad(set_to_none=True)
+    try:
+        for p in params:
+            p.data = p.data.float()
+        grads, _, _ = _gradients(model, pairs, Backend("padded"), ref.float(), 0, device)
+        return grads, ""
+    except RuntimeError as e:
+        if not _out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+        return None, f"float32 did not fit in memory ({first[:160]})"
+    finally:
+        model.zero_grad(set_to_none=True)  # float32 gradients on parameters about to be downcast
+        for p, dtype in zip(params, dtypes):
+            p.data = p.data.to(dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def load_pairs(model_path: str, datasets: list[str], num_pairs: int, max_length: int, seed: int,
                trust_remote_code: bool, template: str = "", system: str = "") -> list[TokenizedPair]:
     """The first `num_pairs` rows, tokenised as training does (chat template, system prompt, length limit)."""
@@ -223,18 +282,19 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
                device: str = "auto", torch_dtype: str = "float32", tolerance: float | None = None,
                policies: tuple[str, ...] = POLICIES, compile: bool | None = None, seed: int = 42,
                trust_remote_code: bool = False, template: str = "", system: str = "") -> list[PathResult]:
-    """Run every path; the first result is the plain path itself (differences 0)."""
+    """Run every path; the first result is the plain path in the model's dtype (in float32 the reference itself,
+    differences 0; in bfloat16 / float16 its error is the floor that sets the tolerance). `tolerance` overrides the
+    computed one; the bound on a policy's difference to the same path without checkpointing is TOLERANCE[dtype]."""
     for p in policies:
         checkpoint_policy(p)  # raises on a bad value
     dev = resolve_device(device)
     dtype = resolve_dtype(torch_dtype, dev)
-    tol = tolerance if tolerance is not None else TOLERANCE[dtype]
     pairs = load_pairs(model_path, datasets, num_pairs, max_length, seed, trust_remote_code, template, system)
     model = load_model(model_path, dtype, dev, trust_remote_code)
     model.train()
     _disable_dropout(model)
     if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # compare like for like in float32
+        torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference is float32 throughout
     with torch.no_grad():
         ref = sequence_logps(model, pad_pairs(pairs).to(dev), Backend("padded"))[0].detach()
     longest = max(p.num_tokens for p in pairs)
@@ -254,12 +314,21 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
     for p in policies:
         paths.append((f"ckpt {p}", main, p, 0, False))
 
-    results = []
+    truth, fallback = (None, "") if dtype == torch.float32 else float32_gradients(model, pairs, ref, dev)
     t0 = time.perf_counter()
     plain, held, peak = _gradients(model, pairs, Backend("padded"), ref, 0, dev)
-    results.append(PathResult("plain (padded)", "padded", "none", relative_differences(plain, plain),
-                              tol, held, peak, time.perf_counter() - t0))
+    seconds = time.perf_counter() - t0
+    if truth is None:  # float32, or float32 did not fit: the plain path in the model's dtype is the reference
+        truth = plain
+    groups = relative_differences(plain, truth)
+    floor = max(groups.values()) if groups else 0.0
+    tol, tol_from = tolerance_for(dtype, floor, tolerance)
+    dname = str(dtype).removeprefix("torch.")
+    common = dict(dtype=dname, truth_dtype=dname if fallback else "float32", floor=floor, tolerance_from=tol_from,
+                  fallback=fallback)
+    results = [PathResult("plain (padded)", "padded", "none", groups, tol, held, peak, seconds, **common)]
     baseline: PathResult | None = None
+    no_ckpt = plain  # gradients of the main path without checkpointing (the plain path until it has run)
     for name, backend, policy, micro_budget, compiled in paths:
         wrapped = apply_checkpointing(model, policy)
         if compiled:
@@ -272,11 +341,13 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
                 for layer in decoder_layers(model):
                     layer._compiled_call_impl = None
             apply_checkpointing(model, "none")
-        r = PathResult(name, backend.name, policy, relative_differences(grads, plain), tol, held, peak,
-                       time.perf_counter() - t0)
+        r = PathResult(name, backend.name, policy, relative_differences(grads, truth), tol, held, peak,
+                       time.perf_counter() - t0, **common)
         if policy == "none" and backend.name == main.name and not micro_budget and not compiled:
-            baseline = r
+            baseline, no_ckpt = r, grads
         if policy != "none":
+            same = relative_differences(grads, no_ckpt)
+            r.vs_no_ckpt, r.ckpt_tolerance = max(same.values()) if same else 0.0, TOLERANCE[dtype]
             base = baseline or results[0]
             mine, theirs = (r.peak_mib, base.peak_mib) if r.peak_mib is not None else (r.held_mib, base.held_mib)
             r.lowered = mine < LOWERED * theirs
@@ -288,15 +359,35 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
     return results
 
 
+def tolerance_text(r: PathResult) -> str:
+    """Where the tolerance of `r` comes from, in words."""
+    tol = f"tolerance {r.tolerance:.3g}"
+    floor = f"the plain {r.dtype} path's own error {r.floor:.3g} against float32"
+    if r.fallback:
+        return (f"{tol}{' (--tolerance)' if r.tolerance_from == 'user' else ', fixed for ' + r.dtype}: NOT compared "
+                f"with float32 because {r.fallback}; the reference is the plain {r.dtype} path, whose own rounding "
+                "error is not known")
+    if r.tolerance_from == "user":
+        return f"{tol} (--tolerance)" + (f"; {floor}" if r.dtype != "float32" else "")
+    if r.tolerance_from == "floor":
+        return f"{tol} = {FACTOR:g} x {floor}"
+    if r.dtype == "float32":
+        return f"{tol} (float32: the plain path is the reference)"
+    return f"{tol}, the minimum for {r.dtype} ({FACTOR:g} x {floor} is {FACTOR * r.floor:.3g})"
+
+
 def print_results(results: list[PathResult], console, cuda: bool) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
+    first = results[0]
     groups = sorted({g for r in results for g in r.groups})
-    t = Table(title=f"gradients vs the plain path: max relative difference per parameter group (tolerance "
-                    f"{results[0].tolerance:g})")
+    t = Table(title=f"{first.dtype} gradients vs the plain {first.truth_dtype} path: ||g - g_ref|| / ||g_ref|| per "
+                    f"parameter group (tolerance {first.tolerance:.3g})")
     t.add_column("path")
     for g in groups:
         t.add_column(g, justify="right")
+    t.add_column("= no ckpt", justify="right")
     t.add_column("result")
     t.add_column("held MiB", justify="right")
     if cuda:
@@ -306,7 +397,10 @@ def print_results(results: list[PathResult], console, cuda: bool) -> None:
     for r in results:
         verdict = "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]"
         lowered = "" if r.lowered is None else ("yes" if r.lowered else "[yellow]no[/]")
-        row = [r.name] + [f"{r.groups.get(g, 0.0):.1e}" for g in groups] + [verdict, f"{r.held_mib:.2f}"]
+        same = "" if r.vs_no_ckpt is None else f"{r.vs_no_ckpt:.1e}"
+        if r.vs_no_ckpt is not None and r.vs_no_ckpt > (r.ckpt_tolerance or 0.0):
+            same = f"[bold red]{same}[/]"
+        row = [r.name] + [f"{r.groups.get(g, 0.0):.1e}" for g in groups] + [same, verdict, f"{r.held_mib:.2f}"]
         if cuda:
             row.append(f"{r.peak_mib:.1f}" if r.peak_mib is not None else "-")
         t.add_row(*row, lowered, f"{r.seconds:.2f}")
@@ -314,20 +408,29 @@ def print_results(results: list[PathResult], console, cuda: bool) -> None:
     console.width = max(width, 120)  # the table is wider than a default 80-column pipe; let it be
     console.print(t)
     console.width = width
-    ckpt_on = next((r.backend for r in results if r.policy != "none"), "")
-    console.print(f"ckpt: activation checkpointing policies on the {ckpt_on} path. held MiB: bytes kept for backward "
-                  "after the forward (largest micro-batch)"
-                  + ("; peak MiB: CUDA peak during forward+backward" if cuda else "")
-                  + "; lowered?: a policy uses less than the same path without checkpointing.", highlight=False)
+    console.print(("[yellow]" if first.fallback else "") + escape(tolerance_text(first)) + ".", highlight=False)
+    ckpt = [r for r in results if r.vs_no_ckpt is not None]
+    notes = []
+    if ckpt:
+        notes.append(f"ckpt: activation checkpointing policies on the {ckpt[0].backend} path; = no ckpt: a policy's "
+                     "difference to the same path without checkpointing, which recomputation must reproduce within "
+                     f"{ckpt[0].ckpt_tolerance:g}")
+    notes.append("held MiB: bytes kept for backward after the forward (largest micro-batch)"
+                 + ("; peak MiB: CUDA peak during forward+backward" if cuda else "")
+                 + ("; lowered?: a policy uses less than the same path without checkpointing" if ckpt else ""))
+    console.print(". ".join(notes) + ".", highlight=False)
     for r in results:
         for c in r.causes:
             console.print(f"[yellow]{r.name}[/]: memory not lowered; likely cause: {c}.", highlight=False)
-    failed = [r.name for r in results if not r.passed]
+    failed = [r.name + ("" if r.worst <= r.tolerance else f" ({r.worst:.2g} from {r.truth_dtype})")
+              + ("" if r.passed or r.worst > r.tolerance else " (differs from the path without checkpointing)")
+              for r in results if not r.passed]
+    compared = len(results) - (1 if first.dtype == first.truth_dtype else 0)  # the plain path itself is not compared
     if failed:
         console.print(f"[bold red]FAIL[/]: {', '.join(failed)}", highlight=False)
     else:
-        console.print(f"[bold green]PASS[/]: {len(results) - 1} paths match the plain path within "
-                      f"{results[0].tolerance:g}.")
+        console.print(f"[bold green]PASS[/]: {compared} paths match the plain {first.truth_dtype} path within "
+                      f"{first.tolerance:.3g}.", highlight=False)
 
 
 def results_json(results: list[PathResult]) -> list[dict]:
