@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Multi-GPU checks on one host with N GPUs (from the repo root; logs packed into $OUT/logs.tgz, tables printed).
+# First the GPU links (nvidia-smi topo) and the collectives' bandwidth (benchmarks/nccl_probe.py).
 # PARTS picks what runs (default: all), in this order:
 #   bf16   Qwen3-1.7B full fine-tuning on the anchor workload, 20 steps, the same global batch (8 pairs), compiled, on
 #          1 GPU, with DDP and with FSDP2 on N GPUs: loss per step, pairs/s per GPU, peak memory per GPU.
@@ -25,6 +26,9 @@ run() {
   grep -E "Error|error:" "$LOGS/$name.log" | tail -n 3
   cp "$RUNS/$name/metrics.jsonl" "$LOGS/$name.metrics.jsonl" 2>/dev/null
 }
+echo "== GPU links and collective bandwidth"
+nvidia-smi topo -m 2>&1 | head -n $((N + 2))
+timeout -k 10 60 torchrun --nproc_per_node "$N" benchmarks/nccl_probe.py 2>&1 | grep -E "GB/s|Error"
 [ -d /tmp/q17 ] || python3 benchmarks/make_shape.py qwen3-1.7b /tmp/q17 /tmp/anchor.jsonl --rows 192 > /dev/null
 C="--model /tmp/q17 --dataset /tmp/anchor.jsonl --max_steps 20 --learning_rate 1e-6 --logging_steps 1 --seed 1
    --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true"
