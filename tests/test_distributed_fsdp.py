@@ -66,3 +66,20 @@ def test_zero2_lora_two_ranks_match_one_rank(tmp_path, model_dirs):
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in a.items())
     assert metrics(tmp_path / "ws2")[-1]["rewards/margins"] == pytest.approx(
         metrics(tmp_path / "ws1")[-1]["rewards/margins"], rel=1e-4)
+
+
+def test_fsdp_bf16_stochastic_rounding_shards_and_resumes(tmp_path, model_dirs):
+    """bf16 weights: fastdpo's AdamW runs on each rank's DTensor shard, its moments are saved sharded, and the
+    checkpoint resumes on one rank; the result stays within bf16 rounding of the two-rank run."""
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp_path))], torch_dtype="bfloat16", **BASE)
+    run_ranks(2, output_dir=str(tmp_path / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              save_steps=3, fsdp="full_shard", **common)
+    one = TrainConfig(output_dir=str(tmp_path / "resumed"), per_device_train_batch_size=4,
+                      gradient_accumulation_steps=2, resume_from_checkpoint=str(tmp_path / "ws2" / "checkpoint-3"),
+                      **common)
+    train(one, progress=False)
+    a, b = weights(tmp_path / "ws2"), weights(tmp_path / "resumed")
+    assert all(v.dtype.is_floating_point for v in a.values())
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst < 2e-2, worst  # a few bf16 spacings: the rounding noise of shards and of whole tensors differ
+    assert [r["step"] for r in metrics(tmp_path / "resumed")] == [4, 5, 6]

@@ -111,8 +111,8 @@ def _eval_strategy(value: str, values: dict) -> str | None:
 def _optim(value: str, values: dict) -> str | None:
     if str(value).lower() in ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"):
         return None
-    raise FastDPOError(f"--optim {value}: fastdpo trains with AdamW (fused on CUDA). Pass --optim adamw_torch or "
-                       "drop the flag.")
+    raise FastDPOError(f"--optim {value}: fastdpo trains with AdamW (see --update_rounding for bfloat16 weights). "
+                       "Pass --optim adamw_torch or drop the flag.")
 
 
 def _note(text: str) -> Callable[[Any, dict], str | None]:

@@ -90,6 +90,9 @@ class TrainConfig:
     adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 disables).")
+    update_rounding: str = _f("stochastic", "How AdamW writes updates into bfloat16 weights: stochastic (unbiased: "
+                              "updates far below bf16's precision, as at lr 1e-6, still count on average) or nearest "
+                              "(torch.optim.AdamW, fused on CUDA: such updates mostly round away).")
     # loss
     loss_type: str = _f("sigmoid", "Preference loss, or several comma-separated (sigmoid,sft); see the README's table.")
     loss_weights: str = _f("", "Comma-separated weights of the --loss_type terms (default 1 each), e.g. 1,0.1.")
@@ -162,6 +165,7 @@ class TrainConfig:
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
+        _choice("update_rounding", self.update_rounding, ("stochastic", "nearest"))
         if self.gradient_checkpointing != "auto":
             checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
         if self.activation_offloading and (self.deepspeed or self.fsdp not in ("", "no_shard")):

@@ -11,7 +11,8 @@ from fastdpo.errors import FastDPOError
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
+    """AdamW; weight decay on matrices only (not on norms, biases or other vectors). With bfloat16 trainable weights
+    and --update_rounding stochastic (the default), fastdpo's AdamW (`fastdpo.adamw`), else torch's (fused on CUDA)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -19,6 +20,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     if not decay and not no_decay:
         raise FastDPOError("The model has no trainable parameters. Check --train_type and --target_modules.")
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.update_rounding == "stochastic" and any(p.dtype == torch.bfloat16 for p in decay + no_decay):
+        from fastdpo.adamw import AdamW
+
+        return AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                     eps=cfg.adam_epsilon, seed=cfg.seed)
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
         lr=cfg.learning_rate,

@@ -1,0 +1,131 @@
+"""AdamW for bfloat16 weights, with the update written back by stochastic rounding.
+
+A bfloat16 weight keeps 8 significant bits: near |w| = 0.02 its spacing is 1.2e-4, so an AdamW step of lr = 1e-6
+(the usual DPO learning rate) is below half a spacing and round-to-nearest drops it; torch.optim.AdamW on bfloat16
+parameters applies under 1 % of the intended change at that rate, and norm weights (≈ 1.0) never move. Here every
+step is computed in float32 from the bfloat16 weight, gradient and moments, and the new weight is rounded up or down
+at random with the probabilities that make its expectation exact: small updates accumulate on average, with no
+float32 master copy in memory. Moments stay in the parameter's dtype, as torch.optim.AdamW keeps them, so memory is
+the same. Parameters of other dtypes get the same float32 update, rounded to nearest.
+
+Works on plain tensors and on FSDP2's sharded DTensor parameters (the update runs on each rank's local shard).
+State keys (`step`, `exp_avg`, `exp_avg_sq`) match torch.optim.AdamW, so checkpoints load either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CHUNK = 1 << 25  # elements per group of float32 temporaries (4 of them: ≈ 512 MiB at most)
+
+
+def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """dst (bfloat16) <- src (float32), rounded to one of the two nearest bfloat16 values with probability
+    proportional to closeness, so that E[dst] = src. Adds 16 random low bits to the float32 pattern and truncates."""
+    bits = src.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
+    rounded = (bits + noise).bitwise_and_(-65536).view(torch.float32)
+    dst.copy_(rounded)  # exact: the low 16 bits are zero
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor to compute on: a DTensor's local shard (sharing its storage), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _pieces(tensors: list[list[torch.Tensor]]) -> list[list[list[torch.Tensor]]]:
+    """Split aligned lists of tensors (parameter, gradient, moments) into groups of flat slices of at most CHUNK
+    elements in all, so the float32 temporaries stay small whatever the largest parameter (an embedding)."""
+    groups, current, size = [], [[] for _ in tensors], 0
+    for aligned in zip(*tensors):
+        if not all(t.is_contiguous() for t in aligned):  # cannot be sliced in place: one piece, as it is
+            groups.append([[t] for t in aligned])
+            continue
+        flat = [t.view(-1) for t in aligned]
+        n = flat[0].numel()
+        for start in range(0, n, CHUNK):
+            end = min(n, start + CHUNK)
+            if size and size + (end - start) > CHUNK:
+                groups.append(current)
+                current, size = [[] for _ in tensors], 0
+            for lst, f in zip(current, flat):
+                lst.append(f[start:end])
+            size += end - start
+    if size:
+        groups.append(current)
+    return groups
+
+
+class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update (decoupled weight decay, bias correction), computed in float32 and written to
+    bfloat16 parameters with stochastic rounding. The rounding noise of each step is drawn from a generator seeded
+    with (`seed`, step, parameter group): identical on every rank, so DDP replicas stay equal, and a resumed run
+    rounds as the uninterrupted one would."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, seed: int = 0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device, step: int, group: int) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        g = self._generators[device]
+        g.manual_seed((self.seed * 1_000_003 + step) * 1_009 + group)
+        return g
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            by_kind: dict[tuple, list[list[torch.Tensor]]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = int(state["step"].item())
+                lp = _local(p)
+                key = (step, lp.device, lp.dtype)
+                lists = by_kind.setdefault(key, [[], [], [], []])
+                for lst, t in zip(lists, (lp, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))):
+                    lst.append(t)
+            for (step, device, dtype), lists in by_kind.items():
+                c1 = 1 - b1 ** step
+                c2 = 1 - b2 ** step
+                gen = self._generator(device, step, index) if dtype == torch.bfloat16 else None
+                for w, g, m, v in _pieces(lists):
+                    w32 = [t.float() for t in w]
+                    g32 = [t.float() for t in g]
+                    m32 = [t.float() for t in m]
+                    v32 = [t.float() for t in v]
+                    if wd:
+                        torch._foreach_mul_(w32, 1 - lr * wd)
+                    torch._foreach_lerp_(m32, g32, 1 - b1)
+                    torch._foreach_mul_(v32, b2)
+                    torch._foreach_addcmul_(v32, g32, g32, 1 - b2)
+                    denom = torch._foreach_sqrt(v32)
+                    torch._foreach_div_(denom, math.sqrt(c2))
+                    torch._foreach_add_(denom, eps)
+                    torch._foreach_addcdiv_(w32, m32, denom, -lr / c1)
+                    for dst, src in zip(m, m32):
+                        dst.copy_(src)
+                    for dst, src in zip(v, v32):
+                        dst.copy_(src)
+                    for dst, src in zip(w, w32):
+                        if dtype == torch.bfloat16:
+                            stochastic_round_(dst, src, gen)
+                        else:
+                            dst.copy_(src)
+        return loss

@@ -1,0 +1,179 @@
+"""fastdpo's AdamW: the same update as torch.optim.AdamW, and bfloat16 weights written back by stochastic rounding so
+that updates far below bf16's precision still count on average."""
+
+import pytest
+import torch
+
+from fastdpo.adamw import CHUNK, AdamW, _pieces, stochastic_round_
+
+
+def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
+    g = torch.Generator().manual_seed(0)
+    x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1.0 to the next bf16 value (1 + 2**-7)
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    stochastic_round_(out, x, g)
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert (out.float() == 1.0 + 2**-7).float().mean().item() == pytest.approx(0.125, abs=0.005)
+    assert out.float().mean().item() == pytest.approx(1.0 + 2**-10, rel=2e-5)
+    neg = torch.full((200_000,), -(1.0 + 2**-10))
+    stochastic_round_(out, neg, g)
+    assert out.float().mean().item() == pytest.approx(-(1.0 + 2**-10), rel=2e-5)
+    exact = torch.randn(1000).bfloat16().float()  # already bf16 values: never moved
+    stochastic_round_(out[:1000], exact, g)
+    assert torch.equal(out[:1000].float(), exact)
+
+
+def _train(opt_cls, dtype, steps=5, wd=0.1, **kw):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter((torch.randn(64, 33) * 0.02).to(dtype))
+    b = torch.nn.Parameter(torch.ones(33, dtype=dtype))
+    opt = opt_cls([{"params": [w], "weight_decay": wd}, {"params": [b], "weight_decay": 0.0}], lr=1e-2,
+                  betas=(0.9, 0.99), eps=1e-8, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        w.grad = torch.randn(w.shape, generator=gen).to(dtype)
+        b.grad = torch.randn(b.shape, generator=gen).to(dtype)
+        opt.step()
+    return w.detach(), b.detach(), opt
+
+
+def test_float32_update_equals_torch_adamw():
+    w1, b1, o1 = _train(AdamW, torch.float32)
+    w2, b2, o2 = _train(torch.optim.AdamW, torch.float32)
+    torch.testing.assert_close(w1, w2, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(b1, b2, rtol=1e-5, atol=1e-7)
+    s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
+    for k in (0, 1):
+        assert set(s1[k]) == set(s2[k]) == {"step", "exp_avg", "exp_avg_sq"}
+        torch.testing.assert_close(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"])
+        assert float(s1[k]["step"]) == float(s2[k]["step"]) == 5
+
+
+def test_bf16_small_updates_count_on_average_where_round_to_nearest_drops_them():
+    """lr 1e-6 on bf16 weights of magnitude ~0.02 and ~1.0 (norms): the summed change matches the float32 run's."""
+    torch.manual_seed(0)
+    ref = torch.nn.Parameter(torch.randn(256, 256) * 0.02)
+    start = ref.detach().bfloat16()
+    ref.data = start.float().clone()
+    norm_ref = torch.nn.Parameter(torch.ones(65536))  # near 1.0 a step of 1e-6 is 1/3900 of a spacing
+    params = {}
+    for name, cls in (("sr", AdamW), ("nearest", torch.optim.AdamW)):
+        w = torch.nn.Parameter(start.clone())
+        n = torch.nn.Parameter(torch.ones(65536, dtype=torch.bfloat16))
+        params[name] = (w, n, cls([w, n], lr=1e-6))
+    opt_ref = torch.optim.AdamW([ref, norm_ref], lr=1e-6)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        g, gn = torch.randn(256, 256, generator=gen) + 0.5, torch.randn(65536, generator=gen) + 0.5
+        for w, n, opt in params.values():
+            w.grad, n.grad = g.bfloat16(), gn.bfloat16()
+            opt.step()
+        ref.grad, norm_ref.grad = g.bfloat16().float(), gn.bfloat16().float()
+        opt_ref.step()
+    want = (ref.detach() - start.float()).sum()
+    want_n = (norm_ref.detach() - 1).sum()
+    got = {k: ((w.detach().float() - start.float()).sum(), (n.detach().float() - 1).sum())
+           for k, (w, n, _) in params.items()}
+    assert got["sr"][0].item() == pytest.approx(want.item(), rel=0.1)
+    assert got["sr"][1].item() == pytest.approx(want_n.item(), rel=0.2)
+    assert abs(got["nearest"][0].item()) < 0.1 * abs(want.item())  # what torch's AdamW keeps of it
+    assert got["nearest"][1].item() == 0.0
+
+
+def test_rounding_noise_depends_on_seed_and_step_only():
+    """Same seed and step: the same rounding (DDP replicas stay equal, a resumed run rounds like the original)."""
+    w1, _, _ = _train(AdamW, torch.bfloat16, seed=3)
+    w2, _, _ = _train(AdamW, torch.bfloat16, seed=3)
+    w3, _, _ = _train(AdamW, torch.bfloat16, seed=4)
+    assert torch.equal(w1, w2) and not torch.equal(w1, w3)
+    # resume: 3 steps, state_dict into a fresh optimizer, 2 more steps == 5 uninterrupted steps
+    torch.manual_seed(0)
+    w = torch.nn.Parameter((torch.randn(64, 33) * 0.02).bfloat16())
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(64, 33, generator=gen).bfloat16() for _ in range(5)]
+    opt = AdamW([w], lr=1e-2, seed=3)
+    for g in grads[:3]:
+        w.grad = g
+        opt.step()
+    saved = opt.state_dict()
+    opt2 = AdamW([w], lr=1e-2, seed=3)
+    opt2.load_state_dict(saved)
+    for g in grads[3:]:
+        w.grad = g
+        opt2.step()
+    torch.manual_seed(0)
+    u = torch.nn.Parameter((torch.randn(64, 33) * 0.02).bfloat16())
+    opt3 = AdamW([u], lr=1e-2, seed=3)
+    for g in grads:
+        u.grad = g
+        opt3.step()
+    assert torch.equal(w.detach(), u.detach())
+
+
+def test_large_tensors_are_updated_in_slices(monkeypatch):
+    monkeypatch.setattr("fastdpo.adamw.CHUNK", 100)
+    a, b = torch.zeros(250), torch.zeros(30)
+    pieces = _pieces([[a, b]])
+    assert [sum(t.numel() for t in p[0]) for p in pieces] == [100, 100, 80]
+    for p in pieces:  # slices are views: writing them writes the tensors
+        for t in p[0]:
+            t.fill_(1)
+    assert a.sum() == 250 and b.sum() == 30
+    assert CHUNK >= 1 << 20
+    w1, _, _ = _train(AdamW, torch.float32)
+    monkeypatch.undo()
+    w2, _, _ = _train(AdamW, torch.float32)
+    assert torch.equal(w1, w2)
+
+
+def _weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def test_training_in_bf16_applies_small_updates(tmp_path, model_dirs):
+    """lr 1e-5 on a bf16 model: with stochastic rounding the weights move about as far as in float32; with
+    round-to-nearest (torch's AdamW) most of that movement is lost."""
+    from conftest import easy_rows, write_jsonl
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.optim import build_optimizer
+    from fastdpo.train import train
+
+    model = model_dirs("qwen3")
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(24, seed=1))
+    start = {k: v.float() for k, v in _load_model_weights(model).items()}
+    moved = {}
+    for name, dtype, rounding in (("fp32", "float32", "stochastic"), ("sr", "bfloat16", "stochastic"),
+                                  ("nearest", "bfloat16", "nearest")):
+        cfg = TrainConfig(model=str(model), dataset=[str(data)], output_dir=str(tmp_path / name), torch_dtype=dtype,
+                          update_rounding=rounding, learning_rate=1e-5, max_steps=4, seed=3, disable_progress=True,
+                          save_steps=0)
+        train(cfg, progress=False)
+        end = _weights(tmp_path / name)
+        keys = [k for k in start if "layers" in k and k in end]
+        begin = {k: start[k] if dtype == "float32" else start[k].bfloat16().float() for k in keys}
+        moved[name] = sum((end[k].float() - begin[k]).abs().sum().item() for k in keys)
+    assert moved["sr"] == pytest.approx(moved["fp32"], rel=0.25)
+    assert moved["nearest"] < 0.3 * moved["fp32"]
+    m = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    assert isinstance(build_optimizer(m, TrainConfig(model="x", dataset=["d"]), torch.device("cpu")), AdamW)
+    near = TrainConfig(model="x", dataset=["d"], update_rounding="nearest")
+    assert type(build_optimizer(m, near, torch.device("cpu"))) is torch.optim.AdamW
+    assert type(build_optimizer(torch.nn.Linear(2, 2), TrainConfig(model="x", dataset=["d"]),
+                                torch.device("cpu"))) is torch.optim.AdamW  # float32 weights: torch's AdamW
+
+
+def _load_model_weights(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+
+
+def test_bad_rounding_value_is_refused():
+    from fastdpo.config import TrainConfig
+    from fastdpo.errors import FastDPOError
+
+    with pytest.raises(FastDPOError, match="--update_rounding 'up' is not one of: stochastic, nearest"):
+        TrainConfig(model="m", dataset=["d"], update_rounding="up").validate()
