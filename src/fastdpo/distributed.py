@@ -318,8 +318,11 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+            if hasattr(m, "set_gradient_divide_factor"):  # torch >= 2.8
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+            else:  # torch 2.6 / 2.7: the same setting under its earlier name
+                m.set_reduce_scatter_divide_factor(1.0)
 
 
 def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn.Module:
