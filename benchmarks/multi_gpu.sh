@@ -9,10 +9,12 @@
 #          rounding of different micro-batch layouts.
 #   resume the bf16 FSDP2 run's sharded checkpoint (step 10) resumed on one GPU: steps 11-20 against the FSDP2 run's.
 #   8b     Qwen3-8B full fine-tuning with FSDP2 (--deepspeed zero3) and the precomputed reference, 10 steps.
+#   trl8b  TRL + Liger on the same model and rows with FSDP2 through accelerate (benchmarks/trl_fsdp.py; TRL's wheels
+#          on PYTHONPATH).
 # The 1-GPU runs go first, on GPU 0 (other work may use the other GPUs meanwhile). Each run gets at most the time left
 # before DEADLINE seconds (default 560), so that the logs are always packed.
 set -u
-N=${N:-2}; OUT=${OUT:-multi-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; PARTS=" ${PARTS:-bf16 fp32 resume 8b} "
+N=${N:-2}; OUT=${OUT:-multi-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; PARTS=" ${PARTS:-bf16 fp32 resume 8b trl8b} "
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fastdpo-inductor}
 RUNS=/tmp/multi-runs; mkdir -p "$RUNS"
@@ -61,5 +63,12 @@ if has 8b; then
     --logging_steps 1 --seed 1 --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs \
     --disable_progress true --save_steps 0 --per_device_train_batch_size $per --deepspeed zero3
   tail -n 2 "$LOGS/8b_fsdp.metrics.jsonl" 2>/dev/null
+fi
+if has trl8b; then
+  [ -d /tmp/q8 ] || python3 benchmarks/make_shape.py qwen3-8b /tmp/q8 /tmp/anchor8.jsonl --rows 96 > /dev/null
+  left=$(( ${DEADLINE:-560} - SECONDS - 20 ))
+  echo "== trl8b: TRL + Liger, FSDP2 through accelerate, $N GPUs"
+  timeout -k 20 $left torchrun --nproc_per_node "$N" benchmarks/trl_fsdp.py /tmp/q8 /tmp/anchor8.jsonl --per_device $per \
+    --steps 8 --warmup 2 --liger > "$LOGS/trl8b.log" 2>&1; echo "rc=$?"; grep -E "RESULT|Error" "$LOGS/trl8b.log" | tail -n 3
 fi
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
