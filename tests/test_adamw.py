@@ -177,3 +177,23 @@ def test_bad_rounding_value_is_refused():
 
     with pytest.raises(FastDPOError, match="--update_rounding 'up' is not one of: stochastic, nearest"):
         TrainConfig(model="m", dataset=["d"], update_rounding="up").validate()
+
+
+def test_state_loads_from_and_into_torch_adamw():
+    """A checkpoint of torch's AdamW (e.g. written with --update_rounding nearest) resumes with fastdpo's, and back."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter((torch.randn(8, 8) * 0.02).bfloat16())
+    theirs = torch.optim.AdamW([w], lr=1e-3)
+    for _ in range(3):
+        w.grad = torch.randn(8, 8).bfloat16()
+        theirs.step()
+    ours = AdamW([w], lr=1e-3)
+    ours.load_state_dict(theirs.state_dict())
+    w.grad = torch.randn(8, 8).bfloat16()
+    ours.step()
+    state = ours.state[w]
+    assert float(state["step"]) == 4 and state["exp_avg"].dtype == torch.bfloat16
+    back = torch.optim.AdamW([w], lr=1e-3)
+    back.load_state_dict(ours.state_dict())
+    back.step()
+    assert float(back.state[w]["step"]) == 5

@@ -94,6 +94,8 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if state["step"].device.type != "cpu":  # loaded from a fused AdamW's state: keep the count on
+                    state["step"] = state["step"].cpu()  # the host, so reading it costs no device sync
                 state["step"] += 1
                 step = int(state["step"].item())
                 lp = _local(p)
