@@ -59,13 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.02, help="Max relative loss difference per step.")
     p.add_argument("--overlap", action="store_true", help="Compare only the steps both runs logged (resumed runs).")
     a = p.parse_args(argv)
-    runs = []
+    runs, missing = [], []
     for spec in a.runs:
         path, _, gpus = spec.rpartition(":")
-        runs.append((path, int(gpus)) if path else (spec, 1))
+        run = (path, int(gpus)) if path else (spec, 1)
+        (runs if (Path(run[0]) / "metrics.jsonl").is_file() else missing).append(run)
+    if not runs or runs[0][0] != (a.runs[0].rpartition(":")[0] or a.runs[0]):
+        print(f"No metrics.jsonl in the baseline run {a.runs[0]}: nothing to compare.")
+        return 1
     rows, ok = compare(runs, a.skip, a.tolerance, a.overlap)
     print(table(rows, a.tolerance))
-    return 0 if ok else 1
+    for path, _ in missing:
+        print(f"{path}: no metrics.jsonl (the run failed or did not start); see its log.")
+    return 0 if ok and not missing else 1
 
 
 if __name__ == "__main__":

@@ -235,6 +235,13 @@ def test_compare_runs_checks_the_loss_curve(tmp_path, capsys):
     assert cr.main([f"{one}:1", f"{off}:2"]) == 1  # step 3 is 6 % off
     assert cr.main([f"{one}:1", f"{resumed}:1"]) == 1  # only 2 of 4 steps: incomplete unless --overlap
     assert cr.main([f"{one}:1", f"{resumed}:1", "--overlap"]) == 0
+    capsys.readouterr()
+    failed = tmp_path / "failed"
+    failed.mkdir()  # a run that died before its first step: named, the others still compared
+    assert cr.main([f"{one}:1", f"{failed}:2", f"{two}:2", "--skip", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "| 95.0% |" in out and f"{failed}: no metrics.jsonl" in out
+    assert cr.main([f"{failed}:1", f"{one}:1"]) == 1 and "nothing to compare" in capsys.readouterr().out
 
 
 def test_speed_hint_names_the_missing_settings():
