@@ -19,19 +19,14 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
             (decay if p.ndim >= 2 else no_decay).append(p)
     if not decay and not no_decay:
         raise FastDPOError("The model has no trainable parameters. Check --train_type and --target_modules.")
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    hyper = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     if cfg.update_rounding == "stochastic" and any(p.dtype == torch.bfloat16 for p in decay + no_decay):
         from fastdpo.adamw import AdamW
 
-        return AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                     eps=cfg.adam_epsilon, seed=cfg.seed)
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
-        fused=device.type == "cuda",
-    )
+        return AdamW(groups, seed=cfg.seed, **hyper)
+    return torch.optim.AdamW(groups, fused=device.type == "cuda", **hyper)
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
