@@ -18,9 +18,11 @@ def read(run_dir: str) -> list[dict]:
     return [r for r in rows if "loss" in r and "pairs_per_second" in r]  # training steps, not evaluations
 
 
-def compare(runs: list[tuple[str, int]], skip: int, tolerance: float, overlap: bool = False) -> tuple[list[dict], bool]:
+def compare(runs: list[tuple[str, int]], skip: int, tolerance: float, overlap: bool = False,
+            until: int = 0) -> tuple[list[dict], bool]:
     """Per run: loss against the first run's at the same steps (all of them, or with `overlap` the steps both
-    logged, e.g. a resumed run), pairs/s after `skip` steps, per GPU and relative to the first run, peak GiB."""
+    logged, e.g. a resumed run), pairs/s over the steps after `skip` (and up to `until` when > 0, e.g. to leave out
+    profiled steps), per GPU and relative to the first run, peak GiB."""
     base_rows = read(runs[0][0])
     base_loss = {r["step"]: r["loss"] for r in base_rows}
     base_rate = None
@@ -29,7 +31,7 @@ def compare(runs: list[tuple[str, int]], skip: int, tolerance: float, overlap: b
         rows = read(run_dir)
         diffs = [abs(r["loss"] - base_loss[r["step"]]) / max(abs(base_loss[r["step"]]), 1e-8)
                  for r in rows if r["step"] in base_loss]
-        timed = [r["pairs_per_second"] for r in rows if r["step"] > skip]
+        timed = [r["pairs_per_second"] for r in rows if r["step"] > skip and (not until or r["step"] <= until)]
         rate = sum(timed) / len(timed) if timed else float("nan")
         per_gpu = rate / gpus
         base_rate = per_gpu if base_rate is None else base_rate
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="RUN_DIR:GPUS; the first is the baseline.")
     p.add_argument("--skip", type=int, default=3, help="Steps left out of pairs/s (compilation, warm-up).")
     p.add_argument("--tolerance", type=float, default=0.02, help="Max relative loss difference per step.")
+    p.add_argument("--until", type=int, default=0, help="Last step counted in pairs/s (0: all; e.g. leave out "
+                   "profiled steps).")
     p.add_argument("--overlap", action="store_true", help="Compare only the steps both runs logged (resumed runs).")
     a = p.parse_args(argv)
     runs, missing = [], []
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if not runs or runs[0][0] != (a.runs[0].rpartition(":")[0] or a.runs[0]):
         print(f"No metrics.jsonl in the baseline run {a.runs[0]}: nothing to compare.")
         return 1
-    rows, ok = compare(runs, a.skip, a.tolerance, a.overlap)
+    rows, ok = compare(runs, a.skip, a.tolerance, a.overlap, a.until)
     print(table(rows, a.tolerance))
     for path, _ in missing:
         print(f"{path}: no metrics.jsonl (the run failed or did not start); see its log.")

@@ -4,18 +4,21 @@
 # PARTS picks what runs (default: all), in this order:
 #   bf16   Qwen3-1.7B full fine-tuning on the anchor workload, 20 steps, the same global batch (8 pairs), compiled, on
 #          1 GPU, with DDP, FSDP2 full_shard and FSDP2 shard_grad_op (no re-gather in backward) on N GPUs: loss per
-#          step, pairs/s per GPU, peak memory per GPU.
-#   fp32   the same three runs in float32, 8 steps (float32 matmuls run at ~1/13 of bf16's rate on an H200): the loss
+#          step, pairs/s per GPU (steps 4-18), peak memory per GPU; steps 19-20 are profiled (--profile_steps): where
+#          each rank's device time went (compute, exposed communication, idle).
+#   sr     with bf16, on GPU 1 beside the 1-GPU run: the same run with --update_rounding nearest (torch's fused AdamW),
+#          the cost of the stochastic-rounding AdamW (the default).
+#   fp32   the 1-GPU, DDP and FSDP2 runs in float32 on 64 rows, 8 steps (float32 matmuls run at ~1/13 of bf16's rate on an H200): the loss
 #          curves must agree to float32 rounding, which separates the distributed code's correctness from the bf16
 #          rounding of different micro-batch layouts.
 #   resume the bf16 FSDP2 run's sharded checkpoint (step 10) resumed on one GPU: steps 11-20 against the FSDP2 run's.
 #   8b     Qwen3-8B full fine-tuning with FSDP2 (--deepspeed zero3) and the precomputed reference, 10 steps.
 #   trl8b  TRL + Liger on the same model and rows with FSDP2 through accelerate (benchmarks/trl_fsdp.py; TRL's wheels
 #          on PYTHONPATH).
-# The 1-GPU runs go first, on GPU 0 (other work may use the other GPUs meanwhile). Each run gets at most the time left
+# The 1-GPU runs go first, on GPU 0 and GPU 1 side by side. Each run gets at most the time left
 # before DEADLINE seconds (default 560), so that the logs are always packed.
 set -u
-N=${N:-2}; OUT=${OUT:-multi-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; PARTS=" ${PARTS:-bf16 fp32 resume 8b trl8b} "
+N=${N:-2}; OUT=${OUT:-multi-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; PARTS=" ${PARTS:-bf16 sr fp32 resume 8b trl8b} "
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fastdpo-inductor}
 RUNS=/tmp/multi-runs; mkdir -p "$RUNS"
@@ -28,24 +31,44 @@ run() {
   timeout -k 20 "$t" "$@" --output_dir "$RUNS/$name" > "$LOGS/$name.log" 2>&1; echo "rc=$?"
   grep -E "Error|error:" "$LOGS/$name.log" | tail -n 3
   cp "$RUNS/$name/metrics.jsonl" "$LOGS/$name.metrics.jsonl" 2>/dev/null
+  for s in "$RUNS/$name"/profile/rank*/summary.json; do
+    [ -f "$s" ] || continue; r=$(basename "$(dirname "$s")"); cp "$s" "$LOGS/$name.$r.profile.json"
+    cp "$(dirname "$s")/top.txt" "$LOGS/$name.$r.top.txt"
+    python3 -c "import json,sys; print('   profile $r:', json.load(open(sys.argv[1]))['line'])" "$s"
+  done
 }
 echo "== GPU links and collective bandwidth"
 nvidia-smi topo -m 2>&1 | head -n $((N + 2))
 timeout -k 10 60 torchrun --nproc_per_node "$N" benchmarks/nccl_probe.py 2>&1 | grep -E "GB/s|Error"
 [ -d /tmp/q17 ] || python3 benchmarks/make_shape.py qwen3-1.7b /tmp/q17 /tmp/anchor.jsonl --rows 192 > /dev/null
+head -n 64 /tmp/anchor.jsonl > /tmp/anchor64.jsonl
 C="--model /tmp/q17 --dataset /tmp/anchor.jsonl --max_steps 20 --learning_rate 1e-6 --logging_steps 1 --seed 1
    --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true"
-BF16="--torch_compile --torch_dtype bfloat16"; FP32="--torch_compile --torch_dtype float32 --max_steps 8"
+BF16="--torch_compile --torch_dtype bfloat16 --profile_steps 19-20"
+FP32="--torch_compile --torch_dtype float32 --max_steps 8 --dataset /tmp/anchor64.jsonl"
 ONE="env CUDA_VISIBLE_DEVICES=0 python3 -m fastdpo train"; MANY="torchrun --nproc_per_node $N -m fastdpo train"
 per=$((8 / N))
+ONE1="env CUDA_VISIBLE_DEVICES=1 python3 -m fastdpo train"
+[ "$N" -lt 2 ] && ONE1=$ONE
+(  # on GPU 1 beside the 1-GPU bf16 run on GPU 0 (one after the other with N=1)
+  if has sr; then
+    run 1gpu_nearest 150 $ONE1 $C $BF16 --per_device_train_batch_size 8 --save_steps 0 --update_rounding nearest
+  fi
+  if has fp32; then run 1gpu_fp32 150 $ONE1 $C $FP32 --per_device_train_batch_size 8 --save_steps 0; fi
+) &
+[ "$N" -lt 2 ] && wait
 if has bf16; then run 1gpu 150 $ONE $C $BF16 --per_device_train_batch_size 8 --save_steps 0; fi
-if has fp32; then run 1gpu_fp32 120 $ONE $C $FP32 --per_device_train_batch_size 8 --save_steps 0; fi
+wait
+if has sr; then
+  python3 benchmarks/compare_runs.py "$RUNS/1gpu_nearest:1" "$RUNS/1gpu:1" --skip 3 --until 18 --tolerance 0.05 \
+    | tee "$LOGS/compare_rounding.md"
+fi
 if has bf16; then
   run ddp 150 $MANY $C $BF16 --per_device_train_batch_size $per --save_steps 0
   run fsdp 150 $MANY $C $BF16 --per_device_train_batch_size $per --fsdp full_shard --save_steps 10
   run fsdp_zero2 150 $MANY $C $BF16 --per_device_train_batch_size $per --fsdp shard_grad_op --save_steps 0
   python3 benchmarks/compare_runs.py "$RUNS/1gpu:1" "$RUNS/ddp:$N" "$RUNS/fsdp:$N" "$RUNS/fsdp_zero2:$N" --skip 3 \
-    --tolerance 0.05 \
+    --until 18 --tolerance 0.05 \
     | tee "$LOGS/compare_1.7b.md"
 fi
 if has fp32; then

@@ -24,6 +24,7 @@ from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.errors import FastDPOError
+from fastdpo.profile import report, start_profiler, synchronize
 
 VOCAB = 151936
 
@@ -265,28 +266,18 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     }
 
 
-def profile_steps(one_step, steps: list, device: torch.device, out_dir: str, top: int = 30) -> dict:
-    """Run `one_step` on each of `steps` under torch.profiler; write a Chrome trace and a table of the operators
-    and kernels that took the most time (device time on CUDA, CPU time otherwise) into `out_dir`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=False) as prof:
+def profile_steps(one_step, steps: list, device: torch.device, out_dir: str) -> dict:
+    """Run `one_step` on each of `steps` under torch.profiler; write the Chrome trace, the operators and kernels
+    that took the most time and the compute/communication/idle breakdown into `out_dir` (`fastdpo.profile`)."""
+    prof = start_profiler(device)
+    t0 = time.perf_counter()
+    try:
         for step_pairs in steps:
             one_step(step_pairs)
-    prof.export_chrome_trace(str(out / "trace.json"))
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]
-    total = sum(getattr(e, key, 0) for e in prof.key_averages()) or 1
-    rows = [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key, 0) / 1000 / len(steps), 3),
-             "share": round(getattr(e, key, 0) / total, 4)} for e in events]
-    lines = [f"{'self ms/step':>12} {'share':>7} {'calls':>6}  name"]
-    lines += [f"{r['self_ms']:>12.3f} {r['share']:>7.1%} {r['calls']:>6}  {r['name'][:120]}" for r in rows]
-    (out / "top.txt").write_text("\n".join(lines) + "\n")
-    return {"dir": str(out), "time": "device" if cuda else "cpu", "top": rows[:10]}
+        synchronize(device)
+    finally:
+        prof.__exit__(None, None, None)
+    return report(prof, Path(out_dir), len(steps), time.perf_counter() - t0, device)
 
 
 TRL_SCRIPT = r'''

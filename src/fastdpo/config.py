@@ -136,6 +136,9 @@ class TrainConfig:
     resume_from_checkpoint: str = _f("", "Checkpoint dir, or `latest` for the newest complete one in output_dir.")
     device: str = _f("auto", "auto|cpu|cuda|cuda:N.")
     disable_progress: bool = _f(False, "No progress bar (logs only).")
+    profile_steps: str = _f("", "Profile these optimizer steps, e.g. 6-8: a torch.profiler trace per rank in "
+                            "output_dir/profile/ and a summary of the device's time (compute, exposed communication, "
+                            "idle).")
     # monitoring
     report_to: str = _f("none", "Extra metric sinks: none|all (the installed ones)|tensorboard|wandb, comma-separated "
                         "(metrics.jsonl and the console are always written).")
@@ -166,6 +169,9 @@ class TrainConfig:
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
         _choice("update_rounding", self.update_rounding, ("stochastic", "nearest"))
+        from fastdpo.profile import parse_steps
+
+        parse_steps(self.profile_steps)  # raises on a bad value
         if self.gradient_checkpointing != "auto":
             checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
         if self.activation_offloading and (self.deepspeed or self.fsdp not in ("", "no_shard")):

@@ -64,6 +64,7 @@ from fastdpo.model import (
 )
 from fastdpo.monitor import Monitor
 from fastdpo.optim import build_optimizer, build_scheduler
+from fastdpo.profile import StepProfiler
 from fastdpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.signals import GracefulStop
 
@@ -352,6 +353,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
     stopped_at: Path | None = None
     hb = heartbeat(cfg, d).start()  # names a rank that stops progressing, long before --ddp_timeout
+    profiler = StepProfiler(cfg.profile_steps, out, d.rank, device)
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
@@ -364,6 +366,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             metrics = StepMetrics(device)
             beta = s.beta.value()
             hb.beat(step + 1, "forward")
+            profiler.begin(step + 1)
             run_step(s, step_pairs, metrics)
             reduce_metrics(metrics, d)  # the step's sums over all ranks: the guard below decides alike everywhere
             hb.beat(step + 1, "optimizer")
@@ -378,6 +381,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             reduce_beta_drift(s.beta, d)
             s.beta.step()
             done = step + 1
+            profiler.end(done)
             if cfg.sync_ref_model and done % cfg.ref_model_sync_steps == 0:
                 s.reference.sync(model, cfg.ref_model_mixup_alpha)
 
@@ -423,6 +427,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         raise oom_error(e, cfg, device, step_pairs) from None
     finally:
         hb.stop()
+        profiler.close()
         stop.restore()
         if bar is not None:
             bar[0].stop()

@@ -1,0 +1,67 @@
+"""--profile_steps: interval arithmetic of the breakdown, and a profiled CPU run writing its trace and summary."""
+
+import gzip
+import json
+
+import pytest
+
+from fastdpo.errors import FastDPOError
+from fastdpo.profile import breakdown, merge, parse_steps, subtract
+
+
+def test_parse_steps():
+    assert parse_steps("") is None
+    assert parse_steps("6-8") == (6, 8)
+    assert parse_steps("7") == (7, 7)
+    for bad in ("0", "8-6", "a-b", "-2"):
+        with pytest.raises(FastDPOError, match="--profile_steps"):
+            parse_steps(bad)
+
+
+def test_interval_union_and_difference():
+    assert merge([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    a = merge([(0, 10), (20, 30)])
+    b = merge([(2, 4), (8, 22), (25, 26)])
+    assert subtract(a, b) == [(0, 2), (4, 8), (22, 25), (26, 30)]
+    assert subtract(a, []) == a
+    assert subtract(a, [(-5, 40)]) == []
+
+
+def test_breakdown_separates_hidden_and_exposed_communication():
+    # µs: compute 0-400 and 600-800; NCCL 300-700 (hidden 300-400 and 600-700, exposed 400-600); wall 1 ms
+    events = [("gemm", 0, 400), ("gemm", 600, 200), ("ncclDevKernel_AllGather", 300, 400)]
+    b = breakdown(events, steps=1, wall_s=1e-3)
+    assert b.compute_s == pytest.approx(600e-6)
+    assert b.comm_s == pytest.approx(400e-6)
+    assert b.exposed_comm_s == pytest.approx(200e-6)
+    assert b.idle_s == pytest.approx(200e-6)
+    assert b.top_kernels[0] == ["gemm", 0.0006]
+    assert "exposed communication 20%" in b.line() and "idle 20%" in b.line()
+
+
+def test_profiled_run_writes_trace_and_summary(tmp_path, model_dirs):
+    from conftest import easy_rows, write_jsonl
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.train import train
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(16, seed=1))
+    cfg = TrainConfig(
+        model=str(model_dirs("qwen3")),
+        dataset=[str(data)],
+        output_dir=str(tmp_path / "run"),
+        max_steps=4,
+        profile_steps="2-3",
+        disable_progress=True,
+    )
+    train(cfg, progress=False)
+    prof = tmp_path / "run/profile/rank0"
+    summary = json.loads((prof / "summary.json").read_text())
+    assert summary["breakdown"]["steps"] == 2 and summary["breakdown"]["wall_s"] > 0
+    assert "no device kernels recorded" in summary["line"]
+    assert (prof / "top.txt").read_text().split()[:2] == ["self", "ms/step"]
+    trace = json.loads(gzip.decompress((prof / "trace.json.gz").read_bytes()))
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names)  # the steps' ops were recorded
+    with pytest.raises(FastDPOError, match="--profile_steps"):
+        TrainConfig(model="m", dataset=["d"], profile_steps="x").validate()
