@@ -134,3 +134,65 @@ def test_block_mask_matches_create_block_mask_on_cuda():
     ours = flex_block_mask(batch)
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+
+
+def _bf16_spacing(x: torch.Tensor) -> torch.Tensor:
+    """Distance to the next bfloat16 value above |x| (float32)."""
+    a = x.abs().float().bfloat16()
+    up = (a.view(torch.int16) + 1).view(torch.bfloat16)
+    return (up.float() - a.float()).clamp_min(1e-38)
+
+
+def test_fused_adamw_kernel_matches_the_float32_update():
+    from fastdpo.adamw import AdamW
+
+    torch.manual_seed(0)
+    n = 3 * 2048 + 17  # a partial last block
+    shapes = {"w": (n,), "norm": (64,)}
+    init = {k: (torch.randn(s) * 0.02).bfloat16() for k, s in shapes.items()}
+    grads = {k: (torch.randn(s) * 1e-2).bfloat16() for k, s in shapes.items()}
+    results = {}
+    for device in ("cpu", "cuda"):  # cpu: the foreach path; cuda: the Triton kernel
+        params = [torch.nn.Parameter(init[k].clone().to(device)) for k in shapes]
+        opt = AdamW(params, lr=1e-4, weight_decay=0.1, seed=5)
+        calls = []
+        if device == "cuda":
+            fused = opt._fused_update()
+            assert fused is not None, "Triton kernel not found on a CUDA machine"
+            opt._fused = lambda *a, _c=calls, _f=fused, **k: (_c.append(1), _f(*a, **k))
+        for _ in range(3):
+            for p, k in zip(params, shapes):
+                p.grad = grads[k].to(device).clone()
+            opt.step()
+        assert len(calls) == (6 if device == "cuda" else 0)
+        results[device] = ([p.detach().cpu() for p in params],
+                           [opt.state[p]["exp_avg"].cpu() for p in params],
+                           [opt.state[p]["exp_avg_sq"].cpu() for p in params])
+    for i in range(len(shapes)):
+        w_cpu, w_gpu = results["cpu"][0][i].float(), results["cuda"][0][i].float()
+        # both round the same float32 update up or down at random: at most one bfloat16 spacing per step apart
+        assert ((w_cpu - w_gpu).abs() <= 3 * _bf16_spacing(w_cpu)).all()
+        assert (w_cpu != init[list(shapes)[i]].float()).float().mean() > 0.5  # the weights moved
+        for j in (1, 2):  # moments: the same float32 arithmetic, stored in bfloat16
+            a, b = results["cpu"][j][i].float(), results["cuda"][j][i].float()
+            assert ((a - b).abs() <= 2 * _bf16_spacing(a)).all()
+
+
+def test_fused_adamw_rounding_is_unbiased():
+    from fastdpo.adamw_kernel import adamw_update_
+
+    # weight 1.0 (bfloat16 spacing 2^-7 above it): an update of +0.3 spacing must round up 30 % of the time
+    n = 1 << 20
+    w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+    g = torch.full((n,), -1.0, device="cuda", dtype=torch.bfloat16)
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    step_size = 0.3 * 2**-7  # adam's first step moves by lr (m/sqrt(v) = 1 after bias correction)
+    adamw_update_(w, g, m, v, lr=step_size, weight_decay=0.0, b1=0.9, b2=0.999, step=1, eps=0.0, seed=123,
+                  stochastic=True)
+    up = (w.float() > 1.0).float().mean().item()
+    assert abs(up - 0.3) < 0.005
+    assert set(w.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    near = torch.ones_like(w)
+    adamw_update_(near, g, torch.zeros_like(w), torch.zeros_like(w), lr=step_size, weight_decay=0.0, b1=0.9,
+                  b2=0.999, step=1, eps=0.0, seed=123, stochastic=False)
+    assert (near.float() == 1.0).all()  # round to nearest drops the 0.3-spacing update

@@ -9,6 +9,8 @@ float32 master copy in memory. Moments stay in the parameter's dtype, as torch.o
 the same. Parameters of other dtypes get the same float32 update, rounded to nearest.
 
 Works on plain tensors and on FSDP2's sharded DTensor parameters (the update runs on each rank's local shard).
+On CUDA with Triton, each tensor's update is one kernel (`fastdpo.adamw_kernel`, one read and one write of each
+tensor); elsewhere it is the float32 foreach computation below, in slices of at most CHUNK elements.
 State keys (`step`, `exp_avg`, `exp_avg_sq`) match torch.optim.AdamW, so checkpoints load either way.
 """
 
@@ -19,6 +21,15 @@ import math
 import torch
 
 CHUNK = 1 << 25  # elements per group of float32 temporaries (4 of them: ≈ 512 MiB at most)
+
+
+def _kernel():
+    """fastdpo.adamw_kernel's update function, or None where Triton is not installed."""
+    try:
+        from fastdpo.adamw_kernel import adamw_update_
+    except ImportError:
+        return None
+    return adamw_update_
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -69,12 +80,16 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._fused = None  # the Triton update, looked up on the first CUDA step
+
+    def _seed(self, step: int, group: int) -> int:
+        return ((self.seed * 1_000_003 + step) * 1_009 + group) % (1 << 62)
 
     def _generator(self, device: torch.device, step: int, group: int) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device)
         g = self._generators[device]
-        g.manual_seed((self.seed * 1_000_003 + step) * 1_009 + group)
+        g.manual_seed(self._seed(step, group))
         return g
 
     @torch.no_grad()
@@ -84,8 +99,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            by_kind: dict[tuple, list[list[torch.Tensor]]] = {}
+            by_kind: dict[tuple, list[list]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -99,35 +113,68 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"].item())
                 lp = _local(p)
-                key = (step, lp.device, lp.dtype)
-                lists = by_kind.setdefault(key, [[], [], [], []])
-                for lst, t in zip(lists, (lp, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))):
+                tensors = (lp, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
+                fused = lp.device.type == "cuda" and all(t.is_contiguous() for t in tensors) and self._fused_update()
+                lists = by_kind.setdefault((step, lp.device, lp.dtype, bool(fused)), [[], [], [], [], []])
+                for lst, t in zip(lists, tensors):
                     lst.append(t)
-            for (step, device, dtype), lists in by_kind.items():
-                c1 = 1 - b1 ** step
-                c2 = 1 - b2 ** step
-                gen = self._generator(device, step, index) if dtype == torch.bfloat16 else None
-                for w, g, m, v in _pieces(lists):
-                    w32 = [t.float() for t in w]
-                    g32 = [t.float() for t in g]
-                    m32 = [t.float() for t in m]
-                    v32 = [t.float() for t in v]
-                    if wd:
-                        torch._foreach_mul_(w32, 1 - lr * wd)
-                    torch._foreach_lerp_(m32, g32, 1 - b1)
-                    torch._foreach_mul_(v32, b2)
-                    torch._foreach_addcmul_(v32, g32, g32, 1 - b2)
-                    denom = torch._foreach_sqrt(v32)
-                    torch._foreach_div_(denom, math.sqrt(c2))
-                    torch._foreach_add_(denom, eps)
-                    torch._foreach_addcdiv_(w32, m32, denom, -lr / c1)
-                    for dst, src in zip(m, m32):
-                        dst.copy_(src)
-                    for dst, src in zip(v, v32):
-                        dst.copy_(src)
-                    for dst, src in zip(w, w32):
-                        if dtype == torch.bfloat16:
-                            stochastic_round_(dst, src, gen)
-                        else:
-                            dst.copy_(src)
+                lists[4].append(_shard_rank(p))
+            for (step, device, dtype, fused), lists in by_kind.items():
+                if fused:
+                    self._fused_steps(lists, group, step, index, dtype == torch.bfloat16)
+                else:
+                    gen = self._generator(device, step, index) if dtype == torch.bfloat16 else None
+                    _foreach_steps(lists[:4], group, step, gen)
         return loss
+
+    def _fused_update(self):
+        if self._fused is None:
+            self._fused = _kernel() or False
+        return self._fused or None
+
+    def _fused_steps(self, lists: list[list], group: dict, step: int, index: int, stochastic: bool) -> None:
+        """One kernel per tensor. The noise seed of tensor k is derived from (seed, step, group, k) and, for a
+        DTensor shard, its rank (replicated tensors: the same seed on every rank)."""
+        base = self._seed(step, index)
+        b1, b2 = group["betas"]
+        for k, (w, g, m, v, shard) in enumerate(zip(*lists)):
+            seed = ((base * 31 + k) * 131 + shard) % ((1 << 31) - 1)
+            self._fused(w, g, m, v, lr=group["lr"], weight_decay=group["weight_decay"], b1=b1, b2=b2, step=step,
+                        eps=group["eps"], seed=seed, stochastic=stochastic)
+
+
+def _shard_rank(p: torch.Tensor) -> int:
+    """A DTensor parameter's rank in its mesh (+1), 0 for a plain tensor."""
+    mesh = getattr(p, "device_mesh", None)
+    return mesh.get_rank() + 1 if mesh is not None else 0
+
+
+def _foreach_steps(lists: list[list[torch.Tensor]], group: dict, step: int, gen: torch.Generator | None) -> None:
+    """The update in float32 foreach ops, slice group by slice group; bfloat16 weights rounded stochastically
+    with `gen`, others to nearest."""
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    c1 = 1 - b1**step
+    c2 = 1 - b2**step
+    for w, g, m, v in _pieces(lists):
+        w32 = [t.float() for t in w]
+        g32 = [t.float() for t in g]
+        m32 = [t.float() for t in m]
+        v32 = [t.float() for t in v]
+        if wd:
+            torch._foreach_mul_(w32, 1 - lr * wd)
+        torch._foreach_lerp_(m32, g32, 1 - b1)
+        torch._foreach_mul_(v32, b2)
+        torch._foreach_addcmul_(v32, g32, g32, 1 - b2)
+        denom = torch._foreach_sqrt(v32)
+        torch._foreach_div_(denom, math.sqrt(c2))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(w32, m32, denom, -lr / c1)
+        for dst, src in zip(m, m32):
+            dst.copy_(src)
+        for dst, src in zip(v, v32):
+            dst.copy_(src)
+        for dst, src in zip(w, w32):
+            if dst.dtype == torch.bfloat16:
+                stochastic_round_(dst, src, gen)
+            else:
+                dst.copy_(src)
