@@ -1,5 +1,5 @@
 """Compare training runs of the same job (e.g. one GPU vs DDP vs FSDP2 on N GPUs, same global batch) from their
-metrics.jsonl: the loss curve step by step, pairs/s per GPU against the first run, peak memory per GPU.
+metrics.jsonl: the loss curve step by step, pairs/s per GPU (median step) against the first run, peak memory per GPU.
 
     python benchmarks/compare_runs.py out/1gpu:1 out/ddp:2 out/fsdp:2 [--skip 3] [--tolerance 0.02]
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ def read(run_dir: str) -> list[dict]:
 def compare(runs: list[tuple[str, int]], skip: int, tolerance: float, overlap: bool = False,
             until: int = 0) -> tuple[list[dict], bool]:
     """Per run: loss against the first run's at the same steps (all of them, or with `overlap` the steps both
-    logged, e.g. a resumed run), pairs/s over the steps after `skip` (and up to `until` when > 0, e.g. to leave out
+    logged, e.g. a resumed run), median pairs/s of the steps after `skip` (and up to `until` when > 0, e.g. to leave out
     profiled steps), per GPU and relative to the first run, peak GiB."""
     base_rows = read(runs[0][0])
     base_loss = {r["step"]: r["loss"] for r in base_rows}
@@ -32,7 +33,9 @@ def compare(runs: list[tuple[str, int]], skip: int, tolerance: float, overlap: b
         diffs = [abs(r["loss"] - base_loss[r["step"]]) / max(abs(base_loss[r["step"]]), 1e-8)
                  for r in rows if r["step"] in base_loss]
         timed = [r["pairs_per_second"] for r in rows if r["step"] > skip and (not until or r["step"] <= until)]
-        rate = sum(timed) / len(timed) if timed else float("nan")
+        # the median step: steps that compile a new micro-batch length (a one-time cost, at most a few per run) are
+        # outliers that a mean over 15 steps would weigh by chance
+        rate = statistics.median(timed) if timed else float("nan")
         per_gpu = rate / gpus
         base_rate = per_gpu if base_rate is None else base_rate
         worst = max(diffs) if diffs else float("nan")

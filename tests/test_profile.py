@@ -39,6 +39,23 @@ def test_breakdown_separates_hidden_and_exposed_communication():
     assert "exposed communication 20%" in b.line() and "idle 20%" in b.line()
 
 
+def test_device_events_leave_out_cpu_ops_and_annotations():
+    from types import SimpleNamespace
+
+    import torch
+
+    from fastdpo.profile import device_events
+
+    def event(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=annotation)
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    prof = SimpleNamespace(events=lambda: [event("aten::mm", cpu, 0, 5), event("gemm", cuda, 1, 4),
+                                           event("DistributedDataParallel.forward", cuda, 0, 100, annotation=True)])
+    assert device_events(prof) == [("gemm", 1.0, 3.0)]
+
+
 def test_profiled_run_writes_trace_and_summary(tmp_path, model_dirs):
     from conftest import easy_rows, write_jsonl
 

@@ -114,11 +114,14 @@ def breakdown(events, steps: int, wall_s: float, top: int = 8) -> Breakdown:
 
 
 def device_events(prof) -> list[tuple[str, float, float]]:
-    """(name, start µs, duration µs) of every kernel/memcpy the profiler saw on an accelerator."""
+    """(name, start µs, duration µs) of every kernel, copy and memset the profiler saw on an accelerator. User
+    annotations (`record_function` ranges mirrored on the device timeline, e.g. DistributedDataParallel.forward)
+    are left out: they span idle gaps and would count them as busy."""
     out = []
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CPU:
-            out.append((e.name, float(e.time_range.start), float(e.time_range.end - e.time_range.start)))
+        if e.device_type == torch.autograd.DeviceType.CPU or getattr(e, "is_user_annotation", False):
+            continue
+        out.append((e.name, float(e.time_range.start), float(e.time_range.end - e.time_range.start)))
     return out
 
 
