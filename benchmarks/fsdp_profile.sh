@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Where FSDP2's time goes on N GPUs of one host (from the repo root): Qwen3-1.7B full fine-tuning, global batch of
 # GLOBAL pairs (default 32), STEPS steps (default 10), the last one profiled. Runs, each with the micro-batch token budgets in BUDGETS
-# (default "4096 8192"): one GPU (GPU 0 and GPU 1 side by side, one budget each), then FSDP2 full_shard on N GPUs.
+# (default "4096 8192"): one GPU (GPU 0 and GPU 1 side by side, one budget each), then FSDP2 on N GPUs (FSDP=full_shard, the default, or shard_grad_op).
 # Prints the per-step times and each profile's compute / exposed communication / idle split; copies the traces
 # (rank 0 of each run) and the logs into $OUT. On a CPU, try it with SHAPE=tiny COMPILE= (no compilation).
 set -u
 N=${N:-2}; OUT=${OUT:-fsdp-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; GLOBAL=${GLOBAL:-32}; BUDGETS=(${BUDGETS:-4096 8192})
-STEPS=${STEPS:-10}; PER=8; [ $((GLOBAL / N)) -lt 8 ] && PER=$((GLOBAL / N))
+STEPS=${STEPS:-10}; FSDP=${FSDP:-full_shard}; PER=8; [ $((GLOBAL / N)) -lt 8 ] && PER=$((GLOBAL / N))
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fastdpo-inductor} TORCH_LOGS=${TORCH_LOGS-recompiles}
 RUNS=/tmp/fsdp-runs; mkdir -p "$RUNS"
@@ -53,7 +53,7 @@ for b in "${BUDGETS[@]}"; do
 done
 wait
 for b in "${BUDGETS[@]}"; do
-  run "fsdp_$b" 200 torchrun --nproc_per_node "$N" -m fastdpo train $C --max_tokens_per_batch "$b" \
-    --per_device_train_batch_size $PER --gradient_accumulation_steps $((GLOBAL / PER / N)) --fsdp full_shard
+  run "fsdp_${FSDP}_$b" 200 torchrun --nproc_per_node "$N" -m fastdpo train $C --max_tokens_per_batch "$b" \
+    --per_device_train_batch_size $PER --gradient_accumulation_steps $((GLOBAL / PER / N)) --fsdp "$FSDP"
 done
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
