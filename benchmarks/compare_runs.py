@@ -14,8 +14,14 @@ import sys
 from pathlib import Path
 
 
+def metrics_file(run: str) -> Path:
+    """A run's metrics: RUN/metrics.jsonl, or RUN itself when it is a .jsonl file (a copied run's metrics)."""
+    p = Path(run)
+    return p if p.suffix == ".jsonl" else p / "metrics.jsonl"
+
+
 def read(run_dir: str) -> list[dict]:
-    rows = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl", encoding="utf-8") if line.strip()]
+    rows = [json.loads(line) for line in open(metrics_file(run_dir), encoding="utf-8") if line.strip()]
     return [r for r in rows if "loss" in r and "pairs_per_second" in r]  # training steps, not evaluations
 
 
@@ -59,7 +65,7 @@ def table(rows: list[dict], tolerance: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="RUN_DIR:GPUS; the first is the baseline.")
+    p.add_argument("runs", nargs="+", help="RUN_DIR:GPUS (or a metrics .jsonl file:GPUS); the first is the baseline.")
     p.add_argument("--skip", type=int, default=3, help="Steps left out of pairs/s (compilation, warm-up).")
     p.add_argument("--tolerance", type=float, default=0.02, help="Max relative loss difference per step.")
     p.add_argument("--until", type=int, default=0, help="Last step counted in pairs/s (0: all; e.g. leave out "
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in a.runs:
         path, _, gpus = spec.rpartition(":")
         run = (path, int(gpus)) if path else (spec, 1)
-        (runs if (Path(run[0]) / "metrics.jsonl").is_file() else missing).append(run)
+        (runs if metrics_file(run[0]).is_file() else missing).append(run)
     if not runs or runs[0][0] != (a.runs[0].rpartition(":")[0] or a.runs[0]):
         print(f"No metrics.jsonl in the baseline run {a.runs[0]}: nothing to compare.")
         return 1

@@ -232,6 +232,9 @@ def test_compare_runs_checks_the_loss_curve(tmp_path, capsys):
     assert cr.main([f"{one}:1", f"{two}:2", "--skip", "1"]) == 0
     out = capsys.readouterr().out
     assert "| 95.0% |" in out and "| 12.0 |" in out  # 19 pairs/s on 2 GPUs = 9.5 per GPU vs 10
+    copied = tmp_path / "two.metrics.jsonl"  # a run's metrics file copied on its own
+    copied.write_text((Path(two) / "metrics.jsonl").read_text())
+    assert cr.main([f"{one}:1", f"{copied}:2", "--skip", "1"]) == 0 and "| 95.0% |" in capsys.readouterr().out
     assert cr.main([f"{one}:1", f"{off}:2"]) == 1  # step 3 is 6 % off
     assert cr.main([f"{one}:1", f"{resumed}:1"]) == 1  # only 2 of 4 steps: incomplete unless --overlap
     assert cr.main([f"{one}:1", f"{resumed}:1", "--overlap"]) == 0
@@ -254,6 +257,11 @@ def test_speed_hint_names_the_missing_settings():
                  "--precompute_ref_log_probs", "fastdpo tune"):
         assert flag in hint
     assert speed_hint(plain, cpu, "dense") is None and speed_hint(plain, cuda, "padded") is None
+    sharded = TrainConfig(model="m", dataset=["d"], torch_compile=True, max_tokens_per_batch=4096, fsdp="full_shard")
+    assert "--max_tokens_per_batch 8192" in speed_hint(sharded, cuda, "flex", "fsdp")
+    assert speed_hint(sharded, cuda, "flex", "ddp") != speed_hint(sharded, cuda, "flex", "fsdp")
+    sharded.max_tokens_per_batch = 8192
+    assert "FSDP2" not in (speed_hint(sharded, cuda, "flex", "fsdp") or "")
     tuned = TrainConfig(model="m", dataset=["d"], torch_compile=True, max_tokens_per_batch=4096,
                         gradient_checkpointing="ffn", precompute_ref_log_probs=True)
     assert speed_hint(tuned, cuda, "flex") is None
