@@ -270,3 +270,32 @@ def test_two_ranks_share_the_precompute_and_match_one_rank(tmp_path, model_dirs)
     t2, t1 = load_table(two, "cpu"), load_table(one, "cpu")
     assert t2.logps.shape[0] == t1.logps.shape[0] == 41  # every pair, gathered from both ranks' shares
     torch.testing.assert_close(t2.logps, t1.logps, rtol=1e-5, atol=1e-5)
+
+
+def test_ddp_gradients_live_in_the_reduction_buckets(model_dirs):
+    """No second copy of the gradients: after backward under DDP, each parameter's .grad is a view into one of a
+    few bucket buffers, not a tensor of its own."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.distributed import Dist, wrap_models
+    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.reference import Reference
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        policy = wrap_models(model, Reference("precompute"), backend, Dist(0, 1, 0, "ddp"))
+        batch = make_batch(random_pairs(3, model.config.vocab_size), backend, 0, torch.device("cpu"))
+        for _ in range(2):  # the second backward runs after zero_grad(set_to_none=True), as the loop does
+            model.zero_grad(set_to_none=True)
+            sums, *_ = policy(batch, build_mask(batch, backend))
+            sums.sum().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        storages = {g.untyped_storage().data_ptr() for g in grads}
+        assert len(grads) > 10 and len(storages) < len(grads) / 5
+    finally:
+        dist.destroy_process_group()

@@ -335,8 +335,10 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         on_cuda = next(model.parameters()).is_cuda
-        # buffers (rotary tables) are equal on every rank: no broadcast before each forward
-        policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, broadcast_buffers=False)
+        # buffers (rotary tables) are equal on every rank: no broadcast before each forward; gradients are views
+        # into the reduction buckets, so they are not held twice (one model's worth of gradient memory less)
+        policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, broadcast_buffers=False,
+                     gradient_as_bucket_view=True)
         policy.register_comm_hook(None, _sum_in_fp32)
         return policy
     _shard(policy, d, d.reshard_after_forward)
