@@ -198,7 +198,8 @@ def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
     out, prof = tmp_path / "b.json", tmp_path / "prof"
     rc = main(["bench", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--steps", "2", "--warmup", "1",
                "--per_device_train_batch_size", "4", "--json", str(out), "--profile", str(prof)])
-    assert rc == 0 and "fastdpo bench" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert rc == 0 and "fastdpo bench" in text and "Profile of two steps" in text
     r = json.loads(out.read_text())["results"][0]
     assert r["pairs_per_s"] > 0 and r["backend"] == "dense"
     assert r["profile"]["time"] == "cpu" and r["profile"]["top"][0]["self_ms"] > 0

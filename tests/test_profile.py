@@ -82,3 +82,18 @@ def test_profiled_run_writes_trace_and_summary(tmp_path, model_dirs):
     assert any(n.startswith("aten::") for n in names)  # the steps' ops were recorded
     with pytest.raises(FastDPOError, match="--profile_steps"):
         TrainConfig(model="m", dataset=["d"], profile_steps="x").validate()
+
+
+def test_a_window_outside_the_run_is_named(tmp_path, model_dirs, caplog):
+    from conftest import easy_rows, write_jsonl
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.train import train
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(8, seed=1))
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
+                      max_steps=2, profile_steps="3-4", disable_progress=True)
+    with caplog.at_level("WARNING", logger="fastdpo"):
+        train(cfg, progress=False)
+    assert "this run trains steps 1-2" in caplog.text
+    assert not (tmp_path / "run/profile").exists()

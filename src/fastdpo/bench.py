@@ -400,4 +400,6 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
         Path(out_json).write_text(json.dumps(record, indent=1))
     if console is not None:
         print_table(console, results)
+        if "profile" in results[0]:
+            console.print(f"Profile of two steps ({results[0]['profile']['dir']}): {results[0]['profile']['line']}.")
     return results
