@@ -358,3 +358,15 @@ def test_custom_model_code_needs_trust_remote_code(tmp_path, model_dirs):
     with pytest.raises(FastDPOError, match="custom code.*--trust_remote_code true"):
         load_model(str(m), torch.float32, torch.device("cpu"))
     assert not marker.exists()
+
+
+def test_a_write_probe_left_by_a_kill_is_removed_by_the_next_run(tmp_path, monkeypatch):
+    from fastdpo.train import check_output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".fastdpo_write_test.rank0").write_text("ok")  # a kill landed between the probe's write and unlink
+    check_output_dir(out)
+    monkeypatch.setenv("RANK", "1")
+    check_output_dir(out)
+    assert [p.name for p in out.iterdir()] == []

@@ -101,7 +101,8 @@ def seed_all(seed: int) -> None:
 def check_output_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".fastdpo_write_test.{os.getpid()}"  # one per rank
+        # one name per rank, the same in every run: a probe a kill left behind is overwritten and removed next time
+        probe = out / f".fastdpo_write_test.rank{os.environ.get('RANK', '0')}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
