@@ -98,6 +98,14 @@ def test_every_path_and_policy_passes_on_cpu(model_dirs, data, family):
     assert packed.held_mib < results[0].held_mib  # the prompt is computed once, no padding
 
 
+
+def verify_cli(model_dirs, data, tmp_path, capsys, *flags) -> tuple[int, str, list]:
+    """`fastdpo verify` on the tiny Qwen3 and `data` with `flags`: exit status, printed text (whitespace folded)
+    and the JSON rows."""
+    out = tmp_path / "r.json"
+    rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), *flags, "--json", str(out)])
+    return rc, " ".join(capsys.readouterr().out.split()), json.loads(out.read_text())
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, capsys, tmp_path, dtype):
     import fastdpo.attention as attention
@@ -108,12 +116,9 @@ def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, c
         return real(q_pair, k_pair, q_seg, k_seg.clamp(max=0) if k_seg.dtype != torch.bool else k_seg, *rest)
 
     monkeypatch.setattr(attention, "allowed", leaky)
-    out = tmp_path / "r.json"
-    rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--pairs", "6",
-               "--policies", "ffn", "--torch_dtype", dtype, "--json", str(out)])
-    text = capsys.readouterr().out
+    rc, text, rows = verify_cli(model_dirs, data, tmp_path, capsys, "--pairs", "6", "--policies", "ffn",
+                                "--torch_dtype", dtype)
     assert rc == 1 and "FAIL" in text
-    rows = json.loads(out.read_text())
     assert rows[0]["passed"] and not any(r["passed"] for r in rows[1:])
     assert all(r["worst"] > r["tolerance"] for r in rows[1:])  # far from float32, not merely from each other
     assert rows[-1]["policy"] == "ffn" and rows[-1]["vs_no_ckpt"] < TOLERANCE[getattr(torch, dtype)]
@@ -122,13 +127,9 @@ def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, c
 
 
 def test_verify_command_passes(model_dirs, data, capsys, tmp_path):
-    out = tmp_path / "r.json"
-    rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--pairs", "4",
-               "--policies", "full,every:2", "--json", str(out)])
-    text = capsys.readouterr().out
+    rc, text, rows = verify_cli(model_dirs, data, tmp_path, capsys, "--pairs", "4", "--policies", "full,every:2")
     assert rc == 0 and "PASS: 5 paths match the plain float32 path within 0.0001" in text and "held MiB" in text
     assert "= no ckpt" in text and "tolerance 0.0001 (float32: the plain path is the reference)" in text
-    rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows][-2:] == ["full", "every:2"] and all(r["passed"] for r in rows)
     assert {"worst", "passed", "tolerance", "floor", "truth_dtype", "fallback", "vs_no_ckpt"} <= set(rows[0])
     assert rows[0]["vs_no_ckpt"] is None and rows[-1]["vs_no_ckpt"] == pytest.approx(0.0, abs=1e-5)
@@ -205,13 +206,10 @@ def test_without_memory_for_float32_the_reference_is_the_bfloat16_plain_path(mod
         return real(model, *args)
 
     monkeypatch.setattr(verify, "_gradients", gradients)
-    out = tmp_path / "r.json"
-    rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--pairs", "6",
-               "--policies", "full", "--torch_dtype", "bfloat16", "--json", str(out)])
-    text = " ".join(capsys.readouterr().out.split())
+    rc, text, rows = verify_cli(model_dirs, data, tmp_path, capsys, "--pairs", "6", "--policies", "full",
+                                "--torch_dtype", "bfloat16")
     assert rc == 0 and "NOT compared with float32 because float32 did not fit in memory" in text
     assert "tolerance 0.03, fixed for bfloat16" in text and "PASS: 4 paths match the plain bfloat16 path" in text
-    rows = json.loads(out.read_text())
     assert all(r["truth_dtype"] == "bfloat16" and "can't allocate memory" in r["fallback"] for r in rows)
     assert rows[0]["worst"] == 0.0 and rows[0]["floor"] == 0.0 and all(r["tolerance"] == 3e-2 for r in rows)
     _unchanged(loaded)
@@ -244,12 +242,10 @@ def test_a_policy_whose_recomputation_differs_fails(model_dirs, data, monkeypatc
         return real(run, *args, **kwargs)
 
     monkeypatch.setattr(memory, "checkpoint", drifting)
-    out = tmp_path / "r.json"
-    rc = main(["verify", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--pairs", "6",
-               "--policies", "ffn", "--tolerance", "1e-2", "--json", str(out)])
-    text = " ".join(capsys.readouterr().out.split())
+    rc, text, rows = verify_cli(model_dirs, data, tmp_path, capsys, "--pairs", "6", "--policies", "ffn",
+                                "--tolerance", "1e-2")
     assert rc == 1 and "FAIL: ckpt ffn (differs from the path without checkpointing)" in text
-    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    rows = {r["name"]: r for r in rows}
     ffn = rows["ckpt ffn"]
     assert ffn["tolerance"] == 1e-2 and ffn["worst"] <= 1e-2  # within --tolerance of float32 ...
     assert 1e-4 < ffn["vs_no_ckpt"] < 1e-2 and not ffn["passed"]  # ... but not what the same path gives without it
