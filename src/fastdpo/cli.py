@@ -206,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger.")
     b.add_argument("--json", help="Write the results and environment to this JSON file.")
     b.add_argument("--profile", metavar="DIR", help="After the measured steps, profile two more steps: a Chrome trace "
-                   "(DIR/trace.json), the operators and kernels that took the most time (DIR/top.txt) and how the device's time "
-                   "split into compute, exposed communication and idle (DIR/summary.json).")
+                   "(DIR/trace.json), the operators and kernels that took the most time (DIR/top.txt) and how the "
+                   "device's time split into compute, exposed communication and idle (DIR/summary.json).")
     b.add_argument("--pair_tokens", nargs="*", type=int, default=[],
                    help="Longest-pair probe: one optimizer step on one pair of each of these lengths (prompt half, "
                         "completions a quarter each), until one runs out of GPU memory.")

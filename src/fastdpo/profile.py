@@ -1,6 +1,6 @@
 """--profile_steps: a torch.profiler trace of a few optimizer steps, and where the device's time went.
 
-The trace (per rank, `output_dir/profile/rank{R}.json.gz`, open it in Perfetto or chrome://tracing) shows every
+The trace (per rank, `output_dir/profile/rank{R}/trace.json.gz`; open it in Perfetto or chrome://tracing) shows every
 kernel; the summary answers the first question of a slow run without opening it: of the profiled wall time, how
 much had a compute kernel running, how much only a communication (NCCL) kernel (communication not hidden behind
 compute), and how much nothing at all (the device waited for the host: Python, hooks, synchronisation).

@@ -167,10 +167,11 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     """The settings behind the measured speed-ups, named once when a GPU run trains without them."""
     if device.type != "cuda" or backend != "flex":
         return None
+    hints = []
     if mode == "fsdp" and 0 < cfg.max_tokens_per_batch < FSDP_MIN_BUDGET:
-        return (f"FSDP2 gathers every layer's weights for each micro-batch: with --max_tokens_per_batch "
-                f"{cfg.max_tokens_per_batch} that cost is paid often. --max_tokens_per_batch {FSDP_MIN_BUDGET} or more "
-                "amortises it (README, Several GPUs).")
+        hints.append(f"FSDP2 gathers every layer's weights for each micro-batch: with --max_tokens_per_batch "
+                     f"{cfg.max_tokens_per_batch} that cost is paid often. --max_tokens_per_batch {FSDP_MIN_BUDGET} "
+                     "or more amortises it (README, Several GPUs).")
     missing = []
     if not cfg.torch_compile:
         missing.append("--torch_compile")
@@ -180,10 +181,10 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
         missing.append("--gradient_checkpointing ffn")
     if not cfg.precompute_ref_log_probs and cfg.needs_reference() and not cfg.sync_ref_model:
         missing.append("--precompute_ref_log_probs")
-    if not missing:
-        return None
-    return ("Faster on this GPU (README, Performance): " + ", ".join(missing) +
-            "; `fastdpo tune` measures these choices on your model and data.")
+    if missing:
+        hints.append("Faster on this GPU (README, Performance): " + ", ".join(missing) +
+                     "; `fastdpo tune` measures these choices on your model and data.")
+    return " ".join(hints) or None
 
 
 def compile_budget(pairs: list[TokenizedPair], pairs_per_micro: int) -> int:
