@@ -83,3 +83,40 @@ def test_fsdp_bf16_stochastic_rounding_shards_and_resumes(tmp_path, model_dirs):
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst < 2e-2, worst  # a few bf16 spacings: the rounding noise of shards and of whole tensors differ
     assert [r["step"] for r in metrics(tmp_path / "resumed")] == [4, 5, 6]
+
+
+@pytest.mark.parametrize("mode", ["shard_grad_op", "full_shard"])
+def test_zero2_keeps_weights_gathered_through_a_step(mode, model_dirs):
+    """shard_grad_op (ZeRO-2) gathers the weights once per optimizer step: after the backward of a micro-step that is
+    not the step's last they stay whole (plain tensors, not shards), and the last one shards them again for the
+    optimizer. full_shard (ZeRO-3) shards them after every backward."""
+    import torch
+    import torch.distributed as dist
+    from conftest import random_pairs
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.distributed import Dist, grad_sync, parallel_plan, wrap_models
+    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.reference import Reference
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    plan = parallel_plan(mode, "")
+    d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = wrap_models(model, Reference("precompute"), backend, d)
+        batch = make_batch(random_pairs(3, model.config.vocab_size), backend, 0, torch.device("cpu"))
+        layer = model.model.layers[0].mlp.up_proj.weight
+        sharded = []
+        for last in (False, False, True):
+            with grad_sync(policy, last, keep_gathered=d.keeps_gathered):
+                sums, *_ = policy(batch, build_mask(batch, backend))
+                sums.sum().backward()
+            sharded.append(isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor))
+        assert isinstance(layer, DTensor)  # the registered parameter is the shard
+        assert sharded == ([False, False, True] if mode == "shard_grad_op" else [True, True, True])
+    finally:
+        dist.destroy_process_group()

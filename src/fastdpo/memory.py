@@ -64,6 +64,10 @@ def compile_layers(model) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
+    # under DDP, TorchDynamo would split each layer's graph again at the reduction buckets' boundaries (its "DDP
+    # optimizer", meant for one whole-model graph); per-layer graphs already let the reductions overlap the
+    # backward, and the extra splits only cost fusion and kernel launches
+    torch._dynamo.config.optimize_ddp = False
     from fastdpo.model import base_causal_lm
 
     lm = base_causal_lm(model)

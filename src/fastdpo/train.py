@@ -276,7 +276,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device, cfg.max_tokens_per_batch)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
-        with grad_sync(s.policy, last=i == len(groups) - 1):
+        with grad_sync(s.policy, last=i == len(groups) - 1, keep_gathered=d.keeps_gathered):
             with offloading(cfg.activation_offloading, s.model):
                 pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
             ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One GPU against N GPUs of one host, with a profile of each run's last step (from the repo root): Qwen3-1.7B full
+# fine-tuning, global batch of GLOBAL pairs (default 32), STEPS steps (default 10).
+#   BUDGETS  micro-batch token budgets (default "4096 8192"); the one-GPU runs (GPU 0 and GPU 1 side by side, one
+#            budget each) come first.
+#   MODES    how the N GPUs share the model (default "full_shard"): ddp, full_shard, shard_grad_op; each runs at
+#            every budget.
+#   BEFORE   optional: a source tree of an earlier version (e.g. `git archive HEAD src | tar -x -C .before`, then
+#            BEFORE=.before/src); each mode then also runs on it (named before_<mode>_<budget>), after the current
+#            code's runs, so a change's before and after share one invocation.
+# Prints the per-step times and each profile's compute / exposed communication / idle split; copies the traces
+# (rank 0 of each run) and the logs into $OUT. Each run gets at most the time left before DEADLINE seconds
+# (default 560). On a CPU, try it with SHAPE=tiny COMPILE= (no compilation).
+set -u
+N=${N:-2}; OUT=${OUT:-scaling-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; GLOBAL=${GLOBAL:-32}; BUDGETS=(${BUDGETS:-4096 8192})
+STEPS=${STEPS:-10}; MODES=(${MODES:-full_shard}); BEFORE=${BEFORE:-}; PER=8; [ $((GLOBAL / N)) -lt 8 ] && PER=$((GLOBAL / N))
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fastdpo-inductor} TORCH_LOGS=${TORCH_LOGS-recompiles}
+SRC=$PWD/src; BASE_PATH=${PYTHONPATH:-}
+RUNS=/tmp/scaling-runs; mkdir -p "$RUNS"
+SHAPE=${SHAPE:-qwen3-1.7b}; M=/tmp/shape-$SHAPE
+[ -d "$M" ] || PYTHONPATH=$SRC python3 benchmarks/make_shape.py "$SHAPE" "$M" "$M.jsonl" --rows $((STEPS * GLOBAL)) > /dev/null
+C="--model $M --dataset $M.jsonl --max_steps $STEPS --learning_rate 1e-6 --logging_steps 1 --seed 1
+   --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true ${COMPILE---torch_compile}
+   --torch_dtype bfloat16 --profile_steps $STEPS --save_steps 0"
+report() {
+  local name=$1
+  python3 - "$RUNS/$name" "$name" "$GLOBAL" "$STEPS" <<'PY'
+import json, sys, statistics
+from pathlib import Path
+run, name, pairs, last = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+try:
+    rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
+    secs = [round(pairs / r["pairs_per_second"], 3) for r in rows]
+    steady = [r["pairs_per_second"] for r in rows if min(4, last - 2) < r["step"] < last] or [float("nan")]
+    peak = max((r.get("memory/peak_gib", 0) for r in rows), default=0)
+    print(f"{name}: median pairs/s before the profiled step {statistics.median(steady):.2f}; peak {peak} GiB; "
+          f"s per step {secs}")
+except (OSError, ValueError, KeyError) as e:
+    print(f"{name}: no metrics ({e})")
+for s in sorted(run.glob("profile/rank*/summary.json")):
+    print(f"   {s.parent.name}: {json.load(open(s))['line']}")
+PY
+}
+run() {  # name seconds source-dir command...
+  local name=$1 t=$2 src=$3; shift 3
+  local left=$(( ${DEADLINE:-560} - SECONDS - 15 )); [ "$left" -lt "$t" ] && t=$left
+  [ "$t" -lt 30 ] && { echo "== $name: skipped, no time left"; return; }
+  PYTHONPATH=$src${BASE_PATH:+:$BASE_PATH} timeout -k 15 "$t" "$@" --output_dir "$RUNS/$name" > "$LOGS/$name.log" 2>&1
+  echo "== $name rc=$? (${SECONDS}s)"
+  cp "$RUNS/$name/metrics.jsonl" "$LOGS/$name.metrics.jsonl" 2>/dev/null
+  for s in "$RUNS/$name"/profile/rank*; do
+    [ -d "$s" ] || continue; r=$(basename "$s"); cp "$s/summary.json" "$LOGS/$name.$r.summary.json"
+    cp "$s/top.txt" "$LOGS/$name.$r.top.txt"
+  done
+  [ -f "$RUNS/$name/profile/rank0/trace.json.gz" ] && cp "$RUNS/$name/profile/rank0/trace.json.gz" "$OUT/$name.trace.json.gz"
+  report "$name"
+}
+gpu=0
+for b in "${BUDGETS[@]}"; do
+  run "1gpu_$b" 240 "$SRC" env CUDA_VISIBLE_DEVICES=$gpu python3 -m fastdpo train $C --max_tokens_per_batch "$b" \
+    --per_device_train_batch_size $PER --gradient_accumulation_steps $((GLOBAL / PER)) &
+  gpu=$(( (gpu + 1) % N ))
+done
+wait
+for tree in "$SRC" $BEFORE; do
+  prefix=""; [ "$tree" = "$SRC" ] || prefix="before_"
+  for mode in "${MODES[@]}"; do
+    flag="--fsdp $mode"; [ "$mode" = ddp ] && flag=""
+    for b in "${BUDGETS[@]}"; do
+      run "$prefix${mode}_$b" 200 "$tree" torchrun --nproc_per_node "$N" -m fastdpo train $C $flag \
+        --max_tokens_per_batch "$b" --per_device_train_batch_size $PER \
+        --gradient_accumulation_steps $((GLOBAL / PER / N))
+    done
+  done
+done
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
