@@ -70,9 +70,9 @@ fi
 if has bf16; then
   B="$C $per --gradient_accumulation_steps $accumN"
   run ddp 180 $MANY $B --save_steps 0
+  run fsdp_zero2 180 $MANY $B --fsdp shard_grad_op --save_steps 0
   save=0; has resume && save=10  # the checkpoint the resume part starts from
   run fsdp 180 $MANY $B --fsdp full_shard --save_steps $save
-  run fsdp_zero2 180 $MANY $B --fsdp shard_grad_op --save_steps 0
   python3 benchmarks/compare_runs.py "$RUNS/1gpu:1" "$RUNS/ddp:$N" "$RUNS/fsdp:$N" "$RUNS/fsdp_zero2:$N" --skip 3 \
     --until 18 --tolerance 0.05 | tee "$LOGS/compare_1.7b.md"
 fi
