@@ -12,9 +12,10 @@
 #          curves must agree to float32 rounding, which separates the distributed code's correctness from the bf16
 #          rounding of different micro-batch layouts.
 #   resume the bf16 FSDP2 run's sharded checkpoint (step 10) resumed on one GPU: steps 11-20 against the FSDP2 run's.
-#   8b     Qwen3-8B full fine-tuning with FSDP2 (--deepspeed zero3) and the precomputed reference, 10 steps.
+#   8b     Qwen3-8B full fine-tuning with FSDP2 (--deepspeed zero3) and the precomputed reference, STEPS8B steps
+#          (default 10), at most CAP8B seconds (default 400).
 #   trl8b  TRL + Liger on the same model and rows with FSDP2 through accelerate (benchmarks/trl_fsdp.py; TRL's wheels
-#          on PYTHONPATH).
+#          on PYTHONPATH), STEPS8B measured steps after 2; TRL without Liger when that does not run.
 # Each run gets at most the time left before DEADLINE seconds (default 560), so that the logs are always packed.
 set -u
 N=${N:-2}; OUT=${OUT:-multi-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; PARTS=" ${PARTS:-bf16 sr fp32 resume 8b trl8b} "
@@ -90,16 +91,19 @@ if has resume; then
 fi
 if has 8b; then
   python3 benchmarks/make_shape.py qwen3-8b /tmp/q8 /tmp/anchor8.jsonl --rows 96 > /dev/null
-  run 8b_fsdp 400 $MANY --model /tmp/q8 --dataset /tmp/anchor8.jsonl --max_steps 10 --learning_rate 1e-6 \
+  run 8b_fsdp ${CAP8B:-400} $MANY --model /tmp/q8 --dataset /tmp/anchor8.jsonl --max_steps ${STEPS8B:-10} --learning_rate 1e-6 \
     --logging_steps 1 --seed 1 --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs \
     --disable_progress true --save_steps 0 --per_device_train_batch_size $((8 / N)) --deepspeed zero3
   tail -n 2 "$LOGS/8b_fsdp.metrics.jsonl" 2>/dev/null
 fi
 if has trl8b; then
   [ -d /tmp/q8 ] || python3 benchmarks/make_shape.py qwen3-8b /tmp/q8 /tmp/anchor8.jsonl --rows 96 > /dev/null
-  left=$(( ${DEADLINE:-560} - SECONDS - 20 ))
-  echo "== trl8b: TRL + Liger, FSDP2 through accelerate, $N GPUs"
-  timeout -k 20 $left torchrun --nproc_per_node "$N" benchmarks/trl_fsdp.py /tmp/q8 /tmp/anchor8.jsonl --per_device $((8 / N)) \
-    --steps 8 --warmup 2 --liger > "$LOGS/trl8b.log" 2>&1; echo "rc=$?"; grep -E "RESULT|Error" "$LOGS/trl8b.log" | tail -n 3
+  for liger in --liger --no-liger; do  # without Liger when TRL + Liger does not run under FSDP2
+    left=$(( ${DEADLINE:-560} - SECONDS - 20 )); [ "$left" -lt 60 ] && { echo "== trl8b $liger: no time left"; break; }
+    echo "== trl8b $liger: TRL, FSDP2 through accelerate, $N GPUs"
+    timeout -k 20 $left torchrun --nproc_per_node "$N" benchmarks/trl_fsdp.py /tmp/q8 /tmp/anchor8.jsonl \
+      --per_device $((8 / N)) --steps ${STEPS8B:-10} --warmup 2 $liger > "$LOGS/trl8b$liger.log" 2>&1
+    rc=$?; echo "rc=$rc"; grep -E "RESULT|Error" "$LOGS/trl8b$liger.log" | tail -n 3; [ $rc = 0 ] && break
+  done
 fi
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

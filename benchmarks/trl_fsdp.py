@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--precompute", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--liger", action="store_true")
+    p.add_argument("--liger", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--output_dir", default="/tmp/trl_fsdp")
     a = p.parse_args()
 
