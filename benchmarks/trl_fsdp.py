@@ -48,6 +48,7 @@ def main() -> None:
               max_steps=a.steps + a.warmup, learning_rate=1e-6, logging_steps=1000, save_strategy="no", report_to=[],
               bf16=cuda, max_length=2048, beta=0.1, remove_unused_columns=False, seed=0,
               precompute_ref_log_probs=a.precompute, use_liger_kernel=a.liger, use_cpu=not cuda,
+              gradient_checkpointing=False,  # TRL's default; FSDP's own checkpointing below replaces it
               fsdp="full_shard auto_wrap",
               fsdp_config={"version": 2, "activation_checkpointing": True, "transformer_layer_cls_to_wrap": wrap})
     import dataclasses
