@@ -41,8 +41,12 @@ def main() -> None:
     if len(data) < n:
         raise SystemExit(f"{a.dataset} has {len(data)} rows; {n} are needed ({a.steps + a.warmup} steps of "
                          f"{a.per_device} pairs on {world} ranks).")
+    # the whole model on this rank's GPU before FSDP shards it: left to itself, loading may spread one rank's copy
+    # over every visible GPU (accelerate's dispatch hooks), which the sharded forward then trips over
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation="sdpa",
+                                                 device_map={"": local} if cuda else None)
     wrap = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")})
     kw = dict(output_dir=a.output_dir, per_device_train_batch_size=a.per_device, gradient_accumulation_steps=1,
               max_steps=a.steps + a.warmup, learning_rate=1e-6, logging_steps=1000, save_strategy="no", report_to=[],
