@@ -260,6 +260,8 @@ def test_speed_hint_names_the_missing_settings():
     assert speed_hint(plain, cpu, "dense") is None and speed_hint(plain, cuda, "padded") is None
     sharded = TrainConfig(model="m", dataset=["d"], torch_compile=True, max_tokens_per_batch=4096, fsdp="full_shard")
     assert "--max_tokens_per_batch 8192" in speed_hint(sharded, cuda, "flex", "fsdp")
+    assert "--fsdp shard_grad_op" in speed_hint(sharded, cuda, "flex", "fsdp")
+    assert "FSDP2" not in (speed_hint(sharded, cuda, "flex", "fsdp_zero2") or "")  # one gather per step already
     assert speed_hint(sharded, cuda, "flex", "ddp") != speed_hint(sharded, cuda, "flex", "fsdp")
     sharded.max_tokens_per_batch = 8192
     assert "FSDP2" not in (speed_hint(sharded, cuda, "flex", "fsdp") or "")

@@ -160,18 +160,20 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     return s
 
 
-FSDP_MIN_BUDGET = 8192  # tokens per micro-batch below which FSDP2's per-micro-batch gathers dominate (README)
+FSDP_MIN_BUDGET = 8192  # tokens per micro-batch below which full_shard's per-micro-batch gathers dominate (README)
 
 
 def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str = "single") -> str | None:
-    """The settings behind the measured speed-ups, named once when a GPU run trains without them."""
+    """The settings behind the measured speed-ups, named once when a GPU run trains without them. `mode`: single,
+    ddp, fsdp (full_shard: weights gathered for every micro-batch) or fsdp_zero2 (gathered once per step)."""
     if device.type != "cuda" or backend != "flex":
         return None
     hints = []
     if mode == "fsdp" and 0 < cfg.max_tokens_per_batch < FSDP_MIN_BUDGET:
-        hints.append(f"FSDP2 gathers every layer's weights for each micro-batch: with --max_tokens_per_batch "
-                     f"{cfg.max_tokens_per_batch} that cost is paid often. --max_tokens_per_batch {FSDP_MIN_BUDGET} "
-                     "or more amortises it (README, Several GPUs).")
+        hints.append(f"FSDP2 full_shard gathers every layer's weights twice for each micro-batch: with "
+                     f"--max_tokens_per_batch {cfg.max_tokens_per_batch} that cost is paid often. If the gathered "
+                     "weights fit, --fsdp shard_grad_op gathers them once per optimizer step; otherwise "
+                     f"--max_tokens_per_batch {FSDP_MIN_BUDGET} or more amortises it (README, Several GPUs).")
     missing = []
     if not cfg.torch_compile:
         missing.append("--torch_compile")
@@ -346,7 +348,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     summary = {**model_summary(model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
-    hint = speed_hint(cfg, device, s.backend.name, d.mode)
+    hint = speed_hint(cfg, device, s.backend.name, "fsdp_zero2" if d.keeps_gathered else d.mode)
     if hint and d.is_main:
         log.info(hint)
 
