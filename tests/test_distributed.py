@@ -299,3 +299,39 @@ def test_ddp_gradients_live_in_the_reduction_buckets(model_dirs):
         assert len(grads) > 10 and len(storages) < len(grads) / 5
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_ddp_keeps_each_compiled_layer_one_graph(split, model_dirs, monkeypatch):
+    """Under DDP, TorchDynamo's DDP optimizer would cut each compiled layer into one graph per reduction bucket;
+    compile_layers turns it off, so every layer runs the same single graph. (The `split` case re-enables it, to show
+    that this test sees the difference: buckets are made tiny so that even a small model's layers would be cut.)"""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounter
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.distributed import Dist, wrap_models
+    from fastdpo.memory import compile_layers
+    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.reference import Reference
+
+    torch._dynamo.reset()
+    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    graphs = CompileCounter()
+    compile_layers(model, backend=graphs)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with torch._dynamo.config.patch(optimize_ddp=split or torch._dynamo.config.optimize_ddp):
+            policy = wrap_models(model, Reference("precompute"), backend, Dist(0, 1, 0, "ddp"))
+            policy.bucket_bytes_cap = 1024  # the DDP optimizer reads both when a graph is compiled
+            monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024)
+            batch = make_batch(random_pairs(3, model.config.vocab_size), backend, 0, torch.device("cpu"))
+            sums, *_ = policy(batch, build_mask(batch, backend))
+            sums.sum().backward()
+        assert graphs.frame_count > 1 if split else graphs.frame_count == 1
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -56,7 +56,7 @@ def apply_checkpointing(model, policy: str) -> list[str]:
     return wrapped
 
 
-def compile_layers(model) -> None:
+def compile_layers(model, backend="inductor") -> None:
     """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers)."""
     import torch._dynamo
 
@@ -75,7 +75,7 @@ def compile_layers(model) -> None:
         # frozen embeddings (LoRA): the first layer's input would not require grad and get a graph of its own
         lm.enable_input_require_grads()
     for layer in decoder_layers(model):
-        layer.compile(dynamic=False)  # static shapes: no dynamic-shape graphs
+        layer.compile(dynamic=False, backend=backend)  # static shapes: no dynamic-shape graphs
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
