@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import inspect
 import json
 import logging
 import os
@@ -340,10 +341,13 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         on_cuda = next(model.parameters()).is_cuda
-        # buffers (rotary tables) are equal on every rank: no broadcast before each forward; gradients are views
-        # into the reduction buckets, so they are not held twice (one model's worth of gradient memory less)
-        policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, broadcast_buffers=False,
-                     gradient_as_bucket_view=True)
+        # buffers (rotary tables) are equal on every rank: no sync before each forward (torch >= 2.13 calls this
+        # forward_sync_buffers and warns on the old name); gradients are views into the reduction buckets, so the
+        # reducer does not keep a second copy of them
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else "broadcast_buffers"
+        policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, gradient_as_bucket_view=True,
+                     **{sync: False})
         policy.register_comm_hook(None, _sum_in_fp32)
         return policy
     _shard(policy, d, d.reshard_after_forward)
