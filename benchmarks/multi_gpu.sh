@@ -16,6 +16,7 @@
 #          (default 10), at most CAP8B seconds (default 400).
 #   trl8b  TRL + Liger on the same model and rows with FSDP2 through accelerate (benchmarks/trl_fsdp.py; TRL's wheels
 #          on PYTHONPATH), STEPS8B measured steps after 2; TRL without Liger when that does not run.
+# MEMORY=1 also records the profiled steps' GPU allocations (--profile_memory; memory.txt per rank in the logs).
 # Each run gets at most the time left before DEADLINE seconds (default 560), so that the logs are always packed.
 set -u
 N=${N:-2}; OUT=${OUT:-multi-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; PARTS=" ${PARTS:-bf16 sr fp32 resume 8b trl8b} "
@@ -34,6 +35,8 @@ run() {
   for s in "$RUNS/$name"/profile/rank*/summary.json; do
     [ -f "$s" ] || continue; r=$(basename "$(dirname "$s")"); cp "$s" "$LOGS/$name.$r.profile.json"
     cp "$(dirname "$s")/top.txt" "$LOGS/$name.$r.top.txt"
+    cp "$(dirname "$s")/trace.json.gz" "$OUT/$name.$r.trace.json.gz" 2>/dev/null
+    cp "$(dirname "$s")/memory.txt" "$LOGS/$name.$r.memory.txt" 2>/dev/null
     python3 -c "import json,sys; print('   profile $r:', json.load(open(sys.argv[1]))['line'])" "$s"
   done
 }
@@ -45,9 +48,10 @@ fi
 GLOBAL=${GLOBAL:-32}; per=$((8 / N)); [ "$GLOBAL" -ge 16 ] && per=8
 accum1=$((GLOBAL / 8)); accumN=$((GLOBAL / (per * N)))
 [ -d /tmp/q17 ] || python3 benchmarks/make_shape.py qwen3-1.7b /tmp/q17 /tmp/anchor.jsonl --rows $((20 * GLOBAL)) > /dev/null
+PM=""; [ "${MEMORY:-0}" = 1 ] && PM=--profile_memory
 C="--model /tmp/q17 --dataset /tmp/anchor.jsonl --max_steps 20 --learning_rate 1e-6 --logging_steps 1 --seed 1
    --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true
-   --torch_compile --torch_dtype bfloat16 --profile_steps 19-20 --per_device_train_batch_size"
+   --torch_compile --torch_dtype bfloat16 --profile_steps 19-20 $PM --per_device_train_batch_size"
 ONE="env CUDA_VISIBLE_DEVICES=0 python3 -m fastdpo train"; MANY="torchrun --nproc_per_node $N -m fastdpo train"
 ONE1="env CUDA_VISIBLE_DEVICES=1 python3 -m fastdpo train"; [ "$N" -lt 2 ] && ONE1=$ONE
 if has fp32; then

@@ -5,6 +5,7 @@
 #            budget each) come first.
 #   MODES    how the N GPUs share the model (default "full_shard"): ddp, full_shard, shard_grad_op; each runs at
 #            every budget.
+#   MEMORY   1: the profiled step also records GPU allocations (--profile_memory; memory.txt per rank copied).
 #   BEFORE   optional: a source tree of an earlier version (e.g. `git archive HEAD src | tar -x -C .before`, then
 #            BEFORE=.before/src); each mode then also runs on it (named before_<mode>_<budget>), after the current
 #            code's runs, so a change's before and after share one invocation.
@@ -23,6 +24,7 @@ SHAPE=${SHAPE:-qwen3-1.7b}; M=/tmp/shape-$SHAPE
 C="--model $M --dataset $M.jsonl --max_steps $STEPS --learning_rate 1e-6 --logging_steps 1 --seed 1
    --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true ${COMPILE---torch_compile}
    --torch_dtype bfloat16 --profile_steps $STEPS --save_steps 0"
+[ "${MEMORY:-0}" = 1 ] && C="$C --profile_memory"
 report() {
   local name=$1
   python3 - "$RUNS/$name" "$name" "$GLOBAL" "$STEPS" <<'PY'
@@ -52,6 +54,7 @@ run() {  # name seconds source-dir command...
   for s in "$RUNS/$name"/profile/rank*; do
     [ -d "$s" ] || continue; r=$(basename "$s"); cp "$s/summary.json" "$LOGS/$name.$r.summary.json"
     cp "$s/top.txt" "$LOGS/$name.$r.top.txt"
+    [ -f "$s/memory.txt" ] && cp "$s/memory.txt" "$LOGS/$name.$r.memory.txt"
   done
   [ -f "$RUNS/$name/profile/rank0/trace.json.gz" ] && cp "$RUNS/$name/profile/rank0/trace.json.gz" "$OUT/$name.trace.json.gz"
   report "$name"

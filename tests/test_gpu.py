@@ -199,3 +199,24 @@ def test_fused_adamw_rounding_is_unbiased():
     adamw_update_(near, g, torch.zeros_like(w), torch.zeros_like(w), lr=step_size, weight_decay=0.0, b1=0.9,
                   b2=0.999, step=1, eps=0.0, seed=123, stochastic=False)
     assert (near.float() == 1.0).all()  # round to nearest drops the 0.3-spacing update
+
+
+def test_profile_memory_reports_the_peak_on_cuda(tmp_path, model_dirs):
+    """--profile_memory on a GPU: memory.txt's peak agrees with the allocator's own peak over the window, and the
+    snapshot for memory_viz is written."""
+    from conftest import easy_rows, write_jsonl
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.train import train
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(16, seed=1))
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
+                      max_steps=3, profile_steps="2-3", profile_memory=True, disable_progress=True, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    train(cfg, progress=False)
+    prof = tmp_path / "run/profile/rank0"
+    text = (prof / "memory.txt").read_text()
+    assert (prof / "memory_snapshot.pickle").stat().st_size > 0
+    peak = float(text.split("Peak in the window: ")[1].split(" GiB")[0])
+    assert 0 < peak <= torch.cuda.max_memory_allocated() / 2**30 + 0.01
+    assert "allocations" in text

@@ -97,3 +97,50 @@ def test_a_window_outside_the_run_is_named(tmp_path, model_dirs, caplog):
         train(cfg, progress=False)
     assert "this run trains steps 1-2" in caplog.text
     assert not (tmp_path / "run/profile").exists()
+
+
+def test_memory_peak_names_what_was_alive_at_it():
+    """The replay follows alloc / free_completed (not free_requested: the block may still be in use on another
+    stream), finds the peak, and groups the allocations alive at it by the first frame outside torch."""
+    from fastdpo.memtrace import NO_FRAME, format_report, peak_report, site
+
+    ours = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "linear"},
+            {"filename": "/x/fastdpo/distributed.py", "line": 310, "name": "_sum_in_fp32"}]
+    model = [{"filename": "/x/transformers/models/qwen3/modeling_qwen3.py", "line": 60, "name": "forward"}]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": model},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 30, "frames": []},  # still 100 + 50 + 30: addr 1 not yet free
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 99, "size": 7},  # allocated before the recording began: ignored
+        {"action": "alloc", "addr": 4, "size": 60, "frames": ours},
+        {"action": "free_completed", "addr": 2, "size": 50},
+    ]
+    r = peak_report(events, baseline=1000)
+    assert (r["peak_bytes"], r["window_bytes_at_peak"]) == (1180, 180)
+    assert [(s["site"], s["bytes"]) for s in r["sites"]] == [
+        ("/x/fastdpo/distributed.py:310 _sum_in_fp32", 100),
+        ("/x/transformers/models/qwen3/modeling_qwen3.py:60 forward", 50), (NO_FRAME, 30)]
+    assert site([{"filename": "/tmp/torchinductor_u/ab/cabc.py", "line": 3, "name": "call"}]).startswith("/tmp/torch")
+    assert format_report(r).count("\n") == 3 and "before it began" in format_report(r)  # header + three sites
+    top1 = peak_report(events, baseline=0, top=1)
+    assert top1["other_bytes"] == 80
+
+
+def test_profile_memory_needs_a_window_and_says_when_it_cannot_record(tmp_path, model_dirs, caplog):
+    from conftest import easy_rows, write_jsonl
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.train import train
+
+    with pytest.raises(FastDPOError, match="--profile_steps"):
+        TrainConfig(model="m", dataset=["d"], profile_memory=True).validate()
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(8, seed=1))
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
+                      max_steps=2, profile_steps="2", profile_memory=True, disable_progress=True)
+    with caplog.at_level("WARNING", logger="fastdpo"):
+        train(cfg, progress=False)
+    assert "records CUDA allocations" in caplog.text
+    assert (tmp_path / "run/profile/rank0/summary.json").is_file()  # the time profile still ran
+    assert not (tmp_path / "run/profile/rank0/memory.txt").exists()

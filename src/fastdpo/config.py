@@ -139,6 +139,9 @@ class TrainConfig:
     profile_steps: str = _f("", "Profile these optimizer steps, e.g. 6-8: a torch.profiler trace per rank in "
                             "output_dir/profile/ and a summary of the device's time (compute, exposed communication, "
                             "idle).")
+    profile_memory: bool = _f(False, "With --profile_steps: also record the GPU allocations of those steps; "
+                              "output_dir/profile/rank{R}/memory.txt names the peak and what was alive at it, by "
+                              "source line (memory_snapshot.pickle: the timeline, for pytorch.org/memory_viz).")
     # monitoring
     report_to: str = _f("none", "Extra metric sinks: none|all (the installed ones)|tensorboard|wandb, comma-separated "
                         "(metrics.jsonl and the console are always written).")
@@ -172,6 +175,8 @@ class TrainConfig:
         from fastdpo.profile import parse_steps
 
         parse_steps(self.profile_steps)  # raises on a bad value
+        if self.profile_memory and not self.profile_steps:
+            raise FastDPOError("--profile_memory records the steps of --profile_steps: add e.g. --profile_steps 6-7.")
         if self.gradient_checkpointing != "auto":
             checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
         if self.activation_offloading and (self.deepspeed or self.fsdp not in ("", "no_shard")):

@@ -184,17 +184,25 @@ def start_profiler(device: torch.device):
 
 class StepProfiler:
     """Starts torch.profiler before step `first` and stops after step `last` (1-based optimizer steps), then
-    writes the report into output_dir/profile/rank{R}/ and logs the breakdown. A no-op without --profile_steps."""
+    writes the report into output_dir/profile/rank{R}/ and logs the breakdown. A no-op without --profile_steps.
+    With `memory` (--profile_memory), the window's GPU allocations are recorded too (memtrace.py)."""
 
-    def __init__(self, spec: str, out_dir: Path, rank: int, device: torch.device):
+    def __init__(self, spec: str, out_dir: Path, rank: int, device: torch.device, memory: bool = False):
+        from fastdpo.memtrace import MemoryRecorder
+
         self.window = parse_steps(spec)
         self.dir, self.rank, self.device = Path(out_dir) / "profile" / f"rank{rank}", rank, device
         self.prof = None
         self.t0 = 0.0
         self.summary: dict | None = None
+        self.memory = MemoryRecorder(device) if memory else None
+        if self.memory is not None and not self.memory.on:
+            log.warning("--profile_memory records CUDA allocations; on %s it records nothing.", device)
 
     def begin(self, step: int) -> None:
         if self.window is not None and step == self.window[0]:
+            if self.memory is not None:
+                self.memory.start()  # first: the profiler's own buffers are then part of the baseline
             self.prof = start_profiler(self.device)
             self.t0 = time.perf_counter()
 
@@ -211,9 +219,14 @@ class StepProfiler:
         )
         for name, seconds in self.summary["breakdown"]["top_kernels"]:
             log.info("  %8.4f s  %s", seconds, name)
+        if self.memory is not None and self.memory.on:
+            log.info("Memory of steps %d-%d (rank %d; timeline: memory_snapshot.pickle on "
+                     "https://pytorch.org/memory_viz):\n%s", *self.window, self.rank, self.memory.stop(self.dir))
 
     def close(self) -> None:
-        """A run that ended inside the window: stop the profiler without a report."""
+        """A run that ended inside the window: stop the profiler (and the memory recording) without a report."""
         if self.prof is not None:
             self.prof.__exit__(None, None, None)
             self.prof = None
+            if self.memory is not None and self.memory.on:
+                torch.cuda.memory._record_memory_history(enabled=None, device=self.device)

@@ -364,7 +364,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
     stopped_at: Path | None = None
     hb = heartbeat(cfg, d).start()  # names a rank that stops progressing, long before --ddp_timeout
-    profiler = StepProfiler(cfg.profile_steps, out, d.rank, device)
+    profiler = StepProfiler(cfg.profile_steps, out, d.rank, device, memory=cfg.profile_memory)
     if profiler.window and (profiler.window[0] <= start or profiler.window[1] > s.total_steps):
         log.warning("--profile_steps %s: this run trains steps %d-%d, so the profile needs a window inside them.",
                     cfg.profile_steps, start + 1, s.total_steps)
