@@ -52,6 +52,18 @@ def test_one_rank_checkpoint_resumes_on_two_fsdp_ranks(fsdp):
     assert [r["step"] for r in metrics(tmp / "scaled")] == [4, 5, 6]
 
 
+def test_zero2_full_two_ranks_match_one_rank(fsdp, tmp_path):
+    """shard_grad_op keeps the weights gathered through a step's micro-batches (several per rank here: a token
+    budget and accumulation) and shards them again for the optimizer: the weights must stay those of one rank, so
+    no micro-batch may run on weights gathered before the last update."""
+    tmp, _, common = fsdp
+    run_ranks(2, output_dir=str(tmp_path / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              max_tokens_per_batch=40, fsdp="shard_grad_op", **common)
+    assert_weights_close(weights(tmp_path / "ws2"), weights(tmp / "ws1"), atol=1e-5)
+    for x, y in zip(metrics(tmp_path / "ws2"), metrics(tmp / "ws1")):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), x["step"]
+
+
 def test_zero2_lora_two_ranks_match_one_rank(tmp_path, model_dirs):
     """LoRA with the adapters-off reference through the sharded module, and aot, which ranks pairs over the whole
     step: the ranks gather the step's log-ratios before any backward."""
