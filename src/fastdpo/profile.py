@@ -202,7 +202,7 @@ class StepProfiler:
     def begin(self, step: int) -> None:
         if self.window is not None and step == self.window[0]:
             if self.memory is not None:
-                self.memory.start()  # first: the profiler's own buffers are then part of the baseline
+                self.memory.start()
             self.prof = start_profiler(self.device)
             self.t0 = time.perf_counter()
 
