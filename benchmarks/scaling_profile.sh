@@ -5,6 +5,7 @@
 #            budget each) come first.
 #   MODES    how the N GPUs share the model (default "full_shard"): ddp, full_shard, shard_grad_op; each runs at
 #            every budget.
+#   WARMUP   1: every micro-batch length's kernels are built before step 1 (--compile_warmup).
 #   MEMORY   1: the profiled step also records GPU allocations (--profile_memory; memory.txt per rank copied).
 #   BEFORE   optional: a source tree of an earlier version (e.g. `git archive HEAD src | tar -x -C .before`, then
 #            BEFORE=.before/src); each mode then also runs on it (named before_<mode>_<budget>), after the current
@@ -25,6 +26,7 @@ C="--model $M --dataset $M.jsonl --max_steps $STEPS --learning_rate 1e-6 --loggi
    --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true ${COMPILE---torch_compile}
    --torch_dtype bfloat16 --profile_steps $STEPS --save_steps 0"
 [ "${MEMORY:-0}" = 1 ] && C="$C --profile_memory"
+[ "${WARMUP:-0}" = 1 ] && C="$C --compile_warmup"
 report() {
   local name=$1
   python3 - "$RUNS/$name" "$name" "$GLOBAL" "$STEPS" <<'PY'

@@ -142,16 +142,15 @@ def test_training_with_offloading_matches(tmp_path, model_dirs, monkeypatch):
         torch.testing.assert_close(weights[True][n], weights[False][n], rtol=0, atol=0, msg=n)
 
 
-def test_warm_shapes_leaves_no_gradients(tmp_path, model_dirs):
-    from fastdpo.bench import warm_shapes
+def test_warm_up_lengths_leaves_no_gradients(tmp_path, model_dirs):
     from fastdpo.model import load_model, load_tokenizer
-    from fastdpo.train import assemble
+    from fastdpo.train import assemble, warm_up_lengths
 
     cfg = _cfg(tmp_path, model_dirs, max_tokens_per_batch=512)
     path = str(model_dirs("qwen3"))
     model = load_model(path, torch.float32, torch.device("cpu"))
     s = assemble(cfg, torch.device("cpu"), model, load_tokenizer(path), [])
-    warm_shapes(s)
+    assert warm_up_lengths(s) == 4  # the quarter-budget lengths
     assert all(p.grad is None for p in s.model.parameters())
 
 
@@ -274,3 +273,29 @@ def test_speed_hint_names_the_missing_settings():
     free = TrainConfig(model="m", dataset=["d"], loss_type="simpo", torch_compile=True, max_tokens_per_batch=4096,
                        gradient_checkpointing="full")
     assert speed_hint(free, cuda, "flex") is None  # reference-free: nothing to precompute
+
+
+def test_compile_warmup_leaves_training_unchanged(tmp_path, model_dirs, caplog):
+    """--compile_warmup runs a forward and backward per length before step 1; the run must then be the run without
+    it, bit for bit: gradients discarded, the random state (LoRA dropout here) restored."""
+    from conftest import write_jsonl
+    from dist_helpers import metrics
+    from safetensors.torch import load_file
+
+    from fastdpo.train import train
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(12, seed=1))
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(data)], max_steps=3, per_device_train_batch_size=4,
+                  max_tokens_per_batch=512, train_type="lora", lora_rank=4, lora_alpha=8, lora_dropout=0.3,
+                  learning_rate=1e-3, seed=5, disable_progress=True)
+    with caplog.at_level("INFO", logger="fastdpo"):
+        train(TrainConfig(output_dir=str(tmp_path / "warm"), compile_warmup=True, **common), progress=False)
+    assert "kernels for 4 micro-batch lengths built" in caplog.text
+    train(TrainConfig(output_dir=str(tmp_path / "cold"), **common), progress=False)
+    a, b = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("warm", "cold"))
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    assert [r["loss"] for r in metrics(tmp_path / "warm")] == [r["loss"] for r in metrics(tmp_path / "cold")]
+    with pytest.raises(FastDPOError, match="--max_tokens_per_batch"):
+        TrainConfig(model="m", dataset=["d"], compile_warmup=True).validate()

@@ -181,28 +181,6 @@ def run_longest(cfg: TrainConfig, shape: str | None, lengths: list[int], out_jso
     return results
 
 
-def warm_shapes(s) -> None:
-    """Compile every static micro-batch length up front (the online reference's forward and the policy's forward
-    and backward on a filler pair of each length), so that no measured step pays for a compilation."""
-    from fastdpo.data.tokenize import TokenizedPair
-    from fastdpo.distributed import policy_logps
-    from fastdpo.model import FLEX_PAD, build_mask, flex_length, make_batch
-    from fastdpo.train import pad_id
-
-    budget = s.cfg.max_tokens_per_batch
-    for length in sorted({flex_length(t, budget) for t in range(FLEX_PAD, budget + 1, FLEX_PAD)}):
-        n = length - FLEX_PAD // 2
-        pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
-        batch = make_batch([pair], s.backend, pad_id(s.tokenizer), s.device, budget)
-        mask = build_mask(batch, s.backend)
-        if s.reference.online:  # its no-grad forward compiles graphs of its own
-            s.reference.logps(s.model, batch, s.backend, mask)
-        pol = policy_logps(s.policy, batch, mask)
-        pol.sums.sum().backward()
-    s.model.zero_grad(set_to_none=True)
-    _sync(s.device)
-
-
 def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int,
                 verbose: bool = True, profile_dir: str | None = None) -> dict:
     """Time `steps` optimizer steps of the real training step after `warmup` steps; with `profile_dir`, profile
@@ -210,7 +188,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     from fastdpo.metrics import device_peak_flops, model_flops_per_token, step_flops
     from fastdpo.model import base_causal_lm, resolve_device, resolve_dtype
     from fastdpo.optim import build_optimizer, build_scheduler
-    from fastdpo.train import StepMetrics, assemble, attended_pairs, run_step, seed_all
+    from fastdpo.train import StepMetrics, assemble, attended_pairs, run_step, seed_all, warm_up_lengths
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.torch_dtype, device)
@@ -230,7 +208,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         torch.cuda.reset_peak_memory_stats(device)
     t_first = None
     if s.backend.name == "flex":  # compiled layers, and the compiled flex kernel on its own, build per length
-        warm_shapes(s)
+        warm_up_lengths(s)
     def one_step(step_pairs):
         run_step(s, step_pairs, StepMetrics(device))
         torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)

@@ -139,6 +139,10 @@ class TrainConfig:
     profile_steps: str = _f("", "Profile these optimizer steps, e.g. 6-8: a torch.profiler trace per rank in "
                             "output_dir/profile/ and a summary of the device's time (compute, exposed communication, "
                             "idle).")
+    compile_warmup: bool = _f(False, "Before the first step, build the kernels of every micro-batch length (one "
+                              "filler forward and backward per length of the --max_tokens_per_batch budget; gradients "
+                              "discarded): steps run at full speed from the first, and on several GPUs no rank waits "
+                              "for another's compilation.")
     profile_memory: bool = _f(False, "With --profile_steps: also record the GPU allocations of those steps; "
                               "output_dir/profile/rank{R}/memory.txt names the peak and what was alive at it, by "
                               "source line (memory_snapshot.pickle: the timeline, for pytorch.org/memory_viz).")
@@ -175,6 +179,9 @@ class TrainConfig:
         from fastdpo.profile import parse_steps
 
         parse_steps(self.profile_steps)  # raises on a bad value
+        if self.compile_warmup and not self.max_tokens_per_batch and not self.torch_compile:
+            raise FastDPOError("--compile_warmup builds the kernels of each micro-batch length of a token budget: add "
+                               "--max_tokens_per_batch (or --torch_compile, which picks one).")
         if self.profile_memory and not self.profile_steps:
             raise FastDPOError("--profile_memory records the steps of --profile_steps: add e.g. --profile_steps 6-7.")
         if self.gradient_checkpointing != "auto":

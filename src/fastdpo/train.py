@@ -49,11 +49,13 @@ from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_
 from fastdpo.memory import apply_checkpointing, compile_layers, offloading
 from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
 from fastdpo.model import (
+    FLEX_PAD,
     Backend,
     add_lora,
     base_causal_lm,
     build_mask,
     choose_backend,
+    flex_length,
     load_model,
     load_tokenizer,
     make_batch,
@@ -259,6 +261,33 @@ def step_logps(s: Setup, groups: list[list[TokenizedPair]], filler: list[Tokeniz
     return view, refs, start
 
 
+def warm_up_lengths(s: Setup) -> int:
+    """Build the kernels of every static micro-batch length up front (--compile_warmup; `fastdpo bench` always):
+    the online reference's forward and the policy's forward and backward on a filler pair of each length.
+    Gradients are discarded and the random state restored, so training continues exactly as without it. Returns
+    the number of lengths."""
+    budget = s.cfg.max_tokens_per_batch
+    cuda = s.device.type == "cuda"
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state(s.device) if cuda else None
+    lengths = sorted({flex_length(t, budget) for t in range(FLEX_PAD, budget + 1, FLEX_PAD)})
+    for length in lengths:
+        n = length - FLEX_PAD // 2
+        pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
+        batch = make_batch([pair], s.backend, pad_id(s.tokenizer), s.device, budget)
+        mask = build_mask(batch, s.backend)
+        if s.reference.online:  # its no-grad forward compiles graphs of its own
+            s.reference.logps(s.model, batch, s.backend, mask)
+        with offloading(s.cfg.activation_offloading, s.model):
+            pol = policy_logps(s.policy, batch, mask)
+        pol.sums.sum().backward()
+    s.model.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng[0])
+    if cuda:
+        torch.cuda.set_rng_state(rng[1], s.device)
+        torch.cuda.synchronize(s.device)
+    return len(lengths)
+
+
 def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
     """Forward and backward over this rank's share of one optimizer step's pairs (all of them on one process);
     gradients accumulate in .grad and are summed across ranks on the last micro-step."""
@@ -351,6 +380,10 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     hint = speed_hint(cfg, device, s.backend.name, "fsdp_zero2" if d.keeps_gathered else d.mode)
     if hint and d.is_main:
         log.info(hint)
+    if cfg.compile_warmup:
+        t0 = time.perf_counter()
+        n = warm_up_lengths(s)
+        log.info("--compile_warmup: kernels for %d micro-batch lengths built in %.1f s.", n, time.perf_counter() - t0)
 
     monitor = Monitor(cfg, out, console, optimizer, start, write=d.is_main, world_size=d.world_size)  # rank 0 writes
     lm_config = base_causal_lm(model).config
