@@ -335,3 +335,15 @@ def test_ddp_keeps_each_compiled_layer_one_graph(split, model_dirs, monkeypatch)
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fsdp", ["", "shard_grad_op"])
+def test_compile_warmup_on_two_ranks_matches_one_rank_without_it(fsdp, tmp_path, model_dirs):
+    """The warm-up's backward reduces across ranks like any other (DDP all-reduce, FSDP2 reduce-scatter); its
+    gradients must be gone before step 1 on every rank."""
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp_path))], max_tokens_per_batch=256, **BASE)
+    run_ranks(2, output_dir=str(tmp_path / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              compile_warmup=True, fsdp=fsdp, **common)
+    train(TrainConfig(output_dir=str(tmp_path / "ws1"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      **common), progress=False)
+    assert_weights_close(weights(tmp_path / "ws2"), weights(tmp_path / "ws1"), atol=1e-5)
