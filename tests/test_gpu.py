@@ -220,3 +220,25 @@ def test_profile_memory_reports_the_peak_on_cuda(tmp_path, model_dirs):
     peak = float(text.split("Peak in the window: ")[1].split(" GiB")[0])
     assert 0 < peak <= torch.cuda.max_memory_allocated() / 2**30 + 0.01
     assert "allocations" in text
+
+
+def test_policy_forward_and_backward_never_wait_for_the_device():
+    """The host must be able to run ahead of the GPU through a whole micro-batch (forward, per-sequence sums, and
+    backward): any op that reads a device value back (bincount, .item(), boolean indexing) stalls the queue and, under
+    FSDP2, its prefetching. The first pass builds the kernels; the second runs with syncs made errors."""
+    from fastdpo.model import build_mask, make_batch
+    from fastdpo.seqlogps import completion_logps
+
+    model = qwen3_model(torch.bfloat16, layers=2)
+    backend = Backend("flex")
+    prepare_packed(model, backend)
+    batch = make_batch(random_pairs(6, 1000), backend, 0, torch.device("cuda"), 1024)
+    mask = build_mask(batch, backend)
+    for mode in ("default", "error"):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            out = completion_logps(model, batch, backend, mask)
+            (out.sums.sum() + out.shared.sum()).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -180,6 +180,19 @@ def test_token_offsets_and_ld_dpo_by_hand():
     assert x.chosen_nll_logps.item() == -6.0  # the NLL is never length-weighted
 
 
+def test_token_offsets_match_a_plain_loop_on_random_layouts():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        n_seqs = int(torch.randint(1, 9, (1,), generator=g))
+        seq = torch.randint(0, n_seqs, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g)
+        seen: dict[int, int] = {}
+        expected = []
+        for s in seq.tolist():
+            expected.append(seen.get(s, 0))
+            seen[s] = seen.get(s, 0) + 1
+        assert token_offsets(seq, n_seqs).tolist() == expected
+
+
 def test_wpo_weights_by_hand():
     lss = torch.tensor([-0.5, -1.0, -0.2, -2.0, -0.3])  # log sum_v p_v^2 at each token
     s = summarise(TOK, SEQ, LENGTHS, lss)

@@ -28,9 +28,10 @@ class SeqLogps:
 
 
 def token_offsets(seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """(N,) position of each token within its sequence, given that a sequence's tokens appear in order."""
+    """(N,) position of each token within its sequence, given that a sequence's tokens appear in order. No host
+    sync (torch.bincount on CUDA would read the largest id back to size its output)."""
     order = torch.sort(seq, stable=True).indices
-    counts = torch.bincount(seq, minlength=num_seqs)
+    counts = torch.zeros(num_seqs, dtype=seq.dtype, device=seq.device).index_add_(0, seq, torch.ones_like(seq))
     starts = counts.cumsum(0) - counts
     offsets = torch.empty_like(seq)
     offsets[order] = torch.arange(seq.numel(), device=seq.device) - starts[seq[order]]
