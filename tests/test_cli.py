@@ -99,3 +99,20 @@ def test_qlora_on_cpu_is_a_clear_error(tmp_path, data, model_dirs):
     res = fastdpo("train", "--model", str(model_dirs()), "--dataset", str(data), "--train_type", "qlora",
                   "--quant_bits", "4", "--device", "cpu", "--output_dir", str(tmp_path / "o"))
     assert_clean_error(res, "qlora", "CUDA")
+
+
+def test_every_command_prints_its_help(capsys):
+    """--help for the top level and every subcommand: flag help with a literal % (e.g. "90% of the GPU") once made
+    argparse fail with a traceback instead."""
+    from fastdpo.cli import build_parser, main
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert {"train", "eval", "infer", "bench"} <= set(commands)
+    for argv in [["--help"]] + [[name, "--help"] for name in commands]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0, argv
+        out = capsys.readouterr().out
+        assert "usage: fastdpo" in out, argv
+        if argv[0] in ("train", "precompute-ref"):
+            assert "90% of the GPU" in out and "--compile_warmup" in out

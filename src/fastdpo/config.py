@@ -437,7 +437,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -
     """One flag per config field, with default SUPPRESS so we can tell what the user set."""
     parser.add_argument("--config", help="YAML file with any of these flags; the command line wins.")
     for f in dataclasses.fields(cls):
-        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
+        # argparse formats help with %: a literal one (e.g. "90% of the GPU") must be doubled
+        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help", "").replace("%", "%%")}
         typ = _flag_type(f)
         if typ is _parse_bool:
             kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
