@@ -116,3 +116,13 @@ def test_every_command_prints_its_help(capsys):
         assert "usage: fastdpo" in out, argv
         if argv[0] in ("train", "precompute-ref"):
             assert "90% of the GPU" in out and "--compile_warmup" in out
+
+
+def test_unknown_flag_without_a_close_match_points_to_help(capsys):
+    from fastdpo.cli import main
+
+    assert main(["env", "--zzzzqqq"]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "unrecognized arguments: --zzzzqqq" in text and "fastdpo COMMAND --help" in text
+    assert "Traceback" not in text

@@ -429,7 +429,7 @@ class _Parser(argparse.ArgumentParser):
                 for sub in getattr(action, "choices", None).values() if isinstance(action, argparse._SubParsersAction) else ():
                     known += [a.lstrip("-") for a in sub._option_string_actions]
             close = difflib.get_close_matches(bad, known, n=1)
-            hint = f" Did you mean --{close[0]}?" if close else " See `fastdpo train --help`."
+            hint = f" Did you mean --{close[0]}?" if close else " See `fastdpo COMMAND --help` for its flags."
         raise FastDPOError(f"{message}.{hint}")
 
 
