@@ -173,7 +173,7 @@ FOREIGN: dict[str, Foreign] = {
 def add_foreign_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("accepted from ms-swift / HF TrainingArguments scripts")
     for name, f in FOREIGN.items():
-        group.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="VALUE", help=f.help.replace("%", "%%"))
+        group.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="VALUE", help=f.help)
 
 
 def apply_foreign(given: dict, values: dict) -> None:

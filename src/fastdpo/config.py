@@ -417,8 +417,20 @@ def _flag_type(f: dataclasses.Field) -> Any:
     return {"bool": _parse_bool, "int": int, "float": float, "dict": _parse_dict, "list": str}.get(t, str)
 
 
+class _LiteralHelp(argparse.HelpFormatter):
+    """Help text printed as written: argparse would %-format it, so a literal % ("90% of the GPU") broke --help."""
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return self._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises FastDPOError (with a close-match hint) instead of printing usage and exiting."""
+    """argparse that raises FastDPOError (with a close-match hint) instead of printing usage and exiting, and prints
+    help texts as written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _LiteralHelp)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         hint = ""
@@ -437,8 +449,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -
     """One flag per config field, with default SUPPRESS so we can tell what the user set."""
     parser.add_argument("--config", help="YAML file with any of these flags; the command line wins.")
     for f in dataclasses.fields(cls):
-        # argparse formats help with %: a literal one (e.g. "90% of the GPU") must be doubled
-        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help", "").replace("%", "%%")}
+        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
         typ = _flag_type(f)
         if typ is _parse_bool:
             kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")

@@ -83,6 +83,11 @@ class MemoryRecorder:
         self.baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", device=self.device)
 
+    def cancel(self) -> None:
+        """Stop recording without a report (a run that ended inside the window)."""
+        if self.on:
+            torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+
     def stop(self, out_dir: Path) -> str | None:
         """Write memory_snapshot.pickle and memory.txt into `out_dir`; returns the report (None off CUDA)."""
         if not self.on:

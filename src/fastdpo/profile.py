@@ -228,5 +228,5 @@ class StepProfiler:
         if self.prof is not None:
             self.prof.__exit__(None, None, None)
             self.prof = None
-            if self.memory is not None and self.memory.on:
-                torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+            if self.memory is not None:
+                self.memory.cancel()
