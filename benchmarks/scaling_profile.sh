@@ -5,7 +5,8 @@
 #            budget each) come first.
 #   MODES    how the N GPUs share the model (default "full_shard"): ddp, full_shard, shard_grad_op; each runs at
 #            every budget.
-#   WARMUP   1: every micro-batch length's kernels are built before step 1 (--compile_warmup).
+#   WARMUP   1: every micro-batch length's kernels are built before step 1 (--compile_warmup; a BEFORE tree must
+#            know the flag too).
 #   MEMORY   1: the profiled step also records GPU allocations (--profile_memory; memory.txt per rank copied).
 #   BEFORE   optional: a source tree of an earlier version (e.g. `git archive HEAD src | tar -x -C .before`, then
 #            BEFORE=.before/src); each mode then also runs on it (named before_<mode>_<budget>), after the current
