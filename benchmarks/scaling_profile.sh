@@ -8,9 +8,12 @@
 #   WARMUP   1: every micro-batch length's kernels are built before step 1 (--compile_warmup; a BEFORE tree must
 #            know the flag too).
 #   MEMORY   1: the profiled step also records GPU allocations (--profile_memory; memory.txt per rank copied).
-#   BEFORE   optional: a source tree of an earlier version (e.g. `git archive HEAD src | tar -x -C .before`, then
-#            BEFORE=.before/src); each mode then also runs on it (named before_<mode>_<budget>), after the current
-#            code's runs, so a change's before and after share one invocation.
+#   BEFORE   optional: source trees of earlier versions (e.g. `git archive HEAD src | tar -x -C .before`, then
+#            BEFORE=.before/src), each as DIR or DIR:mode,mode to run only some modes; each runs after the current
+#            code's runs (named before_<mode>_<budget>, then before2_..., before3_...), so a change's before and after
+#            share one invocation. With one budget, the first tree's one-GPU run goes beside the current one's.
+#   TRACES   ranks whose traces are copied for the current code's runs (default "0"; the rank-0 trace of the one-GPU
+#            runs always).
 # Prints the per-step times and each profile's compute / exposed communication / idle split; copies the traces
 # (rank 0 of each run) and the logs into $OUT. Each run gets at most the time left before DEADLINE seconds
 # (default 560). On a CPU, try it with SHAPE=tiny COMPILE= (no compilation).
@@ -59,19 +62,30 @@ run() {  # name seconds source-dir command...
     cp "$s/top.txt" "$LOGS/$name.$r.top.txt"
     [ -f "$s/memory.txt" ] && cp "$s/memory.txt" "$LOGS/$name.$r.memory.txt"
   done
-  [ -f "$RUNS/$name/profile/rank0/trace.json.gz" ] && cp "$RUNS/$name/profile/rank0/trace.json.gz" "$OUT/$name.trace.json.gz"
+  local ranks=${TRACES:-0}; [[ "$name" == 1gpu* ]] && ranks=0; [[ "$name" == before* ]] && ranks=""
+  for r in $ranks; do
+    [ -f "$RUNS/$name/profile/rank$r/trace.json.gz" ] && cp "$RUNS/$name/profile/rank$r/trace.json.gz" "$OUT/$name.rank$r.trace.json.gz"
+  done
   report "$name"
 }
-gpu=0
+one() {  # name gpu source-dir budget
+  run "$1" 240 "$3" env CUDA_VISIBLE_DEVICES=$2 python3 -m fastdpo train $C --max_tokens_per_batch "$4" \
+    --per_device_train_batch_size $PER --gradient_accumulation_steps $((GLOBAL / PER))
+}
+BEFORE=($BEFORE); gpu=0
 for b in "${BUDGETS[@]}"; do
-  run "1gpu_$b" 240 "$SRC" env CUDA_VISIBLE_DEVICES=$gpu python3 -m fastdpo train $C --max_tokens_per_batch "$b" \
-    --per_device_train_batch_size $PER --gradient_accumulation_steps $((GLOBAL / PER)) &
+  one "1gpu_$b" $gpu "$SRC" "$b" &
   gpu=$(( (gpu + 1) % N ))
 done
+if [ ${#BEFORE[@]} -gt 0 ] && [ ${#BUDGETS[@]} = 1 ] && [ "$N" -gt 1 ]; then
+  one "before_1gpu_${BUDGETS[0]}" 1 "${BEFORE[0]%%:*}" "${BUDGETS[0]}" &
+fi
 wait
-for tree in "$SRC" $BEFORE; do
-  prefix=""; [ "$tree" = "$SRC" ] || prefix="before_"
-  for mode in "${MODES[@]}"; do
+i=0
+for entry in "$SRC" "${BEFORE[@]}"; do
+  tree=${entry%%:*}; modes=("${MODES[@]}"); [[ "$entry" == *:* ]] && IFS=, read -r -a modes <<< "${entry#*:}"
+  prefix=""; [ $i = 1 ] && prefix="before_"; [ $i -gt 1 ] && prefix="before${i}_"; i=$((i + 1))
+  for mode in "${modes[@]}"; do
     flag="--fsdp $mode"; [ "$mode" = ddp ] && flag=""
     for b in "${BUDGETS[@]}"; do
       run "$prefix${mode}_$b" 200 "$tree" torchrun --nproc_per_node "$N" -m fastdpo train $C $flag \

@@ -132,3 +132,48 @@ def test_zero2_keeps_weights_gathered_through_a_step(mode, model_dirs):
         assert sharded == ([False, False, True] if mode == "shard_grad_op" else [True, True, True])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["shard_grad_op", "full_shard"])
+def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
+    """Deferred FSDP2 micro-steps accumulate their gradients in the parameters' dtype (bf16) and reduce in float32
+    at the end, as one process and DDP do: after three micro-steps the gradients equal the unwrapped model's bit for
+    bit. FSDP2 left to itself accumulates in float32 (a float32 copy of every gradient, rounded differently)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from conftest import random_pairs
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.distributed import Dist, LogpsModule, grad_sync, parallel_plan, wrap_models
+    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.reference import Reference
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"), torch_dtype=torch.bfloat16)
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    plain = copy.deepcopy(model)
+    batches = [make_batch(random_pairs(3, model.config.vocab_size, seed=i), backend, 0, torch.device("cpu"))
+               for i in range(3)]
+    one = LogpsModule(plain, backend)
+    for batch in batches:
+        sums, *_ = one(batch, build_mask(batch, backend))
+        (sums.sum() * 3.7).backward()
+    plan = parallel_plan(mode, "")
+    d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = wrap_models(model, Reference("precompute"), backend, d)
+        for i, batch in enumerate(batches):
+            with grad_sync(policy, last=i == 2, keep_gathered=d.keeps_gathered):
+                sums, *_ = policy(batch, build_mask(batch, backend))
+                (sums.sum() * 3.7).backward()
+        got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    want = dict(plain.named_parameters())
+    assert got.keys() == want.keys()
+    for n, g in got.items():
+        assert g.dtype == torch.bfloat16, n
+        assert torch.equal(g, want[n].grad), (n, (g.float() - want[n].grad.float()).abs().max().item())

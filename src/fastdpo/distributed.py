@@ -351,6 +351,7 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
         policy.register_comm_hook(None, _sum_in_fp32)
         return policy
     _shard(policy, d, d.reshard_after_forward)
+    _accumulate_in_param_dtype(policy)
     if reference.strategy in ("copy", "separate"):
         ref = LogpsModule(reference.model, backend)
         _shard(ref, d, reshard=True)
@@ -365,7 +366,8 @@ def grad_sync(policy: torch.nn.Module, last: bool, keep_gathered: bool = False):
     """Reduce gradients across ranks only on the last micro-step of an optimizer step. With `keep_gathered` (FSDP2
     shard_grad_op, i.e. ZeRO-2), the weights gathered by the step's first forward also stay gathered after the
     backwards of its other micro-steps: one all-gather per optimizer step instead of one per micro-batch, at no extra
-    peak memory (shard_grad_op holds every layer's gathered weights between forward and backward anyway)."""
+    peak memory (shard_grad_op holds every layer's gathered weights between forward and backward anyway). FSDP2's
+    deferred gradients accumulate in the parameters' dtype, like DDP's and one process's (`_accumulate_in_param_dtype`)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -378,6 +380,29 @@ def grad_sync(policy: torch.nn.Module, last: bool, keep_gathered: bool = False):
         if keep_gathered:
             policy.set_reshard_after_backward(last)
     yield
+
+
+def _accumulate_in_param_dtype(module: torch.nn.Module) -> None:
+    """Deferred FSDP2 micro-steps accumulate their unsharded gradients in the parameters' dtype, as one process and
+    DDP do; the reduction on the last micro-step still runs in float32. Left alone, FSDP2 copies each gradient to
+    the reduce dtype after every deferred backward and adds there: a cast and a float32 add per parameter and
+    micro-step, and a float32 copy of the whole model's gradients held through the step. The per-parameter reduce
+    dtype (read only by that copy) is cleared; the groups', which the reduce-scatter uses, stays float32. FSDP2 sets
+    both at its lazy initialisation, which the first forward would run: it runs here instead, once. On a torch whose
+    FSDP2 keeps these elsewhere, nothing changes (float32 accumulation, slower)."""
+    init = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_lazy_init", None)
+    if init is None:
+        return
+    init()
+    for m in module.modules():
+        state = getattr(m, "_get_fsdp_state", lambda: None)()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # earlier torch: one group per module
+            groups = [getattr(state, "_fsdp_param_group", None)]
+        for group in groups:
+            for fp in getattr(group, "fsdp_params", ()):
+                if getattr(fp, "reduce_dtype", None) is not None:
+                    fp.reduce_dtype = None
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
