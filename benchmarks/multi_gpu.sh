@@ -16,7 +16,7 @@
 #          (default 10), at most CAP8B seconds (default 400).
 #   trl8b  TRL + Liger on the same model and rows with FSDP2 through accelerate (benchmarks/trl_fsdp.py; TRL's wheels
 #          on PYTHONPATH), STEPS8B measured steps after 2; TRL without Liger when that does not run.
-# WARMUP=1 builds every micro-batch length's kernels before step 1 (--compile_warmup) in the 1.7B runs.
+# WARMUP=1 builds every micro-batch length's kernels before step 1 (--compile_warmup) in the 1.7B and 8B runs.
 # MEMORY=1 also records the profiled steps' GPU allocations (--profile_memory; memory.txt per rank in the logs).
 # Each run gets at most the time left before DEADLINE seconds (default 560), so that the logs are always packed.
 set -u
@@ -50,7 +50,7 @@ GLOBAL=${GLOBAL:-32}; per=$((8 / N)); [ "$GLOBAL" -ge 16 ] && per=8
 accum1=$((GLOBAL / 8)); accumN=$((GLOBAL / (per * N)))
 [ -d /tmp/q17 ] || python3 benchmarks/make_shape.py qwen3-1.7b /tmp/q17 /tmp/anchor.jsonl --rows $((20 * GLOBAL)) > /dev/null
 PM=""; [ "${MEMORY:-0}" = 1 ] && PM=--profile_memory
-[ "${WARMUP:-0}" = 1 ] && PM="$PM --compile_warmup"
+W8=""; [ "${WARMUP:-0}" = 1 ] && PM="$PM --compile_warmup" && W8=--compile_warmup
 C="--model /tmp/q17 --dataset /tmp/anchor.jsonl --max_steps 20 --learning_rate 1e-6 --logging_steps 1 --seed 1
    --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true
    --torch_compile --torch_dtype bfloat16 --profile_steps 19-20 $PM --per_device_train_batch_size"
@@ -99,7 +99,7 @@ if has 8b; then
   python3 benchmarks/make_shape.py qwen3-8b /tmp/q8 /tmp/anchor8.jsonl --rows 96 > /dev/null
   run 8b_fsdp ${CAP8B:-400} $MANY --model /tmp/q8 --dataset /tmp/anchor8.jsonl --max_steps ${STEPS8B:-10} --learning_rate 1e-6 \
     --logging_steps 1 --seed 1 --max_tokens_per_batch 4096 --gradient_checkpointing ffn --precompute_ref_log_probs \
-    --disable_progress true --save_steps 0 --per_device_train_batch_size $((8 / N)) --deepspeed zero3
+    --disable_progress true --save_steps 0 --per_device_train_batch_size $((8 / N)) --deepspeed zero3 $W8
   tail -n 2 "$LOGS/8b_fsdp.metrics.jsonl" 2>/dev/null
 fi
 if has trl8b; then

@@ -41,12 +41,17 @@ def main() -> None:
     if len(data) < n:
         raise SystemExit(f"{a.dataset} has {len(data)} rows; {n} are needed ({a.steps + a.warmup} steps of "
                          f"{a.per_device} pairs on {world} ranks).")
-    # the whole model on this rank's GPU before FSDP shards it: left to itself, loading may spread one rank's copy
-    # over every visible GPU (accelerate's dispatch hooks), which the sharded forward then trips over
+    # the whole model on this rank's GPU before FSDP shards it. Loading with a device_map would attach accelerate's
+    # dispatch hooks, which move each layer's inputs to the device the map named and trip over the sharded forward
+    # (seen with a one-device map too); a plain load and a move leave no hooks.
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:  # tensors TRL makes on "cuda" before accelerate picks the device land on this rank's GPU, not GPU 0
+        torch.cuda.set_device(local)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                 attn_implementation="sdpa",
-                                                 device_map={"": local} if cuda else None)
+                                                 attn_implementation="sdpa")
+    if cuda:
+        model.to(f"cuda:{local}")
+    assert not any(hasattr(m, "_hf_hook") for m in model.modules()), "accelerate dispatch hooks on the model"
     wrap = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")})
     kw = dict(output_dir=a.output_dir, per_device_train_batch_size=a.per_device, gradient_accumulation_steps=1,
               max_steps=a.steps + a.warmup, learning_rate=1e-6, logging_steps=1000, save_strategy="no", report_to=[],

@@ -162,7 +162,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     return s
 
 
-FSDP_MIN_BUDGET = 8192  # tokens per micro-batch below which full_shard's per-micro-batch gathers dominate (README)
+FSDP_MIN_BUDGET = 8192  # tokens per micro-batch below which FSDP2's per-micro-batch costs dominate (README)
 
 
 def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str = "single") -> str | None:
@@ -176,6 +176,10 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
                      f"--max_tokens_per_batch {cfg.max_tokens_per_batch} that cost is paid often. If the gathered "
                      "weights fit, --fsdp shard_grad_op gathers them once per optimizer step; otherwise "
                      f"--max_tokens_per_batch {FSDP_MIN_BUDGET} or more amortises it (README, Several GPUs).")
+    if mode == "fsdp_zero2" and 0 < cfg.max_tokens_per_batch < FSDP_MIN_BUDGET:
+        hints.append(f"FSDP2 runs its per-layer hooks on the CPU for every micro-batch: with --max_tokens_per_batch "
+                     f"{cfg.max_tokens_per_batch} the GPUs wait on them. If the activations fit, "
+                     f"--max_tokens_per_batch {FSDP_MIN_BUDGET} or more halves that work (README, Several GPUs).")
     missing = []
     if not cfg.torch_compile:
         missing.append("--torch_compile")
