@@ -52,6 +52,15 @@ def test_one_rank_checkpoint_resumes_on_two_fsdp_ranks(fsdp):
     assert [r["step"] for r in metrics(tmp / "scaled")] == [4, 5, 6]
 
 
+def test_fsdp_full_checkpointing_two_ranks_match_one_rank(fsdp, tmp_path):
+    """Full activation checkpointing recomputes each decoder layer in backward, which runs the layer's forward hooks
+    again inside a unit of two layers; the weights must still be those of one rank without checkpointing."""
+    tmp, _, common = fsdp
+    run_ranks(2, output_dir=str(tmp_path / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              max_tokens_per_batch=40, fsdp="full_shard", gradient_checkpointing="full", **common)
+    assert_weights_close(weights(tmp_path / "ws2"), weights(tmp / "ws1"), atol=1e-5)
+
+
 def test_zero2_full_two_ranks_match_one_rank(fsdp, tmp_path):
     """shard_grad_op keeps the weights gathered through a step's micro-batches (several per rank here: a token
     budget and accumulation) and shards them again for the optimizer: the weights must stay those of one rank, so
@@ -177,3 +186,32 @@ def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
     for n, g in got.items():
         assert g.dtype == torch.bfloat16, n
         assert torch.equal(g, want[n].grad), (n, (g.float() - want[n].grad.float()).abs().max().item())
+
+
+def test_fsdp_units_hold_two_decoder_layers(model_dirs):
+    """FSDP2 shards two consecutive decoder layers as one unit (one gather, one reduction and one run of its hooks per
+    forward and backward for both); an odd last layer is a unit of its own."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastdpo.distributed import LAYERS_PER_UNIT, Dist, parallel_plan, wrap_models
+    from fastdpo.model import Backend, prepare_packed
+    from fastdpo.reference import Reference
+
+    config = AutoConfig.from_pretrained(model_dirs("qwen3"))
+    config.num_hidden_layers = 5
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * 5
+    model = AutoModelForCausalLM.from_config(config)
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    plan = parallel_plan("full_shard", "")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrap_models(model, Reference("precompute"), backend, Dist(0, 1, 0, plan.mode, plan.reshard_after_forward))
+        states = [layer._get_fsdp_state() for layer in model.model.layers]
+    finally:
+        dist.destroy_process_group()
+    assert LAYERS_PER_UNIT == 2
+    assert states[0] is states[1] and states[2] is states[3]
+    assert len({id(s) for s in states}) == 3

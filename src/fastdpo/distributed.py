@@ -4,7 +4,7 @@ The loop stays the single-process loop; it asks this module for a few things:
 - `init_distributed(cfg)`: read torchrun's env vars, start the process group, pick DDP or FSDP2 (`--fsdp`,
   `--deepspeed` aliases), quiet the logs of ranks other than 0.
 - `wrap_models(...)`: the policy's completion log-prob forward as one module (so DDP/FSDP2 hooks see the whole
-  computation), wrapped in DDP or sharded with `fully_shard` per decoder layer; the reference likewise.
+  computation), wrapped in DDP or sharded with `fully_shard` per two decoder layers; the reference likewise.
 - `rank_micro_batches(...)`: this rank's share of a step's pairs (equal counts, balanced tokens), cut into as many
   micro-batches as every other rank has, so the collectives of the micro-steps line up.
 - `grad_sync(...)`: DDP `no_sync` / FSDP2 deferred reduce on all but the last micro-step.
@@ -35,7 +35,7 @@ from fastdpo.errors import FastDPOError
 log = logging.getLogger("fastdpo")
 
 FSDP_MODES = ("full_shard", "shard_grad_op", "no_shard")
-FSDP_OPTIONS = ("auto_wrap",)  # accepted for HF compatibility: we always wrap per decoder layer
+FSDP_OPTIONS = ("auto_wrap",)  # accepted for HF compatibility: we always wrap per LAYERS_PER_UNIT decoder layers
 DEEPSPEED_ALIASES = {"zero2": "shard_grad_op", "zero3": "full_shard"}
 
 
@@ -308,9 +308,15 @@ def _sum_in_fp32(_state, bucket):
     return fut.then(done)
 
 
+LAYERS_PER_UNIT = 2  # decoder layers per FSDP2 unit: its hooks run on the host once per unit and micro-batch
+
+
 def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
-    """FSDP2: one group per decoder layer plus the root (embeddings, final norm, head); fp32 gradient reductions;
-    gradients summed, not averaged."""
+    """FSDP2: one unit per LAYERS_PER_UNIT consecutive decoder layers plus the root (embeddings, final norm, head);
+    fp32 gradient reductions; gradients summed, not averaged. A unit's weights are gathered and its gradients
+    reduced together, and its hooks run once per forward and backward: at small micro-batches the ranks wait on those
+    hooks (benchmarks/NOTES.md entry 19), so two layers share a unit, at one more layer's gathered weights in memory
+    under full_shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -319,8 +325,10 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
     device_type = "cuda" if next(module.parameters()).is_cuda else "cpu"
     mesh = init_device_mesh(device_type, (d.world_size,))
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for layer in decoder_layers(module.model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    layers = decoder_layers(module.model)
+    for i in range(0, len(layers), LAYERS_PER_UNIT):
+        unit = layers[i : i + LAYERS_PER_UNIT]
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     for m in module.modules():
         if isinstance(m, FSDPModule):
