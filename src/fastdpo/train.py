@@ -177,8 +177,8 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
                      "weights fit, --fsdp shard_grad_op gathers them once per optimizer step; otherwise "
                      f"--max_tokens_per_batch {FSDP_MIN_BUDGET} or more amortises it (README, Several GPUs).")
     if mode == "fsdp_zero2" and 0 < cfg.max_tokens_per_batch < FSDP_MIN_BUDGET:
-        hints.append(f"FSDP2 runs its per-layer hooks on the CPU for every micro-batch: with --max_tokens_per_batch "
-                     f"{cfg.max_tokens_per_batch} the GPUs wait on them. If the activations fit, "
+        hints.append("FSDP2 runs its hooks on the CPU for every unit of layers and micro-batch: with "
+                     f"--max_tokens_per_batch {cfg.max_tokens_per_batch} the GPUs wait on them. If the activations fit, "
                      f"--max_tokens_per_batch {FSDP_MIN_BUDGET} or more halves that work (README, Several GPUs).")
     missing = []
     if not cfg.torch_compile:
