@@ -402,8 +402,8 @@ def _accumulate_in_param_dtype(module: torch.nn.Module) -> None:
     if init is None:
         return
     init()
-    for m in module.modules():
-        state = getattr(m, "_get_fsdp_state", lambda: None)()
+    states = {id(st): st for m in module.modules() if (st := getattr(m, "_get_fsdp_state", lambda: None)())}
+    for state in states.values():  # a unit of several layers has one state
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:  # earlier torch: one group per module
             groups = [getattr(state, "_fsdp_param_group", None)]

@@ -171,15 +171,16 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     if device.type != "cuda" or backend != "flex":
         return None
     hints = []
-    if mode == "fsdp" and 0 < cfg.max_tokens_per_batch < FSDP_MIN_BUDGET:
-        hints.append(f"FSDP2 full_shard gathers every layer's weights twice for each micro-batch: with "
-                     f"--max_tokens_per_batch {cfg.max_tokens_per_batch} that cost is paid often. If the gathered "
-                     "weights fit, --fsdp shard_grad_op gathers them once per optimizer step; otherwise "
-                     f"--max_tokens_per_batch {FSDP_MIN_BUDGET} or more amortises it (README, Several GPUs).")
-    if mode == "fsdp_zero2" and 0 < cfg.max_tokens_per_batch < FSDP_MIN_BUDGET:
-        hints.append("FSDP2 runs its hooks on the CPU for every unit of layers and micro-batch: with "
-                     f"--max_tokens_per_batch {cfg.max_tokens_per_batch} the GPUs wait on them. If the activations fit, "
-                     f"--max_tokens_per_batch {FSDP_MIN_BUDGET} or more halves that work (README, Several GPUs).")
+    budget = cfg.max_tokens_per_batch
+    if mode in ("fsdp", "fsdp_zero2") and 0 < budget < FSDP_MIN_BUDGET:
+        if mode == "fsdp":
+            cost = (f"FSDP2 full_shard gathers every layer's weights twice for each micro-batch: with "
+                    f"--max_tokens_per_batch {budget} that cost is paid often. If the gathered weights fit, "
+                    "--fsdp shard_grad_op gathers them once per optimizer step; otherwise")
+        else:
+            cost = ("FSDP2 runs its hooks on the CPU for every unit of layers and micro-batch: with "
+                    f"--max_tokens_per_batch {budget} the GPUs wait on them. If the activations fit,")
+        hints.append(f"{cost} --max_tokens_per_batch {FSDP_MIN_BUDGET} or more amortises it (README, Several GPUs).")
     missing = []
     if not cfg.torch_compile:
         missing.append("--torch_compile")
