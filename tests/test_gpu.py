@@ -242,3 +242,38 @@ def test_policy_forward_and_backward_never_wait_for_the_device():
             (out.sums.sum() + out.shared.sum()).backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+_NCCL_SUMS = """
+import torch, torch.distributed as dist
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(rank)
+g = torch.Generator(device="cuda").manual_seed(rank)
+n = 1 << 26
+x = (torch.randn(n, device="cuda", generator=g)
+     * torch.exp2(torch.randint(-60, 60, (n,), device="cuda", generator=g))).bfloat16()
+narrow, wide = x.clone(), x.float()
+dist.all_reduce(narrow)
+dist.all_reduce(wide)
+assert torch.equal(narrow.view(torch.int16), wide.bfloat16().view(torch.int16)), "all_reduce"
+out_n, out_w = torch.empty(n // 2, device="cuda", dtype=torch.bfloat16), torch.empty(n // 2, device="cuda")
+dist.reduce_scatter_tensor(out_n, x)
+dist.reduce_scatter_tensor(out_w, x.float())
+assert torch.equal(out_n.view(torch.int16), out_w.bfloat16().view(torch.int16)), "reduce_scatter"
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_bfloat16_sum_of_two_ranks_equals_the_float32_sum(tmp_path):
+    """`--reduce_dtype auto` sums bfloat16 gradients in bfloat16 on two ranks because NCCL's result there has the
+    bits of the float32 sum rounded back: all-reduce (DDP) and reduce-scatter (FSDP2), 2^26 values over 2^±60."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "sums.py"
+    script.write_text(_NCCL_SUMS)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

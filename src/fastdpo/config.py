@@ -163,6 +163,10 @@ class TrainConfig:
     fsdp: str = _f("", "full_shard|shard_grad_op: FSDP2 sharding; no_shard: DDP. Empty: DDP.")
     deepspeed: str = _f("", "zero3 (= --fsdp full_shard), zero2 (= shard_grad_op), or a DeepSpeed JSON: its ZeRO "
                             "stage maps onto FSDP2, the rest is checked or reported.")
+    reduce_dtype: str = _f("auto", "Dtype in which bfloat16/float16 gradients are summed across ranks: float32, "
+                           "bfloat16 (their own dtype; faster, inexact beyond two ranks), or auto: their own dtype "
+                           "on two ranks (the same bits as a float32 sum), float32 on more. float32 gradients are "
+                           "always summed in float32.")
 
     def validate(self) -> None:
         """Check values in one place; raise FastDPOError naming the flag and a fix."""
@@ -176,6 +180,7 @@ class TrainConfig:
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
         _choice("update_rounding", self.update_rounding, ("stochastic", "nearest"))
+        _choice("reduce_dtype", self.reduce_dtype, ("auto", "float32", "bfloat16"))
         from fastdpo.profile import parse_steps
 
         parse_steps(self.profile_steps)  # raises on a bad value

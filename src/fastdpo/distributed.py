@@ -171,6 +171,7 @@ class Dist:
     local_rank: int = 0
     mode: str = "single"  # single | ddp | fsdp
     reshard_after_forward: bool = True
+    sum_in_fp32: bool = True  # bfloat16/float16 gradients summed across ranks in float32 (else in their own dtype)
 
     @property
     def is_main(self) -> bool:
@@ -219,7 +220,19 @@ def init_distributed(cfg, timeout_s: float | None = None) -> Dist:
         log.setLevel(logging.ERROR)  # rank 0 speaks for the job
     for note in plan.notes:
         log.info("Parallelism over %d ranks: %s.", world, note)
-    return Dist(rank, world, local_rank, plan.mode, plan.reshard_after_forward)
+    wide = sums_in_fp32(cfg.reduce_dtype, world)
+    if not wide:
+        log.info("Gradients summed across %d ranks in their own dtype%s.", world,
+                 " (the same bits as a float32 sum on two ranks)" if world == 2 else " (--reduce_dtype bfloat16)")
+    return Dist(rank, world, local_rank, plan.mode, plan.reshard_after_forward, wide)
+
+
+def sums_in_fp32(reduce_dtype: str, world: int) -> bool:
+    """Whether low-precision gradients are widened to float32 for the sum across ranks. On two ranks a sum in their
+    own dtype rounds the exact a + b once, as the float32 sum cast back does (a float32 sum of two bfloat16 values is
+    exact, or off by less than a bfloat16 rounding can see): the same bits at half the traffic. On more ranks the
+    partial sums would be rounded at each hop, so `auto` widens there."""
+    return reduce_dtype == "float32" or (reduce_dtype == "auto" and world > 2)
 
 
 class _NoHeartbeat:
@@ -292,6 +305,14 @@ def policy_logps(module: torch.nn.Module, batch, mask, wpo: bool = False, refere
     return SeqLogps(*module(batch, mask, wpo, reference))
 
 
+def _sum_in_place(_state, bucket):
+    """DDP comm hook: sum (not average) the gradient bucket across ranks in its own dtype."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
 def _sum_in_fp32(_state, bucket):
     """DDP comm hook: sum (not average) the gradient bucket across ranks, reducing in float32."""
     import torch.distributed as dist
@@ -313,10 +334,10 @@ LAYERS_PER_UNIT = 2  # decoder layers per FSDP2 unit: its hooks run on the host 
 
 def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
     """FSDP2: one unit per LAYERS_PER_UNIT consecutive decoder layers plus the root (embeddings, final norm, head);
-    fp32 gradient reductions; gradients summed, not averaged. A unit's weights are gathered and its gradients
-    reduced together, and its hooks run once per forward and backward: at small micro-batches the ranks wait on those
-    hooks (benchmarks/NOTES.md entry 19), so two layers share a unit, at one more layer's gathered weights in memory
-    under full_shard."""
+    gradients summed (not averaged) in float32 or in their own dtype (`Dist.sum_in_fp32`). A unit's weights are
+    gathered and its gradients reduced together, and its hooks run once per forward and backward: at small
+    micro-batches the ranks wait on those hooks (benchmarks/NOTES.md entry 19), so two layers share a unit, at one
+    more layer's gathered weights in memory under full_shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -324,7 +345,7 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
 
     device_type = "cuda" if next(module.parameters()).is_cuda else "cpu"
     mesh = init_device_mesh(device_type, (d.world_size,))
-    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if d.sum_in_fp32 else None)
     layers = decoder_layers(module.model)
     for i in range(0, len(layers), LAYERS_PER_UNIT):
         unit = layers[i : i + LAYERS_PER_UNIT]
@@ -356,7 +377,7 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
             else "broadcast_buffers"
         policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, gradient_as_bucket_view=True,
                      **{sync: False})
-        policy.register_comm_hook(None, _sum_in_fp32)
+        policy.register_comm_hook(None, _sum_in_fp32 if d.sum_in_fp32 else _sum_in_place)
         return policy
     _shard(policy, d, d.reshard_after_forward)
     _accumulate_in_param_dtype(policy)
@@ -392,12 +413,12 @@ def grad_sync(policy: torch.nn.Module, last: bool, keep_gathered: bool = False):
 
 def _accumulate_in_param_dtype(module: torch.nn.Module) -> None:
     """Deferred FSDP2 micro-steps accumulate their unsharded gradients in the parameters' dtype, as one process and
-    DDP do; the reduction on the last micro-step still runs in float32. Left alone, FSDP2 copies each gradient to
-    the reduce dtype after every deferred backward and adds there: a cast and a float32 add per parameter and
-    micro-step, and a float32 copy of the whole model's gradients held through the step. The per-parameter reduce
-    dtype (read only by that copy) is cleared; the groups', which the reduce-scatter uses, stays float32. FSDP2 sets
-    both at its lazy initialisation, which the first forward would run: it runs here instead, once. On a torch whose
-    FSDP2 keeps these elsewhere, nothing changes (float32 accumulation, slower)."""
+    DDP do; the reduction on the last micro-step runs in the reduce dtype (float32 unless `Dist.sum_in_fp32` is off).
+    Left alone, FSDP2 copies each gradient to the reduce dtype after every deferred backward and adds there: a cast
+    and a float32 add per parameter and micro-step, and a float32 copy of the whole model's gradients held through
+    the step. The per-parameter reduce dtype (read only by that copy) is cleared; the groups', which the
+    reduce-scatter uses, stays. FSDP2 sets both at its lazy initialisation, which the first forward would run: it runs
+    here instead, once. On a torch whose FSDP2 keeps these elsewhere, nothing changes (float32 accumulation, slower)."""
     init = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_lazy_init", None)
     if init is None:
         return

@@ -1,0 +1,88 @@
+"""The dtype of the gradient sum across ranks (--reduce_dtype): on two ranks bfloat16 gradients summed in bfloat16
+give the same bits as a float32 sum rounded back, so `auto` sums them in their own dtype there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import BASE, dataset, metrics, run_ranks, weights
+
+from fastdpo.distributed import sums_in_fp32
+
+
+def test_auto_widens_only_beyond_two_ranks():
+    assert not sums_in_fp32("auto", 2)
+    assert sums_in_fp32("auto", 3) and sums_in_fp32("auto", 8)
+    assert sums_in_fp32("float32", 2)
+    assert not sums_in_fp32("bfloat16", 8)
+
+
+def test_a_bad_reduce_dtype_is_one_clean_message(capsys):
+    from fastdpo.cli import main
+
+    assert main(["train", "--model", "m", "--dataset", "d.jsonl", "--reduce_dtype", "half"]) == 1
+    out = capsys.readouterr().out
+    assert "--reduce_dtype 'half' is not one of: auto, float32, bfloat16" in out and "Traceback" not in out
+
+
+def test_two_bfloat16_values_sum_as_float32_does():
+    """The arithmetic the rule rests on, over magnitudes 2^-60..2^60 and both signs: bf16(a + b) computed once in
+    float32 and rounded to bfloat16 equals the bfloat16 sum."""
+    g = torch.Generator().manual_seed(0)
+    a, b = ((torch.randn(1 << 20, generator=g) * torch.exp2(torch.randint(-60, 60, (1 << 20,), generator=g)))
+            .bfloat16() for _ in range(2))
+    assert torch.equal((a.float() + b.float()).bfloat16().view(torch.int16), (a + b).view(torch.int16))
+
+
+@pytest.mark.parametrize("fsdp", ["", "shard_grad_op"])
+def test_two_ranks_sum_bfloat16_gradients_to_the_same_bits(fsdp, tmp_path, model_dirs):
+    """DDP and FSDP2 on two ranks, bfloat16 model: `auto` (sums in bfloat16, half the traffic) and `float32` end
+    with bit-equal weights and equal metrics after six steps of two micro-steps."""
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp_path))], torch_dtype="bfloat16",
+                  per_device_train_batch_size=2, gradient_accumulation_steps=2, fsdp=fsdp, **BASE)
+    for dtype in ("auto", "float32"):
+        run_ranks(2, output_dir=str(tmp_path / dtype), reduce_dtype=dtype, **common)
+    narrow, wide = weights(tmp_path / "auto"), weights(tmp_path / "float32")
+    assert narrow.keys() == wide.keys()
+    for name, w in narrow.items():
+        assert w.dtype == torch.bfloat16
+        assert torch.equal(w, wide[name]), name
+    for x, y in zip(metrics(tmp_path / "auto"), metrics(tmp_path / "float32"), strict=True):
+        assert (x["loss"], x["grad_norm"]) == (y["loss"], y["grad_norm"]), x["step"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "shard_grad_op"])
+@pytest.mark.parametrize("wide", [True, False])
+def test_the_collectives_run_in_the_chosen_dtype(mode, wide, model_dirs, monkeypatch):
+    """What the wrapped model hands to the collectives: float32 buffers when widening, else bfloat16 ones (FSDP2's
+    reduce-scatter input, which its copy-in fills even on one rank)."""
+    import torch.distributed as dist
+    from conftest import random_pairs
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fsdp_comm
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.distributed import Dist, parallel_plan, wrap_models
+    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.reference import Reference
+
+    seen = []
+    for name in ("all_reduce", "reduce_scatter_tensor"):
+        real = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda t, *a, _real=real, **k: (seen.append(t.dtype), _real(t, *a, **k))[1])
+    copy_in = fsdp_comm.foreach_reduce_scatter_copy_in
+    monkeypatch.setattr(fsdp_comm, "foreach_reduce_scatter_copy_in",
+                        lambda grads, out, *a: (seen.append(out.dtype), copy_in(grads, out, *a))[1])
+    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"), torch_dtype=torch.bfloat16)
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    plan = parallel_plan("" if mode == "ddp" else mode, "")
+    d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, sum_in_fp32=wide)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = wrap_models(model, Reference("precompute"), backend, d)
+        batch = make_batch(random_pairs(3, model.config.vocab_size, seed=0), backend, 0, torch.device("cpu"))
+        sums, *_ = policy(batch, build_mask(batch, backend))
+        sums.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert seen and set(seen) == {torch.float32 if wide else torch.bfloat16}
