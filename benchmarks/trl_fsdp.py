@@ -57,6 +57,9 @@ def main() -> None:
               max_steps=a.steps + a.warmup, learning_rate=1e-6, logging_steps=1000, save_strategy="no", report_to=[],
               bf16=cuda, max_length=2048, beta=0.1, remove_unused_columns=False, seed=0,
               precompute_ref_log_probs=a.precompute, use_liger_kernel=a.liger, use_cpu=not cuda,
+              # under FSDP TRL loads its own reference for the precompute, with device_map "auto" unless told: that
+              # spreads it over all GPUs with dispatch hooks; loaded on the CPU, FSDP2 moves its shards to this GPU
+              model_init_kwargs={"device_map": None},
               gradient_checkpointing=False,  # TRL's default; FSDP's own checkpointing below replaces it
               fsdp="full_shard auto_wrap",
               fsdp_config={"version": 2, "activation_checkpointing": True, "transformer_layer_cls_to_wrap": wrap})
@@ -78,7 +81,9 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     dt = times[-1] - times[a.warmup - 1]
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0])
+    # on the GPU: the process group's default backend there is NCCL, which takes no CPU tensors
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0],
+                        device=f"cuda:{local}" if cuda else "cpu")
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if int(os.environ.get("RANK", "0")) == 0:
