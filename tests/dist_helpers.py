@@ -44,10 +44,15 @@ def _worker(rank: int, world: int, port: int, kwargs: dict) -> None:
     os._exit(result.get("exit_code", 0))
 
 
-def start_ranks(world: int, **kwargs) -> list:
-    """Start `world` ranks training with `kwargs`; returns their processes."""
+def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "transformers", "fastdpo.train", "dist_helpers"])
+    return ctx
+
+
+def start_ranks(world: int, **kwargs) -> list:
+    """Start `world` ranks training with `kwargs`; returns their processes."""
+    ctx = _context()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, kwargs)) for r in range(world)]
     for p in procs:
@@ -65,6 +70,25 @@ def join_ranks(procs: list, timeout: float = 120) -> list[int]:
         p.kill()
     assert not alive, f"ranks still running after {timeout}s"
     return [p.exitcode for p in procs]
+
+
+def _isolated(fn, args: tuple) -> None:
+    try:
+        fn(*args)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def run_isolated(fn, *args, timeout: float = 120) -> None:
+    """Run `fn(*args)` (a module-level function) in a child process; fail the test if it raises. For DDP on a
+    one-rank gloo group inside the test process: the child ends with os._exit, so the group is never torn down
+    while Python holds the GIL. Torn down in the test process, its worker thread may still be releasing a DDP comm
+    hook's Python callback, which needs the GIL, while the main thread holds it and joins that thread: a hang."""
+    proc = _context().Process(target=_isolated, args=(fn, args))
+    proc.start()
+    assert join_ranks([proc], timeout) == [0], "the isolated test body failed (its traceback is in the captured output)"
 
 
 def run_ranks(world: int, timeout: float = 120, **kwargs) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_pairs
-from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metrics, run_ranks, start_ranks, weights
+from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metrics, run_isolated, run_ranks, start_ranks, weights
 
 from fastdpo.cli import main
 from fastdpo.config import TrainConfig
@@ -207,7 +207,9 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path, model_dirs):
     try:
         deadline = time.monotonic() + 120
         while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):  # training runs
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+            if job.poll() is not None or time.monotonic() > deadline:
+                job.kill()  # before reading its output, which would otherwise wait for the job's end
+                pytest.fail(f"the job logged no step: {job.communicate()[0]}")
             time.sleep(0.2)
         rank1 = [pid for pid in _children(job.pid) if _environ(pid).get("RANK") == "1"]
         assert len(rank1) == 1
@@ -275,6 +277,10 @@ def test_two_ranks_share_the_precompute_and_match_one_rank(tmp_path, model_dirs)
 def test_ddp_gradients_live_in_the_reduction_buckets(model_dirs):
     """No second copy of the gradients: after backward under DDP, each parameter's .grad is a view into one of a
     few bucket buffers, not a tensor of its own."""
+    run_isolated(_gradients_in_buckets, str(model_dirs("qwen3")))
+
+
+def _gradients_in_buckets(model_dir: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -282,30 +288,30 @@ def test_ddp_gradients_live_in_the_reduction_buckets(model_dirs):
     from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.reference import Reference
 
-    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     backend = Backend("dense")
     prepare_packed(model, backend)
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        policy = wrap_models(model, Reference("precompute"), backend, Dist(0, 1, 0, "ddp"))
-        batch = make_batch(random_pairs(3, model.config.vocab_size), backend, 0, torch.device("cpu"))
-        for _ in range(2):  # the second backward runs after zero_grad(set_to_none=True), as the loop does
-            model.zero_grad(set_to_none=True)
-            sums, *_ = policy(batch, build_mask(batch, backend))
-            sums.sum().backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        storages = {g.untyped_storage().data_ptr() for g in grads}
-        assert len(grads) > 10 and len(storages) < len(grads) / 5
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    policy = wrap_models(model, Reference("precompute"), backend, Dist(0, 1, 0, "ddp"))
+    batch = make_batch(random_pairs(3, model.config.vocab_size), backend, 0, torch.device("cpu"))
+    for _ in range(2):  # the second backward runs after zero_grad(set_to_none=True), as the loop does
+        model.zero_grad(set_to_none=True)
+        sums, *_ = policy(batch, build_mask(batch, backend))
+        sums.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    storages = {g.untyped_storage().data_ptr() for g in grads}
+    assert len(grads) > 10 and len(storages) < len(grads) / 5
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_ddp_keeps_each_compiled_layer_one_graph(split, model_dirs, monkeypatch):
+def test_ddp_keeps_each_compiled_layer_one_graph(split, model_dirs):
     """Under DDP, TorchDynamo's DDP optimizer would cut each compiled layer into one graph per reduction bucket;
     compile_layers turns it off, so every layer runs the same single graph. (The `split` case re-enables it, to show
     that this test sees the difference: buckets are made tiny so that even a small model's layers would be cut.)"""
+    run_isolated(_one_graph_per_layer, split, str(model_dirs("qwen3")))
+
+
+def _one_graph_per_layer(split: bool, model_dir: str) -> None:
     import torch._dynamo
     import torch.distributed as dist
     from torch._dynamo.testing import CompileCounter
@@ -316,25 +322,20 @@ def test_ddp_keeps_each_compiled_layer_one_graph(split, model_dirs, monkeypatch)
     from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.reference import Reference
 
-    torch._dynamo.reset()
-    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     backend = Backend("dense")
     prepare_packed(model, backend)
     graphs = CompileCounter()
     compile_layers(model, backend=graphs)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with torch._dynamo.config.patch(optimize_ddp=split or torch._dynamo.config.optimize_ddp):
-            policy = wrap_models(model, Reference("precompute"), backend, Dist(0, 1, 0, "ddp"))
-            policy.bucket_bytes_cap = 1024  # the DDP optimizer reads both when a graph is compiled
-            monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024)
-            batch = make_batch(random_pairs(3, model.config.vocab_size), backend, 0, torch.device("cpu"))
-            sums, *_ = policy(batch, build_mask(batch, backend))
-            sums.sum().backward()
-        assert graphs.frame_count > 1 if split else graphs.frame_count == 1
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
+    with torch._dynamo.config.patch(optimize_ddp=split or torch._dynamo.config.optimize_ddp):
+        policy = wrap_models(model, Reference("precompute"), backend, Dist(0, 1, 0, "ddp"))
+        policy.bucket_bytes_cap = 1024  # the DDP optimizer reads both when a graph is compiled
+        dist._DEFAULT_FIRST_BUCKET_BYTES = 1024  # a child process of its own: nothing to restore
+        batch = make_batch(random_pairs(3, model.config.vocab_size), backend, 0, torch.device("cpu"))
+        sums, *_ = policy(batch, build_mask(batch, backend))
+        sums.sum().backward()
+    assert graphs.frame_count > 1 if split else graphs.frame_count == 1
 
 
 @pytest.mark.parametrize("fsdp", ["", "shard_grad_op"])

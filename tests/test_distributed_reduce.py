@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import BASE, dataset, metrics, run_ranks, weights
+from dist_helpers import BASE, dataset, metrics, run_isolated, run_ranks, weights
 
 from fastdpo.distributed import sums_in_fp32
 
@@ -25,13 +25,23 @@ def test_a_bad_reduce_dtype_is_one_clean_message(capsys):
     assert "--reduce_dtype 'half' is not one of: auto, float32, bfloat16" in out and "Traceback" not in out
 
 
-def test_two_bfloat16_values_sum_as_float32_does():
-    """The arithmetic the rule rests on, over magnitudes 2^-60..2^60 and both signs: bf16(a + b) computed once in
-    float32 and rounded to bfloat16 equals the bfloat16 sum."""
+@pytest.mark.parametrize(("dtype", "bits", "span"), [(torch.bfloat16, 8, 20), (torch.float16, 11, 10)])
+def test_a_float32_sum_of_two_values_rounds_back_as_the_exact_sum_does(dtype, bits, span):
+    """The arithmetic the rule rests on: a + b in float32, rounded to the gradients' dtype, is the exact sum rounded
+    once to nearest-even in that dtype (what NCCL's sum in bfloat16 gives: tests/test_gpu.py). Magnitudes 2^±span
+    keep the exact sum in float64 and out of subnormals; float32 itself rounds where the exponents differ by more
+    than 24 - bits, so that case is covered."""
+    import numpy as np
+
     g = torch.Generator().manual_seed(0)
-    a, b = ((torch.randn(1 << 20, generator=g) * torch.exp2(torch.randint(-60, 60, (1 << 20,), generator=g)))
-            .bfloat16() for _ in range(2))
-    assert torch.equal((a.float() + b.float()).bfloat16().view(torch.int16), (a + b).view(torch.int16))
+    a, b = ((torch.randn(1 << 18, generator=g) * torch.exp2(torch.randint(-span, span, (1 << 18,), generator=g)))
+            .to(dtype) for _ in range(2))
+    exact = a.double().numpy() + b.double().numpy()  # exact: the bits span at most 2 * span + bits < 53
+    mantissa, exponent = np.frexp(exact)
+    once = np.ldexp(np.rint(mantissa * 2.0**bits), exponent - bits)  # np.rint: ties to even
+    twice = (a.float() + b.float()).to(dtype).double().numpy()
+    assert np.array_equal(once, twice)
+    assert (np.abs(np.log2(np.abs(a.double().numpy()) / np.abs(b.double().numpy()))) > 24 - bits + 1).any()
 
 
 @pytest.mark.parametrize("fsdp", ["", "shard_grad_op"])
@@ -53,9 +63,13 @@ def test_two_ranks_sum_bfloat16_gradients_to_the_same_bits(fsdp, tmp_path, model
 
 @pytest.mark.parametrize("mode", ["ddp", "shard_grad_op"])
 @pytest.mark.parametrize("wide", [True, False])
-def test_the_collectives_run_in_the_chosen_dtype(mode, wide, model_dirs, monkeypatch):
+def test_the_collectives_run_in_the_chosen_dtype(mode, wide, model_dirs):
     """What the wrapped model hands to the collectives: float32 buffers when widening, else bfloat16 ones (FSDP2's
     reduce-scatter input, which its copy-in fills even on one rank)."""
+    run_isolated(_collective_dtypes, mode, wide, str(model_dirs("qwen3")))
+
+
+def _collective_dtypes(mode: str, wide: bool, model_dir: str) -> None:
     import torch.distributed as dist
     from conftest import random_pairs
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fsdp_comm
@@ -65,24 +79,20 @@ def test_the_collectives_run_in_the_chosen_dtype(mode, wide, model_dirs, monkeyp
     from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.reference import Reference
 
-    seen = []
+    seen = []  # a child process of its own: the wrappers below need no undoing
     for name in ("all_reduce", "reduce_scatter_tensor"):
         real = getattr(dist, name)
-        monkeypatch.setattr(dist, name, lambda t, *a, _real=real, **k: (seen.append(t.dtype), _real(t, *a, **k))[1])
+        setattr(dist, name, lambda t, *a, _real=real, **k: (seen.append(t.dtype), _real(t, *a, **k))[1])
     copy_in = fsdp_comm.foreach_reduce_scatter_copy_in
-    monkeypatch.setattr(fsdp_comm, "foreach_reduce_scatter_copy_in",
-                        lambda grads, out, *a: (seen.append(out.dtype), copy_in(grads, out, *a))[1])
-    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"), torch_dtype=torch.bfloat16)
+    fsdp_comm.foreach_reduce_scatter_copy_in = lambda grads, out, *a: (seen.append(out.dtype), copy_in(grads, out, *a))[1]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
     backend = Backend("dense")
     prepare_packed(model, backend)
     plan = parallel_plan("" if mode == "ddp" else mode, "")
     d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, sum_in_fp32=wide)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        policy = wrap_models(model, Reference("precompute"), backend, d)
-        batch = make_batch(random_pairs(3, model.config.vocab_size, seed=0), backend, 0, torch.device("cpu"))
-        sums, *_ = policy(batch, build_mask(batch, backend))
-        sums.sum().backward()
-    finally:
-        dist.destroy_process_group()
-    assert seen and set(seen) == {torch.float32 if wide else torch.bfloat16}
+    policy = wrap_models(model, Reference("precompute"), backend, d)
+    batch = make_batch(random_pairs(3, model.config.vocab_size, seed=0), backend, 0, torch.device("cpu"))
+    sums, *_ = policy(batch, build_mask(batch, backend))
+    sums.sum().backward()
+    assert seen and set(seen) == {torch.float32 if wide else torch.bfloat16}, seen
