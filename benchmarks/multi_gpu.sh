@@ -109,7 +109,7 @@ if has trl8b; then
     echo "== trl8b $liger: TRL, FSDP2 through accelerate, $N GPUs"
     timeout -k 20 $left torchrun --nproc_per_node "$N" benchmarks/trl_fsdp.py /tmp/q8 /tmp/anchor8.jsonl \
       --per_device $((8 / N)) --steps ${STEPS8B:-10} --warmup 2 $liger > "$LOGS/trl8b$liger.log" 2>&1
-    rc=$?; echo "rc=$rc"; grep -E "RESULT|Error" "$LOGS/trl8b$liger.log" | tail -n 3; [ $rc = 0 ] && break
+    rc=$?; echo "rc=$rc"; grep -E "STEP|RESULT|Error" "$LOGS/trl8b$liger.log" | tail -n 14; [ $rc = 0 ] && break
   done
 fi
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

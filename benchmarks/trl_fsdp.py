@@ -74,6 +74,8 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter())
+            if len(times) > 1 and int(os.environ.get("RANK", "0")) == 0:  # as it goes: a later failure keeps these
+                print(f"STEP {len(times)} {times[-1] - times[-2]:.3f} s", flush=True)
 
     trainer = DPOTrainer(model=model, args=args, train_dataset=data.select(range(n)),
                          processing_class=AutoTokenizer.from_pretrained(a.model), callbacks=[Timer()])
