@@ -305,20 +305,13 @@ def policy_logps(module: torch.nn.Module, batch, mask, wpo: bool = False, refere
     return SeqLogps(*module(batch, mask, wpo, reference))
 
 
-def _sum_in_place(_state, bucket):
-    """DDP comm hook: sum (not average) the gradient bucket across ranks in its own dtype."""
+def _sum_across_ranks(widen: bool, bucket):
+    """DDP comm hook: sum (not average) the gradient bucket across ranks; a bfloat16/float16 bucket in a float32 copy
+    when `widen` (`Dist.sum_in_fp32`), else in place."""
     import torch.distributed as dist
 
     buf = bucket.buffer()
-    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-
-
-def _sum_in_fp32(_state, bucket):
-    """DDP comm hook: sum (not average) the gradient bucket across ranks, reducing in float32."""
-    import torch.distributed as dist
-
-    buf = bucket.buffer()
-    wide = buf if buf.dtype == torch.float32 else buf.float()
+    wide = buf.float() if widen and buf.dtype != torch.float32 else buf
     fut = dist.all_reduce(wide, async_op=True).get_future()
 
     def done(f):
@@ -377,7 +370,7 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
             else "broadcast_buffers"
         policy = DDP(policy, device_ids=[d.local_rank] if on_cuda else None, gradient_as_bucket_view=True,
                      **{sync: False})
-        policy.register_comm_hook(None, _sum_in_fp32 if d.sum_in_fp32 else _sum_in_place)
+        policy.register_comm_hook(d.sum_in_fp32, _sum_across_ranks)
         return policy
     _shard(policy, d, d.reshard_after_forward)
     _accumulate_in_param_dtype(policy)
