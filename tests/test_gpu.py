@@ -190,15 +190,36 @@ def test_fused_adamw_rounding_is_unbiased():
     g = torch.full((n,), -1.0, device="cuda", dtype=torch.bfloat16)
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     step_size = 0.3 * 2**-7  # adam's first step moves by lr (m/sqrt(v) = 1 after bias correction)
-    adamw_update_(w, g, m, v, lr=step_size, weight_decay=0.0, b1=0.9, b2=0.999, step=1, eps=0.0, seed=123,
+    ok = torch.ones(1, dtype=torch.bool, device="cuda")
+    adamw_update_(w, g, m, v, ok, lr=step_size, weight_decay=0.0, b1=0.9, b2=0.999, step=1, eps=0.0, seed=123,
                   stochastic=True)
     up = (w.float() > 1.0).float().mean().item()
     assert abs(up - 0.3) < 0.005
     assert set(w.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
     near = torch.ones_like(w)
-    adamw_update_(near, g, torch.zeros_like(w), torch.zeros_like(w), lr=step_size, weight_decay=0.0, b1=0.9,
+    adamw_update_(near, g, torch.zeros_like(w), torch.zeros_like(w), ok, lr=step_size, weight_decay=0.0, b1=0.9,
                   b2=0.999, step=1, eps=0.0, seed=123, stochastic=False)
     assert (near.float() == 1.0).all()  # round to nearest drops the 0.3-spacing update
+
+
+def test_fused_adamw_kernel_obeys_the_device_flag():
+    """A false flag (computed on the GPU, never read by the host): weights and moments keep their bits; on the
+    optimizer level a skipped NaN step changes nothing, for fastdpo's kernel and torch's fused AdamW."""
+    from test_adamw import check_skipped_step
+
+    from fastdpo.adamw_kernel import adamw_update_
+
+    w = torch.randn(5000, device="cuda").bfloat16()
+    m, v = torch.randn_like(w) * 1e-3, torch.rand_like(w) * 1e-6
+    g = torch.full_like(w, float("nan"))
+    before = [t.clone() for t in (w, m, v)]
+    adamw_update_(w, g, m, v, torch.isfinite(g).all().reshape(1), lr=1e-3, weight_decay=0.1, b1=0.9, b2=0.999,
+                  step=3, eps=1e-8, seed=7, stochastic=True)
+    for a, b in zip(before, (w, m, v)):
+        assert torch.equal(a, b)
+    for kind in ("fastdpo", "torch_fused"):
+        for dtype in (torch.bfloat16, torch.float32):
+            check_skipped_step(kind, dtype, "cuda")
 
 
 def test_profile_memory_reports_the_peak_on_cuda(tmp_path, model_dirs):

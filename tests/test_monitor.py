@@ -13,7 +13,7 @@ from fastdpo.alerts import AlertEngine, AlertRules
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.metrics import KL_RATIO_FLOOR, StepMetrics, kl_ratio
-from fastdpo.monitor import Monitor, NonFiniteStop
+from fastdpo.monitor import Monitor, NonFiniteStop, finite_flag
 from fastdpo.sinks import open_sinks, report_targets
 
 
@@ -157,17 +157,21 @@ def monitor(tmp_path, **kw):
     return Monitor(cfg, tmp_path, None, opt, 0), opt, w
 
 
+def guard(mon, loss, norm, step, rows, stepped=False):
+    return mon.finite_update(bool(finite_flag(loss, norm)), step, rows, stepped)
+
+
 def test_update_gap_counts_real_optimizer_steps(tmp_path):
     mon, opt, w = monitor(tmp_path, alert_patience=2)
     finite = torch.tensor(1.0)
     for step in (1, 2):
         w.grad = torch.ones(3)
-        assert mon.finite_update(finite, finite, step, list(range(8)))
+        assert guard(mon, finite, finite, step, list(range(8)))
         opt.step()
     mon.log(rec(2))
     # a wrapper that swallows optimizer.step(): two steps, one real update
     for step in (3, 4):
-        assert mon.finite_update(finite, finite, step, list(range(8)))
+        assert guard(mon, finite, finite, step, list(range(8)))
     opt.step()
     mon.log(rec(4))
     mon.close()
@@ -180,18 +184,41 @@ def test_update_gap_counts_real_optimizer_steps(tmp_path):
 def test_guard_skips_counts_and_stops_after_n_in_a_row(tmp_path):
     mon, opt, w = monitor(tmp_path, max_nonfinite_steps=3)
     nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
-    assert not mon.finite_update(nan, one, 1, [0])
-    assert not mon.finite_update(one, torch.tensor(float("inf")), 2, [1])
-    assert mon.finite_update(one, one, 3, [2])  # a finite step resets the run of bad ones
-    assert not mon.finite_update(nan, one, 4, [3])
-    assert not mon.finite_update(nan, one, 5, [4])
+    assert not guard(mon, nan, one, 1, [0])
+    assert not guard(mon, one, torch.tensor(float("inf")), 2, [1])
+    assert guard(mon, one, one, 3, [2])  # a finite step resets the run of bad ones
+    assert not guard(mon, nan, one, 4, [3])
+    assert not guard(mon, nan, one, 5, [4])
     with pytest.raises(NonFiniteStop, match=r"step 6: 3 steps in a row.*after step 3.*No checkpoint.*rows of the last "
                                             r"bad step: 5, 7"):
-        mon.finite_update(nan, one, 6, [7, 5])
+        guard(mon, nan, one, 6, [7, 5])
     mon.log(rec(6))
     mon.close()
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["skipped_steps"] == 5
+
+
+def test_finite_flag_needs_both_loss_and_norm_finite():
+    one = torch.tensor(1.0, dtype=torch.float64)
+    for loss, norm, want in [(1.0, 2.0, True), (float("nan"), 2.0, False), (1.0, float("inf"), False),
+                             (float("-inf"), float("nan"), False)]:
+        flag = finite_flag(one * loss, torch.tensor(norm))
+        assert flag.dtype == torch.bool and flag.device == one.device and bool(flag) is want
+
+
+def test_an_update_skipped_by_the_optimizer_is_not_counted(tmp_path):
+    mon, opt, w = monitor(tmp_path, alert_patience=1)
+    one, nan = torch.tensor(1.0), torch.tensor(float("nan"))
+    w.grad = torch.ones(3)
+    opt.step()  # called, but the device flag made it a no-op
+    assert not guard(mon, nan, one, 1, list(range(8)), stepped=True)
+    opt.step()
+    assert guard(mon, one, one, 2, list(range(8)), stepped=True)
+    mon.log(rec(2, skipped_steps=1))
+    mon.close()
+    line = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["update_gap"] == 8.0 and line["skipped_steps"] == 1  # 16 pairs in micro-steps of 2, one update
+    assert not (tmp_path / "alerts.jsonl").exists() or "update_gap" not in (tmp_path / "alerts.jsonl").read_text()
 
 
 # ---------------------------------------------------------------- sinks
@@ -245,7 +272,7 @@ def test_non_writing_rank_guards_but_writes_nothing(tmp_path):
     mon.close()
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(NonFiniteStop):
-        mon.finite_update(torch.tensor(float("nan")), torch.tensor(1.0), 2, [0])
+        guard(mon, torch.tensor(float("nan")), torch.tensor(1.0), 2, [0])
 
 
 def test_oom_next_steps_follow_the_settings():

@@ -81,6 +81,8 @@ class AdamW(torch.optim.Optimizer):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._fused = None  # the Triton update, looked up on the first CUDA step
+        self._counted: list[dict] = []  # the states whose step count the last step() advanced
+        self._true: dict[torch.device, torch.Tensor] = {}
 
     def _seed(self, step: int, group: int) -> int:
         return ((self.seed * 1_000_003 + step) * 1_009 + group) % (1 << 62)
@@ -93,11 +95,16 @@ class AdamW(torch.optim.Optimizer):
         return g
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, finite: torch.Tensor | None = None):
+        """One update. `finite`: a one-element bool tensor; where it is false the weights and moments are left as
+        they are. The CUDA kernel reads it on the device, so the host need not wait for the gradients to decide;
+        the other path reads it here. Either way the host-side step counts advance: once the caller has read the
+        flag, `rewind()` takes a skipped step's counts back."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._counted = []
         for index, group in enumerate(self.param_groups):
             by_kind: dict[tuple, list[list]] = {}
             for p in group["params"]:
@@ -111,6 +118,7 @@ class AdamW(torch.optim.Optimizer):
                 if state["step"].device.type != "cpu":  # loaded from a fused AdamW's state: keep the count on
                     state["step"] = state["step"].cpu()  # the host, so reading it costs no device sync
                 state["step"] += 1
+                self._counted.append(state)
                 step = int(state["step"].item())
                 lp = _local(p)
                 tensors = (lp, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
@@ -121,25 +129,40 @@ class AdamW(torch.optim.Optimizer):
                 lists[4].append(_shard_rank(p))
             for (step, device, dtype, fused), lists in by_kind.items():
                 if fused:
-                    self._fused_steps(lists, group, step, index, dtype == torch.bfloat16)
-                else:
+                    self._fused_steps(lists, group, step, index, dtype == torch.bfloat16, self._flag(finite, device))
+                elif finite is None or bool(finite):
                     gen = self._generator(device, step, index) if dtype == torch.bfloat16 else None
                     _foreach_steps(lists[:4], group, step, gen)
         return loss
+
+    def rewind(self) -> None:
+        """Take back the step counts of the last `step()`, whose update the `finite` flag skipped."""
+        for state in self._counted:
+            state["step"] -= 1
+        self._counted = []
+
+    def _flag(self, finite: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The kernel's flag on `device`: `finite`, or a constant true one when there is none."""
+        if finite is not None:
+            return finite.reshape(1).to(device, torch.bool, non_blocking=True)
+        if device not in self._true:
+            self._true[device] = torch.ones(1, dtype=torch.bool, device=device)
+        return self._true[device]
 
     def _fused_update(self):
         if self._fused is None:
             self._fused = _kernel() or False
         return self._fused or None
 
-    def _fused_steps(self, lists: list[list], group: dict, step: int, index: int, stochastic: bool) -> None:
+    def _fused_steps(self, lists: list[list], group: dict, step: int, index: int, stochastic: bool,
+                     ok: torch.Tensor) -> None:
         """One kernel per tensor. The noise seed of tensor k is derived from (seed, step, group, k) and, for a
         DTensor shard, its rank (replicated tensors: the same seed on every rank)."""
         base = self._seed(step, index)
         b1, b2 = group["betas"]
         for k, (w, g, m, v, shard) in enumerate(zip(*lists)):
             seed = ((base * 31 + k) * 131 + shard) % ((1 << 31) - 1)
-            self._fused(w, g, m, v, lr=group["lr"], weight_decay=group["weight_decay"], b1=b1, b2=b2, step=step,
+            self._fused(w, g, m, v, ok, lr=group["lr"], weight_decay=group["weight_decay"], b1=b1, b2=b2, step=step,
                         eps=group["eps"], seed=seed, stochastic=stochastic)
 
 

@@ -19,11 +19,11 @@ BLOCK = 2048
 
 
 @triton.jit
-def _adamw_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n, lr, decay, b1, b2, c1, sqrt_c2, eps, seed,
+def _adamw_kernel(w_ptr, g_ptr, m_ptr, v_ptr, ok_ptr, n, lr, decay, b1, b2, c1, sqrt_c2, eps, seed,
                   STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    keep = offs < n
+    keep = (offs < n) & (tl.load(ok_ptr) != 0)  # a false flag: the step is skipped, nothing read or written
     w = tl.load(w_ptr + offs, mask=keep).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=keep).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=keep).to(tl.float32)
@@ -42,15 +42,16 @@ def _adamw_kernel(w_ptr, g_ptr, m_ptr, v_ptr, n, lr, decay, b1, b2, c1, sqrt_c2,
     tl.store(w_ptr + offs, w, mask=keep)
 
 
-def adamw_update_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
-                  weight_decay: float, b1: float, b2: float, step: int, eps: float, seed: int,
+def adamw_update_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, *,
+                  lr: float, weight_decay: float, b1: float, b2: float, step: int, eps: float, seed: int,
                   stochastic: bool) -> None:
     """In place on contiguous CUDA tensors of equal shape: AdamW's step `step` (decoupled decay, bias correction)
     computed in float32; `w` written with stochastic rounding when `stochastic` (for bfloat16), else rounded to
-    nearest. `seed` (a 31-bit int) keys the rounding noise."""
+    nearest. `seed` (a 31-bit int) keys the rounding noise. `ok`, a one-element bool tensor on the device, is read
+    by the kernel: when false, the tensors are left as they are (the host never waits for it)."""
     n = w.numel()
     if n == 0:
         return
     grid = (triton.cdiv(n, BLOCK),)
-    _adamw_kernel[grid](w, g, m, v, n, lr, 1.0 - lr * weight_decay, b1, b2, 1.0 - b1**step, (1.0 - b2**step) ** 0.5,
+    _adamw_kernel[grid](w, g, m, v, ok, n, lr, 1.0 - lr * weight_decay, b1, b2, 1.0 - b1**step, (1.0 - b2**step) ** 0.5,
                         eps, seed, STOCHASTIC=stochastic, BLOCK=BLOCK, num_warps=8)

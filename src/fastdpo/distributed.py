@@ -474,17 +474,16 @@ def rank_micro_batches(pairs: list[TokenizedPair], rank: int, world: int, max_to
 # ---------------------------------------------------------------- metrics and final weights
 
 
-def reduce_metrics(metrics, d: Dist) -> None:
-    """Sum a StepMetrics' per-pair sums, pair and token counts over all ranks (in place), before `finish`."""
+def reduce_metrics(metrics, d: Dist, pairs: int, tokens: int) -> None:
+    """Sum a StepMetrics' per-pair sums over all ranks (in place, on the device: no host sync), before `finish`.
+    The step's pair and token counts over all ranks, `pairs` and `tokens`, are known on every rank from the
+    step's pairs."""
     if d.world_size == 1:
         return
     import torch.distributed as dist
 
-    counts = torch.tensor([metrics.pairs, metrics.tokens], dtype=metrics.sums.dtype, device=metrics.sums.device)
-    flat = torch.cat([metrics.sums, counts])
-    dist.all_reduce(flat)
-    metrics.sums = flat[:-2]
-    metrics.pairs, metrics.tokens = int(flat[-2]), int(flat[-1])
+    dist.all_reduce(metrics.sums)
+    metrics.pairs, metrics.tokens = pairs, tokens
 
 
 def reduce_beta_drift(beta, d: Dist) -> None:

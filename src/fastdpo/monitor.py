@@ -22,8 +22,15 @@ class NonFiniteStop(FastDPOError):
     """Raised when too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
+def finite_flag(loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """True where the step's loss and gradient norm are both finite: a bool tensor on the loss's device, computed
+    without a host sync (the update can obey it on the device, `optim.step_unless_nonfinite`)."""
+    norm = torch.as_tensor(grad_norm, device=loss_sum.device)
+    return torch.isfinite(torch.stack([loss_sum.double(), norm.double()])).all()
+
+
 class Monitor:
-    """One per run. Call `finite_update` once per optimizer step (before `optimizer.step()`), `log` once per logged
+    """One per run. Call `finite_update` once per optimizer step (with the step's `finite_flag`), `log` once per logged
     step, and `close` at the end. Distributed: every rank keeps a monitor (the guard must decide alike everywhere:
     pass the step's loss summed over ranks and the gradient norm of the reduced gradients); only the rank with
     `write=True` writes sinks and raises alerts."""
@@ -50,16 +57,19 @@ class Monitor:
     def _count_update(self, *_) -> None:
         self.w_updates += 1
 
-    def finite_update(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor, step: int, rows: list[int]) -> bool:
-        """True if step `step`'s loss and gradient norm are finite (one host sync per step). Otherwise the caller
-        skips the update; after `max_nonfinite_steps` such steps in a row the run stops with NonFiniteStop."""
+    def finite_update(self, finite: bool, step: int, rows: list[int], stepped: bool = False) -> bool:
+        """Count step `step`'s guard (`finite_flag`, read on the host after the update was queued). A non-finite
+        step's update is skipped: by the caller, or, when `stepped`, by the optimizer on the device (that step()
+        call is then not counted as an update); after `max_nonfinite_steps` such steps in a row the run stops with
+        NonFiniteStop. Returns `finite`."""
         self.w_steps += 1
         self.w_pairs += len(rows)
-        norm = torch.as_tensor(grad_norm, device=loss_sum.device)
-        if bool(torch.isfinite(torch.stack([loss_sum.double(), norm.double()])).all()):
+        if finite:
             self.in_a_row = 0
             self.last_good_step = step
             return True
+        if stepped:
+            self.w_updates -= 1
         self.skipped += 1
         self.w_skipped += 1
         self.in_a_row += 1

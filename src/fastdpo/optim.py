@@ -29,6 +29,38 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     return torch.optim.AdamW(groups, fused=device.type == "cuda", **hyper)
 
 
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> bool:
+    """`optimizer.step()` whose update is skipped where `finite` (a one-element bool tensor, e.g. on the GPU) is
+    false. fastdpo's AdamW and torch's fused AdamW obey the flag on the device, so the host queues the update
+    without waiting for the backward to finish; other optimizers read the flag first. Returns whether step() was
+    called (a skipped call leaves the weights and moments as they were; `undo_step_count` then fixes the counts)."""
+    from fastdpo.adamw import AdamW
+
+    if isinstance(optimizer, AdamW):
+        optimizer.step(finite=finite)
+        return True
+    if isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).reshape(()).float()  # read by the fused kernel, as under a GradScaler
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        return True
+    if bool(finite):
+        optimizer.step()
+        return True
+    return False
+
+
+def undo_step_count(optimizer: torch.optim.Optimizer) -> None:
+    """After a step() that `step_unless_nonfinite` skipped: take back the step counts kept on the host (torch's
+    fused AdamW takes its own back on the device)."""
+    from fastdpo.adamw import AdamW
+
+    if isinstance(optimizer, AdamW):
+        optimizer.rewind()
+
+
 def lr_lambda(cfg: TrainConfig, total_steps: int):
     """Multiplier of the peak learning rate at each step, HF-compatible schedules."""
     warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)

@@ -64,8 +64,8 @@ from fastdpo.model import (
     resolve_device,
     resolve_dtype,
 )
-from fastdpo.monitor import Monitor
-from fastdpo.optim import build_optimizer, build_scheduler
+from fastdpo.monitor import Monitor, finite_flag
+from fastdpo.optim import build_optimizer, build_scheduler, step_unless_nonfinite, undo_step_count
 from fastdpo.profile import StepProfiler
 from fastdpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.signals import GracefulStop
@@ -420,18 +420,24 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             hb.beat(step + 1, "forward")
             profiler.begin(step + 1)
             run_step(s, step_pairs, metrics)
-            reduce_metrics(metrics, d)  # the step's sums over all ranks: the guard below decides alike everywhere
+            # the step's sums over all ranks (the guard below decides alike everywhere); counts are known here
+            reduce_metrics(metrics, d, len(step_pairs), sum(p.num_tokens for p in step_pairs))
             hb.beat(step + 1, "optimizer")
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = clip_grad_norm(trainable, max_norm)
             lr = scheduler.get_last_lr()[0]
-            # a NaN/Inf loss or gradient skips the update (counted; N in a row stop the run)
-            if monitor.finite_update(metrics.loss_sum, grad_norm, step + 1, [p.index for p in step_pairs]):
-                optimizer.step()
+            # a NaN/Inf loss or gradient skips the update (counted; N in a row stop the run). The update obeys the
+            # flag on the device, so the host queues it without waiting for the backward, and reads the flag after
+            finite = finite_flag(metrics.loss_sum, grad_norm)
+            stepped = step_unless_nonfinite(optimizer, finite)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             reduce_beta_drift(s.beta, d)
             s.beta.step()
+            ok = bool(finite)
+            if not ok and stepped:
+                undo_step_count(optimizer)
+            monitor.finite_update(ok, step + 1, [p.index for p in step_pairs], stepped)
             done = step + 1
             profiler.end(done)
             if cfg.sync_ref_model and done % cfg.ref_model_sync_steps == 0:
