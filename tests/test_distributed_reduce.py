@@ -96,3 +96,33 @@ def _collective_dtypes(mode: str, wide: bool, model_dir: str) -> None:
     sums, *_ = policy(batch, build_mask(batch, backend))
     sums.sum().backward()
     assert seen and set(seen) == {torch.float32 if wide else torch.bfloat16}, seen
+
+
+def test_a_flagged_update_is_skipped_on_sharded_parameters():
+    """FSDP2's DTensor parameters: the device flag skips fastdpo's AdamW and torch's fused AdamW (`found_inf`)
+    alike, leaving the shards' bits, and a true flag updates them."""
+    run_isolated(_flagged_update_on_shards)
+
+
+def _flagged_update_on_shards() -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from fastdpo.adamw import AdamW
+    from fastdpo.optim import step_unless_nonfinite, undo_step_count
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    for make in (lambda ps: AdamW(ps, lr=1e-2, seed=1), lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).bfloat16()
+        fully_shard(model)
+        opt = make(list(model.parameters()))
+        model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+        before = [p.full_tensor().clone() for p in model.parameters()]
+        assert step_unless_nonfinite(opt, torch.tensor(False))
+        undo_step_count(opt)
+        assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+        assert all(float(s["step"]) == 0 for s in opt.state.values())
+        assert step_unless_nonfinite(opt, torch.tensor(True))
+        assert all(not torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+        assert all(float(s["step"]) == 1 for s in opt.state.values())

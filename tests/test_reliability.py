@@ -124,6 +124,7 @@ def test_sigint_in_process_returns_stopped_summary(tmp_path, model_dirs):
         wait_for_steps(out, 2)
         os.kill(os.getpid(), signal.SIGINT)
 
+    handler = signal.getsignal(signal.SIGINT)  # the default, or SIG_IGN in a shell's background job
     sender = threading.Thread(target=interrupt, daemon=True)
     sender.start()
     result = train(cfg, progress=False)
@@ -131,7 +132,7 @@ def test_sigint_in_process_returns_stopped_summary(tmp_path, model_dirs):
     assert result["stopped"] == "SIGINT" and result["exit_code"] == 130 and result["final_dir"] is None
     step = ckpt.load_progress(Path(result["checkpoint"]))["step"]
     assert 2 <= step < 40 and ckpt.complete_checkpoints(out) == [Path(result["checkpoint"])]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is handler  # handlers restored
 
 
 def _deliver(sig: int) -> None:
