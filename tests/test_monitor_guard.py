@@ -45,9 +45,10 @@ def poison(monkeypatch, bad_steps):
     monkeypatch.setattr(train_mod, "run_step", run_step)
 
 
-def test_nan_steps_are_skipped_and_counted(tmp_path, model_dirs, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # torch's AdamW (host decides); fastdpo's (flag obeyed)
+def test_nan_steps_are_skipped_and_counted(tmp_path, model_dirs, monkeypatch, dtype):
     poison(monkeypatch, {3, 4})
-    result = run(tmp_path, model_dirs("qwen3"), "nan", easy_rows(48, 1), save_steps=2)
+    result = run(tmp_path, model_dirs("qwen3"), "nan", easy_rows(48, 1), save_steps=2, torch_dtype=dtype)
     out = tmp_path / "nan"
     rows = records(out)
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 2, 2, 2]
@@ -57,6 +58,9 @@ def test_nan_steps_are_skipped_and_counted(tmp_path, model_dirs, monkeypatch):
     # the skipped steps 3 and 4 changed nothing: checkpoint-4 holds exactly the weights of checkpoint-2
     w2, w4 = load_file(out / "checkpoint-2" / "model.safetensors"), load_file(out / "checkpoint-4" / "model.safetensors")
     assert all(torch.equal(w2[k], w4[k]) for k in w2)
+    o2, o4 = (torch.load(out / c / ckpt.STATE / "optimizer.pt", weights_only=True) for c in ("checkpoint-2", "checkpoint-4"))
+    for k in o2["state"]:  # nor the moments, nor the step counts (bias correction, rounding noise)
+        assert all(torch.equal(torch.as_tensor(o2["state"][k][n]), torch.as_tensor(o4["state"][k][n])) for n in o2["state"][k])
     final = load_file(f"{result['final_dir']}/model.safetensors")
     assert all(torch.isfinite(v).all() for v in final.values())
     assert any(not torch.equal(final[k], w4[k]) for k in final)  # training went on after the bad steps
