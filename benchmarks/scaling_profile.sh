@@ -12,7 +12,7 @@
 #            BEFORE=.before/src), each as DIR or DIR:mode,mode to run only some modes; each runs after the current
 #            code's runs (named before_<mode>_<budget>, then before2_..., before3_...), so a change's before and after
 #            share one invocation. With one budget, the first tree's one-GPU run goes beside the current one's.
-#   TRACES   ranks whose traces are copied for the current code's runs (default "0"; the rank-0 trace of the one-GPU
+#   TRACES   ranks whose traces are copied for the current code's runs (default "0", "" for none; the rank-0 trace of the one-GPU
 #            runs always).
 # Prints the per-step times and each profile's compute / exposed communication / idle split; copies the traces
 # (rank 0 of each run) and the logs into $OUT. Each run gets at most the time left before DEADLINE seconds
@@ -62,7 +62,7 @@ run() {  # name seconds source-dir command...
     cp "$s/top.txt" "$LOGS/$name.$r.top.txt"
     [ -f "$s/memory.txt" ] && cp "$s/memory.txt" "$LOGS/$name.$r.memory.txt"
   done
-  local ranks=${TRACES:-0}; [[ "$name" == 1gpu* ]] && ranks=0; [[ "$name" == before* ]] && ranks=""
+  local ranks=${TRACES-0}; [[ "$name" == 1gpu* ]] && ranks=0; [[ "$name" == before* ]] && ranks=""
   for r in $ranks; do
     [ -f "$RUNS/$name/profile/rank$r/trace.json.gz" ] && cp "$RUNS/$name/profile/rank$r/trace.json.gz" "$OUT/$name.rank$r.trace.json.gz"
   done

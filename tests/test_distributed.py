@@ -348,3 +348,16 @@ def test_compile_warmup_on_two_ranks_matches_one_rank_without_it(fsdp, tmp_path,
     train(TrainConfig(output_dir=str(tmp_path / "ws1"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                       **common), progress=False)
     assert_weights_close(weights(tmp_path / "ws2"), weights(tmp_path / "ws1"), atol=1e-5)
+
+
+def test_four_ddp_ranks_match_one_rank(ddp, tmp_path, model_dirs):
+    """Four ranks of one pair per micro-step (the last step's single pair leaves three ranks with zero-weight
+    micro-steps): one rank's weights and metrics."""
+    tmp, one = ddp
+    common = dict(model=one.model, dataset=one.dataset, **BASE)
+    run_ranks(4, timeout=240, output_dir=str(tmp_path / "ws4"), per_device_train_batch_size=1,
+              gradient_accumulation_steps=2, **common)
+    assert_weights_close(weights(tmp_path / "ws4"), weights(tmp / "ws1"), atol=1e-5)
+    for x, y in zip(metrics(tmp_path / "ws4"), metrics(tmp / "ws1"), strict=True):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)

@@ -215,3 +215,22 @@ def test_fsdp_units_hold_two_decoder_layers(model_dirs):
     assert LAYERS_PER_UNIT == 2
     assert states[0] is states[1] and states[2] is states[3]
     assert len({id(s) for s in states}) == 3
+
+
+def test_four_fsdp_ranks_match_one_rank_and_resume_on_two(fsdp, tmp_path):
+    """More than two ranks (float32 sums under --reduce_dtype auto; shares of one pair, uneven micro-batch counts
+    under a token budget): four FSDP2 ranks give one rank's weights and metrics, and their sharded checkpoint resumes
+    on two ranks."""
+    tmp, _, common = fsdp
+    run_ranks(4, timeout=240, output_dir=str(tmp_path / "ws4"), per_device_train_batch_size=1,
+              gradient_accumulation_steps=2, max_tokens_per_batch=40, save_steps=3, fsdp="full_shard", **common)
+    assert_weights_close(weights(tmp_path / "ws4"), weights(tmp / "ws1"), atol=1e-5)
+    for x, y in zip(metrics(tmp_path / "ws4"), metrics(tmp / "ws1"), strict=True):
+        for key in ("loss", "rewards/margins", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+    ck = tmp_path / "ws4" / "checkpoint-3"
+    assert sorted(p.name for p in (ck / "sharded").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    run_ranks(2, output_dir=str(tmp_path / "two"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              fsdp="shard_grad_op", resume_from_checkpoint=str(ck), **common)
+    assert_weights_close(weights(tmp_path / "two"), weights(tmp / "ws1"), atol=1e-5)
+    assert [r["step"] for r in metrics(tmp_path / "two")] == [4, 5, 6]
