@@ -12,8 +12,8 @@
 #            BEFORE=.before/src), each as DIR or DIR:mode,mode to run only some modes; each runs after the current
 #            code's runs (named before_<mode>_<budget>, then before2_..., before3_...), so a change's before and after
 #            share one invocation. With one budget, the first tree's one-GPU run goes beside the current one's.
-#   TRACES   ranks whose traces are copied for the current code's runs (default "0", "" for none; the rank-0 trace of the one-GPU
-#            runs always).
+#   TRACES   ranks whose traces are copied for the current code's runs (default "0", "" for none; the rank-0 trace
+#            of the one-GPU runs always).
 # Prints the per-step times and each profile's compute / exposed communication / idle split; copies the traces
 # (rank 0 of each run) and the logs into $OUT. Each run gets at most the time left before DEADLINE seconds
 # (default 560). On a CPU, try it with SHAPE=tiny COMPILE= (no compilation).
