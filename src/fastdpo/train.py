@@ -420,8 +420,9 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             hb.beat(step + 1, "forward")
             profiler.begin(step + 1)
             run_step(s, step_pairs, metrics)
+            tokens = sum(p.num_tokens for p in step_pairs)
             # the step's sums over all ranks (the guard below decides alike everywhere); counts are known here
-            reduce_metrics(metrics, d, len(step_pairs), sum(p.num_tokens for p in step_pairs))
+            reduce_metrics(metrics, d, len(step_pairs), tokens)
             hb.beat(step + 1, "optimizer")
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = clip_grad_norm(trainable, max_norm)
@@ -443,7 +444,6 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             if cfg.sync_ref_model and done % cfg.ref_model_sync_steps == 0:
                 s.reference.sync(model, cfg.ref_model_mixup_alpha)
 
-            tokens = sum(p.num_tokens for p in step_pairs)
             rate.add(len(step_pairs), tokens)
             if peak:
                 flops += step_flops(lm_config, tokens, sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
