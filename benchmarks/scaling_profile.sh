@@ -4,7 +4,7 @@
 #   BUDGETS  micro-batch token budgets (default "4096 8192"); the one-GPU runs (GPU 0 and GPU 1 side by side, one
 #            budget each) come first.
 #   MODES    how the N GPUs share the model (default "full_shard"): ddp, full_shard, shard_grad_op; each runs at
-#            every budget.
+#            every budget. MODE/K (e.g. full_shard/4) adds --fsdp_layers_per_unit K (run named MODE_uK_BUDGET).
 #   WARMUP   1: every micro-batch length's kernels are built before step 1 (--compile_warmup; a BEFORE tree must
 #            know the flag too).
 #   MEMORY   1: the profiled step also records GPU allocations (--profile_memory; memory.txt per rank copied).
@@ -86,9 +86,10 @@ for entry in "$SRC" "${BEFORE[@]}"; do
   tree=${entry%%:*}; modes=("${MODES[@]}"); [[ "$entry" == *:* ]] && IFS=, read -r -a modes <<< "${entry#*:}"
   prefix=""; [ $i = 1 ] && prefix="before_"; [ $i -gt 1 ] && prefix="before${i}_"; i=$((i + 1))
   for mode in "${modes[@]}"; do
-    flag="--fsdp $mode"; [ "$mode" = ddp ] && flag=""
+    m=${mode%%/*}; flag="--fsdp $m"; [ "$m" = ddp ] && flag=""; tag=$m
+    [[ "$mode" == */* ]] && { flag="$flag --fsdp_layers_per_unit ${mode#*/}"; tag="${m}_u${mode#*/}"; }
     for b in "${BUDGETS[@]}"; do
-      run "$prefix${mode}_$b" 200 "$tree" torchrun --nproc_per_node "$N" -m fastdpo train $C $flag \
+      run "$prefix${tag}_$b" 200 "$tree" torchrun --nproc_per_node "$N" -m fastdpo train $C $flag \
         --max_tokens_per_batch "$b" --per_device_train_batch_size $PER \
         --gradient_accumulation_steps $((GLOBAL / PER / N))
     done

@@ -188,13 +188,16 @@ def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
         assert torch.equal(g, want[n].grad), (n, (g.float() - want[n].grad.float()).abs().max().item())
 
 
-def test_fsdp_units_hold_two_decoder_layers(model_dirs):
-    """FSDP2 shards two consecutive decoder layers as one unit (one gather, one reduction and one run of its hooks per
-    forward and backward for both); an odd last layer is a unit of its own."""
+@pytest.mark.parametrize("requested, groups", [(2, [[0, 1], [2, 3], [4]]), (1, [[0], [1], [2], [3], [4]]),
+                                               (3, [[0, 1, 2], [3, 4]]), (0, [[0, 1, 2, 3, 4]])])
+def test_fsdp_units_hold_the_requested_decoder_layers(model_dirs, requested, groups):
+    """FSDP2 shards --fsdp_layers_per_unit consecutive decoder layers as one unit (one gather, one reduction and one
+    run of its hooks per forward and backward for all of them); a short last unit holds the rest. 0 sizes the units
+    by the layers' weights: these tiny layers all fit in one."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fastdpo.distributed import LAYERS_PER_UNIT, Dist, parallel_plan, wrap_models
+    from fastdpo.distributed import Dist, parallel_plan, wrap_models
     from fastdpo.model import Backend, prepare_packed
     from fastdpo.reference import Reference
 
@@ -208,22 +211,40 @@ def test_fsdp_units_hold_two_decoder_layers(model_dirs):
     plan = parallel_plan("full_shard", "")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        wrap_models(model, Reference("precompute"), backend, Dist(0, 1, 0, plan.mode, plan.reshard_after_forward))
-        states = [layer._get_fsdp_state() for layer in model.model.layers]
+        d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, layers_per_unit=requested)
+        wrap_models(model, Reference("precompute"), backend, d)
+        states = [id(layer._get_fsdp_state()) for layer in model.model.layers]
     finally:
         dist.destroy_process_group()
-    assert LAYERS_PER_UNIT == 2
-    assert states[0] is states[1] and states[2] is states[3]
-    assert len({id(s) for s in states}) == 3
+    assert [[i for i in range(5) if states[i] == s] for s in dict.fromkeys(states)] == groups
+
+
+def test_auto_unit_size_follows_the_layers_weights():
+    """0 (auto) packs layers up to UNIT_MIB of weights per unit: Qwen3-1.7B-sized layers (≈ 96 MiB in bf16) and
+    Qwen3-8B-sized ones (≈ 368 MiB) get different counts, never fewer than one or more than the model has."""
+    import torch
+
+    from fastdpo.distributed import UNIT_MIB, layers_per_unit
+
+    class _Layer(torch.nn.Module):
+        def __init__(self, mib):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(mib << 19, dtype=torch.bfloat16, device="meta"))
+
+    assert layers_per_unit([_Layer(96)] * 28) == UNIT_MIB // 96
+    assert layers_per_unit([_Layer(368)] * 36) == max(1, UNIT_MIB // 368)
+    assert layers_per_unit([_Layer(1)] * 3) == 3
+    assert layers_per_unit([_Layer(96)] * 28, requested=5) == 5
 
 
 def test_four_fsdp_ranks_match_one_rank_and_resume_on_two(fsdp, tmp_path):
     """More than two ranks (float32 sums under --reduce_dtype auto; shares of one pair, uneven micro-batch counts
-    under a token budget): four FSDP2 ranks give one rank's weights and metrics, and their sharded checkpoint resumes
-    on two ranks."""
+    under a token budget; a unit per decoder layer): four FSDP2 ranks give one rank's weights and metrics, and their
+    sharded checkpoint (units of one layer) resumes on two ranks (units sized automatically)."""
     tmp, _, common = fsdp
     run_ranks(4, timeout=240, output_dir=str(tmp_path / "ws4"), per_device_train_batch_size=1,
-              gradient_accumulation_steps=2, max_tokens_per_batch=40, save_steps=3, fsdp="full_shard", **common)
+              gradient_accumulation_steps=2, max_tokens_per_batch=40, save_steps=3, fsdp="full_shard",
+              fsdp_layers_per_unit=1, **common)
     assert_weights_close(weights(tmp_path / "ws4"), weights(tmp / "ws1"), atol=1e-5)
     for x, y in zip(metrics(tmp_path / "ws4"), metrics(tmp / "ws1"), strict=True):
         for key in ("loss", "rewards/margins", "grad_norm"):

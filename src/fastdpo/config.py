@@ -167,6 +167,8 @@ class TrainConfig:
                            "bfloat16 (their own dtype; faster, inexact beyond two ranks), or auto: their own dtype "
                            "on two ranks (the same bits as a float32 sum), float32 on more. float32 gradients are "
                            "always summed in float32.")
+    fsdp_layers_per_unit: int = _f(0, "Consecutive decoder layers sharded as one FSDP2 unit (gathered, reduced and "
+                                   "hooked once per forward and backward). 0: auto, by the layers' size.")
 
     def validate(self) -> None:
         """Check values in one place; raise FastDPOError naming the flag and a fix."""
@@ -194,6 +196,8 @@ class TrainConfig:
         if self.activation_offloading and (self.deepspeed or self.fsdp not in ("", "no_shard")):
             raise FastDPOError("--activation_offloading works with one GPU or DDP, not with FSDP2 sharding (it would "
                                "copy the gathered weights too). Drop one of the two.")
+        if self.fsdp_layers_per_unit < 0:
+            raise FastDPOError(f"--fsdp_layers_per_unit must be >= 0 (0: auto), got {self.fsdp_layers_per_unit}.")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")

@@ -35,7 +35,7 @@ from fastdpo.errors import FastDPOError
 log = logging.getLogger("fastdpo")
 
 FSDP_MODES = ("full_shard", "shard_grad_op", "no_shard")
-FSDP_OPTIONS = ("auto_wrap",)  # accepted for HF compatibility: we always wrap per LAYERS_PER_UNIT decoder layers
+FSDP_OPTIONS = ("auto_wrap",)  # accepted for HF compatibility: units of --fsdp_layers_per_unit decoder layers
 DEEPSPEED_ALIASES = {"zero2": "shard_grad_op", "zero3": "full_shard"}
 
 
@@ -172,6 +172,7 @@ class Dist:
     mode: str = "single"  # single | ddp | fsdp
     reshard_after_forward: bool = True
     sum_in_fp32: bool = True  # bfloat16/float16 gradients summed across ranks in float32 (else in their own dtype)
+    layers_per_unit: int = 0  # FSDP2: decoder layers per unit (0: by their size, `layers_per_unit`)
 
     @property
     def is_main(self) -> bool:
@@ -224,7 +225,7 @@ def init_distributed(cfg, timeout_s: float | None = None) -> Dist:
     if not wide:
         log.info("Gradients summed across %d ranks in their own dtype%s.", world,
                  " (the same bits as a float32 sum on two ranks)" if world == 2 else " (--reduce_dtype bfloat16)")
-    return Dist(rank, world, local_rank, plan.mode, plan.reshard_after_forward, wide)
+    return Dist(rank, world, local_rank, plan.mode, plan.reshard_after_forward, wide, cfg.fsdp_layers_per_unit)
 
 
 def sums_in_fp32(reduce_dtype: str, world: int) -> bool:
@@ -322,15 +323,24 @@ def _sum_across_ranks(widen: bool, bucket):
     return fut.then(done)
 
 
-LAYERS_PER_UNIT = 2  # decoder layers per FSDP2 unit: its hooks run on the host once per unit and micro-batch
+UNIT_MIB = 256  # auto FSDP2 unit: consecutive decoder layers up to this many MiB of gathered weights
+
+
+def layers_per_unit(layers, requested: int = 0) -> int:
+    """Decoder layers per FSDP2 unit: `requested` (--fsdp_layers_per_unit), or with 0 as many as hold about UNIT_MIB
+    of weights (at least one). A unit's hooks run on the host once per forward and backward whatever its size, and
+    at small micro-batches the ranks wait on those hooks (benchmarks/NOTES.md entries 19, 20, 25); under full_shard a
+    larger unit holds more gathered weights at once (two units: the one computing and the one prefetched)."""
+    if requested:
+        return requested
+    size = sum(p.numel() * p.element_size() for p in layers[0].parameters()) if len(layers) else 1
+    return max(1, min(len(layers), (UNIT_MIB << 20) // max(size, 1)))
 
 
 def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
-    """FSDP2: one unit per LAYERS_PER_UNIT consecutive decoder layers plus the root (embeddings, final norm, head);
+    """FSDP2: one unit per `layers_per_unit` consecutive decoder layers plus the root (embeddings, final norm, head);
     gradients summed (not averaged) in float32 or in their own dtype (`Dist.sum_in_fp32`). A unit's weights are
-    gathered and its gradients reduced together, and its hooks run once per forward and backward: at small
-    micro-batches the ranks wait on those hooks (benchmarks/NOTES.md entry 19), so two layers share a unit, at one
-    more layer's gathered weights in memory under full_shard."""
+    gathered and its gradients reduced together, and its hooks run once per forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -340,8 +350,9 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
     mesh = init_device_mesh(device_type, (d.world_size,))
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if d.sum_in_fp32 else None)
     layers = decoder_layers(module.model)
-    for i in range(0, len(layers), LAYERS_PER_UNIT):
-        unit = layers[i : i + LAYERS_PER_UNIT]
+    per_unit = layers_per_unit(layers, d.layers_per_unit)
+    for i in range(0, len(layers), per_unit):
+        unit = layers[i : i + per_unit]
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     for m in module.modules():
