@@ -189,11 +189,13 @@ def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
 
 
 @pytest.mark.parametrize("requested, groups", [(2, [[0, 1], [2, 3], [4]]), (1, [[0], [1], [2], [3], [4]]),
-                                               (3, [[0, 1, 2], [3, 4]]), (0, [[0, 1, 2, 3, 4]])])
+                                               (3, [[0, 1, 2], [3, 4]]), (4, [[0, 1, 2], [3, 4]]),
+                                               (0, [[0, 1, 2, 3, 4]])])
 def test_fsdp_units_hold_the_requested_decoder_layers(model_dirs, requested, groups):
-    """FSDP2 shards --fsdp_layers_per_unit consecutive decoder layers as one unit (one gather, one reduction and one
-    run of its hooks per forward and backward for all of them); a short last unit holds the rest. 0 sizes the units
-    by the layers' weights: these tiny layers all fit in one."""
+    """FSDP2 shards at most --fsdp_layers_per_unit consecutive decoder layers as one unit (one gather, one reduction
+    and one run of its hooks per forward and backward for all of them), in as few units as that allows, equal within
+    one layer (4 of 5 layers: 3 and 2, not 4 and 1). 0 sizes the units by the layers' weights: these tiny layers
+    all fit in one."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -219,22 +221,29 @@ def test_fsdp_units_hold_the_requested_decoder_layers(model_dirs, requested, gro
     assert [[i for i in range(5) if states[i] == s] for s in dict.fromkeys(states)] == groups
 
 
-def test_auto_unit_size_follows_the_layers_weights():
-    """0 (auto) packs layers up to UNIT_MIB of weights per unit: Qwen3-1.7B-sized layers (≈ 96 MiB in bf16) and
-    Qwen3-8B-sized ones (≈ 368 MiB) get different counts, never fewer than one or more than the model has."""
+def test_auto_units_follow_the_layers_weights():
+    """0 (auto) packs at most UNIT_MIB of weights per unit, in equal units: Qwen3-1.7B's 28 layers of ≈ 96 MiB (bf16)
+    give four units of 7 (not 8, 8, 8, 4), Qwen3-8B's 36 of ≈ 368 MiB eighteen units of 2; a layer larger than
+    UNIT_MIB is a unit of its own; a model smaller than that is one unit."""
     import torch
 
-    from fastdpo.distributed import UNIT_MIB, layers_per_unit
+    from fastdpo.distributed import UNIT_MIB, unit_sizes
 
-    class _Layer(torch.nn.Module):
-        def __init__(self, mib):
+    class Layer(torch.nn.Module):
+        def __init__(self, params):
             super().__init__()
-            self.w = torch.nn.Parameter(torch.empty(mib << 19, dtype=torch.bfloat16, device="meta"))
+            self.w = torch.nn.Parameter(torch.empty(params, dtype=torch.bfloat16, device="meta"))
 
-    assert layers_per_unit([_Layer(96)] * 28) == UNIT_MIB // 96
-    assert layers_per_unit([_Layer(368)] * 36) == max(1, UNIT_MIB // 368)
-    assert layers_per_unit([_Layer(1)] * 3) == 3
-    assert layers_per_unit([_Layer(96)] * 28, requested=5) == 5
+    qwen3_1_7b = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 6144 + 2 * 128 + 2 * 2048
+    qwen3_8b = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 128 + 2 * 4096
+    assert UNIT_MIB == 768
+    assert unit_sizes([Layer(qwen3_1_7b)] * 28) == [7, 7, 7, 7]
+    assert unit_sizes([Layer(qwen3_8b)] * 36) == [2] * 18
+    assert unit_sizes([Layer(UNIT_MIB << 20)] * 3) == [1, 1, 1]
+    assert unit_sizes([Layer(1000)] * 3) == [3]
+    assert unit_sizes([Layer(qwen3_1_7b)] * 28, requested=8) == [7, 7, 7, 7]
+    assert unit_sizes([Layer(qwen3_1_7b)] * 28, requested=2) == [2] * 14
+    assert unit_sizes([]) == []
 
 
 def test_four_fsdp_ranks_match_one_rank_and_resume_on_two(fsdp, tmp_path):

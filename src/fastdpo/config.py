@@ -167,8 +167,9 @@ class TrainConfig:
                            "bfloat16 (their own dtype; faster, inexact beyond two ranks), or auto: their own dtype "
                            "on two ranks (the same bits as a float32 sum), float32 on more. float32 gradients are "
                            "always summed in float32.")
-    fsdp_layers_per_unit: int = _f(0, "Consecutive decoder layers sharded as one FSDP2 unit (gathered, reduced and "
-                                   "hooked once per forward and backward). 0: auto, by the layers' size.")
+    fsdp_layers_per_unit: int = _f(0, "Most consecutive decoder layers sharded as one FSDP2 unit (gathered, reduced "
+                                   "and hooked once per forward and backward); units are as few as that allows and "
+                                   "equal within one layer. 0: up to 768 MiB of weights per unit.")
 
     def validate(self) -> None:
         """Check values in one place; raise FastDPOError naming the flag and a fix."""

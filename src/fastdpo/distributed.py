@@ -172,7 +172,7 @@ class Dist:
     mode: str = "single"  # single | ddp | fsdp
     reshard_after_forward: bool = True
     sum_in_fp32: bool = True  # bfloat16/float16 gradients summed across ranks in float32 (else in their own dtype)
-    layers_per_unit: int = 0  # FSDP2: decoder layers per unit (0: by their size, `layers_per_unit`)
+    layers_per_unit: int = 0  # FSDP2: most decoder layers per unit (0: by their size, `unit_sizes`)
 
     @property
     def is_main(self) -> bool:
@@ -323,22 +323,25 @@ def _sum_across_ranks(widen: bool, bucket):
     return fut.then(done)
 
 
-UNIT_MIB = 256  # auto FSDP2 unit: consecutive decoder layers up to this many MiB of gathered weights
+UNIT_MIB = 768  # auto FSDP2 units: consecutive decoder layers up to this many MiB of weights each
 
 
-def layers_per_unit(layers, requested: int = 0) -> int:
-    """Decoder layers per FSDP2 unit: `requested` (--fsdp_layers_per_unit), or with 0 as many as hold about UNIT_MIB
-    of weights (at least one). A unit's hooks run on the host once per forward and backward whatever its size, and
-    at small micro-batches the ranks wait on those hooks (benchmarks/NOTES.md entries 19, 20, 25); under full_shard a
-    larger unit holds more gathered weights at once (two units: the one computing and the one prefetched)."""
-    if requested:
-        return requested
-    size = sum(p.numel() * p.element_size() for p in layers[0].parameters()) if len(layers) else 1
-    return max(1, min(len(layers), (UNIT_MIB << 20) // max(size, 1)))
+def unit_sizes(layers, requested: int = 0) -> list[int]:
+    """Decoder layers per FSDP2 unit, in order: units of at most `requested` layers (--fsdp_layers_per_unit), or
+    with 0 of at most UNIT_MIB of weights (at least one layer), as few units as that allows and of equal size within
+    one layer (28 layers of 96 MiB: four units of 7, not 8, 8, 8, 4). A unit's hooks run on the host once per forward
+    and backward whatever its size, and at small micro-batches the ranks wait on those hooks (benchmarks/NOTES.md
+    entries 19, 20, 25); under full_shard a larger unit holds more gathered weights at once (the unit computing and
+    the one prefetched)."""
+    if not len(layers):
+        return []
+    most = requested or (UNIT_MIB << 20) // max(sum(p.numel() * p.element_size() for p in layers[0].parameters()), 1)
+    units = -(-len(layers) // max(most, 1))
+    return [len(layers) // units + (i < len(layers) % units) for i in range(units)]
 
 
-def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
-    """FSDP2: one unit per `layers_per_unit` consecutive decoder layers plus the root (embeddings, final norm, head);
+def _shard(module: LogpsModule, d: Dist, reshard: bool) -> list[int]:
+    """FSDP2: one unit per `unit_sizes` consecutive decoder layers plus the root (embeddings, final norm, head);
     gradients summed (not averaged) in float32 or in their own dtype (`Dist.sum_in_fp32`). A unit's weights are
     gathered and its gradients reduced together, and its hooks run once per forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -350,9 +353,9 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
     mesh = init_device_mesh(device_type, (d.world_size,))
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if d.sum_in_fp32 else None)
     layers = decoder_layers(module.model)
-    per_unit = layers_per_unit(layers, d.layers_per_unit)
-    for i in range(0, len(layers), per_unit):
-        unit = layers[i : i + per_unit]
+    start, sizes = 0, unit_sizes(layers, d.layers_per_unit)
+    for size in sizes:
+        unit, start = layers[start : start + size], start + size
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     for m in module.modules():
@@ -362,6 +365,7 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool) -> None:
                 m.set_force_sum_reduction_for_comms(True)
             else:  # torch 2.6 / 2.7: the same setting under its earlier name
                 m.set_reduce_scatter_divide_factor(1.0)
+    return sizes
 
 
 def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn.Module:
@@ -383,7 +387,9 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
                      **{sync: False})
         policy.register_comm_hook(d.sum_in_fp32, _sum_across_ranks)
         return policy
-    _shard(policy, d, d.reshard_after_forward)
+    sizes = _shard(policy, d, d.reshard_after_forward)
+    log.info("FSDP2 units: %d of %s decoder layers, and the root (--fsdp_layers_per_unit).", len(sizes),
+             "/".join(map(str, sorted(set(sizes), reverse=True))))
     _accumulate_in_param_dtype(policy)
     if reference.strategy in ("copy", "separate"):
         ref = LogpsModule(reference.model, backend)
