@@ -91,6 +91,28 @@ def run_isolated(fn, *args, timeout: float = 120) -> None:
     assert join_ranks([proc], timeout) == [0], "the isolated test body failed (its traceback is in the captured output)"
 
 
+def _rank_body(rank: int, world: int, port: int, fn, args: tuple) -> None:
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        fn(rank, world, *args)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def run_on_ranks(world: int, fn, *args, timeout: float = 120) -> None:
+    """Run `fn(rank, world, *args)` (a module-level function) on `world` gloo ranks; fail the test if any raises."""
+    ctx, port = _context(), _free_port()
+    procs = [ctx.Process(target=_rank_body, args=(r, world, port, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    assert join_ranks(procs, timeout) == [0] * world, "a rank failed (its traceback is in the captured output)"
+
+
 def run_ranks(world: int, timeout: float = 120, **kwargs) -> None:
     """Train with `kwargs` on `world` ranks; fail the test if any rank fails or the job outlives `timeout`."""
     codes = join_ranks(start_ranks(world, **kwargs), timeout)

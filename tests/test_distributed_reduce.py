@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import BASE, dataset, metrics, run_isolated, run_ranks, weights
+from dist_helpers import BASE, dataset, metrics, run_isolated, run_on_ranks, run_ranks, weights
 
 from fastdpo.distributed import sums_in_fp32
 
@@ -126,3 +126,45 @@ def _flagged_update_on_shards() -> None:
         assert step_unless_nonfinite(opt, torch.tensor(True))
         assert all(not torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
         assert all(float(s["step"]) == 1 for s in opt.state.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sharded_gradients_clip_as_the_whole_gradients_do(dtype):
+    """FSDP2's gradients are clipped on their local shards with one all-reduce (`clip_grad_norm`): on two ranks,
+    with uneven and empty shards, the norm and the clipped gradients equal torch's `clip_grad_norm_` over the whole
+    unsharded gradients, for a clipping and a non-clipping max_norm and for none (inf); a NaN on one rank's shard
+    makes the norm NaN on both."""
+    run_on_ranks(2, _clip_on_shards, dtype)
+
+
+def _clip_on_shards(rank: int, world: int, dtype: torch.dtype) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fastdpo.distributed import _sharded_on_one_mesh, clip_grad_norm
+
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(7, 3), (5,), (1,), (9, 4), (2, 2)]
+    for max_norm in (0.5, 1e6, float("inf")):
+        gen = torch.Generator().manual_seed(7)  # the same full tensors on every rank
+        full = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        want = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        for w, g in zip(want, full):
+            w.grad = g.float().clone()
+        want_norm = torch.nn.utils.clip_grad_norm_(want, max_norm)
+        params = [torch.nn.Parameter(distribute_tensor(torch.zeros(s, dtype=dtype), mesh, [Shard(0)])) for s in shapes]
+        for p, g in zip(params, full):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        assert _sharded_on_one_mesh([p.grad for p in params])
+        norm = clip_grad_norm(params, max_norm)
+        assert not hasattr(norm, "full_tensor")
+        torch.testing.assert_close(norm, want_norm, rtol=1e-6, atol=0)
+        for p, w in zip(params, want):
+            tol = dict(rtol=0, atol=0) if max_norm != 0.5 else dict(rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                                                                    atol=1e-6)
+            torch.testing.assert_close(p.grad.full_tensor().float(), w.grad.to(dtype).float(), **tol)
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2, dtype=dtype), mesh, [Shard(0)]))]
+    grad = torch.ones(4, 2, dtype=dtype)
+    grad[3, 1] = float("nan")  # on rank 1's shard
+    params[0].grad = distribute_tensor(grad, mesh, [Shard(0)])
+    assert torch.isnan(clip_grad_norm(params, 1.0))

@@ -41,9 +41,14 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
     dst.copy_(rounded)  # exact: the low 16 bits are zero
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor to compute on: a DTensor's local shard (sharing its storage), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor to compute on: a DTensor's local shard (the tensor it holds, so in-place ops change the DTensor),
+    else the tensor itself. Read as the attribute: `tolocal_shard()` goes through an autograd function and DTensor's
+    dispatch, ≈ 20 µs of host time each, and the update and the clipping ask for every parameter's shards each step."""
+    inner = getattr(t, "_local_tensor", None)
+    if inner is not None:
+        return inner
+    return t.tolocal_shard() if hasattr(t, "to_local") else t
 
 
 def _pieces(tensors: list[list[torch.Tensor]]) -> list[list[list[torch.Tensor]]]:
@@ -120,8 +125,8 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 self._counted.append(state)
                 step = int(state["step"].item())
-                lp = _local(p)
-                tensors = (lp, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
+                lp = local_shard(p)
+                tensors = (lp, local_shard(p.grad), local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]))
                 fused = lp.device.type == "cuda" and all(t.is_contiguous() for t in tensors) and self._fused_update()
                 lists = by_kind.setdefault((step, lp.device, lp.dtype, bool(fused)), [[], [], [], [], []])
                 for lst, t in zip(lists, tensors):
