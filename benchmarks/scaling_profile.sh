@@ -14,6 +14,9 @@
 #            share one invocation. With one budget, the first tree's one-GPU run goes beside the current one's.
 #   TRACES   ranks whose traces are copied for the current code's runs (default "0", "" for none; the rank-0 trace
 #            of the one-GPU runs always).
+#   PROFILE  0: no profiled step (each run ends 5-20 s sooner; no traces or splits).
+#   REPEAT   n: the N-GPU runs (current code, then each BEFORE tree) go n times in turn, A B A B..., repeats named
+#            <run>_r2, _r3...: single runs of the same code spread by up to +-5 % within a call.
 # Prints the per-step times and each profile's compute / exposed communication / idle split; copies the traces
 # (rank 0 of each run) and the logs into $OUT. Each run gets at most the time left before DEADLINE seconds
 # (default 560). On a CPU, try it with SHAPE=tiny COMPILE= (no compilation).
@@ -28,7 +31,8 @@ SHAPE=${SHAPE:-qwen3-1.7b}; M=/tmp/shape-$SHAPE
 [ -d "$M" ] || PYTHONPATH=$SRC python3 benchmarks/make_shape.py "$SHAPE" "$M" "$M.jsonl" --rows $((STEPS * GLOBAL)) > /dev/null
 C="--model $M --dataset $M.jsonl --max_steps $STEPS --learning_rate 1e-6 --logging_steps 1 --seed 1
    --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true ${COMPILE---torch_compile}
-   --torch_dtype bfloat16 --profile_steps $STEPS --save_steps 0"
+   --torch_dtype bfloat16 --save_steps 0"
+[ "${PROFILE:-1}" = 1 ] && C="$C --profile_steps $STEPS"
 [ "${MEMORY:-0}" = 1 ] && C="$C --profile_memory"
 [ "${WARMUP:-0}" = 1 ] && C="$C --compile_warmup"
 report() {
@@ -81,17 +85,19 @@ if [ ${#BEFORE[@]} -gt 0 ] && [ ${#BUDGETS[@]} = 1 ] && [ "$N" -gt 1 ]; then
   one "before_1gpu_${BUDGETS[0]}" 1 "${BEFORE[0]%%:*}" "${BUDGETS[0]}" &
 fi
 wait
-i=0
-for entry in "$SRC" "${BEFORE[@]}"; do
-  tree=${entry%%:*}; modes=("${MODES[@]}"); [[ "$entry" == *:* ]] && IFS=, read -r -a modes <<< "${entry#*:}"
-  prefix=""; [ $i = 1 ] && prefix="before_"; [ $i -gt 1 ] && prefix="before${i}_"; i=$((i + 1))
-  for mode in "${modes[@]}"; do
-    m=${mode%%/*}; flag="--fsdp $m"; [ "$m" = ddp ] && flag=""; tag=$m
-    [[ "$mode" == */* ]] && { flag="$flag --fsdp_layers_per_unit ${mode#*/}"; tag="${m}_u${mode#*/}"; }
-    for b in "${BUDGETS[@]}"; do
-      run "$prefix${tag}_$b" 200 "$tree" torchrun --nproc_per_node "$N" -m fastdpo train $C $flag \
-        --max_tokens_per_batch "$b" --per_device_train_batch_size $PER \
-        --gradient_accumulation_steps $((GLOBAL / PER / N))
+for rep in $(seq 1 "${REPEAT:-1}"); do
+  suffix=""; [ "$rep" -gt 1 ] && suffix="_r$rep"; i=0
+  for entry in "$SRC" "${BEFORE[@]}"; do
+    tree=${entry%%:*}; modes=("${MODES[@]}"); [[ "$entry" == *:* ]] && IFS=, read -r -a modes <<< "${entry#*:}"
+    prefix=""; [ $i = 1 ] && prefix="before_"; [ $i -gt 1 ] && prefix="before${i}_"; i=$((i + 1))
+    for mode in "${modes[@]}"; do
+      m=${mode%%/*}; flag="--fsdp $m"; [ "$m" = ddp ] && flag=""; tag=$m
+      [[ "$mode" == */* ]] && { flag="$flag --fsdp_layers_per_unit ${mode#*/}"; tag="${m}_u${mode#*/}"; }
+      for b in "${BUDGETS[@]}"; do
+        run "$prefix${tag}_$b$suffix" 200 "$tree" torchrun --nproc_per_node "$N" -m fastdpo train $C $flag \
+          --max_tokens_per_batch "$b" --per_device_train_batch_size $PER \
+          --gradient_accumulation_steps $((GLOBAL / PER / N))
+      done
     done
   done
 done
