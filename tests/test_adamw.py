@@ -250,3 +250,25 @@ def check_skipped_step(kind, dtype, device):
     for k in clean_state:
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(torch.as_tensor(clean_state[k][key]), torch.as_tensor(skipped_state[k][key])), key
+
+
+def test_local_shard_reads_the_held_tensor_or_asks_for_it():
+    """A DTensor's local tensor is read as its attribute (no dispatch); a wrapper that only offers `to_local()` is
+    asked for it; a plain tensor is itself."""
+    from fastdpo.adamw import local_shard
+
+    plain, held, asked = torch.zeros(3), torch.ones(2), torch.full((2,), 2.0)
+
+    class Held:
+        _local_tensor = held
+
+        def to_local(self):
+            raise AssertionError("the held tensor is read directly")
+
+    class Asked:
+        def to_local(self):
+            return asked
+
+    assert local_shard(plain) is plain
+    assert local_shard(Held()) is held
+    assert local_shard(Asked()) is asked

@@ -43,12 +43,12 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The tensor to compute on: a DTensor's local shard (the tensor it holds, so in-place ops change the DTensor),
-    else the tensor itself. Read as the attribute: `tolocal_shard()` goes through an autograd function and DTensor's
+    else the tensor itself. Read as the attribute: `to_local()` goes through an autograd function and DTensor's
     dispatch, ≈ 20 µs of host time each, and the update and the clipping ask for every parameter's shards each step."""
     inner = getattr(t, "_local_tensor", None)
     if inner is not None:
         return inner
-    return t.tolocal_shard() if hasattr(t, "to_local") else t
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _pieces(tensors: list[list[torch.Tensor]]) -> list[list[list[torch.Tensor]]]:
