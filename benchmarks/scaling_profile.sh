@@ -17,7 +17,8 @@
 #   PROFILE  0: no profiled step (each run ends 5-20 s sooner; no traces or splits).
 #   REPEAT   n: the N-GPU runs (current code, then each BEFORE tree) go n times in turn, A B A B..., repeats named
 #            <run>_r2, _r3...: single runs of the same code spread by up to +-5 % within a call.
-# Prints the per-step times and each profile's compute / exposed communication / idle split; copies the traces
+# Prints the per-step times and each profile's compute / exposed communication / idle split, then the call's table
+# (benchmarks/scaling_table.py: steps 3..STEPS-1 summed, per GPU against one GPU; also $OUT/table.md); copies the traces
 # (rank 0 of each run) and the logs into $OUT. Each run gets at most the time left before DEADLINE seconds
 # (default 560). On a CPU, try it with SHAPE=tiny COMPILE= (no compilation).
 set -u
@@ -101,4 +102,5 @@ for rep in $(seq 1 "${REPEAT:-1}"); do
     done
   done
 done
+python3 benchmarks/scaling_table.py "$LOGS" --pairs "$GLOBAL" --gpus "$N" --first 3 --last $((STEPS - 1)) | tee "$OUT/table.md"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
