@@ -207,6 +207,24 @@ def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
     assert top[0].split()[:2] == ["self", "ms/step"] and len(top) > 5
 
 
+
+def test_bench_schedules_and_reports_garbage_collection(tmp_path, model_dirs):
+    """`fastdpo bench --gc_steps 1`: one collection per timed step (the warm-up's not counted), Python's collector
+    back on afterwards."""
+    import gc
+
+    from conftest import write_jsonl
+
+    from fastdpo.cli import main
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(16, seed=2))
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--steps", "2", "--warmup", "1",
+               "--per_device_train_batch_size", "4", "--json", str(out), "--gc_steps", "1"])
+    r = json.loads(out.read_text())["results"][0]
+    assert rc == 0 and r["gc_collections"] == 2 and r["gc_pause_ms"] > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
 def test_compare_runs_checks_the_loss_curve(tmp_path, capsys):
     import importlib.util
     from pathlib import Path

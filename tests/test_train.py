@@ -121,3 +121,20 @@ def test_padded_path_trains_like_packed(tmp_path, model_dirs):
                     padding_free=False, adam_epsilon=1e-6))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_scheduled_garbage_collection_trains_the_same_and_logs_pauses(tmp_path, model_dirs):
+    """--gc_steps 2: the same weights as Python's own collection (collection never touches the numbers); every
+    logged step carries its pauses, and the steps that collect show one; Python's collector is back on after."""
+    import gc
+
+    m = model_dirs("qwen3")
+    a = run(tmp_path, m, "python", max_steps=4)
+    b = run(tmp_path, m, "scheduled", max_steps=4, gc_steps=2)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    wa, wb = weights(a), weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    rows = metrics(tmp_path / "scheduled")
+    assert [r["gc/collections"] for r in rows] == [0, 1, 0, 1]  # only the scheduled ones, at steps 2 and 4
+    assert all(r["gc/pause_ms"] > 0 for r in rows if r["gc/collections"])
+    assert all("gc/pause_ms" in r and "gc/collections" in r for r in metrics(tmp_path / "python"))

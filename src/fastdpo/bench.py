@@ -185,6 +185,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                 verbose: bool = True, profile_dir: str | None = None) -> dict:
     """Time `steps` optimizer steps of the real training step after `warmup` steps; with `profile_dir`, profile
     two more steps afterwards (outside the timing)."""
+    from fastdpo.gcpause import GcPauses
     from fastdpo.metrics import device_peak_flops, model_flops_per_token, step_flops
     from fastdpo.model import base_causal_lm, resolve_device, resolve_dtype
     from fastdpo.optim import build_optimizer, build_scheduler
@@ -217,21 +218,29 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
 
-    for step in range(warmup + steps):
-        step_pairs = pairs[step * per_step:(step + 1) * per_step]
-        one_step(step_pairs)
-        times.append(time.perf_counter())
-        prev = times[-2] if len(times) > 1 else t_init
-        if verbose:
-            print(f"bench step {step}: {times[-1] - prev:.3f}s", file=sys.stderr, flush=True)
-        if step == 0:
-            t_first = times[0] - t_init
-        if step >= warmup:
-            tokens += sum(p.num_tokens for p in step_pairs)
-            n_pairs += len(step_pairs)
-            flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
-                                sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
-                                sum(attended_pairs(p) for p in step_pairs), s.reference.online)
+    pauses = GcPauses(cfg.gc_steps).start()  # as training schedules and counts Python's collections
+    try:
+        for step in range(warmup + steps):
+            step_pairs = pairs[step * per_step:(step + 1) * per_step]
+            one_step(step_pairs)
+            pauses.step_end(step + 1)
+            times.append(time.perf_counter())
+            prev = times[-2] if len(times) > 1 else t_init
+            if verbose:
+                print(f"bench step {step}: {times[-1] - prev:.3f}s", file=sys.stderr, flush=True)
+            if step == 0:
+                t_first = times[0] - t_init
+            if step == warmup - 1:
+                pauses.take()  # the timed steps' pauses only
+            if step >= warmup:
+                tokens += sum(p.num_tokens for p in step_pairs)
+                n_pairs += len(step_pairs)
+                flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
+                                    sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
+                                    sum(attended_pairs(p) for p in step_pairs), s.reference.online)
+        gc_pauses = pauses.take()
+    finally:
+        pauses.stop()
     dt = times[-1] - times[warmup - 1] if warmup else times[-1] - t_init
     peak = device_peak_flops(device)
     profile = profile_steps(one_step, [pairs[i * per_step:(i + 1) * per_step] for i in range(2)], device,
@@ -240,7 +249,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
         "s_per_step": round(dt / steps, 4), "mfu": round(flops / dt / peak, 4) if peak else None,
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-        "first_step_s": round(t_first, 1), "backend": s.backend.name, "reference": s.reference.strategy,
+        "first_step_s": round(t_first, 1), "gc_pause_ms": gc_pauses["gc/pause_ms"],
+        "gc_collections": gc_pauses["gc/collections"], "backend": s.backend.name, "reference": s.reference.strategy,
         "params": sum(p.numel() for p in s.model.parameters()),
         "flops_per_token_fwd": model_flops_per_token(lm_cfg),
         **({"profile": profile} if profile else {}),

@@ -143,6 +143,9 @@ class TrainConfig:
                               "filler forward and backward per length of the --max_tokens_per_batch budget; gradients "
                               "discarded): steps run at full speed from the first, and on several GPUs no rank waits "
                               "for another's compilation.")
+    gc_steps: int = _f(0, "Python's garbage collection in training: 0 leaves it to Python; N freezes what exists "
+                       "when training starts, turns automatic collection off and collects at every N-th step on "
+                       "every rank at once (pauses logged as gc/pause_ms either way).")
     profile_memory: bool = _f(False, "With --profile_steps: also record the GPU allocations of those steps; "
                               "output_dir/profile/rank{R}/memory.txt names the peak and what was alive at it, by "
                               "source line (memory_snapshot.pickle: the timeline, for pytorch.org/memory_viz).")
@@ -197,6 +200,8 @@ class TrainConfig:
         if self.activation_offloading and (self.deepspeed or self.fsdp not in ("", "no_shard")):
             raise FastDPOError("--activation_offloading works with one GPU or DDP, not with FSDP2 sharding (it would "
                                "copy the gathered weights too). Drop one of the two.")
+        if self.gc_steps < 0:
+            raise FastDPOError(f"--gc_steps must be >= 0 (0: Python's own collection), got {self.gc_steps}.")
         if self.fsdp_layers_per_unit < 0:
             raise FastDPOError(f"--fsdp_layers_per_unit must be >= 0 (0: auto), got {self.fsdp_layers_per_unit}.")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):

@@ -579,14 +579,15 @@ def any_rank(flag: bool, d: Dist, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def max_over_ranks(value: float, d: Dist, device: torch.device) -> float:
+def max_over_ranks(values: list[float], d: Dist, device: torch.device) -> list[float]:
+    """Each value's largest over the ranks (one all-reduce for them all)."""
     if d.world_size == 1:
-        return value
+        return list(values)
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return t.tolist()
 
 
 def full_state_dict(model: torch.nn.Module, d: Dist) -> dict | None:

@@ -45,6 +45,7 @@ from fastdpo.distributed import (
 )
 from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
+from fastdpo.gcpause import GcPauses
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers, offloading
 from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
@@ -406,6 +407,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     if profiler.window and (profiler.window[0] <= start or profiler.window[1] > s.total_steps):
         log.warning("--profile_steps %s: this run trains steps %d-%d, so the profile needs a window inside them.",
                     cfg.profile_steps, start + 1, s.total_steps)
+    pauses = GcPauses(cfg.gc_steps).start()
     try:
         for step in range(start, s.total_steps):
             epoch, k = divmod(step, s.steps_per_epoch)
@@ -440,6 +442,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                 undo_step_count(optimizer)
             monitor.finite_update(ok, step + 1, [p.index for p in step_pairs], stepped)
             done = step + 1
+            pauses.step_end(done)  # --gc_steps: every rank collects at the same step
             profiler.end(done)
             if cfg.sync_ref_model and done % cfg.ref_model_sync_steps == 0:
                 s.reference.sync(model, cfg.ref_model_mixup_alpha)
@@ -456,7 +459,11 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                     record["mfu"] = flops / max(time.perf_counter() - t0, 1e-9) / (peak * d.world_size)
                     flops = 0.0
                 record.update(rate.read())
-                record["memory/peak_gib"] = round(max_over_ranks(peak_memory_gib(device), d, device), 3)
+                gcs = pauses.take()
+                mem, gc_ms, gc_n = max_over_ranks([peak_memory_gib(device), gcs["gc/pause_ms"],
+                                                   gcs["gc/collections"]], d, device)
+                record.update({"memory/peak_gib": round(mem, 3), "gc/pause_ms": round(gc_ms, 3),
+                               "gc/collections": int(gc_n)})
                 monitor.log(record)  # adds the vital signs, raises alerts, writes every sink
                 last = record
             if evaluator.due(done, s.total_steps):  # every rank evaluates (the forwards are collective)
@@ -484,6 +491,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     except torch.OutOfMemoryError as e:
         raise oom_error(e, cfg, device, step_pairs) from None
     finally:
+        pauses.stop()
         hb.stop()
         profiler.close()
         stop.restore()

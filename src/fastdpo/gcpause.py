@@ -1,0 +1,69 @@
+"""Python's cyclic garbage collector during training: its pauses measured per step, and optionally scheduled.
+
+A collection of the oldest generation walks every tracked object in the process, and after loading a model,
+compiling its layers and sharding it that is millions of them: a pause of tens to hundreds of milliseconds that
+Python starts whenever its allocation counters say so, on each rank at a different moment. On several GPUs a pause
+on one rank stalls the others at the next collective, so the ranks' pauses add up.
+
+`GcPauses` times every collection (through `gc.callbacks`) and reports, per logged step, the milliseconds paused
+and the number of collections (`gc/pause_ms`, `gc/collections`: the largest over ranks). With `--gc_steps N` it
+also takes the schedule over: the objects that exist when training starts (the model, compiled code, data) are
+frozen, so no collection walks them again; automatic collection is off; every N steps each rank collects what
+training created since, at the same step, so the ranks pause together. When training ends, Python's own settings
+come back.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+
+class GcPauses:
+    def __init__(self, every: int = 0):
+        self.every = every  # 0: Python schedules its collections; N: at every N-th step end
+        self._ms = 0.0
+        self._count = 0
+        self._began = 0.0
+        self._was_enabled = True
+        self._running = False
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self._ms += (time.perf_counter() - self._began) * 1e3
+            self._count += 1
+
+    def start(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        self._running = True
+        if self.every:
+            self._was_enabled = gc.isenabled()
+            gc.collect()  # what setup left as garbage goes now, not frozen
+            gc.freeze()
+            gc.disable()
+            self.take()  # that collection is setup's, not a step's
+        return self
+
+    def step_end(self, step: int) -> None:
+        """After optimizer step `step` (counted from 1): the scheduled collection, when one is due."""
+        if self.every and step % self.every == 0:
+            gc.collect()
+
+    def take(self) -> dict:
+        """The pauses since the last call: milliseconds in collections and their number."""
+        out = {"gc/pause_ms": round(self._ms, 3), "gc/collections": self._count}
+        self._ms, self._count = 0.0, 0
+        return out
+
+    def stop(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+        if self.every:
+            gc.unfreeze()
+            if self._was_enabled:
+                gc.enable()
