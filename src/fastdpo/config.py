@@ -144,8 +144,8 @@ class TrainConfig:
                               "discarded): steps run at full speed from the first, and on several GPUs no rank waits "
                               "for another's compilation.")
     gc_steps: int = _f(0, "Python's garbage collection in training: 0 leaves it to Python; N freezes what exists "
-                       "when training starts, turns automatic collection off and collects at every N-th step on "
-                       "every rank at once (pauses logged as gc/pause_ms either way).")
+                       "when training starts, turns automatic collection off and collects the young generations "
+                       "at every N-th step on every rank at once (pauses logged as gc/pause_ms either way).")
     profile_memory: bool = _f(False, "With --profile_steps: also record the GPU allocations of those steps; "
                               "output_dir/profile/rank{R}/memory.txt names the peak and what was alive at it, by "
                               "source line (memory_snapshot.pickle: the timeline, for pytorch.org/memory_viz).")

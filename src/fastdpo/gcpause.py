@@ -8,9 +8,10 @@ on one rank stalls the others at the next collective, so the ranks' pauses add u
 `GcPauses` times every collection (through `gc.callbacks`) and reports, per logged step, the milliseconds paused
 and the number of collections (`gc/pause_ms`, `gc/collections`: the largest over ranks). With `--gc_steps N` it
 also takes the schedule over: the objects that exist when training starts (the model, compiled code, data) are
-frozen, so no collection walks them again; automatic collection is off; every N steps each rank collects what
-training created since, at the same step, so the ranks pause together. When training ends, Python's own settings
-come back.
+frozen, so no collection walks them again; automatic collection is off; every N steps each rank collects the young
+generations (what the steps since created), at the same step, so the ranks pause together, briefly. Survivors of
+those collections (compiled code of a new micro-batch length, say) are not walked again while training runs, so
+cyclic garbage that outlives its step waits until training ends, when Python's own settings come back.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class GcPauses:
     def step_end(self, step: int) -> None:
         """After optimizer step `step` (counted from 1): the scheduled collection, when one is due."""
         if self.every and step % self.every == 0:
-            gc.collect()
+            gc.collect(1)
 
     def take(self) -> dict:
         """The pauses since the last call: milliseconds in collections and their number."""
