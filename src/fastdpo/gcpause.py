@@ -1,8 +1,9 @@
 """Python's cyclic garbage collector during training: its pauses measured per step, and optionally scheduled.
 
-A collection of the oldest generation walks every tracked object in the process, and after loading a model,
-compiling its layers and sharding it that is millions of them: a pause of tens to hundreds of milliseconds that
-Python starts whenever its allocation counters say so, on each rank at a different moment. On several GPUs a pause
+A collection of the oldest generation walks every tracked object in the process, and after loading a model and
+compiling its layers that is hundreds of thousands of them (612k and a 407 ms pause for a 4-layer Qwen3 on a CPU,
+benchmarks/NOTES.md entry 29), a pause that Python starts whenever its allocation counters say so, on each rank at
+a different moment. On several GPUs a pause
 on one rank stalls the others at the next collective, so the ranks' pauses add up.
 
 `GcPauses` times every collection (through `gc.callbacks`) and reports, per logged step, the milliseconds paused
