@@ -164,7 +164,7 @@ def test_fused_adamw_kernel_matches_the_float32_update():
             for p, k in zip(params, shapes):
                 p.grad = grads[k].to(device).clone()
             opt.step()
-        assert len(calls) == (6 if device == "cuda" else 0)
+        assert len(calls) == (3 if device == "cuda" else 0)  # one launch per step for both tensors
         results[device] = ([p.detach().cpu() for p in params],
                            [opt.state[p]["exp_avg"].cpu() for p in params],
                            [opt.state[p]["exp_avg_sq"].cpu() for p in params])
@@ -191,15 +191,41 @@ def test_fused_adamw_rounding_is_unbiased():
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     step_size = 0.3 * 2**-7  # adam's first step moves by lr (m/sqrt(v) = 1 after bias correction)
     ok = torch.ones(1, dtype=torch.bool, device="cuda")
-    adamw_update_(w, g, m, v, ok, lr=step_size, weight_decay=0.0, b1=0.9, b2=0.999, step=1, eps=0.0, seed=123,
-                  stochastic=True)
+    adamw_update_([w], [g], [m], [v], ok, lr=step_size, weight_decay=0.0, b1=0.9, b2=0.999, step=1, eps=0.0,
+                  seeds=[123], stochastic=True)
     up = (w.float() > 1.0).float().mean().item()
     assert abs(up - 0.3) < 0.005
     assert set(w.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
     near = torch.ones_like(w)
-    adamw_update_(near, g, torch.zeros_like(w), torch.zeros_like(w), ok, lr=step_size, weight_decay=0.0, b1=0.9,
-                  b2=0.999, step=1, eps=0.0, seed=123, stochastic=False)
+    adamw_update_([near], [g], [torch.zeros_like(w)], [torch.zeros_like(w)], ok, lr=step_size, weight_decay=0.0,
+                  b1=0.9, b2=0.999, step=1, eps=0.0, seeds=[123], stochastic=False)
     assert (near.float() == 1.0).all()  # round to nearest drops the 0.3-spacing update
+
+
+def test_one_launch_updates_each_tensor_as_its_own_launch_would():
+    """The table and program map of the one launch: tensors of many sizes (empty, a partial chunk, several chunks,
+    smaller than one block) updated together get the bits that one launch per tensor gives them, stochastic rounding
+    noise included; float32 weights too."""
+    from fastdpo.adamw_kernel import BLOCK, ITERS, adamw_update_
+
+    torch.manual_seed(0)
+    sizes = [3 * BLOCK * ITERS + 17, 0, 64, BLOCK * ITERS, BLOCK + 1, 5]
+    ok = torch.ones(1, dtype=torch.bool, device="cuda")
+    for dtype, stochastic in ((torch.bfloat16, True), (torch.float32, False)):
+        lists = [[(torch.randn(n, device="cuda") * s).to(dtype) for n in sizes] for s in (0.02, 1e-2, 1e-3, 1e-5)]
+        lists[3] = [t.abs() for t in lists[3]]
+        apart = [[t.clone() for t in lst] for lst in lists]
+        seeds = [1000 + 37 * k for k in range(len(sizes))]
+        kw = dict(lr=1e-3, weight_decay=0.1, b1=0.9, b2=0.999, step=4, eps=1e-8, stochastic=stochastic)
+        before = [t.clone() for t in lists[0]]
+        adamw_update_(*lists, ok, seeds=seeds, **kw)
+        for k in range(len(sizes)):
+            adamw_update_(*[[lst[k]] for lst in apart], ok, seeds=[seeds[k]], **kw)
+        for together, alone in zip(lists, apart):
+            for a, b in zip(together, alone):
+                assert torch.equal(a, b)
+        moved = [(w != b).float().mean() for w, b in zip(lists[0], before) if w.numel() >= 64]
+        assert min(moved) > 0.5  # every tensor's update ran (about 70 % of bf16 weights change at this rate)
 
 
 def test_fused_adamw_kernel_obeys_the_device_flag():
@@ -213,8 +239,8 @@ def test_fused_adamw_kernel_obeys_the_device_flag():
     m, v = torch.randn_like(w) * 1e-3, torch.rand_like(w) * 1e-6
     g = torch.full_like(w, float("nan"))
     before = [t.clone() for t in (w, m, v)]
-    adamw_update_(w, g, m, v, torch.isfinite(g).all().reshape(1), lr=1e-3, weight_decay=0.1, b1=0.9, b2=0.999,
-                  step=3, eps=1e-8, seed=7, stochastic=True)
+    adamw_update_([w], [g], [m], [v], torch.isfinite(g).all().reshape(1), lr=1e-3, weight_decay=0.1, b1=0.9,
+                  b2=0.999, step=3, eps=1e-8, seeds=[7], stochastic=True)
     for a, b in zip(before, (w, m, v)):
         assert torch.equal(a, b)
     for kind in ("fastdpo", "torch_fused"):

@@ -9,8 +9,8 @@ float32 master copy in memory. Moments stay in the parameter's dtype, as torch.o
 the same. Parameters of other dtypes get the same float32 update, rounded to nearest.
 
 Works on plain tensors and on FSDP2's sharded DTensor parameters (the update runs on each rank's local shard).
-On CUDA with Triton, each tensor's update is one kernel (`fastdpo.adamw_kernel`, one read and one write of each
-tensor); elsewhere it is the float32 foreach computation below, in slices of at most CHUNK elements.
+On CUDA with Triton, the update of all tensors is one kernel launch (`fastdpo.adamw_kernel`, one read and one write
+of each tensor); elsewhere it is the float32 foreach computation below, in slices of at most CHUNK elements.
 State keys (`step`, `exp_avg`, `exp_avg_sq`) match torch.optim.AdamW, so checkpoints load either way.
 """
 
@@ -128,11 +128,13 @@ class AdamW(torch.optim.Optimizer):
                 lp = local_shard(p)
                 tensors = (lp, local_shard(p.grad), local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]))
                 fused = lp.device.type == "cuda" and all(t.is_contiguous() for t in tensors) and self._fused_update()
-                lists = by_kind.setdefault((step, lp.device, lp.dtype, bool(fused)), [[], [], [], [], []])
+                kind = (step, lp.device, tuple(t.dtype for t in tensors), bool(fused))
+                lists = by_kind.setdefault(kind, [[], [], [], [], []])
                 for lst, t in zip(lists, tensors):
                     lst.append(t)
                 lists[4].append(_shard_rank(p))
-            for (step, device, dtype, fused), lists in by_kind.items():
+            for (step, device, dtypes, fused), lists in by_kind.items():
+                dtype = dtypes[0]
                 if fused:
                     self._fused_steps(lists, group, step, index, dtype == torch.bfloat16, self._flag(finite, device))
                 elif finite is None or bool(finite):
@@ -161,14 +163,13 @@ class AdamW(torch.optim.Optimizer):
 
     def _fused_steps(self, lists: list[list], group: dict, step: int, index: int, stochastic: bool,
                      ok: torch.Tensor) -> None:
-        """One kernel per tensor. The noise seed of tensor k is derived from (seed, step, group, k) and, for a
-        DTensor shard, its rank (replicated tensors: the same seed on every rank)."""
+        """One kernel launch for all the tensors. The noise seed of tensor k is derived from (seed, step, group, k)
+        and, for a DTensor shard, its rank (replicated tensors: the same seed on every rank)."""
         base = self._seed(step, index)
         b1, b2 = group["betas"]
-        for k, (w, g, m, v, shard) in enumerate(zip(*lists)):
-            seed = ((base * 31 + k) * 131 + shard) % ((1 << 31) - 1)
-            self._fused(w, g, m, v, ok, lr=group["lr"], weight_decay=group["weight_decay"], b1=b1, b2=b2, step=step,
-                        eps=group["eps"], seed=seed, stochastic=stochastic)
+        seeds = [((base * 31 + k) * 131 + shard) % ((1 << 31) - 1) for k, shard in enumerate(lists[4])]
+        self._fused(*lists[:4], ok, lr=group["lr"], weight_decay=group["weight_decay"], b1=b1, b2=b2, step=step,
+                    eps=group["eps"], seeds=seeds, stochastic=stochastic)
 
 
 def _shard_rank(p: torch.Tensor) -> int:
