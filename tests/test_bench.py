@@ -2,6 +2,7 @@
 and activation offloading (gradients unchanged)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -165,7 +166,7 @@ def test_compile_layers_makes_frozen_embeddings_output_require_grad(model_dirs):
     assert emb(torch.tensor([[5, 6]])).requires_grad
 
 
-def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch):
+def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, caplog):
     from fastdpo import train as train_mod
     from fastdpo.data.tokenize import TokenizedPair
     from fastdpo.model import Backend, load_model, load_tokenizer
@@ -179,9 +180,13 @@ def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch):
     monkeypatch.setattr(train_mod, "prepare_packed", lambda *a: None)
     path = str(model_dirs("qwen3"))
     cfg = _cfg(tmp_path, model_dirs, torch_compile=True, per_device_train_batch_size=2)
-    train_mod.assemble(cfg, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
-                       load_tokenizer(path), pairs)
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "1")  # a compile setting from the environment is logged
+    with caplog.at_level("INFO", logger="fastdpo"):
+        train_mod.assemble(cfg, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                           load_tokenizer(path), pairs)
     assert cfg.max_tokens_per_batch == 4096
+    assert "torch.compile settings from the environment: TORCHINDUCTOR_CPP_WRAPPER=1" in caplog.text
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER")
     kept = _cfg(tmp_path, model_dirs, torch_compile=True, max_tokens_per_batch=512)
     train_mod.assemble(kept, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
                        load_tokenizer(path), pairs)
@@ -350,3 +355,15 @@ def test_compile_warmup_leaves_training_unchanged(tmp_path, model_dirs, caplog):
     assert [r["loss"] for r in metrics(tmp_path / "warm")] == [r["loss"] for r in metrics(tmp_path / "cold")]
     with pytest.raises(FastDPOError, match="--max_tokens_per_batch"):
         TrainConfig(model="m", dataset=["d"], compile_warmup=True).validate()
+
+
+def test_bench_environment_records_compile_variables(monkeypatch):
+    from fastdpo.bench import environment
+
+    for k in [k for k in os.environ if k.startswith(("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_"))]:
+        monkeypatch.delenv(k)
+    assert "compile_env" not in environment()
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_PLEASE", "")  # set, even if empty
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")  # not a compile setting of Inductor or Dynamo
+    assert environment()["compile_env"] == {"TORCHINDUCTOR_CPP_WRAPPER": "1", "TORCHINDUCTOR_MAX_AUTOTUNE_PLEASE": ""}

@@ -3,7 +3,7 @@
 import json
 
 from fastdpo.cli import main
-from fastdpo.envinfo import collect, nccl_advice, node_count
+from fastdpo.envinfo import collect, compile_vars, nccl_advice, node_count
 
 NVLINK = [{"index": i, "name": "NVIDIA H200", "peer_access": [j for j in range(8) if j != i]} for i in range(8)]
 SPLIT = [{"index": i, "name": "NVIDIA A100", "peer_access": [j for j in range(4) if j != i and j // 2 == i // 2]}
@@ -53,3 +53,19 @@ def test_collect_and_cli(capsys, restore_logging):
     out = capsys.readouterr().out
     for needle in ("torch", "transformers", "NCCL_P2P_DISABLE", "NCCL_IB_DISABLE", "CUDA_VISIBLE_DEVICES"):
         assert needle in out, needle
+
+
+def test_compile_variables_are_collected_and_shown(capsys, restore_logging, monkeypatch):
+    env = {"TORCHINDUCTOR_CPP_WRAPPER": "1", "TORCHDYNAMO_VERBOSE": "1", "TORCH_COMPILE_DEBUG": "0",
+           "TORCH_LOGS": "recompiles", "NCCL_DEBUG": "INFO",
+           "TORCHINDUCTOR_CACHE_DIR": "/tmp/cache"}
+    assert list(compile_vars(env)) == ["TORCHDYNAMO_VERBOSE", "TORCHINDUCTOR_CPP_WRAPPER", "TORCH_COMPILE_DEBUG"]
+    assert collect(env)["compile_env"] == compile_vars(env)
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "1")
+    assert main(["env"]) == 0
+    assert "TORCHINDUCTOR_CPP_WRAPPER=1" in capsys.readouterr().out
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER")
+    for k in list(compile_vars()):
+        monkeypatch.delenv(k)
+    assert main(["env"]) == 0
+    assert "torch.compile variables: none set" in capsys.readouterr().out

@@ -332,6 +332,10 @@ def environment() -> dict:
            "date": time.strftime("%Y-%m-%d")}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
+    from fastdpo.envinfo import compile_vars
+
+    if compile_vars():  # e.g. TORCHINDUCTOR_CPP_WRAPPER=1: a different speed, so the result says so
+        env["compile_env"] = compile_vars()
     try:
         import trl
 

@@ -20,8 +20,18 @@ NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SOCK
              "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
 LAUNCH_VARS = ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NNODES", "MASTER_ADDR",
                "MASTER_PORT")
+# torch.compile's own settings read from the environment (Inductor's C++ wrapper, caches, autotuning...): they change
+# compile time and speed, so runs and benchmarks record the ones set
+COMPILE_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_")
+COMPILE_UNRECORDED = ("TORCHINDUCTOR_CACHE_DIR",)  # only where compiled code is kept; Inductor sets it itself
 PACKAGES = ("torch", "transformers", "peft", "safetensors", "datasets", "tokenizers", "accelerate", "rich", "pyyaml",
             "numpy", "matplotlib", "tensorboard", "wandb", "bitsandbytes", "flash-attn")
+
+
+def compile_vars(env: dict | None = None) -> dict[str, str]:
+    """The torch.compile variables set in `env` (default: this process's environment), sorted by name."""
+    env = os.environ if env is None else env
+    return {k: env[k] for k in sorted(env) if k.startswith(COMPILE_PREFIXES) and k not in COMPILE_UNRECORDED}
 
 
 def package_versions() -> dict[str, str | None]:
@@ -123,6 +133,7 @@ def collect(env: dict | None = None) -> dict:
         "nccl": nccl, "gpus": gpus, "infiniband": ib, "nodes": nodes,
         "nccl_env": {k: env[k] for k in NCCL_VARS if k in env},
         "launch_env": {k: env[k] for k in LAUNCH_VARS if k in env},
+        "compile_env": compile_vars(env),
         "advice": nccl_advice(env, gpus, ib, nodes),
     }
 
@@ -152,5 +163,8 @@ def print_env(info: dict, console) -> None:
         v = info["nccl_env"].get(k, info["launch_env"].get(k))
         n.add_row(k, v if v is not None else "[dim]unset[/]")
     console.print(n)
+    compile_env = info.get("compile_env") or {}
+    console.print("torch.compile variables: " + ("  ".join(f"{k}={v}" for k, v in compile_env.items()) or "none set"),
+                  highlight=False)
     for a in info["advice"]:
         console.print(f"[yellow]advice:[/] {a}", highlight=False)
