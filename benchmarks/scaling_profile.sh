@@ -16,6 +16,8 @@
 #            of the one-GPU runs always).
 #   EXTRA    train flags added to the current code's runs only (e.g. EXTRA="--gc_steps 1" with BEFORE a copy of the
 #            same src: the flag's effect within one call).
+#   EXTRA_ENV  environment variables for the current code's runs only (e.g. EXTRA_ENV="TORCHINDUCTOR_CPP_WRAPPER=1"
+#            with BEFORE a copy of the same src: the setting's effect within one call).
 #   PROFILE  0: no profiled step (each run ends 5-20 s sooner; no traces or splits).
 #   REPEAT   n: the N-GPU runs (current code, then each BEFORE tree) go n times in turn, A B A B..., repeats named
 #            <run>_r2, _r3...: single runs of the same code spread by up to +-5 % within a call.
@@ -76,8 +78,9 @@ run() {  # name seconds source-dir command...
   report "$name"
 }
 extra() { [ "$1" = "$SRC" ] && echo "${EXTRA:-}"; }  # source-dir
+extra_env() { [ "$1" = "$SRC" ] && echo "${EXTRA_ENV:-}"; }  # source-dir
 one() {  # name gpu source-dir budget
-  run "$1" 240 "$3" env CUDA_VISIBLE_DEVICES=$2 python3 -m fastdpo train $C $(extra "$3") --max_tokens_per_batch "$4" \
+  run "$1" 240 "$3" env CUDA_VISIBLE_DEVICES=$2 $(extra_env "$3") python3 -m fastdpo train $C $(extra "$3") --max_tokens_per_batch "$4" \
     --per_device_train_batch_size $PER --gradient_accumulation_steps $((GLOBAL / PER))
 }
 BEFORE=($BEFORE); gpu=0
@@ -98,7 +101,7 @@ for rep in $(seq 1 "${REPEAT:-1}"); do
       m=${mode%%/*}; flag="--fsdp $m"; [ "$m" = ddp ] && flag=""; tag=$m
       [[ "$mode" == */* ]] && { flag="$flag --fsdp_layers_per_unit ${mode#*/}"; tag="${m}_u${mode#*/}"; }
       for b in "${BUDGETS[@]}"; do
-        run "$prefix${tag}_$b$suffix" 200 "$tree" torchrun --nproc_per_node "$N" -m fastdpo train $C $(extra "$tree") $flag \
+        run "$prefix${tag}_$b$suffix" 200 "$tree" env $(extra_env "$tree") torchrun --nproc_per_node "$N" -m fastdpo train $C $(extra "$tree") $flag \
           --max_tokens_per_batch "$b" --per_device_train_batch_size $PER \
           --gradient_accumulation_steps $((GLOBAL / PER / N))
       done
