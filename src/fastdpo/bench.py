@@ -334,8 +334,9 @@ def environment() -> dict:
         env["gpu"] = torch.cuda.get_device_name(0)
     from fastdpo.envinfo import compile_vars
 
-    if compile_vars():  # e.g. TORCHINDUCTOR_CPP_WRAPPER=1: a different speed, so the result says so
-        env["compile_env"] = compile_vars()
+    settings = compile_vars()  # e.g. TORCHINDUCTOR_CPP_WRAPPER=1: a different speed, so the result says so
+    if settings:
+        env["compile_env"] = settings
     try:
         import trl
 

@@ -34,6 +34,11 @@ def compile_vars(env: dict | None = None) -> dict[str, str]:
     return {k: env[k] for k in sorted(env) if k.startswith(COMPILE_PREFIXES) and k not in COMPILE_UNRECORDED}
 
 
+def as_assignments(variables: dict[str, str]) -> str:
+    """`A=1  B=x`: variables as they would be set in a shell."""
+    return "  ".join(f"{k}={v}" for k, v in variables.items())
+
+
 def package_versions() -> dict[str, str | None]:
     out = {}
     for name in PACKAGES:
@@ -164,7 +169,6 @@ def print_env(info: dict, console) -> None:
         n.add_row(k, v if v is not None else "[dim]unset[/]")
     console.print(n)
     compile_env = info.get("compile_env") or {}
-    console.print("torch.compile variables: " + ("  ".join(f"{k}={v}" for k, v in compile_env.items()) or "none set"),
-                  highlight=False)
+    console.print("torch.compile variables: " + (as_assignments(compile_env) or "none set"), highlight=False)
     for a in info["advice"]:
         console.print(f"[yellow]advice:[/] {a}", highlight=False)

@@ -43,7 +43,7 @@ from fastdpo.distributed import (
     shutdown,
     wrap_models,
 )
-from fastdpo.envinfo import compile_vars
+from fastdpo.envinfo import as_assignments, compile_vars
 from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.gcpause import GcPauses
@@ -229,9 +229,9 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     apply_checkpointing(model, cfg.gradient_checkpointing)
     if cfg.torch_compile:
         compile_layers(model)
-        if compile_vars():  # they change compile time and speed (e.g. TORCHINDUCTOR_CPP_WRAPPER=1): say so
-            log.info("torch.compile settings from the environment: %s",
-                     "  ".join(f"{k}={v}" for k, v in compile_vars().items()))
+        settings = compile_vars()  # they change compile time and speed (e.g. TORCHINDUCTOR_CPP_WRAPPER=1): say so
+        if settings:
+            log.info("torch.compile settings from the environment: %s", as_assignments(settings))
     model.train()
     policy = wrap_models(model, reference, backend, d)
 
