@@ -143,6 +143,53 @@ def test_zero2_keeps_weights_gathered_through_a_step(mode, model_dirs):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("reference", ["precompute", "copy"])
+def test_full_shard_keeps_last_unit_and_root_gathered_into_backward(model_dirs, reference):
+    """full_shard frees a unit's gathered weights after its forward and gathers them again for its backward, except
+    where the backward needs them at once: the last decoder unit and the root (embeddings, head) stay whole from the
+    forward into the backward, which shards them again. A forward-only reference frees all of its units."""
+    import torch
+    import torch.distributed as dist
+    from conftest import random_pairs
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastdpo.distributed import Dist, parallel_plan, wrap_models
+    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.reference import Reference
+
+    config = AutoConfig.from_pretrained(model_dirs("qwen3"))
+    config.num_hidden_layers = 5
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * 5
+    model = AutoModelForCausalLM.from_config(config)
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    ref = Reference(reference, AutoModelForCausalLM.from_config(config) if reference == "copy" else None)
+    plan = parallel_plan("full_shard", "")
+    d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, layers_per_unit=2)  # units: layers 0-1, 2-3, 4
+
+    def whole(m):  # which of layer 0 (first unit), layer 4 (last unit) and the embeddings (root) are not shards
+        return [not isinstance(w, DTensor) for w in (m.model.layers[0].mlp.up_proj.weight,
+                                                     m.model.layers[4].mlp.up_proj.weight,
+                                                     m.model.embed_tokens.weight)]
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = wrap_models(model, ref, backend, d)
+        batch = make_batch(random_pairs(3, config.vocab_size), backend, 0, torch.device("cpu"))
+        mask = build_mask(batch, backend)
+        if reference == "copy":
+            ref.logps(None, batch, backend, mask)
+            assert whole(ref.model) == [False, False, False]
+        sums, *_ = policy(batch, mask)
+        assert whole(model) == [False, True, True]
+        sums.sum().backward()
+        assert whole(model) == [False, False, False]
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("mode", ["shard_grad_op", "full_shard"])
 def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
     """Deferred FSDP2 micro-steps accumulate their gradients in the parameters' dtype (bf16) and reduce in float32

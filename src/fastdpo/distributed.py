@@ -341,10 +341,13 @@ def unit_sizes(layers, requested: int = 0) -> list[int]:
     return [len(layers) // units + (i < len(layers) % units) for i in range(units)]
 
 
-def _shard(module: LogpsModule, d: Dist, reshard: bool) -> list[int]:
+def _shard(module: LogpsModule, d: Dist, reshard: bool, training: bool = True) -> list[int]:
     """FSDP2: one unit per `unit_sizes` consecutive decoder layers plus the root (embeddings, final norm, head);
     gradients summed (not averaged) in float32 or in their own dtype (`Dist.sum_in_fp32`). A unit's weights are
-    gathered and its gradients reduced together, and its hooks run once per forward and backward."""
+    gathered and its gradients reduced together, and its hooks run once per forward and backward. With `reshard`
+    (full_shard) and `training`, the last decoder unit and the root stay gathered from their forward into the
+    backward that starts right after it (otherwise both are freed and gathered again at once, the root's gather
+    exposed); a forward-only module (the reference) frees every unit after its forward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -355,10 +358,12 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool) -> list[int]:
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if d.sum_in_fp32 else None)
     layers = decoder_layers(module.model)
     start, sizes = 0, unit_sizes(layers, d.layers_per_unit)
-    for size in sizes:
+    for i, size in enumerate(sizes):
         unit, start = layers[start : start + size], start + size
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        keep = training and i == len(sizes) - 1
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard and not keep,
+                    mp_policy=mp)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not training, mp_policy=mp)
     for m in module.modules():
         if isinstance(m, FSDPModule):
             if hasattr(m, "set_gradient_divide_factor"):  # torch >= 2.8
@@ -394,7 +399,7 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
     _accumulate_in_param_dtype(policy)
     if reference.strategy in ("copy", "separate"):
         ref = LogpsModule(reference.model, backend)
-        _shard(ref, d, reshard=True)
+        _shard(ref, d, reshard=True, training=False)
         reference.runner = functools.partial(policy_logps, ref)
     elif reference.strategy in ("adapter_off", "ref_adapter"):
         reference.runner = functools.partial(policy_logps, policy, reference=reference.strategy)
