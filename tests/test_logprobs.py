@@ -38,6 +38,25 @@ def test_frozen_head_gets_no_grad():
     assert h.grad is not None and w.grad is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_gradient_over_chunks_and_no_rows(dtype):
+    """The head's gradient is summed in float32 over the chunks (bf16 inputs too) and is zeros, not None, when no
+    completion token is in the batch."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(40, 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(30, 16, generator=g).to(dtype).requires_grad_()
+    t = torch.randint(0, 30, (40,), generator=g)
+    token_logps(h, w, t, chunk=9).sum().backward()
+    hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    naive(hd, wd, t).sum().backward()
+    assert w.grad.dtype == dtype
+    err = ((w.grad.double() - wd.grad).norm() / wd.grad.norm()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-6), err  # bf16: its logits and weights are rounded
+    h.grad = w.grad = None
+    token_logps(h[:0], w, t[:0]).sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and h.grad.shape == h.shape
+
+
 def test_sequence_sums():
     v = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert sequence_sums(v, torch.tensor([0, 2, 0, 1]), 3).tolist() == [4.0, 4.0, 2.0]

@@ -7,9 +7,29 @@ is alive at any moment in forward or backward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 DEFAULT_CHUNK = 1024  # rows of fp32 logits alive at once: 1024 x 152k vocab = 0.6 GiB
+
+
+def _grad_into(dw: torch.Tensor | None, dlogits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dw + dlogits^T @ h in float32 (dw None: the first chunk). On CUDA the GEMM takes bf16/fp16 inputs and writes
+    float32, adding into dw in its epilogue: one pass, no rounded per-chunk product and no separate add kernel
+    (`torch.mm`/`addmm` with `out_dtype`, torch >= 2.8). Elsewhere the product is formed in the inputs' dtype and
+    added."""
+    if dlogits.is_cuda and dlogits.dtype in (torch.bfloat16, torch.float16) and _has_out_dtype():
+        if dw is None:
+            return torch.mm(dlogits.t(), h, out_dtype=torch.float32)
+        return torch.addmm(dw, dlogits.t(), h, out_dtype=torch.float32, out=dw)
+    product = (dlogits.t() @ h).float()
+    return product if dw is None else dw.add_(product)
+
+
+@functools.cache
+def _has_out_dtype() -> bool:
+    return hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, scale: float, softcap: float | None) -> tuple:
@@ -39,7 +59,7 @@ class _TokenLogProbs(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        dw = None
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
             logits, capped = _chunk_logits(h, weight, ctx.scale, ctx.softcap)
@@ -55,7 +75,9 @@ class _TokenLogProbs(torch.autograd.Function):
             if need_h:
                 dh[s : s + ctx.chunk] = dlogits @ weight
             if need_w:
-                dw.add_(dlogits.t() @ h)
+                dw = _grad_into(dw, dlogits, h)
+        if need_w and dw is None:  # no rows
+            dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         return dh, (dw.to(weight.dtype) if need_w else None), None, None, None, None
 
 
