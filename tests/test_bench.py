@@ -205,7 +205,7 @@ def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and "fastdpo bench" in text and "Profile of two steps" in text
     r = json.loads(out.read_text())["results"][0]
-    assert r["pairs_per_s"] > 0 and r["backend"] == "dense"
+    assert r["pairs_per_s"] > 0 and r["backend"] == "dense" and r["padding"] == 0  # packed: no filler on CPU
     assert r["profile"]["time"] == "cpu" and r["profile"]["top"][0]["self_ms"] > 0
     assert json.loads((prof / "trace.json").read_text())["traceEvents"]
     top = (prof / "top.txt").read_text().splitlines()

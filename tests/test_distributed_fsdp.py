@@ -30,6 +30,13 @@ def test_fsdp_two_ranks_match_one_rank(fsdp):
     for x, y in zip(metrics(tmp / "ws2"), metrics(tmp / "ws1")):
         for key in ("loss", "rewards/margins", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+    # the busiest rank's token positions, times two ranks, against the pairs' own: never below them (the ranks'
+    # shares differ, and a rank without a pair in the step runs a zero-weight one); one process runs exactly the
+    # pairs' tokens
+    two, one = metrics(tmp / "ws2"), metrics(tmp / "ws1")
+    assert all(r["batch/padding"] >= 0 for r in two) and any(r["batch/padding"] > 0 for r in two)
+    assert all(r["batch/padding"] == 0 for r in one)
+    assert [r["batch/micro_batches"] for r in one][:5] == [2] * 5
     model = AutoModelForCausalLM.from_pretrained(tmp / "ws2" / "final")  # final/ is an ordinary HF dir
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 

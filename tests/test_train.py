@@ -121,6 +121,10 @@ def test_padded_path_trains_like_packed(tmp_path, model_dirs):
                     padding_free=False, adam_epsilon=1e-6))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    # what each step ran: packed rows hold exactly the pairs' tokens; padded rows repeat the prompt and pad
+    packed, padded = metrics(tmp_path / "packed"), metrics(tmp_path / "padded")
+    assert all(r["batch/micro_batches"] == 2 and r["batch/padding"] == 0 for r in packed)
+    assert all(r["batch/micro_batches"] == 2 and r["batch/padding"] > 0.2 for r in padded)
 
 
 def test_scheduled_garbage_collection_trains_the_same_and_logs_pauses(tmp_path, model_dirs):

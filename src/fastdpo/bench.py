@@ -204,25 +204,27 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     trainable = [p for p in s.model.parameters() if p.requires_grad]
     per_step = cfg.pairs_per_step
     lm_cfg = base_causal_lm(s.model).config
-    times, flops, tokens, n_pairs = [], 0.0, 0, 0
+    times, flops, tokens, n_pairs, computed = [], 0.0, 0, 0, 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_first = None
     if s.backend.name == "flex":  # compiled layers, and the compiled flex kernel on its own, build per length
         warm_up_lengths(s)
-    def one_step(step_pairs):
-        run_step(s, step_pairs, StepMetrics(device))
+    def one_step(step_pairs) -> StepMetrics:
+        metrics = StepMetrics(device)
+        run_step(s, step_pairs, metrics)
         torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
+        return metrics
 
     pauses = GcPauses(cfg.gc_steps).start()  # as training schedules and counts Python's collections
     try:
         for step in range(warmup + steps):
             step_pairs = pairs[step * per_step:(step + 1) * per_step]
-            one_step(step_pairs)
+            ran = one_step(step_pairs)
             pauses.step_end(step + 1)
             times.append(time.perf_counter())
             prev = times[-2] if len(times) > 1 else t_init
@@ -234,6 +236,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                 pauses.take()  # the timed steps' pauses only
             if step >= warmup:
                 tokens += sum(p.num_tokens for p in step_pairs)
+                computed += ran.computed_tokens
                 n_pairs += len(step_pairs)
                 flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
                                     sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
@@ -247,7 +250,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                             profile_dir) if profile_dir else None
     return {
         "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
-        "s_per_step": round(dt / steps, 4), "mfu": round(flops / dt / peak, 4) if peak else None,
+        "s_per_step": round(dt / steps, 4), "padding": round(computed / max(tokens, 1) - 1, 4), "mfu": round(flops / dt / peak, 4) if peak else None,
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "first_step_s": round(t_first, 1), "gc_pause_ms": gc_pauses["gc/pause_ms"],
         "gc_collections": gc_pauses["gc/collections"], "backend": s.backend.name, "reference": s.reference.strategy,

@@ -23,6 +23,8 @@ class StepMetrics:
         self.pairs = 0
         self.tokens = 0
         self.has_reference = False
+        self.micro_batches = 0  # this rank's forwards and backwards in the step
+        self.computed_tokens = 0  # token positions they ran, padding and filler included
 
     @property
     def loss_sum(self) -> torch.Tensor:
@@ -48,6 +50,11 @@ class StepMetrics:
         self.pairs += int(pol_c.numel())
         self.tokens += num_tokens
         self.has_reference = self.has_reference or ref_c is not None
+
+    def count_batch(self, batch) -> None:
+        """One micro-batch run by this rank (zero-weight ones too: they cost the same)."""
+        self.micro_batches += 1
+        self.computed_tokens += batch.input_ids.numel()
 
     def finish(self) -> dict:
         v = self.sums.tolist()

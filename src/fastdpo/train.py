@@ -317,6 +317,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device, cfg.max_tokens_per_batch)
         b = batch.num_pairs
         mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
+        metrics.count_batch(batch)
         with grad_sync(s.policy, last=i == len(groups) - 1, keep_gathered=d.keeps_gathered):
             with offloading(cfg.activation_offloading, s.model):
                 pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
@@ -464,10 +465,11 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                     flops = 0.0
                 record.update(rate.read())
                 gcs = pauses.take()
-                mem, gc_ms, gc_n = max_over_ranks([peak_memory_gib(device), gcs["gc/pause_ms"],
-                                                   gcs["gc/collections"]], d, device)
+                mem, gc_ms, gc_n, busiest = max_over_ranks([peak_memory_gib(device), gcs["gc/pause_ms"],
+                                                            gcs["gc/collections"], metrics.computed_tokens], d, device)
                 record.update({"memory/peak_gib": round(mem, 3), "gc/pause_ms": round(gc_ms, 3),
-                               "gc/collections": int(gc_n)})
+                               "gc/collections": int(gc_n), "batch/micro_batches": metrics.micro_batches,
+                               "batch/padding": round(busiest * d.world_size / max(tokens, 1) - 1, 4)})
                 monitor.log(record)  # adds the vital signs, raises alerts, writes every sink
                 last = record
             if evaluator.due(done, s.total_steps):  # every rank evaluates (the forwards are collective)
