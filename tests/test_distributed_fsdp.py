@@ -159,19 +159,13 @@ def test_full_shard_keeps_last_unit_and_root_gathered_into_backward(model_dirs, 
     import torch.distributed as dist
     from conftest import random_pairs
     from torch.distributed.tensor import DTensor
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from fastdpo.distributed import Dist, parallel_plan, wrap_models
-    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.model import build_mask, make_batch
     from fastdpo.reference import Reference
 
-    config = AutoConfig.from_pretrained(model_dirs("qwen3"))
-    config.num_hidden_layers = 5
-    if getattr(config, "layer_types", None):
-        config.layer_types = [config.layer_types[0]] * 5
-    model = AutoModelForCausalLM.from_config(config)
-    backend = Backend("dense")
-    prepare_packed(model, backend)
+    config, model, backend = five_layer_qwen3(model_dirs)
     ref = Reference(reference, AutoModelForCausalLM.from_config(config) if reference == "copy" else None)
     plan = parallel_plan("full_shard", "")
     d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, layers_per_unit=2)  # units: layers 0-1, 2-3, 4
@@ -251,19 +245,11 @@ def test_fsdp_units_hold_the_requested_decoder_layers(model_dirs, requested, gro
     one layer (4 of 5 layers: 3 and 2, not 4 and 1). 0 sizes the units by the layers' weights: these tiny layers
     all fit in one."""
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from fastdpo.distributed import Dist, parallel_plan, wrap_models
-    from fastdpo.model import Backend, prepare_packed
     from fastdpo.reference import Reference
 
-    config = AutoConfig.from_pretrained(model_dirs("qwen3"))
-    config.num_hidden_layers = 5
-    if getattr(config, "layer_types", None):
-        config.layer_types = [config.layer_types[0]] * 5
-    model = AutoModelForCausalLM.from_config(config)
-    backend = Backend("dense")
-    prepare_packed(model, backend)
+    config, model, backend = five_layer_qwen3(model_dirs)
     plan = parallel_plan("full_shard", "")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -318,3 +304,19 @@ def test_four_fsdp_ranks_match_one_rank_and_resume_on_two(fsdp, tmp_path):
               fsdp="shard_grad_op", resume_from_checkpoint=str(ck), **common)
     assert_weights_close(weights(tmp_path / "two"), weights(tmp / "ws1"), atol=1e-5)
     assert [r["step"] for r in metrics(tmp_path / "two")] == [4, 5, 6]
+
+
+def five_layer_qwen3(model_dirs):
+    """The tiny Qwen3 with five decoder layers, on the packed dense path: (config, model, backend)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastdpo.model import Backend, prepare_packed
+
+    config = AutoConfig.from_pretrained(model_dirs("qwen3"))
+    config.num_hidden_layers = 5
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * 5
+    model = AutoModelForCausalLM.from_config(config)
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    return config, model, backend

@@ -250,7 +250,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                             profile_dir) if profile_dir else None
     return {
         "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
-        "s_per_step": round(dt / steps, 4), "padding": round(computed / max(tokens, 1) - 1, 4), "mfu": round(flops / dt / peak, 4) if peak else None,
+        "s_per_step": round(dt / steps, 4), "padding": round(computed / max(tokens, 1) - 1, 4),
+        "mfu": round(flops / dt / peak, 4) if peak else None,
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "first_step_s": round(t_first, 1), "gc_pause_ms": gc_pauses["gc/pause_ms"],
         "gc_collections": gc_pauses["gc/collections"], "backend": s.backend.name, "reference": s.reference.strategy,
