@@ -26,6 +26,26 @@ def test_flex_length_uses_few_static_shapes():
     assert flex_length(100, 200) == 128 and flex_length(200, 200) == 256  # tiny budgets: whole blocks
 
 
+@pytest.mark.parametrize("n", [1, 8, 16])
+def test_length_buckets_set_the_static_lengths(n):
+    """--length_buckets N: a budget's micro-batches take N static lengths, each padded by less than budget / N."""
+    from fastdpo.data.tokenize import TokenizedPair
+    from fastdpo.model import Backend, make_batch
+
+    budget = 8192
+    lengths = {flex_length(t, budget, n) for t in range(1, budget + 1)}
+    assert len(lengths) == n and max(lengths) == budget
+    assert all(0 <= flex_length(t, budget, n) - t < budget // n for t in range(1, budget + 1, 37))
+    pair = TokenizedPair(prompt=[5] * 700, chosen=[6] * 300, rejected=[7] * 250, index=0)
+    batch = make_batch([pair], Backend("flex", None, n), 0, torch.device("cpu"), budget)
+    assert batch.input_ids.shape[1] == flex_length(1250, budget, n) == -(-1250 // (budget // n)) * (budget // n)
+
+
+def test_length_buckets_are_checked():
+    with pytest.raises(FastDPOError, match="--length_buckets must be between 1 and 64"):
+        TrainConfig(model="m", dataset=["x"], length_buckets=0).validate()
+
+
 def _cfg(tmp_path, model_dirs, **kw):
     return TrainConfig(model=str(model_dirs("qwen3")), dataset=["x"], output_dir=str(tmp_path / "o"), **kw)
 
@@ -153,6 +173,10 @@ def test_warm_up_lengths_leaves_no_gradients(tmp_path, model_dirs):
     s = assemble(cfg, torch.device("cpu"), model, load_tokenizer(path), [])
     assert warm_up_lengths(s) == 4  # the quarter-budget lengths
     assert all(p.grad is None for p in s.model.parameters())
+    cfg = _cfg(tmp_path, model_dirs, max_tokens_per_batch=1024, length_buckets=8)  # eighths of 1024
+    assert warm_up_lengths(assemble(cfg, torch.device("cpu"), model, load_tokenizer(path), [])) == 8
+    cfg = _cfg(tmp_path, model_dirs, max_tokens_per_batch=512, length_buckets=8)  # at most one per flex block
+    assert warm_up_lengths(assemble(cfg, torch.device("cpu"), model, load_tokenizer(path), [])) == 512 // FLEX_PAD
 
 
 def test_compile_layers_makes_frozen_embeddings_output_require_grad(model_dirs):

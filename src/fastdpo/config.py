@@ -143,6 +143,10 @@ class TrainConfig:
                               "filler forward and backward per length of the --max_tokens_per_batch budget; gradients "
                               "discarded): steps run at full speed from the first, and on several GPUs no rank waits "
                               "for another's compilation.")
+    length_buckets: int = _f(4, "Static lengths a packed micro-batch is padded to under a --max_tokens_per_batch "
+                             "budget (FlexAttention on CUDA): the next multiple of budget / N (and of 128 tokens). More pad less "
+                             "(batch/padding in the metrics) and build kernels for more lengths (each once; up "
+                             "front with --compile_warmup).")
     gc_steps: int = _f(0, "Python's garbage collection in training: 0 leaves it to Python; N freezes what exists "
                        "when training starts, turns automatic collection off and collects the young generations "
                        "at every N-th step on every rank at once (pauses logged as gc/pause_ms either way).")
@@ -202,6 +206,8 @@ class TrainConfig:
                                "copy the gathered weights too). Drop one of the two.")
         if self.gc_steps < 0:
             raise FastDPOError(f"--gc_steps must be >= 0 (0: Python's own collection), got {self.gc_steps}.")
+        if not 1 <= self.length_buckets <= 64:
+            raise FastDPOError(f"--length_buckets must be between 1 and 64, got {self.length_buckets}.")
         if self.fsdp_layers_per_unit < 0:
             raise FastDPOError(f"--fsdp_layers_per_unit must be >= 0 (0: auto), got {self.fsdp_layers_per_unit}.")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):

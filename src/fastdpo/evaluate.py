@@ -67,7 +67,7 @@ def held_out_reference(cfg, policy, device, pairs: list[TokenizedPair], rows: li
     `policy` must not yet carry the trained LoRA adapter (like the training table)."""
     if not pairs or not cfg.precompute_ref_log_probs or not cfg.needs_reference():
         return None
-    backend = choose_backend(policy, cfg.attn_impl, cfg.padding_free, device)
+    backend = choose_backend(policy, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
     return Reference("precompute", table=precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id))
 
 

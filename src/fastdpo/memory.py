@@ -56,14 +56,16 @@ def apply_checkpointing(model, policy: str) -> list[str]:
     return wrapped
 
 
-def compile_layers(model, backend="inductor") -> None:
-    """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers)."""
+def compile_layers(model, backend="inductor", lengths: int = 4) -> None:
+    """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers).
+    `lengths`: static micro-batch lengths per token budget (--length_buckets)."""
     import torch._dynamo
 
-    # one graph per static micro-batch length (a few per budget), with and without grad: keep them all
+    # one graph per static micro-batch length, with and without grad, and a few for pairs longer than the budget:
+    # keep them all
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32, 2 * lengths + 16))
     # under DDP, TorchDynamo would split each layer's graph again at the reduction buckets' boundaries (its "DDP
     # optimizer", meant for one whole-model graph); per-layer graphs already let the reductions overlap the
     # backward, and the extra splits only cost fusion and kernel launches

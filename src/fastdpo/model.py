@@ -19,7 +19,7 @@ log = logging.getLogger("fastdpo")
 
 # Families whose attention is fully described by the pair rule (+ an optional uniform sliding window).
 FLEX_PAD = 128  # flex rows are padded to a multiple of its block size
-SHAPE_BUCKETS = 4  # a flex micro-batch is padded to the next quarter of the token budget: at most 4 static shapes
+SHAPE_BUCKETS = 4  # default --length_buckets: a flex micro-batch is padded to the next quarter of the token budget
 PACKED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "granite", "olmo2", "qwen3_moe"}
 
 
@@ -198,6 +198,7 @@ def sliding_window(config) -> tuple[bool, int | None, str]:
 class Backend:
     name: str  # flex | dense | padded
     window: int | None = None
+    lengths: int = SHAPE_BUCKETS  # flex: static micro-batch lengths per token budget (`flex_length`)
 
 
 # Names users bring from ms-swift / transformers scripts, and why the packed backend serves them instead.
@@ -208,7 +209,8 @@ FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
                 "eager": "The packed layout needs its own mask; the padded path uses the model's own attention."}
 
 
-def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device) -> Backend:
+def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device,
+                   lengths: int = SHAPE_BUCKETS) -> Backend:
     """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
     cfg = base_causal_lm(model).config
     if attn_impl in FOREIGN_ATTN:
@@ -226,7 +228,7 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
     name = attn_impl if attn_impl != "auto" else ("flex" if device.type == "cuda" else "dense")
     if name == "flex" and device.type != "cuda":
         raise FastDPOError("--attn_impl flex needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
-    return Backend(name, window)
+    return Backend(name, window, lengths)
 
 
 def _set_attn(model, name: str) -> None:
@@ -252,14 +254,15 @@ def decoder(model):
     return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
 
 
-def flex_length(tokens: int, budget: int) -> int:
-    """Padded length of a flex micro-batch holding `tokens`: the next multiple of a quarter of the budget (rounded to
-    the flex block), so a budget gives SHAPE_BUCKETS static lengths and compiled kernels are built a few times, not
-    per batch; a step's last, partly filled micro-batch is not padded to the whole budget; and a pair longer than the
-    budget takes a few more lengths, not one per pair. Without a budget: the next multiple of the flex block."""
+def flex_length(tokens: int, budget: int, lengths: int = SHAPE_BUCKETS) -> int:
+    """Padded length of a flex micro-batch holding `tokens`: the next multiple of budget / `lengths` (rounded up to
+    the flex block), so a budget gives `lengths` static lengths and compiled kernels are built a few times, not per
+    batch; a step's last, partly filled micro-batch is not padded to the whole budget; and a pair longer than the
+    budget takes a few more lengths, not one per pair. More lengths pad less and build more kernels. Without a
+    budget: the next multiple of the flex block."""
     if budget <= 0:
         return -(-tokens // FLEX_PAD) * FLEX_PAD
-    step = -(-budget // (SHAPE_BUCKETS * FLEX_PAD)) * FLEX_PAD
+    step = -(-budget // (lengths * FLEX_PAD)) * FLEX_PAD
     return -(-tokens // step) * step
 
 
@@ -269,7 +272,7 @@ def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device,
     if backend.name == "padded":
         batch = pad_pairs(pairs, pad_id)
     elif backend.name == "flex":
-        batch = pack_pairs(pairs, flex_length(sum(p.num_tokens for p in pairs), budget), pad_id)
+        batch = pack_pairs(pairs, flex_length(sum(p.num_tokens for p in pairs), budget, backend.lengths), pad_id)
     else:
         batch = pack_pairs(pairs, 1, pad_id)
     return batch.to(device)

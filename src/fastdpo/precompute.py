@@ -27,7 +27,7 @@ def precompute_ref(cfg: TrainConfig) -> dict:
 
     def get_policy():
         model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type)
-        return model, choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
+        return model, choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
 
     precomputed_table(cfg, get_policy, pairs, rows, pad_id(tokenizer))
     return {"path": str(path), "pairs": len(pairs), "reused": existed}

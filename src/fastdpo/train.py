@@ -212,7 +212,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     d = d or Dist()
-    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device)
+    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
     if cfg.torch_compile and backend.name == "flex" and not cfg.max_tokens_per_batch and pairs:
         cfg.max_tokens_per_batch = compile_budget(pairs, cfg.per_device_train_batch_size)
         log.info("--torch_compile: micro-batches use a token budget of %d (about --per_device_train_batch_size %d "
@@ -228,7 +228,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         prepare_packed(model, backend)
     apply_checkpointing(model, cfg.gradient_checkpointing)
     if cfg.torch_compile:
-        compile_layers(model)
+        compile_layers(model, lengths=cfg.length_buckets)
         settings = compile_vars()  # they change compile time and speed (e.g. TORCHINDUCTOR_CPP_WRAPPER=1): say so
         if settings:
             log.info("torch.compile settings from the environment: %s", as_assignments(settings))
@@ -279,7 +279,7 @@ def warm_up_lengths(s: Setup) -> int:
     budget = s.cfg.max_tokens_per_batch
     cuda = s.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state(s.device) if cuda else None
-    lengths = sorted({flex_length(t, budget) for t in range(FLEX_PAD, budget + 1, FLEX_PAD)})
+    lengths = sorted({flex_length(t, budget, s.backend.lengths) for t in range(FLEX_PAD, budget + 1, FLEX_PAD)})
     for length in lengths:
         n = length - FLEX_PAD // 2
         pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
