@@ -304,21 +304,22 @@ def test_scaling_table_sums_the_window_and_compares_with_one_gpu(tmp_path, capsy
     st = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(st)
 
-    def run(name, rates, peak=10.0):  # rates: pairs/s of steps 1, 2, ...
+    def run(name, rates, peak=10.0, padding=None):  # rates: pairs/s of steps 1, 2, ...
         rows = [{"step": i + 1, "loss": 0.69, "pairs_per_second": r, "memory/peak_gib": peak}
-                for i, r in enumerate(rates)]
+                | ({} if padding is None else {"batch/padding": padding[i]}) for i, r in enumerate(rates)]
         (tmp_path / f"{name}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     run("1gpu_4096", [1, 1, 8, 8, 8, 4, 1], peak=20.0)  # steps 3-6 at 8 pairs each: 1 + 1 + 1 + 2 = 5 s
-    run("ddp_4096", [1, 1, 16, 16, 16, 8, 1])  # 2.5 s: 5 / (2 x 2.5) = 100 %
+    run("ddp_4096", [1, 1, 16, 16, 16, 8, 1], padding=[0.9, 0.9, 0.05, 0.07, 0.06, 0.06, 0.9])  # 2.5 s: 100 %
     run("ddp_4096_r2", [1, 1, 8, 8, 8, 8, 1])  # 4 s: 62.5 %
     run("before_ddp_4096", [9, 9, 8, 8, 8, 4, 9])  # 5 s: 50 %, only the window counts
     run("before_1gpu_4096", [1, 1, 16, 16, 16, 8, 1])  # listed, not the reference
     run("full_shard_4096", [1, 1, 16])  # died in step 4
     assert st.main([str(tmp_path), "--pairs", "8", "--first", "3", "--last", "6"]) == 0
     rows = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()}
-    assert "| 5.000 s | – | 20.00 |" in rows["1gpu_4096"]
-    assert "| 2.500 s | 100.0 % |" in rows["ddp_4096"] and "| 4.000 s | 62.5 % |" in rows["ddp_4096_r2"]
+    assert "| 5.000 s | – | 20.00 | – |" in rows["1gpu_4096"]  # older logs: no padding logged
+    assert "| 2.500 s | 100.0 % | 10.00 | 6.0 % |" in rows["ddp_4096"]  # the window's steps only
+    assert "| 4.000 s | 62.5 % |" in rows["ddp_4096_r2"]
     assert "| 3.250 s | 81.2 % |" in rows["ddp_4096 (mean of 2)"]
     assert "| 5.000 s | 50.0 % |" in rows["before_ddp_4096"]
     assert "| 2.500 s | – |" in rows["before_1gpu_4096"]
