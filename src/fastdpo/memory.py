@@ -56,10 +56,14 @@ def apply_checkpointing(model, policy: str) -> list[str]:
     return wrapped
 
 
-def compile_layers(model, backend="inductor", lengths: int = 4) -> None:
+def compile_layers(model, backend="inductor", lengths: int | None = None) -> None:
     """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers).
-    `lengths`: static micro-batch lengths per token budget (--length_buckets)."""
+    `lengths`: static micro-batch lengths per token budget (--length_buckets; default SHAPE_BUCKETS)."""
     import torch._dynamo
+
+    from fastdpo.model import SHAPE_BUCKETS, base_causal_lm
+
+    lengths = lengths or SHAPE_BUCKETS
 
     # one graph per static micro-batch length, with and without grad, and a few for pairs longer than the budget:
     # keep them all
@@ -70,8 +74,6 @@ def compile_layers(model, backend="inductor", lengths: int = 4) -> None:
     # optimizer", meant for one whole-model graph); per-layer graphs already let the reductions overlap the
     # backward, and the extra splits only cost fusion and kernel launches
     torch._dynamo.config.optimize_ddp = False
-    from fastdpo.model import base_causal_lm
-
     lm = base_causal_lm(model)
     if not lm.get_input_embeddings().weight.requires_grad:
         # frozen embeddings (LoRA): the first layer's input would not require grad and get a graph of its own
