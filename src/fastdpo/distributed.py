@@ -4,7 +4,8 @@ The loop stays the single-process loop; it asks this module for a few things:
 - `init_distributed(cfg)`: read torchrun's env vars, start the process group, pick DDP or FSDP2 (`--fsdp`,
   `--deepspeed` aliases), quiet the logs of ranks other than 0.
 - `wrap_models(...)`: the policy's completion log-prob forward as one module (so DDP/FSDP2 hooks see the whole
-  computation), wrapped in DDP or sharded with `fully_shard` per two decoder layers; the reference likewise.
+  computation), wrapped in DDP or sharded with `fully_shard` per unit of decoder layers (`unit_sizes`); the
+  reference likewise.
 - `rank_micro_batches(...)`: this rank's share of a step's pairs (equal counts, balanced tokens), cut into as many
   micro-batches as every other rank has, so the collectives of the micro-steps line up.
 - `grad_sync(...)`: DDP `no_sync` / FSDP2 deferred reduce on all but the last micro-step.
