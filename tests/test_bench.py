@@ -200,7 +200,7 @@ def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, ca
     assert train_mod.compile_budget(pairs, 8) == 7168  # 8 x ~886 tokens, rounded up to 1024s
     assert train_mod.compile_budget(pairs, 1) == 4096  # never below the longest pair (3200)
     monkeypatch.setattr(train_mod, "choose_backend", lambda *a: Backend("flex"))
-    monkeypatch.setattr(train_mod, "compile_layers", lambda model: None)
+    monkeypatch.setattr(train_mod, "compile_layers", lambda model, **kw: None)
     monkeypatch.setattr(train_mod, "prepare_packed", lambda *a: None)
     path = str(model_dirs("qwen3"))
     cfg = _cfg(tmp_path, model_dirs, torch_compile=True, per_device_train_batch_size=2)
