@@ -186,7 +186,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     """Time `steps` optimizer steps of the real training step after `warmup` steps; with `profile_dir`, profile
     two more steps afterwards (outside the timing)."""
     from fastdpo.gcpause import GcPauses
-    from fastdpo.metrics import device_peak_flops, model_flops_per_token, step_flops
+    from fastdpo.metrics import device_peak_flops, model_flops_per_token, padding, step_flops
     from fastdpo.model import base_causal_lm, resolve_device, resolve_dtype
     from fastdpo.optim import build_optimizer, build_scheduler
     from fastdpo.train import StepMetrics, assemble, attended_pairs, run_step, seed_all, warm_up_lengths
@@ -250,7 +250,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                             profile_dir) if profile_dir else None
     return {
         "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
-        "s_per_step": round(dt / steps, 4), "padding": round(computed / max(tokens, 1) - 1, 4),
+        "s_per_step": round(dt / steps, 4), "padding": padding(computed, tokens),
         "mfu": round(flops / dt / peak, 4) if peak else None,
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "first_step_s": round(t_first, 1), "gc_pause_ms": gc_pauses["gc/pause_ms"],

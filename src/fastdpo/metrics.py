@@ -73,6 +73,12 @@ class StepMetrics:
         return out
 
 
+def padding(busiest_computed: int, tokens: int, ranks: int = 1) -> float:
+    """Token positions run beyond the pairs' own tokens, as a fraction: the busiest rank's computed positions (the
+    step waits for it) times the ranks, against the `tokens` of all ranks' pairs. Padding and rank imbalance."""
+    return round(busiest_computed * ranks / max(tokens, 1) - 1, 4)
+
+
 def kl_ratio(kl: float, chosen_reward: float) -> float:
     """kl / rewards/chosen, signed as seed 000 §5.2 defines it: how far the policy drifted per unit of reward it
     gained. Positive when both move the same way (drift up with chosen rising, or both falling: likelihood of chosen

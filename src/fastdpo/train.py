@@ -49,7 +49,7 @@ from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.gcpause import GcPauses
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers, offloading
-from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, peak_memory_gib, step_flops
+from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
 from fastdpo.model import (
     FLEX_PAD,
     Backend,
@@ -469,7 +469,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                                                             gcs["gc/collections"], metrics.computed_tokens], d, device)
                 record.update({"memory/peak_gib": round(mem, 3), "gc/pause_ms": round(gc_ms, 3),
                                "gc/collections": int(gc_n), "batch/micro_batches": metrics.micro_batches,
-                               "batch/padding": round(busiest * d.world_size / max(tokens, 1) - 1, 4)})
+                               "batch/padding": padding(int(busiest), tokens, d.world_size)})
                 monitor.log(record)  # adds the vital signs, raises alerts, writes every sink
                 last = record
             if evaluator.due(done, s.total_steps):  # every rank evaluates (the forwards are collective)
