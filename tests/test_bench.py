@@ -21,7 +21,8 @@ def test_flex_length_uses_few_static_shapes():
     for t in (1, 1000, 1024, 1025, 3000, 4096):
         n = flex_length(t, budget)
         assert n >= t and n % FLEX_PAD == 0 and n - t < budget // SHAPE_BUCKETS
-    assert flex_length(4200, budget) == 5120 and flex_length(9000, budget) == 9216  # longer: quarter-budget steps
+    assert flex_length(4200, budget, 4) == 5120 and flex_length(9000, budget, 4) == 9216  # longer: quarter steps
+    assert flex_length(4200, budget, 16) == 4352 and flex_length(9000, budget, 16) == 9216  # sixteenth steps
     assert flex_length(300, 0) == 384  # no budget: the next flex block
     assert flex_length(100, 200) == 128 and flex_length(200, 200) == 256  # tiny budgets: whole blocks
 
@@ -188,6 +189,45 @@ def test_compile_layers_makes_frozen_embeddings_output_require_grad(model_dirs):
     assert not emb(torch.tensor([[5, 6]])).requires_grad
     compile_layers(model)
     assert emb(torch.tensor([[5, 6]])).requires_grad
+
+
+def test_config_default_lengths_match_the_model_default():
+    assert TrainConfig(model="m", dataset=["x"]).length_buckets == SHAPE_BUCKETS
+
+
+def test_compile_layers_refuses_cuda_graphs(model_dirs):
+    """CUDA graphs replay one graph for every layer, overwriting the outputs the backward still needs: a clear error."""
+    import torch._inductor.config
+
+    from fastdpo.memory import compile_layers
+    from fastdpo.model import load_model
+
+    model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        with pytest.raises(FastDPOError, match="Unset TORCHINDUCTOR_CUDAGRAPHS"):
+            compile_layers(model)
+
+
+def test_compiled_lengths_stay_compiled(model_dirs, monkeypatch):
+    """Past Dynamo's recompile limit a function runs uncompiled, and uncompiled flex attention materializes every score:
+    the flex kernel and the compiled layers raise the limit to cover their lengths, and never lower a larger one."""
+    import torch._dynamo
+
+    from fastdpo import attention
+    from fastdpo.memory import compile_layers
+    from fastdpo.model import load_model
+
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(torch._dynamo.config, name, 8)
+    attention._compiled_flex.cache_clear()
+    attention._compiled_flex()
+    assert getattr(torch._dynamo.config, name) == attention.FLEX_RECOMPILES
+    monkeypatch.setattr(torch._dynamo.config, name, 8)
+    compile_layers(load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu")), lengths=64)
+    assert getattr(torch._dynamo.config, name) == 2 * 64 + 16
+    attention.allow_recompiles(10)
+    assert getattr(torch._dynamo.config, name) == 2 * 64 + 16
+    attention._compiled_flex.cache_clear()
 
 
 def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, caplog):

@@ -68,6 +68,35 @@ def test_flex_matches_fp32_reference():
     assert rel(fast, slow) < 1e-5
 
 
+def test_flex_kernel_stays_compiled_across_many_lengths(monkeypatch):
+    """Without --torch_compile the flex kernel is compiled on its own, one graph per micro-batch length. Past Dynamo's
+    default limit of 8 it would run uncompiled (the whole score matrix); every length must keep its compiled graph."""
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from fastdpo import attention
+
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(torch._dynamo.config, name, 8)
+    torch._dynamo.reset()
+    attention._compiled_flex.cache_clear()
+    model = qwen3_model(torch.bfloat16, layers=1).eval()
+    prepare_packed(model, Backend("flex"))
+    pairs = random_pairs(16, 151936, seed=3, max_prompt=100, max_comp=60)
+    lengths = set()
+    with torch.no_grad():
+        for i in range(1, 17):  # no budget: each micro-batch padded to the next multiple of 128 tokens
+            batch = pack_pairs(pairs[:i], 128)
+            lengths.add(batch.input_ids.shape[-1])
+            fast, _ = sequence_logps(model, batch.to("cuda"), Backend("flex"))
+            slow, _ = sequence_logps(model, pad_pairs(pairs[:i]).to("cuda"), Backend("padded"))
+            assert rel(fast, slow) < 1e-2
+    assert len(lengths) > 8
+    assert len(_debug_get_cache_entry_list(flex_attention.__code__)) >= len(lengths)
+    attention._compiled_flex.cache_clear()
+
+
 def test_qlora_trains_on_cuda(tmp_path, model_dirs):
     pytest.importorskip("bitsandbytes")
     import json

@@ -80,10 +80,26 @@ def flex_block_mask(batch: PairBatch, window: int | None = None):
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=b, mask_mod=mask_mod)
 
 
+# Dynamo's default limit is 8 graphs per function; past it, it runs the function uncompiled, and uncompiled flex
+# attention materializes the whole score matrix (slow, and out of memory on long micro-batches). A budget gives a few
+# static lengths (with and without grad); without a budget each 128-token length is its own graph.
+FLEX_RECOMPILES = 256
+
+
+def allow_recompiles(n: int) -> None:
+    """Let TorchDynamo keep at least `n` compiled graphs per function (never lowers a larger setting)."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), n))
+
+
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
+    allow_recompiles(FLEX_RECOMPILES)
     return torch.compile(flex_attention, dynamic=False)
 
 

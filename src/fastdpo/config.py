@@ -143,7 +143,7 @@ class TrainConfig:
                               "filler forward and backward per length of the --max_tokens_per_batch budget; gradients "
                               "discarded): steps run at full speed from the first, and on several GPUs no rank waits "
                               "for another's compilation.")
-    length_buckets: int = _f(4, "Static lengths a packed micro-batch is padded to under a --max_tokens_per_batch "
+    length_buckets: int = _f(16, "Static lengths a packed micro-batch is padded to under a --max_tokens_per_batch "
                              "budget (FlexAttention on CUDA): the next multiple of budget / N (and of 128 tokens). More pad less "
                              "(batch/padding in the metrics) and build kernels for more lengths (each once; up "
                              "front with --compile_warmup).")

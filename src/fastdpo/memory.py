@@ -7,6 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastdpo.config import checkpoint_policy
+from fastdpo.errors import FastDPOError
 
 
 def _wrap(module: torch.nn.Module) -> None:
@@ -61,15 +62,20 @@ def compile_layers(model, backend="inductor", lengths: int | None = None) -> Non
     `lengths`: static micro-batch lengths per token budget (--length_buckets; default SHAPE_BUCKETS)."""
     import torch._dynamo
 
+    import torch._inductor.config
+
+    from fastdpo.attention import allow_recompiles
     from fastdpo.model import SHAPE_BUCKETS, base_causal_lm
 
     lengths = lengths or SHAPE_BUCKETS
 
+    if torch._inductor.config.triton.cudagraphs:
+        raise FastDPOError("CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1) cannot replay the per-layer compiled graphs of "
+                           "--torch_compile: one graph serves every layer, so each layer's replay overwrites the "
+                           "output of the layer before, which the backward still needs. Unset TORCHINDUCTOR_CUDAGRAPHS.")
     # one graph per static micro-batch length, with and without grad, and a few for pairs longer than the budget:
     # keep them all
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32, 2 * lengths + 16))
+    allow_recompiles(max(32, 2 * lengths + 16))
     # under DDP, TorchDynamo would split each layer's graph again at the reduction buckets' boundaries (its "DDP
     # optimizer", meant for one whole-model graph); per-layer graphs already let the reductions overlap the
     # backward, and the extra splits only cost fusion and kernel launches

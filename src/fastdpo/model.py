@@ -19,7 +19,7 @@ log = logging.getLogger("fastdpo")
 
 # Families whose attention is fully described by the pair rule (+ an optional uniform sliding window).
 FLEX_PAD = 128  # flex rows are padded to a multiple of its block size
-SHAPE_BUCKETS = 4  # default --length_buckets: a flex micro-batch is padded to the next quarter of the token budget
+SHAPE_BUCKETS = 16  # default --length_buckets: a flex micro-batch is padded to the next 1/16 of the token budget
 PACKED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "granite", "olmo2", "qwen3_moe"}
 
 
