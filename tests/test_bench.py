@@ -208,7 +208,7 @@ def test_compile_layers_refuses_cuda_graphs(model_dirs):
             compile_layers(model)
 
 
-def test_compiled_lengths_stay_compiled(model_dirs, monkeypatch):
+def test_compiled_lengths_stay_compiled(model_dirs):
     """Past Dynamo's recompile limit a function runs uncompiled, and uncompiled flex attention materializes every score:
     the flex kernel and the compiled layers raise the limit to cover their lengths, and never lower a larger one."""
     import torch._dynamo
@@ -218,27 +218,32 @@ def test_compiled_lengths_stay_compiled(model_dirs, monkeypatch):
     from fastdpo.model import load_model
 
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(torch._dynamo.config, name, 8)
-    attention._compiled_flex.cache_clear()
-    attention._compiled_flex()
-    assert getattr(torch._dynamo.config, name) == attention.FLEX_RECOMPILES
-    monkeypatch.setattr(torch._dynamo.config, name, 8)
-    compile_layers(load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu")), lengths=64)
-    assert getattr(torch._dynamo.config, name) == 2 * 64 + 16
-    attention.allow_recompiles(10)
-    assert getattr(torch._dynamo.config, name) == 2 * 64 + 16
-    attention._compiled_flex.cache_clear()
+    model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
+    try:
+        with torch._dynamo.config.patch({name: 8}):  # restored on exit
+            attention._compiled_flex.cache_clear()
+            attention._compiled_flex()
+            assert getattr(torch._dynamo.config, name) == attention.FLEX_RECOMPILES
+        with torch._dynamo.config.patch({name: 8}):
+            compile_layers(model, lengths=64)
+            assert getattr(torch._dynamo.config, name) == 2 * 64 + 16
+            attention.allow_recompiles(10)
+            assert getattr(torch._dynamo.config, name) == 2 * 64 + 16
+    finally:
+        attention._compiled_flex.cache_clear()
 
 
-def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, caplog):
+def test_flex_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, caplog):
+    """FlexAttention builds kernels per micro-batch length: a run without --max_tokens_per_batch gets a budget
+    (logged), compiled layers or not, so its micro-batches take a few static lengths."""
     from fastdpo import train as train_mod
     from fastdpo.data.tokenize import TokenizedPair
-    from fastdpo.model import Backend, load_model, load_tokenizer
+    from fastdpo.model import Backend, flex_budget, load_model, load_tokenizer
 
     pairs = [TokenizedPair(prompt=[5] * 300, chosen=[6] * 100, rejected=[7] * 100, index=i) for i in range(6)]
     pairs.append(TokenizedPair(prompt=[5] * 2000, chosen=[6] * 600, rejected=[7] * 600, index=6))
-    assert train_mod.compile_budget(pairs, 8) == 7168  # 8 x ~886 tokens, rounded up to 1024s
-    assert train_mod.compile_budget(pairs, 1) == 4096  # never below the longest pair (3200)
+    assert flex_budget(pairs, 8) == 7168  # 8 x ~886 tokens, rounded up to 1024s
+    assert flex_budget(pairs, 1) == 4096  # never below the longest pair (3200)
     monkeypatch.setattr(train_mod, "choose_backend", lambda *a: Backend("flex"))
     monkeypatch.setattr(train_mod, "compile_layers", lambda model, **kw: None)
     monkeypatch.setattr(train_mod, "prepare_packed", lambda *a: None)
@@ -255,6 +260,17 @@ def test_compile_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, ca
     train_mod.assemble(kept, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
                        load_tokenizer(path), pairs)
     assert kept.max_tokens_per_batch == 512
+    eager = _cfg(tmp_path, model_dirs, per_device_train_batch_size=8)  # no --torch_compile: the flex kernel alone
+    with caplog.at_level("INFO", logger="fastdpo"):
+        train_mod.assemble(eager, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                           load_tokenizer(path), pairs)
+    assert eager.max_tokens_per_batch == 7168
+    assert "FlexAttention: micro-batches use a token budget of 7168" in caplog.text
+    monkeypatch.setattr(train_mod, "choose_backend", lambda *a: Backend("dense"))
+    dense = _cfg(tmp_path, model_dirs, per_device_train_batch_size=8)  # dense (CPU): pair counts, as asked
+    train_mod.assemble(dense, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                       load_tokenizer(path), pairs)
+    assert dense.max_tokens_per_batch == 0
 
 
 def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):

@@ -472,3 +472,31 @@ def test_eval_tokenises_like_training(tmp_path, model_dirs, monkeypatch):
 def test_ms_swift_eval_flags_get_clear_answers(flags, needle, capsys):
     rc, out = run_cli(capsys, "eval", "--model", "m", "--dataset", "d.jsonl", *flags)
     assert rc == 1 and needle in out and "Traceback" not in out
+
+
+def test_eval_on_flex_without_a_budget_gets_one(tmp_path, heldout, model_dirs, monkeypatch):
+    """FlexAttention builds kernels per micro-batch length: `fastdpo eval` without --max_tokens_per_batch scores in
+    micro-batches under a budget of about --per_device_eval_batch_size pairs, so they take a few static lengths."""
+    import fastdpo.evaluate as ev
+    import fastdpo.model as model_mod
+
+    seen = {}
+
+    class Scored(Exception):
+        pass
+
+    def capture(model, reference, pairs, backend, pad_id, device, budget, batch_size, *a, **kw):
+        seen.update(budget=budget, pairs=pairs, batch_size=batch_size)
+        raise Scored
+
+    monkeypatch.setattr(model_mod, "choose_backend", lambda *a, **kw: model_mod.Backend("flex"))
+    monkeypatch.setattr(model_mod, "prepare_packed", lambda *a, **kw: None)
+    monkeypatch.setattr(ev, "pair_logps", capture)
+    with pytest.raises(Scored):
+        run_eval(EvalConfig(model=str(model_dirs("qwen3")), dataset=[str(heldout)], per_device_eval_batch_size=4,
+                            output_dir=str(tmp_path / "o")))
+    assert seen["budget"] == model_mod.flex_budget(seen["pairs"], 4) > 0
+    with pytest.raises(Scored):
+        run_eval(EvalConfig(model=str(model_dirs("qwen3")), dataset=[str(heldout)], max_tokens_per_batch=2048,
+                            output_dir=str(tmp_path / "o2")))
+    assert seen["budget"] == 2048

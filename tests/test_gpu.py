@@ -1,5 +1,7 @@
 """GPU parity of the fast paths against the padded path (bf16). Run on a CUDA device: `pytest -m gpu tests/test_gpu.py`."""
 
+import math
+
 import pytest
 import torch
 from conftest import random_pairs
@@ -68,17 +70,22 @@ def test_flex_matches_fp32_reference():
     assert rel(fast, slow) < 1e-5
 
 
-def test_flex_kernel_stays_compiled_across_many_lengths(monkeypatch):
+def test_flex_kernel_stays_compiled_across_many_lengths():
     """Without --torch_compile the flex kernel is compiled on its own, one graph per micro-batch length. Past Dynamo's
     default limit of 8 it would run uncompiled (the whole score matrix); every length must keep its compiled graph."""
     import torch._dynamo
+
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch({name: 8}):  # Dynamo's default, restored on exit
+        _many_flex_lengths()
+
+
+def _many_flex_lengths():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
 
     from fastdpo import attention
 
-    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(torch._dynamo.config, name, 8)
     torch._dynamo.reset()
     attention._compiled_flex.cache_clear()
     model = qwen3_model(torch.bfloat16, layers=1).eval()
@@ -298,6 +305,41 @@ def test_profile_memory_reports_the_peak_on_cuda(tmp_path, model_dirs):
     peak = float(text.split("Peak in the window: ")[1].split(" GiB")[0])
     assert 0 < peak <= torch.cuda.max_memory_allocated() / 2**30 + 0.01
     assert "allocations" in text
+
+
+def test_training_without_a_budget_builds_few_flex_lengths(tmp_path, model_dirs):
+    """Default flags on CUDA (no --max_tokens_per_batch, no --torch_compile) with pairs of many lengths: training gets
+    a budget, so its micro-batches take at most --length_buckets lengths (plus longer pairs'), the flex kernel stays
+    compiled for each, and the loss is finite."""
+    import json
+    import random
+
+    import torch._dynamo
+    from conftest import write_jsonl
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from fastdpo import attention
+    from fastdpo.config import TrainConfig
+    from fastdpo.train import train
+
+    r = random.Random(5)
+    rows = [{"prompt": " ".join(f"w{r.randrange(10, 60)}" for _ in range(r.randint(20, 900))),
+             "chosen": " w5 w6" * r.randint(1, 60), "rejected": " w7 w8 w9" * r.randint(1, 40)} for _ in range(96)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    torch._dynamo.reset()
+    attention._compiled_flex.cache_clear()
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
+                      max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=4, max_length=4096,
+                      disable_progress=True, device="cuda", save_steps=0)
+    train(cfg, progress=False)
+    assert cfg.max_tokens_per_batch > 0
+    graphs = len(_debug_get_cache_entry_list(flex_attention.__code__))
+    assert 0 < graphs <= 2 * (cfg.length_buckets + 4), graphs  # with and without grad; a few past the budget
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    assert graphs < limit  # no length ran uncompiled
+    steps = [json.loads(line) for line in open(tmp_path / "run/metrics.jsonl")]
+    assert len(steps) == 6 and all(math.isfinite(s["loss"]) for s in steps)
 
 
 def test_policy_forward_and_backward_never_wait_for_the_device():

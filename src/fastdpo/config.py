@@ -69,7 +69,9 @@ class TrainConfig:
     # batching
     per_device_train_batch_size: int = _f(8, "Pairs per micro-batch (without a token budget).")
     gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step. A step covers bs x accum x world pairs.")
-    max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: pack per_device_train_batch_size pairs).")
+    max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: with FlexAttention, on CUDA, about "
+                                   "per_device_train_batch_size pairs of the data's tokens, logged; otherwise "
+                                   "per_device_train_batch_size pairs).")
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
     attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
     gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true = full).")

@@ -61,7 +61,6 @@ def compile_layers(model, backend="inductor", lengths: int | None = None) -> Non
     """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers).
     `lengths`: static micro-batch lengths per token budget (--length_buckets; default SHAPE_BUCKETS)."""
     import torch._dynamo
-
     import torch._inductor.config
 
     from fastdpo.attention import allow_recompiles

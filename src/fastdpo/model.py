@@ -266,6 +266,15 @@ def flex_length(tokens: int, budget: int, lengths: int = SHAPE_BUCKETS) -> int:
     return -(-tokens // step) * step
 
 
+def flex_budget(pairs: list, pairs_per_micro: int) -> int:
+    """A token budget for a run that gave none: about `pairs_per_micro` pairs (TokenizedPair) of average length,
+    rounded up to 1024 tokens and never below the longest pair (so no pair needs a length of its own). Flex
+    micro-batches then take a few static lengths (`flex_length`) instead of one per batch."""
+    mean = sum(p.num_tokens for p in pairs) / len(pairs)
+    want = max(pairs_per_micro * mean, max(p.num_tokens for p in pairs))
+    return int(-(-want // 1024) * 1024)
+
+
 def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0) -> PairBatch:
     """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
     padded to one of a few static lengths (`flex_length`)."""

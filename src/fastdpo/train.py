@@ -57,6 +57,7 @@ from fastdpo.model import (
     base_causal_lm,
     build_mask,
     choose_backend,
+    flex_budget,
     flex_length,
     load_model,
     load_tokenizer,
@@ -198,14 +199,6 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     return " ".join(hints) or None
 
 
-def compile_budget(pairs: list[TokenizedPair], pairs_per_micro: int) -> int:
-    """A token budget holding about `pairs_per_micro` pairs of average length, rounded up to 1024 tokens and never
-    below the longest pair (so no pair needs a length of its own)."""
-    mean = sum(p.num_tokens for p in pairs) / len(pairs)
-    want = max(pairs_per_micro * mean, max(p.num_tokens for p in pairs))
-    return int(-(-want // 1024) * 1024)
-
-
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
              ref_model=None, rows: list[Row] | None = None, d: Dist | None = None) -> Setup:
     """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts.
@@ -213,12 +206,16 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     d = d or Dist()
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
-    if cfg.torch_compile and backend.name == "flex" and not cfg.max_tokens_per_batch and pairs:
-        cfg.max_tokens_per_batch = compile_budget(pairs, cfg.per_device_train_batch_size)
-        log.info("--torch_compile: micro-batches use a token budget of %d (about --per_device_train_batch_size %d "
-                 "pairs of this data), so compiled graphs are built for a few static lengths, not for every batch. "
-                 "Set --max_tokens_per_batch to choose another.", cfg.max_tokens_per_batch,
-                 cfg.per_device_train_batch_size)
+    if backend.name == "flex" and not cfg.max_tokens_per_batch:
+        if pairs:
+            cfg.max_tokens_per_batch = flex_budget(pairs, cfg.per_device_train_batch_size)
+            log.info("FlexAttention: micro-batches use a token budget of %d (about --per_device_train_batch_size %d "
+                     "pairs of this data), so its kernels (and --torch_compile's layers) are built for a few static "
+                     "lengths, not for every batch. Set --max_tokens_per_batch to choose another.",
+                     cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
+        else:
+            log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
+                        "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, d)
     if cfg.uses_lora:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
