@@ -196,9 +196,6 @@ class TrainConfig:
         from fastdpo.profile import parse_steps
 
         parse_steps(self.profile_steps)  # raises on a bad value
-        if self.compile_warmup and not self.max_tokens_per_batch and not self.torch_compile:
-            raise FastDPOError("--compile_warmup builds the kernels of each micro-batch length of a token budget: add "
-                               "--max_tokens_per_batch (or --torch_compile, which picks one).")
         if self.profile_memory and not self.profile_steps:
             raise FastDPOError("--profile_memory records the steps of --profile_steps: add e.g. --profile_steps 6-7.")
         if self.gradient_checkpointing != "auto":

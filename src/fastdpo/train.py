@@ -391,7 +391,12 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     if cfg.compile_warmup:
         t0 = time.perf_counter()
         n = warm_up_lengths(s)
-        log.info("--compile_warmup: kernels for %d micro-batch lengths built in %.1f s.", n, time.perf_counter() - t0)
+        if n:
+            log.info("--compile_warmup: kernels for %d micro-batch lengths built in %.1f s.", n,
+                     time.perf_counter() - t0)
+        else:  # dense or padded attention (CPU), or a stream: no budget, so no static lengths
+            log.info("--compile_warmup: nothing to build without a token budget (--max_tokens_per_batch; FlexAttention "
+                     "runs on CUDA pick one).")
 
     monitor = Monitor(cfg, out, console, optimizer, start, write=d.is_main, world_size=d.world_size)  # rank 0 writes
     lm_config = base_causal_lm(model).config
