@@ -364,7 +364,14 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     output_dir/eval_report.json (and generations.jsonl) and prints a table."""
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
     from fastdpo.infer import load_for_generation
-    from fastdpo.model import choose_backend, flex_budget, load_model, prepare_packed, resolve_device, resolve_dtype
+    from fastdpo.model import (
+        choose_backend,
+        load_model,
+        micro_batch_budget,
+        prepare_packed,
+        resolve_device,
+        resolve_dtype,
+    )
     from fastdpo.rewards import load_reward_fn
 
     cfg.validate()
@@ -391,9 +398,7 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     rows = load_rows(cfg.dataset, cfg.seed)
     pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))  # tokenised exactly as training did
     pad_id = tok.pad_token_id or 0
-    budget = cfg.max_tokens_per_batch
-    if backend.name == "flex" and not budget and pairs:  # a few static lengths, not a flex kernel per batch length
-        budget = flex_budget(pairs, cfg.per_device_eval_batch_size)
+    budget = micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_eval_batch_size)
     args = (backend, pad_id, device, budget, cfg.per_device_eval_batch_size)
     x = pair_logps(model, reference, pairs, *args)
     terms = [(name, 1.0) for name in cfg.loss_type.split(",")]

@@ -275,6 +275,15 @@ def flex_budget(pairs: list, pairs_per_micro: int) -> int:
     return int(-(-want // 1024) * 1024)
 
 
+def micro_batch_budget(backend: Backend, budget: int, pairs: list, pairs_per_micro: int) -> int:
+    """The token budget micro-batches are cut under: `budget` when one is given. FlexAttention builds its kernels per
+    micro-batch length, so without one it gets `flex_budget` (a few static lengths, not one per batch); the other
+    backends keep 0 (micro-batches of `pairs_per_micro` pairs)."""
+    if budget or backend.name != "flex" or not pairs:
+        return budget
+    return flex_budget(pairs, pairs_per_micro)
+
+
 def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0) -> PairBatch:
     """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
     padded to one of a few static lengths (`flex_length`)."""

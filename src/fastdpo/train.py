@@ -57,11 +57,11 @@ from fastdpo.model import (
     base_causal_lm,
     build_mask,
     choose_backend,
-    flex_budget,
     flex_length,
     load_model,
     load_tokenizer,
     make_batch,
+    micro_batch_budget,
     model_summary,
     prepare_packed,
     resolve_device,
@@ -206,16 +206,16 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     d = d or Dist()
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
-    if backend.name == "flex" and not cfg.max_tokens_per_batch:
-        if pairs:
-            cfg.max_tokens_per_batch = flex_budget(pairs, cfg.per_device_train_batch_size)
-            log.info("FlexAttention: micro-batches use a token budget of %d (about --per_device_train_batch_size %d "
-                     "pairs of this data), so its kernels (and --torch_compile's layers) are built for a few static "
-                     "lengths, not for every batch. Set --max_tokens_per_batch to choose another.",
-                     cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
-        else:
-            log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
-                        "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
+    given = cfg.max_tokens_per_batch
+    cfg.max_tokens_per_batch = micro_batch_budget(backend, given, pairs, cfg.per_device_train_batch_size)
+    if cfg.max_tokens_per_batch != given:
+        log.info("FlexAttention: micro-batches use a token budget of %d (about --per_device_train_batch_size %d "
+                 "pairs of this data), so its kernels (and --torch_compile's layers) are built for a few static "
+                 "lengths, not for every batch. Set --max_tokens_per_batch to choose another.",
+                 cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
+    elif backend.name == "flex" and not given:  # a stream: no pairs to size a budget from
+        log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
+                    "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, d)
     if cfg.uses_lora:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
