@@ -355,3 +355,30 @@ def test_in_memory_model_precomputes_without_cache(tmp_path, model_dirs):
     online = build_setup(config(tmp_path, m, "online"))
     torch.testing.assert_close(s.reference.logps(s.model, batch, Backend("dense")).sums,
                                online.reference.logps(online.model, batch, Backend("dense")).sums)
+
+
+def test_precompute_on_flex_without_a_budget_sizes_one_as_training_does(tmp_path, model_dirs, monkeypatch):
+    """`fastdpo precompute` without --max_tokens_per_batch on FlexAttention cuts its (no-grad) micro-batches under
+    four times the budget training would pick, so its kernels see a few static lengths, not one per batch."""
+    import fastdpo.precompute
+    from fastdpo.model import Backend, flex_budget
+
+    seen = {}
+
+    class Scored(Exception):
+        pass
+
+    def capture(model, pairs, backend, pad_id, device, batch_pairs, budget):
+        seen.update(pairs=pairs, budget=budget)
+        raise Scored
+
+    monkeypatch.setattr(fastdpo.precompute, "choose_backend", lambda *a, **k: Backend("flex"))
+    monkeypatch.setattr(fastdpo.reference, "prepare_packed", lambda *a, **k: None)
+    monkeypatch.setattr(fastdpo.reference, "compute_table", capture)
+    cfg = config(tmp_path, model_dirs("qwen3"), "c")
+    with pytest.raises(Scored):
+        precompute_ref(cfg)
+    assert seen["budget"] == 4 * flex_budget(seen["pairs"], cfg.per_device_train_batch_size) > 0
+    with pytest.raises(Scored):
+        precompute_ref(TrainConfig(**{**cfg.to_dict(), "max_tokens_per_batch": 512}))
+    assert seen["budget"] == 4 * 512

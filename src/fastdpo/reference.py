@@ -33,6 +33,7 @@ from fastdpo.model import (
     base_causal_lm,
     check_adapter_dir,
     load_model,
+    micro_batch_budget,
     prepare_packed,
     resolve_device,
     resolve_dtype,
@@ -232,7 +233,8 @@ def _gather(table: RefTable, device) -> RefTable:
 def _compute(cfg: TrainConfig, get_policy, pairs: list[TokenizedPair], pad_id: int, ref_model, device) -> RefTable:
     policy, backend = get_policy()
     batch_pairs = cfg.precompute_ref_batch_size or 4 * cfg.per_device_train_batch_size
-    budget = 4 * cfg.max_tokens_per_batch
+    # four times the training budget (no backward here); `fastdpo precompute` without one sizes it as training would
+    budget = 4 * micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_train_batch_size)
     param = next(policy.parameters())
     if ref_model is not None or cfg.ref_model:
         model = _freeze(ref_model or load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code))
