@@ -113,11 +113,11 @@ def test_fsdp_bf16_stochastic_rounding_shards_and_resumes(tmp_path, model_dirs):
     assert [r["step"] for r in metrics(tmp_path / "resumed")] == [4, 5, 6]
 
 
-@pytest.mark.parametrize("mode", ["shard_grad_op", "full_shard"])
-def test_zero2_keeps_weights_gathered_through_a_step(mode, model_dirs):
+def test_zero2_keeps_weights_gathered_through_a_step(model_dirs):
     """shard_grad_op (ZeRO-2) gathers the weights once per optimizer step: after the backward of a micro-step that is
     not the step's last they stay whole (plain tensors, not shards), and the last one shards them again for the
-    optimizer. full_shard (ZeRO-3) shards them after every backward."""
+    optimizer. (full_shard: `test_full_shard_keeps_the_first_unit_and_root_gathered_between_micro_steps`.)"""
+    mode = "shard_grad_op"
     import torch
     import torch.distributed as dist
     from conftest import random_pairs
@@ -145,7 +145,7 @@ def test_zero2_keeps_weights_gathered_through_a_step(mode, model_dirs):
                 sums.sum().backward()
             sharded.append(isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor))
         assert isinstance(layer, DTensor)  # the registered parameter is the shard
-        assert sharded == ([False, False, True] if mode == "shard_grad_op" else [True, True, True])
+        assert sharded == [False, False, True]
     finally:
         dist.destroy_process_group()
 
@@ -187,6 +187,47 @@ def test_full_shard_keeps_last_unit_and_root_gathered_into_backward(model_dirs, 
         assert whole(model) == [False, True, True]
         sums.sum().backward()
         assert whole(model) == [False, False, False]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_full_shard_keeps_the_first_unit_and_root_gathered_between_micro_steps(model_dirs):
+    """full_shard (ZeRO-3) frees a unit's gathered weights after its backward, except, between an optimizer step's
+    micro-steps, the two that the next forward opens with: the root (embeddings, head) and the first decoder unit.
+    The middle and last units are shards after every backward; the step's last backward shards everything for the
+    optimizer."""
+    import torch
+    import torch.distributed as dist
+    from conftest import random_pairs
+    from torch.distributed.tensor import DTensor
+
+    from fastdpo.distributed import Dist, grad_sync, parallel_plan, wrap_models
+    from fastdpo.model import build_mask, make_batch
+    from fastdpo.reference import Reference
+
+    config, model, backend = five_layer_qwen3(model_dirs)
+    plan = parallel_plan("full_shard", "")
+    d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, layers_per_unit=2)  # units: layers 0-1, 2-3, 4
+
+    def whole():  # layer 0 (first unit), layer 2 (middle unit), layer 4 (last unit), embeddings (root)
+        return [not isinstance(w, DTensor) for w in (model.model.layers[0].mlp.up_proj.weight,
+                                                     model.model.layers[2].mlp.up_proj.weight,
+                                                     model.model.layers[4].mlp.up_proj.weight,
+                                                     model.model.embed_tokens.weight)]
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = wrap_models(model, Reference("precompute"), backend, d)
+        seen = []
+        for step in range(2):
+            for last in (False, False, True):
+                batch = make_batch(random_pairs(3, config.vocab_size, seed=step), backend, 0, torch.device("cpu"))
+                with grad_sync(policy, last, keep_gathered=d.keeps_gathered):
+                    sums, *_ = policy(batch, build_mask(batch, backend))
+                    sums.sum().backward()
+                seen.append(whole())
+        between, end = [True, False, False, True], [False, False, False, False]
+        assert seen == [between, between, end] * 2
     finally:
         dist.destroy_process_group()
 

@@ -359,12 +359,18 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool, training: bool = True) -
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if d.sum_in_fp32 else None)
     layers = decoder_layers(module.model)
     start, sizes = 0, unit_sizes(layers, d.layers_per_unit)
+    first = None
     for i, size in enumerate(sizes):
         unit, start = layers[start : start + size], start + size
         keep = training and i == len(sizes) - 1
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard and not keep,
-                    mp_policy=mp)
+        sharded = fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh,
+                              reshard_after_forward=reshard and not keep, mp_policy=mp)
+        first = first or (sharded[0] if isinstance(sharded, list) else sharded)  # a list shares one state
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not training, mp_policy=mp)
+    # full_shard: the root and the first unit open every forward; between a step's micro-batches (grad_sync) they
+    # stay gathered instead of being freed by one backward and gathered again, exposed, by the next forward. No peak
+    # is added: nothing else is held at a micro-batch boundary, and both are gathered again right after it.
+    module._fastdpo_boundary_units = (module, first) if reshard and training else ()
     for m in module.modules():
         if isinstance(m, FSDPModule):
             if hasattr(m, "set_gradient_divide_factor"):  # torch >= 2.8
@@ -413,7 +419,8 @@ def grad_sync(policy: torch.nn.Module, last: bool, keep_gathered: bool = False):
     shard_grad_op, i.e. ZeRO-2), the weights gathered by the step's first forward also stay gathered after the
     backwards of its other micro-steps: one all-gather per optimizer step instead of one per micro-batch, at no extra
     peak memory (shard_grad_op holds every layer's gathered weights between forward and backward anyway). FSDP2's
-    deferred gradients accumulate in the parameters' dtype, like DDP's and one process's (`_accumulate_in_param_dtype`)."""
+    deferred gradients accumulate in the parameters' dtype, like DDP's and one process's (`_accumulate_in_param_dtype`).
+    Under full_shard the root and the first decoder unit stay gathered between micro-steps (`_shard`)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -425,6 +432,8 @@ def grad_sync(policy: torch.nn.Module, last: bool, keep_gathered: bool = False):
         policy.set_requires_gradient_sync(last)
         if keep_gathered:
             policy.set_reshard_after_backward(last)
+        for unit in getattr(policy, "_fastdpo_boundary_units", ()):  # full_shard (`_shard`)
+            unit.set_reshard_after_backward(last, recurse=False)
     yield
 
 
