@@ -23,7 +23,8 @@
 #            <run>_r2, _r3...: single runs of the same code spread by up to +-5 % within a call.
 # Prints the per-step times and each profile's compute / exposed communication / idle split, then the call's table
 # (benchmarks/scaling_table.py: steps 3..STEPS-1 summed, per GPU against one GPU; also $OUT/table.md); copies the traces
-# (rank 0 of each run) and the logs into $OUT. Each run gets at most the time left before DEADLINE seconds
+# (rank 0 of each run) and the logs into $OUT. Each run gets at most RUN_S seconds (default 360: a cold cache builds
+# 16 lengths in 2-4 minutes) and the time left before DEADLINE seconds
 # (default 560). On a CPU, try it with SHAPE=tiny COMPILE= (no compilation).
 set -u
 N=${N:-2}; OUT=${OUT:-scaling-out}; LOGS=$OUT/logs; mkdir -p "$LOGS"; GLOBAL=${GLOBAL:-32}; BUDGETS=(${BUDGETS:-4096 8192})
@@ -80,7 +81,7 @@ run() {  # name seconds source-dir command...
 extra() { [ "$1" = "$SRC" ] && echo "${EXTRA:-}"; }  # source-dir
 extra_env() { [ "$1" = "$SRC" ] && echo "${EXTRA_ENV:-}"; }  # source-dir
 one() {  # name gpu source-dir budget
-  run "$1" 240 "$3" env CUDA_VISIBLE_DEVICES=$2 $(extra_env "$3") python3 -m fastdpo train $C $(extra "$3") --max_tokens_per_batch "$4" \
+  run "$1" "${RUN_S:-360}" "$3" env CUDA_VISIBLE_DEVICES=$2 $(extra_env "$3") python3 -m fastdpo train $C $(extra "$3") --max_tokens_per_batch "$4" \
     --per_device_train_batch_size $PER --gradient_accumulation_steps $((GLOBAL / PER))
 }
 BEFORE=($BEFORE); gpu=0
@@ -101,7 +102,7 @@ for rep in $(seq 1 "${REPEAT:-1}"); do
       m=${mode%%/*}; flag="--fsdp $m"; [ "$m" = ddp ] && flag=""; tag=$m
       [[ "$mode" == */* ]] && { flag="$flag --fsdp_layers_per_unit ${mode#*/}"; tag="${m}_u${mode#*/}"; }
       for b in "${BUDGETS[@]}"; do
-        run "$prefix${tag}_$b$suffix" 200 "$tree" env $(extra_env "$tree") torchrun --nproc_per_node "$N" -m fastdpo train $C $(extra "$tree") $flag \
+        run "$prefix${tag}_$b$suffix" "${RUN_S:-360}" "$tree" env $(extra_env "$tree") torchrun --nproc_per_node "$N" -m fastdpo train $C $(extra "$tree") $flag \
           --max_tokens_per_batch "$b" --per_device_train_batch_size $PER \
           --gradient_accumulation_steps $((GLOBAL / PER / N))
       done
