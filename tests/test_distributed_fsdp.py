@@ -2,6 +2,7 @@
 `final/`, and LoRA with the adapters-off reference and a step-sorting loss under --deepspeed zero2."""
 
 import pytest
+from conftest import easy_rows, write_jsonl
 from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_ranks, weights
 from safetensors.torch import load_file
 
@@ -11,13 +12,15 @@ from fastdpo.train import train
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory, model_dirs):
-    """FSDP2 full_shard with a token budget (uneven micro-batch counts per rank), checkpoint at step 3; and one rank."""
+    """FSDP2 full_shard with a token budget (uneven micro-batch counts per rank), checkpoint and evaluation at step
+    3 (and at the end, step 6); and one rank."""
     tmp = tmp_path_factory.mktemp("fsdp")
     common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp))], **BASE)
+    held_out = dict(val_dataset=[str(write_jsonl(tmp / "val.jsonl", easy_rows(7, seed=5)))], eval_steps=3)
     run_ranks(2, output_dir=str(tmp / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-              max_tokens_per_batch=40, save_steps=3, fsdp="full_shard", **common)
+              max_tokens_per_batch=40, save_steps=3, fsdp="full_shard", **held_out, **common)
     one = TrainConfig(output_dir=str(tmp / "ws1"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                      save_steps=3, **common)
+                      save_steps=3, **held_out, **common)
     train(one, progress=False)
     return tmp, one, common
 
@@ -27,18 +30,35 @@ def test_fsdp_two_ranks_match_one_rank(fsdp):
 
     tmp, _, _ = fsdp
     assert_weights_close(weights(tmp / "ws2"), weights(tmp / "ws1"), atol=1e-5)  # same tensors: tied head not doubled
-    for x, y in zip(metrics(tmp / "ws2"), metrics(tmp / "ws1")):
+    two, one = (train_rows(tmp / d) for d in ("ws2", "ws1"))
+    assert len(two) == len(one) == 6
+    for x, y in zip(two, one):
         for key in ("loss", "rewards/margins", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
     # the busiest rank's token positions, times two ranks, against the pairs' own: never below them (the ranks'
     # shares differ, and a rank without a pair in the step runs a zero-weight one); one process runs exactly the
     # pairs' tokens
-    two, one = metrics(tmp / "ws2"), metrics(tmp / "ws1")
     assert all(r["batch/padding"] >= 0 for r in two) and any(r["batch/padding"] > 0 for r in two)
     assert all(r["batch/padding"] == 0 for r in one)
     assert [r["batch/micro_batches"] for r in one][:5] == [2] * 5
     model = AutoModelForCausalLM.from_pretrained(tmp / "ws2" / "final")  # final/ is an ordinary HF dir
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_fsdp_evaluates_held_out_pairs_like_one_rank(fsdp):
+    """Every rank scores the held-out pairs through the sharded model, after a step whose update was followed by a
+    checkpoint: the same numbers as one process, at step 3 and at the end."""
+    tmp, _, _ = fsdp
+    two, one = ([r for r in metrics(tmp / d) if "eval_loss" in r] for d in ("ws2", "ws1"))
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [3, 6]
+    for x, y in zip(two, one):
+        for key in ("eval_loss", "eval_rewards/margins", "eval_rewards/chosen", "eval_logps/rejected"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+    assert two[0]["eval_loss"] != two[1]["eval_loss"]  # the policy moved between the evaluations
+
+
+def train_rows(out) -> list[dict]:
+    return [r for r in metrics(out) if "loss" in r]
 
 
 def test_fsdp_checkpoint_resumes_on_one_rank(fsdp):
@@ -76,7 +96,7 @@ def test_zero2_full_two_ranks_match_one_rank(fsdp, tmp_path):
     run_ranks(2, output_dir=str(tmp_path / "ws2"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
               max_tokens_per_batch=40, fsdp="shard_grad_op", **common)
     assert_weights_close(weights(tmp_path / "ws2"), weights(tmp / "ws1"), atol=1e-5)
-    for x, y in zip(metrics(tmp_path / "ws2"), metrics(tmp / "ws1")):
+    for x, y in zip(metrics(tmp_path / "ws2"), train_rows(tmp / "ws1"), strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), x["step"]
 
 
@@ -336,7 +356,7 @@ def test_four_fsdp_ranks_match_one_rank_and_resume_on_two(fsdp, tmp_path):
               gradient_accumulation_steps=2, max_tokens_per_batch=40, save_steps=3, fsdp="full_shard",
               fsdp_layers_per_unit=1, **common)
     assert_weights_close(weights(tmp_path / "ws4"), weights(tmp / "ws1"), atol=1e-5)
-    for x, y in zip(metrics(tmp_path / "ws4"), metrics(tmp / "ws1"), strict=True):
+    for x, y in zip(metrics(tmp_path / "ws4"), train_rows(tmp / "ws1"), strict=True):
         for key in ("loss", "rewards/margins", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
     ck = tmp_path / "ws4" / "checkpoint-3"
