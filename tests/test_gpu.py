@@ -427,3 +427,44 @@ def test_nccl_bfloat16_sum_of_two_ranks_equals_the_float32_sum(tmp_path):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_full_shard_on_two_gpus_saves_evaluates_and_trains_like_one(tmp_path, model_dirs):
+    """FSDP2 full_shard over NCCL on two GPUs, float32, with a checkpoint and an evaluation after step 2 (between an
+    update and the next step): the held-out scores and the final weights match one GPU's run of the same global
+    batch, and the checkpoint resumes to the same weights."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import easy_rows, write_jsonl
+    from safetensors.torch import load_file
+
+    data, val = write_jsonl(tmp_path / "d.jsonl", easy_rows(32, seed=1)), write_jsonl(tmp_path / "v.jsonl",
+                                                                                        easy_rows(6, seed=5))
+    common = ["-m", "fastdpo", "train", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--val_dataset",
+              str(val), "--eval_steps", "2", "--save_steps", "2", "--max_steps", "4", "--torch_dtype", "float32",
+              "--learning_rate", "1e-3", "--seed", "3", "--disable_progress", "true", "--gradient_accumulation_steps", "2"]
+
+    def run(out, *extra, gpus=2):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus)] if gpus > 1 \
+            else [sys.executable]
+        done = subprocess.run(launch + common + ["--output_dir", str(tmp_path / out), *extra], capture_output=True,
+                              text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows = [json.loads(line) for line in open(tmp_path / out / "metrics.jsonl")]
+        return [r for r in rows if "eval_loss" in r], load_file(str(tmp_path / out / "final" / "model.safetensors"))
+
+    evals2, w2 = run("two", "--fsdp", "full_shard", "--per_device_train_batch_size", "2")
+    evals1, w1 = run("one", "--per_device_train_batch_size", "4", gpus=1)
+    assert [r["step"] for r in evals2] == [r["step"] for r in evals1] == [2, 4]
+    for x, y in zip(evals2, evals1):
+        assert x["eval_loss"] == pytest.approx(y["eval_loss"], rel=1e-4, abs=1e-5), x["step"]
+    assert sorted(w2) == sorted(w1)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4, msg=k)
+    _, resumed = run("resumed", "--fsdp", "full_shard", "--per_device_train_batch_size", "2",
+                     "--resume_from_checkpoint", str(tmp_path / "two" / "checkpoint-2"))
+    for k in w2:
+        torch.testing.assert_close(resumed[k], w2[k], rtol=0, atol=1e-5, msg=k)
