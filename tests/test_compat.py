@@ -93,3 +93,63 @@ def test_training_passes_shuffle_to_the_step_order(tmp_path, model_dirs, monkeyp
                       max_steps=1, per_device_train_batch_size=4, shuffle=False)
     train_mod.train(cfg, progress=False)
     assert seen and seen[0][-1] is False
+
+
+def test_swift_qlora_spelling_trains_qlora(caplog):
+    """ms-swift writes QLoRA as --train_type lora --quant_method bnb --quant_bits 4 (lora is its default)."""
+    caplog.set_level(logging.INFO, logger="fastdpo")
+    cfg = parse("--train_type", "lora", "--quant_method", "bnb", "--quant_bits", "8")
+    assert (cfg.train_type, cfg.quant_bits) == ("qlora", 8)
+    assert "training QLoRA: --train_type qlora (LoRA on a 8-bit base)" in caplog.text
+    assert parse("--quant_method", "bnb", "--quant_bits", "4").train_type == "qlora"
+    assert parse("--train_type", "qlora", "--quant_method", "bitsandbytes").train_type == "qlora"
+    with pytest.raises(FastDPOError, match="--quant_method bnb with --train_type full: a quantised base can only"):
+        parse("--train_type", "full", "--quant_method", "bnb")
+
+
+@pytest.mark.parametrize("flags", [("--lora_rank", "8", "--lora_alpha", "32"), ("--target_modules", "q_proj,v_proj"),
+                                   ("--train_type", "full", "--lora_dropout", "0.1")])
+def test_adapter_flags_on_a_full_fine_tune_are_refused(flags):
+    with pytest.raises(FastDPOError, match="set, but --train_type is full .* Add --train_type lora"):
+        parse(*flags)
+    assert parse(*flags, "--train_type", "lora").train_type == "lora"
+
+
+def test_float16_full_fine_tuning_is_refused_before_loading_anything():
+    """float16 weights cannot hold AdamW's state (the run turned to NaN after one step and saved NaN weights):
+    refused for full training, allowed for LoRA on a float16 base and for scoring."""
+    with pytest.raises(FastDPOError, match="--torch_dtype float16 .* with --train_type full: AdamW's updates"):
+        parse("--fp16", "true").validate_training()
+    with pytest.raises(FastDPOError, match="Use --torch_dtype bfloat16"):
+        parse("--torch_dtype", "float16").validate_training()
+    parse("--torch_dtype", "float16", "--train_type", "lora").validate_training()
+    parse("--torch_dtype", "float16").validate()  # precompute, check-data: no update
+
+
+def test_float16_full_fine_tuning_is_one_clean_line_from_the_cli(capsys, tmp_path):
+    rc, out = run_cli(capsys, "train", "--model", "m", "--dataset", "d.jsonl", "--fp16", "true",
+                      "--output_dir", str(tmp_path / "o"))
+    assert rc != 0 and "AdamW's updates and second moments do not fit in float16" in out and "Traceback" not in out
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (("export", "--model", "m", "--checkpoint", "c"), "--checkpoint is a flag of `fastdpo infer / eval`, not of "
+                                                      "`fastdpo export`"),
+    (("train", "--model", "m", "--learning_rat", "1e-5"), "Did you mean --learning_rate?"),
+    (("infer", "--model", "m", "--zzzz", "3"), "See `fastdpo infer --help` for its flags"),
+])
+def test_unknown_flag_hints_come_from_the_command_given(capsys, argv, needle):
+    rc, out = run_cli(capsys, *argv)
+    assert rc != 0 and needle in out and "Did you mean --checkpoint" not in out
+
+
+def test_fewer_than_32_pairs_per_step_warns(caplog):
+    from fastdpo.train import warn_small_steps
+
+    caplog.set_level(logging.WARNING, logger="fastdpo")
+    warn_small_steps(parse("--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "1"), 1)
+    assert "3 pairs per optimizer step" in caplog.text and "Raise --gradient_accumulation_steps to 11" in caplog.text
+    caplog.clear()
+    warn_small_steps(parse("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "4"), 2)
+    assert caplog.text == ""

@@ -75,7 +75,7 @@ def test_fsdp_and_deepspeed_names_map_to_ddp_or_fsdp2():
 
 def test_deepspeed_json_is_mapped_and_accounted_for(tmp_path):
     cfg = TrainConfig(per_device_train_batch_size=2, gradient_accumulation_steps=4)
-    ds = {"zero_optimization": {"stage": 3, "overlap_comm": True, "offload_optimizer": {"device": "cpu"}},
+    ds = {"zero_optimization": {"stage": 3, "overlap_comm": True, "offload_optimizer": {"device": "none"}},
           "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
           "optimizer": {"type": "AdamW"}, "steps_per_print": 10}
     path = tmp_path / "ds.json"
@@ -84,8 +84,14 @@ def test_deepspeed_json_is_mapped_and_accounted_for(tmp_path):
     assert (plan.mode, plan.reshard_after_forward) == ("fsdp", True)
     mapped, ignored = plan.notes
     assert "stage=3" in mapped and "gradient_accumulation_steps=4" in mapped and "bf16" in mapped
-    for key in ("offload_optimizer", "overlap_comm", "optimizer", "steps_per_print"):
+    for key in ("overlap_comm", "optimizer", "steps_per_print"):
         assert key in ignored
+    assert "offload" not in ignored  # "device": "none" asks for nothing
+    for key, device in (("offload_optimizer", "cpu"), ("offload_param", "nvme")):
+        path.write_text(json.dumps({**ds, "zero_optimization": {"stage": 3, key: {"device": device}}}))
+        with pytest.raises(FastDPOError, match=f"zero_optimization.{key}.device={device}: DeepSpeed's CPU/NVMe offload"):
+            parallel_plan("", str(path), cfg)
+        path.write_text(json.dumps(ds))
     ds["gradient_accumulation_steps"] = 8
     path.write_text(json.dumps(ds))
     with pytest.raises(FastDPOError, match="--gradient_accumulation_steps is 4"):

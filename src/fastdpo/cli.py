@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         _setup_logging(console)
         if args.command == "train" and wants_launch():  # NPROC_PER_NODE=N fastdpo train ...: start N workers
-            build_config(args, TrainConfig).validate()  # bad flags fail here once, not once per worker
+            build_config(args, TrainConfig).validate_training()  # bad flags fail here once, not once per worker
             return launch(sys.argv[1:] if argv is None else list(argv))
         return args.func(args, console)
     except FastDPOError as e:

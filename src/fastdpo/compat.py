@@ -67,10 +67,19 @@ def _offload(name: str) -> Callable[[Any, dict], str | None]:
 
 
 def _quant_method(value: str, values: dict) -> str | None:
-    if str(value).lower() in ("bnb", "bitsandbytes"):
+    """ms-swift's QLoRA is `--train_type lora --quant_method bnb --quant_bits 4` (lora is its default train_type):
+    here that is --train_type qlora."""
+    if str(value).lower() not in ("bnb", "bitsandbytes"):
+        raise FastDPOError(f"--quant_method {value}: QLoRA quantises the base with bitsandbytes (nf4 with double "
+                           "quantisation for --quant_bits 4, LLM.int8 for 8). Pass --quant_method bnb or drop the flag.")
+    kind = values.get("train_type", "lora")
+    if kind == "full":
+        raise FastDPOError(f"--quant_method {value} with --train_type full: a quantised base can only train adapters. "
+                           "Use --train_type lora (QLoRA) or drop --quant_method.")
+    if kind == "qlora":
         return None
-    raise FastDPOError(f"--quant_method {value}: QLoRA quantises the base with bitsandbytes (nf4 with double "
-                       "quantisation for --quant_bits 4, LLM.int8 for 8). Pass --quant_method bnb or drop the flag.")
+    values["train_type"] = "qlora"
+    return f"training QLoRA: --train_type qlora (LoRA on a {values.get('quant_bits', 4)}-bit base)."
 
 
 def _precision(dtype: str) -> Callable[[Any, dict], str | None]:

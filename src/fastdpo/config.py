@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,16 @@ class TrainConfig:
     fsdp_layers_per_unit: int = _f(0, "Most consecutive decoder layers sharded as one FSDP2 unit (gathered, reduced "
                                    "and hooked once per forward and backward); units are as few as that allows and "
                                    "equal within one layer. 0: up to 768 MiB of weights per unit.")
+
+    def validate_training(self) -> None:
+        """`validate`, plus what only training (not scoring or generating) cannot do."""
+        self.validate()
+        if self.torch_dtype == "float16" and self.train_type == "full":
+            raise FastDPOError(
+                "--torch_dtype float16 (or --fp16 true) with --train_type full: AdamW's updates and second moments do "
+                "not fit in float16 weights (they underflow, and the weights turn to NaN within a few steps). Use "
+                "--torch_dtype bfloat16 (fastdpo rounds its updates stochastically), float32, or --train_type lora "
+                "on the float16 base (the adapters train in float32).")
 
     def validate(self) -> None:
         """Check values in one place; raise FastDPOError naming the flag and a fix."""
@@ -452,17 +463,31 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _LiteralHelp)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._argv = list(sys.argv[1:] if args is None else args)  # for error(): which subcommand was given
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         hint = ""
         if "unrecognized arguments" in message:
             bad = message.split(":", 1)[1].split()[0].lstrip("-").split("=")[0]
-            known = [a.lstrip("-") for a in self._option_string_actions]
-            for action in self._actions:  # options of subcommands too
-                for sub in getattr(action, "choices", None).values() if isinstance(action, argparse._SubParsersAction) else ():
-                    known += [a.lstrip("-") for a in sub._option_string_actions]
-            close = difflib.get_close_matches(bad, known, n=1)
-            hint = f" Did you mean --{close[0]}?" if close else " See `fastdpo COMMAND --help` for its flags."
+            hint = self._flag_hint(bad)
         raise FastDPOError(f"{message}.{hint}")
+
+    def _flag_hint(self, bad: str) -> str:
+        """A close flag of the command given (the top-level parser reports its subcommand's leftovers), or the
+        commands the flag belongs to."""
+        subs = {name: sub for action in self._actions if isinstance(action, argparse._SubParsersAction)
+                for name, sub in action.choices.items()}
+        command = next((a for a in getattr(self, "_argv", []) if a in subs), None)
+        parsers = [subs[command]] if command else [self, *subs.values()]
+        known = {a.lstrip("-") for p in parsers for a in p._option_string_actions}
+        owners = [name for name, sub in subs.items() if f"--{bad}" in sub._option_string_actions]
+        if command and bad not in known and owners:
+            return f" --{bad} is a flag of `fastdpo {' / '.join(owners)}`, not of `fastdpo {command}`."
+        close = difflib.get_close_matches(bad, sorted(known - {bad}), n=1)
+        where = f"fastdpo {command}" if command else "fastdpo COMMAND"
+        return f" Did you mean --{close[0]}?" if close else f" See `{where} --help` for its flags."
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
@@ -500,12 +525,28 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
             values[name] = getattr(args, name)
     foreign.update({name: getattr(args, name) for name in foreign_names if hasattr(args, name)})
     apply_foreign(foreign, values)  # flags of ms-swift / HF scripts: mapped, noted, or refused
+    if cls is TrainConfig:
+        _check_adapter_flags(values)
     if "gradient_checkpointing" in values:
         values["gradient_checkpointing"] = str(values["gradient_checkpointing"]).lower()
     for name in ("dataset", "val_dataset"):
         if isinstance(values.get(name), str):
             values[name] = [values[name]]
     return cls(**values)
+
+
+ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "adapters", "quant_bits")
+
+
+def _check_adapter_flags(values: dict) -> None:
+    """Adapter settings given for a full fine-tune would be ignored: ms-swift scripts leave out --train_type because
+    lora is its default there, while here the default is full."""
+    given = [name for name in ADAPTER_FLAGS if name in values]
+    if given and values.get("train_type", "full") == "full":
+        flags = ", ".join(f"--{name}" for name in given)
+        raise FastDPOError(f"{flags} set, but --train_type is full (the default here; ms-swift's is lora), which "
+                           "trains every weight and has no adapters to apply them to. Add --train_type lora (or qlora), "
+                           "or drop them.")
 
 
 def load_yaml(path: str, fields: dict[str, dataclasses.Field], extra=()) -> dict:

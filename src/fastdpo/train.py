@@ -74,6 +74,7 @@ from fastdpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.signals import GracefulStop
 
 log = logging.getLogger("fastdpo")
+SMALL_STEP = 32  # pairs per optimizer step below which a warning says DPO steps get noisy
 
 
 @dataclass
@@ -140,8 +141,21 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
     return rows, pairs, val_rows, val_pairs
 
 
+def warn_small_steps(cfg: TrainConfig, world_size: int) -> None:
+    """DPO's usual minimum is 32 pairs per optimizer step (a heuristic: below it steps are noisy; warned, not refused)."""
+    pairs = cfg.pairs_per_step * world_size
+    if pairs < SMALL_STEP:
+        log.warning("%d pairs per optimizer step (--per_device_train_batch_size %d x --gradient_accumulation_steps %d"
+                    "%s): DPO is usually trained with at least %d, below which its steps are noisy. Raise "
+                    "--gradient_accumulation_steps to %d for %d.", pairs, cfg.per_device_train_batch_size,
+                    cfg.gradient_accumulation_steps, f" x {world_size} ranks" if world_size > 1 else "", SMALL_STEP,
+                    -(-SMALL_STEP // (cfg.per_device_train_batch_size * world_size)), SMALL_STEP)
+
+
 def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
-    cfg.validate()
+    cfg.validate_training()
+    if d is None or d.is_main:
+        warn_small_steps(cfg, d.world_size if d else 1)
     out = Path(cfg.output_dir)
     check_output_dir(out)
     device = resolve_device(cfg.device)
@@ -336,7 +350,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
 def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     """Train per `cfg`; returns a summary (final dir, last metrics). Under torchrun every rank calls this; only rank
     0 logs and writes files other than checkpoint shards."""
-    cfg.validate()
+    cfg.validate_training()
     d = init_distributed(cfg, timeout_s=cfg.ddp_timeout)
     try:
         return run_training(cfg, d, console if d.is_main else None, progress and d.is_main)
