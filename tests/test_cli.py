@@ -124,5 +124,5 @@ def test_unknown_flag_without_a_close_match_points_to_help(capsys):
     assert main(["env", "--zzzzqqq"]) == 1
     out = capsys.readouterr()
     text = out.out + out.err
-    assert "unrecognized arguments: --zzzzqqq" in text and "fastdpo COMMAND --help" in text
+    assert "unrecognized arguments: --zzzzqqq" in text and "See `fastdpo env --help` for its flags" in text
     assert "Traceback" not in text
