@@ -115,6 +115,20 @@ def test_adapter_flags_on_a_full_fine_tune_are_refused(flags):
     assert parse(*flags, "--train_type", "lora").train_type == "lora"
 
 
+def test_adapter_values_in_yaml_count_only_when_not_the_defaults(tmp_path):
+    """A saved config.yaml lists every field, LoRA defaults included: it loads back for a full run. A YAML that sets
+    a LoRA value of its own on a full run is refused like the flag."""
+    from fastdpo.config import save_config
+
+    save_config(parse(), tmp_path / "saved.yaml")
+    assert build_config(build_parser().parse_args(["train", "--config", str(tmp_path / "saved.yaml")]),
+                        TrainConfig).train_type == "full"
+    y = tmp_path / "run.yaml"
+    y.write_text(yaml.safe_dump({"model": "m", "dataset": ["d.jsonl"], "lora_rank": 64}))
+    with pytest.raises(FastDPOError, match="--lora_rank set, but --train_type is full"):
+        build_config(build_parser().parse_args(["train", "--config", str(y)]), TrainConfig)
+
+
 def test_float16_full_fine_tuning_is_refused_before_loading_anything():
     """float16 weights cannot hold AdamW's state (the run turned to NaN after one step and saved NaN weights):
     refused for full training, allowed for LoRA on a float16 base and for scoring."""

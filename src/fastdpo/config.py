@@ -520,13 +520,17 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     if getattr(args, "config", None):
         for key, value in load_yaml(args.config, names, foreign_names).items():
             (foreign if key in foreign_names else values)[key] = value
+    # what the user asked for: a flag on the command line, or a YAML value other than the default (a saved
+    # config.yaml lists every field)
+    asked = {name for name, value in values.items() if value != names[name].default}
     for name in names:
         if hasattr(args, name):
             values[name] = getattr(args, name)
+            asked.add(name)
     foreign.update({name: getattr(args, name) for name in foreign_names if hasattr(args, name)})
     apply_foreign(foreign, values)  # flags of ms-swift / HF scripts: mapped, noted, or refused
     if cls is TrainConfig:
-        _check_adapter_flags(values)
+        _check_adapter_flags(values, asked)
     if "gradient_checkpointing" in values:
         values["gradient_checkpointing"] = str(values["gradient_checkpointing"]).lower()
     for name in ("dataset", "val_dataset"):
@@ -538,10 +542,10 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
 ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "adapters", "quant_bits")
 
 
-def _check_adapter_flags(values: dict) -> None:
-    """Adapter settings given for a full fine-tune would be ignored: ms-swift scripts leave out --train_type because
-    lora is its default there, while here the default is full."""
-    given = [name for name in ADAPTER_FLAGS if name in values]
+def _check_adapter_flags(values: dict, asked: set[str]) -> None:
+    """Adapter settings asked for on a full fine-tune would be ignored: ms-swift scripts leave out --train_type
+    because lora is its default there, while here the default is full."""
+    given = [name for name in ADAPTER_FLAGS if name in asked]
     if given and values.get("train_type", "full") == "full":
         flags = ", ".join(f"--{name}" for name in given)
         raise FastDPOError(f"{flags} set, but --train_type is full (the default here; ms-swift's is lora), which "
