@@ -306,6 +306,17 @@ def load_progress(ckpt: Path) -> dict:
     return state
 
 
+def saved_config(ckpt: Path) -> dict:
+    """The resolved config saved with the checkpoint ({} when it has none or it cannot be read)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((ckpt / STATE / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def load_weights(model, ckpt: Path) -> None:
     """Load checkpoint weights into `model` in place (full model or PEFT adapter)."""
     from safetensors import SafetensorError
