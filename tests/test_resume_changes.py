@@ -9,7 +9,9 @@ import pytest
 import torch
 from conftest import easy_rows, write_jsonl
 
+from fastdpo.beta import BetaSchedule
 from fastdpo.config import TrainConfig
+from fastdpo.losses import LossInputs
 from fastdpo.optim import lr_lambda
 from fastdpo.train import train
 
@@ -77,3 +79,53 @@ def test_an_unchanged_schedule_logs_no_schedule_warning(trained, tmp_path, caplo
     assert "schedule" not in caplog.text
     before = [(r["step"], r["learning_rate"], r["loss"]) for r in logged(trained.output_dir)]
     assert [(r["step"], r["learning_rate"], r["loss"]) for r in logged(cfg.output_dir)] == before
+
+
+# ---------------------------------------------------------------- kl_adaptive window
+
+
+def feed(b: BetaSchedule, drift: float) -> None:
+    tokens = torch.tensor([2])
+    b.observe(LossInputs(torch.tensor([drift * 2]), torch.tensor([-drift * 2]), torch.zeros(1), torch.zeros(1),
+                         tokens, tokens))
+    b.step()
+
+
+def adaptive(window: int) -> BetaSchedule:
+    return BetaSchedule(0.2, "kl_adaptive", target=0.5, window=window, min_ratio=0.5)
+
+
+@pytest.mark.parametrize("window", [2, 3, 8])
+def test_beta_state_loads_into_another_window(window, caplog):
+    drifts = [0.1 * (i + 1) for i in range(7)]
+    saved = adaptive(3)
+    for d in drifts:
+        feed(saved, d)
+    b = adaptive(window)
+    with caplog.at_level("INFO", logger="fastdpo"):
+        b.load_state_dict(saved.state_dict())
+    assert ("--beta_kl_window" in caplog.text) == (window != 3)
+    # the moving average is over the most recent drifts the checkpoint kept, then continues over the new window
+    kept = drifts[-min(3, window):]
+    assert b.drift_mean() == pytest.approx(sum(kept) / len(kept))
+    same = adaptive(window)
+    for d in kept:
+        feed(same, d)
+    assert float(b.value()) == pytest.approx(float(same.value()))
+    for d in (2.0, 0.4, 3.0):
+        feed(b, d)
+        feed(same, d)
+        assert b.drift_mean() == pytest.approx(same.drift_mean())
+        assert float(b.value()) == pytest.approx(float(same.value()))
+
+
+def test_beta_state_in_the_same_window_is_restored_exactly():
+    saved = adaptive(3)
+    for d in (0.5, 1.5, 0.7, 2.5):
+        feed(saved, d)
+    b = adaptive(3)
+    b.load_state_dict(saved.state_dict())
+    assert b.state_dict() == saved.state_dict()
+    feed(b, 0.9)
+    feed(saved, 0.9)
+    assert b.state_dict() == saved.state_dict()
