@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import easy_rows, write_jsonl
 
+from fastdpo import checkpoint as ckpt
 from fastdpo.beta import BetaSchedule
 from fastdpo.config import TrainConfig
 from fastdpo.losses import LossInputs
@@ -129,3 +130,40 @@ def test_beta_state_in_the_same_window_is_restored_exactly():
     feed(b, 0.9)
     feed(saved, 0.9)
     assert b.state_dict() == saved.state_dict()
+
+
+# ---------------------------------------------------------------- metrics log
+
+
+def test_unreadable_metrics_lines_are_named_and_kept_aside(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    original = '{"step": 1, "loss": 1.0}\n{"step": 2, "lo#ss": \n{"step": 3, "loss": 0.8}\n[1]\n{"step": 4, "lo'
+    path.write_text(original)
+    with caplog.at_level("WARNING", logger="fastdpo"):
+        ckpt.truncate_metrics(path, 3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 3]
+    backup = tmp_path / "metrics.jsonl.bak-3"
+    assert backup.read_text() == original
+    assert str(path) in caplog.text and "lines 2, 4" in caplog.text and str(backup) in caplog.text
+
+
+def test_a_clean_metrics_log_is_trimmed_without_a_copy(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')  # torn by a kill
+    with caplog.at_level("WARNING", logger="fastdpo"):
+        ckpt.truncate_metrics(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert not caplog.text and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_resume_warns_about_a_garbled_metrics_line(trained, tmp_path, caplog):
+    cfg = resume_copy(trained, tmp_path)
+    path = Path(cfg.output_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    lines[0] = lines[0][:10] + "\x00garbled\n"
+    path.write_text("".join(lines))
+    with caplog.at_level("WARNING", logger="fastdpo"):
+        train(cfg, progress=False)
+    assert [r["step"] for r in logged(cfg.output_dir)] == [2, 3, 4]
+    assert f"{path}: line 1 could not be read" in caplog.text, caplog.text
+    assert (path.parent / "metrics.jsonl.bak-2").read_text() == "".join(lines)
