@@ -17,11 +17,21 @@ seed's slope. The state lives on the device (no host sync inside a step); it is 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from fastdpo.losses import LossInputs, logratios
 
 RATE = 0.2
+log = logging.getLogger("fastdpo")
+
+
+def recent_drifts(history: list[float], count: int) -> list[float]:
+    """The drifts a ring buffer `history` holds after `count` steps, oldest first."""
+    n = min(count, len(history))
+    start = count % len(history) if count > len(history) else 0
+    return (history[start:] + history[:start])[:n]
 
 
 class BetaSchedule:
@@ -58,11 +68,14 @@ class BetaSchedule:
             return
         self.history[self.count % self.window] = self._drift / self._tokens.clamp(min=1)
         self.count += 1
+        self._set_value()
+        self._drift.zero_()
+        self._tokens.zero_()
+
+    def _set_value(self) -> None:
         drift_ma = self.history[: min(self.count, self.window)].mean()
         factor = (1 - RATE * (drift_ma - self.target).clamp(min=0)).clamp(self.min_ratio, 1.0)
         self._value = (self.beta * factor).float()
-        self._drift.zero_()
-        self._tokens.zero_()
 
     def drift_mean(self) -> float:
         return float(self.history[: min(self.count, self.window)].mean()) if self.adaptive and self.count else 0.0
@@ -76,6 +89,17 @@ class BetaSchedule:
         if not self.adaptive or not state:
             return
         device = self.history.device
-        self.history = torch.tensor(state["history"], dtype=torch.float64, device=device)
-        self.count = int(state["count"])
-        self._value = torch.tensor(state["value"], dtype=torch.float32, device=device)
+        if len(state["history"]) == self.window:
+            self.history = torch.tensor(state["history"], dtype=torch.float64, device=device)
+            self.count = int(state["count"])
+            self._value = torch.tensor(state["value"], dtype=torch.float32, device=device)
+            return
+        # another --beta_kl_window: keep the latest drifts, oldest first, so the ring continues where they end
+        kept = recent_drifts(state["history"], int(state["count"]))[-self.window:]
+        log.info("--beta_kl_window is %d, the checkpoint's was %d: the drift average continues from its last %d "
+                 "step(s).", self.window, len(state["history"]), len(kept))
+        self.history.zero_()
+        self.history[: len(kept)] = torch.tensor(kept, dtype=torch.float64, device=device)
+        self.count = len(kept)  # the ring's count restarts from the drifts it holds
+        if kept:
+            self._set_value()

@@ -306,6 +306,17 @@ def load_progress(ckpt: Path) -> dict:
     return state
 
 
+def saved_config(ckpt: Path) -> dict:
+    """The resolved config saved with the checkpoint ({} when it has none or it cannot be read)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((ckpt / STATE / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def load_weights(model, ckpt: Path) -> None:
     """Load checkpoint weights into `model` in place (full model or PEFT adapter)."""
     from safetensors import SafetensorError
@@ -368,19 +379,45 @@ def load_extra_module(ckpt: Path, name: str, module) -> None:
         raise FastDPOError(f"{path}: unreadable weights ({e}). Resume from another checkpoint.") from None
 
 
+def _step_record(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def split_metrics(text: str, step: int) -> tuple[list[str], list[int]]:
+    """The lines of a metrics.jsonl `text` whose records are at or before `step`, and the numbers (from 1) of the
+    lines that are not a step record. An unterminated last line is a write a kill interrupted, past any checkpoint,
+    and is not counted."""
+    lines = text.split("\n")
+    keep, unreadable = [], []
+    for number, line in enumerate(lines, 1):
+        record = _step_record(line)
+        if record is None:
+            if line.strip() and number < len(lines):
+                unreadable.append(number)
+        elif record["step"] <= step:
+            keep.append(line + "\n")
+    return keep, unreadable
+
+
 def truncate_metrics(path: Path, step: int) -> None:
     """Keep only the complete metrics.jsonl records up to `step`: after a resume from there, the log continues as
-    if the run had never been interrupted (no repeated steps, no torn last line)."""
+    if the run had never been interrupted (no repeated steps, no torn last line). Lines that cannot be read are
+    named in a warning, and the file as it was is kept as metrics.jsonl.bak-{step}."""
     if not path.is_file():
         return
-    keep = []
-    for line in path.read_text(encoding="utf-8", errors="replace").split("\n"):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-            keep.append(line + "\n")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    keep, unreadable = split_metrics(text, step)
+    if unreadable:
+        backup = path.with_name(f"{path.name}.bak-{step}")
+        shutil.copy2(path, backup)
+        which = f"line {unreadable[0]}" if len(unreadable) == 1 else f"lines {', '.join(map(str, unreadable))}"
+        log.warning("%s: %s could not be read and %s dropped when the log was trimmed to step %d for the resume; the "
+                    "file as it was is kept as %s.", path, which, "was" if len(unreadable) == 1 else "were", step,
+                    backup)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)

@@ -94,3 +94,36 @@ def lr_lambda(cfg: TrainConfig, total_steps: int):
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+
+
+# the flags lr_lambda and build_scheduler read, with total_steps (set by max_steps, else num_train_epochs)
+SCHEDULE_FLAGS = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
+                  "max_steps", "num_train_epochs")
+
+
+def _overridden(name: str, flags: dict) -> bool:
+    return ((name == "num_train_epochs" and flags.get("max_steps", 0) > 0)
+            or (name == "warmup_ratio" and flags.get("warmup_steps", 0) > 0))
+
+
+def schedule_changes(saved: dict, cfg: TrainConfig) -> list[tuple[str, object, object]]:
+    """(flag, old, new) for each flag that shapes the learning-rate schedule and differs between a checkpoint's saved
+    config and `cfg`; a flag another one overrides in both (num_train_epochs under max_steps, warmup_ratio under
+    warmup_steps) does not count."""
+    now = cfg.to_dict()
+    return [(name, saved[name], now[name]) for name in SCHEDULE_FLAGS
+            if name in saved and saved[name] != now[name]
+            and not (_overridden(name, saved) and _overridden(name, now))]
+
+
+def follow_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig, total_steps: int) -> None:
+    """Put a restored scheduler on the schedule `cfg` defines, at the step it has reached: as if it had been built
+    from `cfg`. The optimizer's moments and step counts stay as they are."""
+    fn = lr_lambda(cfg, total_steps)
+    groups = scheduler.optimizer.param_groups
+    scheduler.lr_lambdas = [fn] * len(groups)
+    scheduler.base_lrs = [cfg.learning_rate] * len(groups)
+    for g in groups:
+        g["initial_lr"] = cfg.learning_rate
+        g["lr"] = cfg.learning_rate * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in groups]

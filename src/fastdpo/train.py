@@ -68,7 +68,14 @@ from fastdpo.model import (
     resolve_dtype,
 )
 from fastdpo.monitor import Monitor, finite_flag
-from fastdpo.optim import build_optimizer, build_scheduler, step_unless_nonfinite, undo_step_count
+from fastdpo.optim import (
+    build_optimizer,
+    build_scheduler,
+    follow_schedule,
+    schedule_changes,
+    step_unless_nonfinite,
+    undo_step_count,
+)
 from fastdpo.profile import StepProfiler
 from fastdpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.signals import GracefulStop
@@ -382,6 +389,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             ckpt.load_training_state(resume, optimizer, scheduler)
             if cfg.sync_ref_model:
                 ckpt.load_extra_module(resume, "reference", s.reference.model)
+        follow_changed_schedule(resume, cfg, scheduler, s.total_steps, d)
         state = ckpt.load_progress(resume)
         start = state["step"]
         s.beta.load_state_dict(state.get("beta", {}))
@@ -560,6 +568,20 @@ def check_resume_step_size(resume: Path, cfg: TrainConfig, d: Dist) -> None:
         f"(per_device_train_batch_size {cfg.per_device_train_batch_size} x gradient_accumulation_steps "
         f"{cfg.gradient_accumulation_steps} x {d.world_size} ranks). Keep the product equal to resume.{hint}"
     )
+
+
+def follow_changed_schedule(resume: Path, cfg: TrainConfig, scheduler, total_steps: int, d: Dist) -> None:
+    """A resume whose learning-rate flags differ from the checkpoint's follows the schedule they define from the
+    resumed step on (optimizer state kept); the restored scheduler would otherwise go on with the saved one."""
+    changes = schedule_changes(ckpt.saved_config(resume), cfg)
+    if not changes:
+        return
+    follow_schedule(scheduler, cfg, total_steps)
+    if d.is_main:
+        named = ", ".join(f"--{name} {old} → {new}" for name, old, new in changes)
+        log.warning("Resuming from %s with a changed learning-rate schedule (%s): after step %d, training follows "
+                    "the schedule these flags define, with the saved optimizer state. Resume with the old values to "
+                    "continue the saved schedule instead.", resume, named, scheduler.last_epoch)
 
 
 def _progress_bar(console, total: int, start: int):
