@@ -387,8 +387,10 @@ def _choice(name: str, value: str, choices: tuple) -> None:
         raise FastDPOError(f"--{name} {value!r} is not one of: {', '.join(choices)}.")
 
 
-def checkpoint_policy(value: str) -> tuple[str, int]:
-    """Parse --gradient_checkpointing into (policy, K). `true` means full, `false` none, `every:K` every K-th layer."""
+def checkpoint_policy(value: str, flag: str = "gradient_checkpointing") -> tuple[str, int]:
+    """Parse a checkpointing policy into (policy, K). `true` means full, `false` none, `every:K` every K-th layer.
+    `flag` names the option the value came from (only --gradient_checkpointing also takes `auto`, resolved
+    before this)."""
     v = str(value).strip().lower()
     if v in ("true", "1", "yes"):
         return "full", 1
@@ -400,12 +402,13 @@ def checkpoint_policy(value: str) -> tuple[str, int]:
         except ValueError:
             k = 0
         if k < 1:
-            raise FastDPOError(f"--gradient_checkpointing {value!r}: K in every:K must be an integer >= 1.")
+            raise FastDPOError(f"--{flag} {value!r}: K in every:K must be an integer >= 1.")
         return "every", k
     if v not in CHECKPOINT_POLICIES:
-        raise FastDPOError(
-            f"--gradient_checkpointing {value!r} is not one of: true, false, {', '.join(CHECKPOINT_POLICIES)}, every:K."
-        )
+        accepted = f"true, false, {', '.join(CHECKPOINT_POLICIES)}, every:K"
+        if flag == "gradient_checkpointing":
+            accepted += ", auto"
+        raise FastDPOError(f"--{flag} {value!r} is not one of: {accepted}.")
     return v, 1
 
 
