@@ -64,6 +64,24 @@ def test_model_dir_without_tokenizer(tmp_path, data, model_dirs):
     assert_clean_error(res, "no tokenizer files")
 
 
+def test_adapter_dir_given_as_model_names_its_base(tmp_path, data, model_dirs):
+    import json
+    import shutil
+
+    base = model_dirs()
+    bare, with_tokenizer = tmp_path / "lora", tmp_path / "lora_tok"
+    for d in (bare, with_tokenizer):
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(base)}))
+    for f in base.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, with_tokenizer)
+    for adapter in (bare, with_tokenizer):
+        res = fastdpo("train", "--model", str(adapter), "--dataset", str(data), "--output_dir", str(tmp_path / "o"))
+        assert_clean_error(res, f"--model {adapter} is a LoRA adapter trained on {base}",
+                           f"--model {base} --adapters {adapter}")
+
+
 def test_unwritable_output_dir(tmp_path, data, model_dirs):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -36,6 +36,8 @@ CASES = [
     ("bad message", *jsonl_with(json.dumps({**CONV, "chosen": [{"content": "w5"}]})), ":3",
      "field 'chosen[0].role' is missing"),
     ("mixed forms", *jsonl_with(json.dumps({**CONV, "rejected": "w7"})), ":3", "same form"),
+    ("messages with rejected", *jsonl_with(json.dumps({"messages": [user("a"), assistant("b")], "rejected": "c"})),
+     ":3", "goes in rejected_response or rejected_messages"),
     ("csv extra cells", "d.csv", b'prompt,chosen,rejected\nw1,w2,w3\nw1,w2,w3,w4\n', ":3", "more cells"),
     ("json array syntax", "d.json", b'[\n{"prompt": "w1", "chosen": "w2", "rejected": "w3"},\n{"prompt": }\n]',
      ":3", "invalid JSON"),
@@ -112,6 +114,36 @@ def test_check_data_many_sources_and_a_clean_exit(tmp_path, capsys):
     assert "p50" in out and "31 pairs kept" in out
     code, out = run_cli(capsys, "check-data", "--dataset", str(tmp_path / "missing.jsonl"))
     assert code == 1 and "not found" in out and "Traceback" not in out
+
+
+def test_check_data_reports_the_rows_a_row_count_selects(tmp_path, capsys):
+    rows = easy_rows(32)
+    rows[5] = {**rows[5], "chosen": rows[5]["rejected"]}  # one bad row: training stops at it whatever #N selects
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    tok = str(tokenizer_dir(tmp_path / "t"))
+    for n in (10, 100):
+        code, out = run_cli(capsys, "check-data", "--dataset", f"{f}#{n}", "--model", tok)
+        assert f"{f}#{n}: 32 rows read, {n} used for training (standard {n})" in out, out
+    assert code == 1 and out.count(f"{f}:6: chosen is identical") == 1, out  # a repeated row is reported once
+    rows[5] = easy_rows(32)[5]
+    write_jsonl(f, rows)
+    code, out = run_cli(capsys, "check-data", "--dataset", f"{f}#100", "--model", tok)
+    assert code == 0 and "100 pairs kept" in out and "duplicate" not in out, out
+
+
+def test_check_data_selects_the_rows_training_uses(tmp_path):
+    from transformers import AutoTokenizer
+
+    from fastdpo.data.check import check_data
+    from fastdpo.data.prepare import DataOptions, load_pairs
+
+    f = write_jsonl(tmp_path / "d.jsonl", easy_rows(32))
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(tmp_path / "t"))
+    for spec in (f"{f}#10", f"{f}#45"):
+        opts = DataOptions(seed=3, use_cache=False)
+        report = check_data([spec], opts, tok)
+        pairs, _ = load_pairs([spec], tok, opts)
+        assert report.lengths["prompt"] == [len(p.prompt) for p in pairs] and report.stats.pairs == len(pairs)
 
 
 def test_the_real_command_exits_non_zero_without_a_traceback(tmp_path):

@@ -106,6 +106,8 @@ BAD = [
      "chosen[0].role", "assistant turn"),
     ("empty message list", {"prompt": [user("a")], "chosen": [], "rejected": [assistant("c")]}, "chosen", "empty list"),
     ("ms-swift without rejected", {"messages": [user("a"), assistant("b")]}, "rejected_response", "rejected_messages"),
+    ("ms-swift with TRL's rejected", {"messages": [user("a"), assistant("b")], "rejected": "c"}, "rejected",
+     "goes in rejected_response or rejected_messages"),
     ("ms-swift ending with the user", {"messages": [user("a")], "rejected_response": "c"}, "messages", "ends with"),
     ("bad tools", {"prompt": "a", "chosen": "b", "rejected": "c", "tools": "[{"}, "tools", "not valid JSON"),
     ("implicit conversation ends early", {"chosen": [user("a"), assistant("b")], "rejected": [user("a")]},

@@ -42,6 +42,8 @@ def test_merged_export_generates_like_base_plus_adapter(tmp_path, capsys, lora_r
     out = tmp_path / "merged"
     rc, text = run_cli(capsys, "export", "--model", base, "--adapters", adapter, "--merge_lora", "--output_dir", out)
     assert rc == 0, text
+    assert f"wrote {out}: a copy of {base} with the adapter {adapter} merged into its weights" in text, text
+    assert f"({base} is unchanged)" in text and f"into {base}:" not in text, text
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
     assert "adapter_config.json" not in names and not (tmp_path / ".merged.tmp").exists()

@@ -115,6 +115,15 @@ def test_kl_ratio_threshold():
     assert names(a) == ["kl_ratio"] and "--beta" in a[0].advice
 
 
+def test_kl_ratio_help_describes_the_signed_ratio_the_code_computes():
+    import dataclasses
+
+    help_text = next(f for f in dataclasses.fields(TrainConfig) if f.name == "kl_ratio_threshold").metadata["help"]
+    assert "|per-token KL|" not in help_text and "signed" in help_text, help_text
+    assert kl_ratio(-0.02, 0.04) == pytest.approx(-0.5)  # healthy: rejected falls while chosen rises
+    assert AlertEngine(AlertRules(kl_ratio_threshold=0.3)).check(rec(1, kl_ratio=-0.5)) == []
+
+
 def test_grad_spike_against_running_median():
     eng = AlertEngine(AlertRules())
     for s in range(1, 8):

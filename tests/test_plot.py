@@ -67,6 +67,15 @@ def test_plot_errors_are_clear(tmp_path, monkeypatch, capsys):
     (tmp_path / "cut" / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
     with pytest.raises(FastDPOError, match=r"metrics.jsonl:2: not valid JSON"):
         write_dashboard(tmp_path / "cut")
+    (tmp_path / "cut" / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 0.5}\n\xff\xfe\n')
+    assert main(["plot", str(tmp_path / "cut")]) == 1
+    out = capsys.readouterr().out
+    assert "metrics.jsonl:2: not valid UTF-8" in out and "Remove that line" in out and "Traceback" not in out, out
+    run = fake_run(tmp_path / "alerts", steps=3)
+    with open(run / "alerts.jsonl", "ab") as f:
+        f.write(b'{"name": "kl_ratio", \xff}\n')
+    with pytest.raises(FastDPOError, match=r"alerts.jsonl:2: not valid UTF-8"):
+        write_dashboard(run)
     import fastdpo.plot as plot
 
     monkeypatch.setattr(plot.importlib.util, "find_spec", lambda name: None)

@@ -9,6 +9,7 @@ from conftest import easy_rows
 
 from fastdpo import tune
 from fastdpo.config import TrainConfig
+from fastdpo.errors import FastDPOError
 
 
 def test_choose_respects_limit_and_errors():
@@ -51,3 +52,38 @@ def test_auto_policy_on_cpu_is_none():
     cfg = TrainConfig(model="m", dataset=["d"], gradient_checkpointing="auto")
     cfg.validate()  # auto is a valid value
     assert tune.auto_policy(cfg, easy_rows(4), torch.device("cpu")) == "none"
+
+
+def test_a_bad_value_names_its_flag_and_auto_where_it_is_accepted():
+    with pytest.raises(FastDPOError, match=r"--gradient_checkpointing 'bogus' is not one of: .*every:K, auto\."):
+        TrainConfig(model="m", dataset=["d"], gradient_checkpointing="bogus").validate()
+    cfg = TrainConfig(model="m", dataset=["d"])
+    with pytest.raises(FastDPOError, match=r"--policies 'auto' is not one of: .*every:K\.$"):
+        tune.run_tune(cfg, easy_rows(4), ["none", "auto"], [64], steps=1, warmup=1, max_memory_gib=0, out_json=None,
+                      console=None)
+
+
+def test_tune_on_cpu_warns_and_takes_the_median_step(tmp_path, model_dirs, monkeypatch, caplog):
+    from fastdpo import bench
+
+    def fake_run(cfg, *a, **k):  # one slow step must not decide
+        return {"pairs_per_s": 1.0, "pairs_per_s_median": 10.0, "peak_gib": None, "mfu": None}
+
+    monkeypatch.setattr(bench, "run_fastdpo", fake_run)
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=["x"], device="cpu", output_dir=str(tmp_path / "o"))
+    with caplog.at_level("WARNING", logger="fastdpo"):
+        best = tune.run_tune(cfg, easy_rows(4), ["none", "full"], [64], steps=3, warmup=1, max_memory_gib=0,
+                             out_json=None, console=None)
+    assert best["pairs_per_s"] == 10.0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "CPU timings do not represent a GPU" in warned[0], warned
+    assert "not meaningful for GPU runs" in warned[0]
+
+
+def test_bench_reports_the_median_of_the_timed_steps(tmp_path, model_dirs):
+    from fastdpo.bench import run_fastdpo
+
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=["x"], device="cpu", per_device_train_batch_size=2,
+                      output_dir=str(tmp_path / "o"))
+    r = run_fastdpo(cfg, None, easy_rows(10), steps=3, warmup=1, verbose=False)
+    assert r["pairs_per_s_median"] > 0

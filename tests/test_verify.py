@@ -126,6 +126,15 @@ def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, c
         assert rows[0]["floor"] > 0 and rows[0]["tolerance"] == max(3e-2, 2 * rows[0]["floor"])
 
 
+def test_a_bad_policy_names_the_policies_flag(data, capsys):
+    assert main(["verify", "--model", "m", "--dataset", str(data), "--policies", "full,bogus"]) == 1
+    out = capsys.readouterr().out
+    assert "--policies 'bogus' is not one of: true, false, none, full, ffn, attn, every:K." in out, out
+    assert "gradient_checkpointing" not in out and "auto" not in out, out
+    assert main(["verify", "--model", "m", "--dataset", str(data), "--policies", "every:0"]) == 1
+    assert "--policies 'every:0': K in every:K" in capsys.readouterr().out
+
+
 def test_verify_command_passes(model_dirs, data, capsys, tmp_path):
     rc, text, rows = verify_cli(model_dirs, data, tmp_path, capsys, "--pairs", "4", "--policies", "full,every:2")
     assert rc == 0 and "PASS: 5 paths match the plain float32 path within 0.0001" in text and "held MiB" in text

@@ -12,6 +12,7 @@ import gc
 import json
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -205,6 +206,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     per_step = cfg.pairs_per_step
     lm_cfg = base_causal_lm(s.model).config
     times, flops, tokens, n_pairs, computed = [], 0.0, 0, 0, 0
+    rates = []  # pairs/s of each timed step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_first = None
@@ -238,6 +240,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                 tokens += sum(p.num_tokens for p in step_pairs)
                 computed += ran.computed_tokens
                 n_pairs += len(step_pairs)
+                rates.append(len(step_pairs) / (times[-1] - prev))
                 flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
                                     sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
                                     sum(attended_pairs(p) for p in step_pairs), s.reference.online)
@@ -250,6 +253,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                             profile_dir) if profile_dir else None
     return {
         "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
+        "pairs_per_s_median": round(statistics.median(rates), 2),  # of the timed steps: one slow step cannot sway it
         "s_per_step": round(dt / steps, 4), "padding": padding(computed, tokens),
         "mfu": round(flops / dt / peak, 4) if peak else None,
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,

@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                         allow_abbrev=False)
     add_config_flags(tn, TrainConfig)
     tn.add_argument("--shape", help="Random-init shape instead of --model (anchor workload).")
-    tn.add_argument("--policies", nargs="+", default=["none", "ffn", "attn", "full"], help="Policies to try.")
+    tn.add_argument("--policies", nargs="+", default=["none", "ffn", "attn", "full"],
+                    help="Checkpointing policies to try: none, full, ffn, attn, every:K (true = full, false = none).")
     tn.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096, 8192], help="Token budgets to try.")
     tn.add_argument("--steps", type=int, default=3, help="Measured steps per candidate.")
     tn.add_argument("--warmup", type=int, default=1, help="Warm-up steps per candidate.")
@@ -243,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tolerance", type=float, default=None,
                    help="Max relative gradient difference to the float32 plain path (default: 2 x the plain path's "
                         "own error in --torch_dtype, at least 1e-4 / 3e-2 / 1e-2 for float32 / bfloat16 / float16).")
-    v.add_argument("--policies", default="full,ffn,attn,every:2", help="Checkpointing policies to verify.")
+    v.add_argument("--policies", default="full,ffn,attn,every:2",
+                   help="Checkpointing policies to verify, comma-separated: none, full, ffn, attn, every:K "
+                        "(true = full, false = none).")
     v.add_argument("--compile", type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
                    help="Also verify compiled decoder layers, as --torch_compile trains (default: on CUDA only).")
     v.add_argument("--seed", type=int, default=42, help="Seed for `path#N` sampling.")

@@ -164,7 +164,9 @@ class TrainConfig:
     plot: bool = _f(False, "Write the dashboard output_dir/metrics.png (needs matplotlib) at the end of training.")
     alert_patience: int = _f(5, "Logged steps a condition must hold before its alert (negative margins, gradient "
                              "collapse; four times as many for accuracy stuck at 0.5).")
-    kl_ratio_threshold: float = _f(0.3, "Alert when kl_ratio (|per-token KL| / |rewards/chosen|) exceeds this.")
+    kl_ratio_threshold: float = _f(0.3, "Alert when kl_ratio (per-token kl / rewards/chosen, signed; |rewards/chosen| "
+                                        "floored at 0.01) exceeds this. Negative ratios (rejected falling while chosen "
+                                        "rises) never alert.")
     max_nonfinite_steps: int = _f(5, "Steps with a NaN/Inf loss or gradient skip their update; stop after this many "
                                   "in a row (0: never stop).")
     ddp_timeout: int = _f(1800, "Seconds a distributed collective may wait before the run fails (torch.distributed "
@@ -398,8 +400,10 @@ def _choice(name: str, value: str, choices: tuple) -> None:
         raise FastDPOError(f"--{name} {value!r} is not one of: {', '.join(choices)}.")
 
 
-def checkpoint_policy(value: str) -> tuple[str, int]:
-    """Parse --gradient_checkpointing into (policy, K). `true` means full, `false` none, `every:K` every K-th layer."""
+def checkpoint_policy(value: str, flag: str = "gradient_checkpointing") -> tuple[str, int]:
+    """Parse a checkpointing policy into (policy, K). `true` means full, `false` none, `every:K` every K-th layer.
+    `flag` names the option the value came from (only --gradient_checkpointing also takes `auto`, resolved
+    before this)."""
     v = str(value).strip().lower()
     if v in ("true", "1", "yes"):
         return "full", 1
@@ -411,12 +415,13 @@ def checkpoint_policy(value: str) -> tuple[str, int]:
         except ValueError:
             k = 0
         if k < 1:
-            raise FastDPOError(f"--gradient_checkpointing {value!r}: K in every:K must be an integer >= 1.")
+            raise FastDPOError(f"--{flag} {value!r}: K in every:K must be an integer >= 1.")
         return "every", k
     if v not in CHECKPOINT_POLICIES:
-        raise FastDPOError(
-            f"--gradient_checkpointing {value!r} is not one of: true, false, {', '.join(CHECKPOINT_POLICIES)}, every:K."
-        )
+        accepted = f"true, false, {', '.join(CHECKPOINT_POLICIES)}, every:K"
+        if flag == "gradient_checkpointing":
+            accepted += ", auto"
+        raise FastDPOError(f"--{flag} {value!r} is not one of: {accepted}.")
     return v, 1
 
 

@@ -381,8 +381,8 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     device = resolve_device(cfg.device)
     loaded = load_for_generation(cfg, need_base=True)
     model, tok = loaded.model, loaded.tokenizer
-    ref_model = load_model(cfg.ref_model, resolve_dtype(cfg.torch_dtype, device), device,
-                           cfg.trust_remote_code).eval() if cfg.ref_model else loaded.base
+    ref_model = load_model(cfg.ref_model, resolve_dtype(cfg.torch_dtype, device), device, cfg.trust_remote_code,
+                           flag="ref_model").eval() if cfg.ref_model else loaded.base
     if ref_model is not None:
         reference = Reference("separate", ref_model)
     elif hasattr(model, "disable_adapter"):

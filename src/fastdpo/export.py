@@ -72,7 +72,8 @@ def merge_lora(cfg: ExportConfig, console=None) -> Path:
         out.rmdir()  # validated empty
     tmp.rename(out)
     if console is not None:
-        console.print(f"merged {cfg.adapters} into {cfg.model}: {out}")
+        console.print(f"wrote {out}: a copy of {cfg.model} with the adapter {cfg.adapters} merged into its weights "
+                      f"({cfg.model} is unchanged).", markup=False, highlight=False, soft_wrap=True)
     return out
 
 

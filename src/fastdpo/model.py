@@ -41,6 +41,32 @@ def _is_local(path: str) -> bool:
     return Path(path).exists() or path.startswith((".", "/", "~"))
 
 
+def _adapter_base(p: Path) -> str:
+    """The base model an adapter dir names in adapter_config.json ("" when unreadable)."""
+    try:
+        base = json.loads((p / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return base if isinstance(base, str) else ""
+
+
+def adapter_given_as_model(path: str, flag: str = "model") -> FastDPOError | None:
+    """The error for a LoRA adapter dir passed where a full model dir belongs; None when `path` is not one."""
+    p = Path(path).expanduser()
+    if not (p / "adapter_config.json").is_file() or (p / "config.json").is_file():
+        return None
+    base = _adapter_base(p)
+    named = f" trained on {base}" if base else ""
+    base = base or "BASE"
+    if flag == "ref_model":
+        fix = f"Pass --ref_adapters {path} instead (it is applied to --model, which must be {base})."
+    else:
+        fix = (f"Pass --model {base} --adapters {path} (fastdpo train also needs --train_type lora to go on "
+               f"training it; --ref_adapters {path} makes it the reference instead).")
+    return FastDPOError(f"--{flag} {path} is a LoRA adapter{named} (adapter_config.json, no config.json), not a "
+                        f"full model. {fix}")
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -50,6 +76,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
             raise FastDPOError(f"Model dir {path} not found. Check --model.")
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if not any((p / n).exists() for n in names):
+            if adapter := adapter_given_as_model(path):
+                raise adapter
             raise FastDPOError(
                 f"{path} has no tokenizer files ({', '.join(names)}). Save the tokenizer into the model dir "
                 "(tokenizer.save_pretrained(dir))."
@@ -91,17 +119,19 @@ def _raised_from(e: BaseException | None, cls: type) -> bool:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               model_type: str = "", quant_bits: int = 0):
+               model_type: str = "", quant_bits: int = 0, flag: str = "model"):
     """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
-    `quant_bits` 4 or 8 loads a quantised base for QLoRA."""
+    `quant_bits` 4 or 8 loads a quantised base for QLoRA. `flag` names the option `path` came from."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     quant = quantization_config(quant_bits, device, dtype) if quant_bits else None
 
     if _is_local(path):
         p = Path(path).expanduser()
+        if adapter := adapter_given_as_model(path, flag):
+            raise adapter
         if not (p / "config.json").is_file():
-            raise FastDPOError(f"{path} is not a model dir: config.json is missing. Check --model.")
+            raise FastDPOError(f"{path} is not a model dir: config.json is missing. Check --{flag}.")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:

@@ -38,17 +38,30 @@ def _number(v) -> float | None:
     return None
 
 
+def read_jsonl(path: Path) -> list[tuple[int, object]]:
+    """(line number, value) of each non-empty line of a JSONL file; a line that is not UTF-8 or not JSON raises."""
+    out = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise FastDPOError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); the file is damaged."
+                                   " Remove that line.") from None
+            if not line.strip():
+                continue
+            try:
+                out.append((lineno, json.loads(line)))
+            except (ValueError, RecursionError):
+                raise FastDPOError(f"{path}:{lineno}: not valid JSON. Was the file cut off? Remove that line.") from None
+    return out
+
+
 def read_records(path: Path) -> list[dict]:
     """Records of a JSONL file in step order. Lines of the same step merge (a training record and its evaluation);
     when a resumed run logged a step again, its values win."""
     by_step: dict[int, dict] = {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            raise FastDPOError(f"{path}:{lineno}: not valid JSON. Was the file cut off? Remove that line.") from None
+    for _, rec in read_jsonl(path):
         if isinstance(rec, dict) and "step" in rec:
             by_step[int(rec["step"])] = {**by_step.get(int(rec["step"]), {}), **rec}
     return [by_step[k] for k in sorted(by_step)]
@@ -70,7 +83,7 @@ def write_dashboard(out_dir: str | Path, path: str | Path | None = None) -> Path
     alerts_file = out / "alerts.jsonl"
     alerts = []
     if alerts_file.is_file():
-        alerts = [json.loads(x) for x in alerts_file.read_text(encoding="utf-8").splitlines() if x.strip()]
+        alerts = [a for _, a in read_jsonl(alerts_file) if isinstance(a, dict) and "name" in a and "step" in a]
     steps = [r["step"] for r in records]
     skipped = [r["step"] for r, prev in zip(records, [{}] + records)
                if r.get("skipped_steps", 0) > prev.get("skipped_steps", 0)]

@@ -150,7 +150,8 @@ def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[Toke
         return Reference("ref_adapter" if cfg.ref_adapters else "adapter_off")
     param = next(policy.parameters())
     if ref_model is not None or cfg.ref_model:
-        model = ref_model or load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code)
+        model = ref_model or load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code,
+                                        flag="ref_model")
         strategy = "separate"
     else:
         model = copy.deepcopy(policy)
@@ -237,7 +238,8 @@ def _compute(cfg: TrainConfig, get_policy, pairs: list[TokenizedPair], pad_id: i
     budget = 4 * micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_train_batch_size)
     param = next(policy.parameters())
     if ref_model is not None or cfg.ref_model:
-        model = _freeze(ref_model or load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code))
+        model = _freeze(ref_model or load_model(cfg.ref_model, param.dtype, param.device, cfg.trust_remote_code,
+                                                flag="ref_model"))
         ref_model = None  # drop the caller's reference too: only the table outlives this pass
         if backend.name != "padded":
             prepare_packed(model, backend)

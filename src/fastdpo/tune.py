@@ -1,9 +1,10 @@
 """`fastdpo tune` and `--gradient_checkpointing auto`: measure checkpointing policies x token budgets on the user's
 model and data, and pick the fastest combination that fits the memory limit.
 
-For each candidate the real training step runs for a few steps; the table shows pairs/s, peak memory, and what the
-policy saves against no checkpointing on this data (its benefit depends on sequence lengths: short pairs gain little
-memory from recomputation and pay its time anyway)."""
+For each candidate the real training step runs for a few steps; the table shows pairs/s (the median over the timed
+steps, so one slow step does not decide), peak memory, and what the policy saves against no checkpointing on this
+data (its benefit depends on sequence lengths: short pairs gain little memory from recomputation and pay its time
+anyway). Only GPU timings mean anything for GPU runs: on a CPU the policies differ by noise."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fastdpo.config import TrainConfig
+from fastdpo.config import TrainConfig, checkpoint_policy
 from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
@@ -40,7 +41,8 @@ def memory_limit_gib(requested: float, device: torch.device) -> float | None:
 
 def measure(cfg: TrainConfig, rows: list[dict], policies: list[str], budgets: list[int], steps: int, warmup: int,
             shape: str | None = None) -> list[dict]:
-    """One row per (policy, budget): pairs/s and peak GiB, or the reason it failed (out of memory)."""
+    """One row per (policy, budget): pairs/s (median of the timed steps) and peak GiB, or the reason it failed (out
+    of memory)."""
     from fastdpo.bench import run_fastdpo
 
     results = []
@@ -50,7 +52,7 @@ def measure(cfg: TrainConfig, rows: list[dict], policies: list[str], budgets: li
             row = {"policy": policy, "budget": budget}
             try:
                 r = run_fastdpo(trial, shape, rows, steps, warmup, verbose=False)
-                row.update(pairs_per_s=r["pairs_per_s"], peak_gib=r["peak_gib"], mfu=r["mfu"])
+                row.update(pairs_per_s=r["pairs_per_s_median"], peak_gib=r["peak_gib"], mfu=r["mfu"])
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "out of memory"
             _free()
@@ -97,7 +99,13 @@ def run_tune(cfg: TrainConfig, rows: list[dict], policies: list[str], budgets: l
              max_memory_gib: float, out_json: str | None, console, shape: str | None = None) -> dict | None:
     from fastdpo.model import resolve_device
 
-    limit = memory_limit_gib(max_memory_gib, resolve_device(cfg.device))
+    for policy in policies:
+        checkpoint_policy(policy, "policies")  # raises on a bad value before anything runs
+    device = resolve_device(cfg.device)
+    if device.type != "cuda":
+        log.warning("fastdpo tune on %s: CPU timings do not represent a GPU, so the policy picked here is not "
+                    "meaningful for GPU runs. Run tune on the GPU you will train on.", device.type)
+    limit = memory_limit_gib(max_memory_gib, device)
     results = measure(cfg, rows, policies, budgets, steps, warmup, shape)
     annotate(results)
     best = choose(results, limit)

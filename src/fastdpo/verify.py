@@ -287,7 +287,7 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
     differences 0; in bfloat16 / float16 its error is the floor that sets the tolerance). `tolerance` overrides the
     computed one; the bound on a policy's difference to the same path without checkpointing is TOLERANCE[dtype]."""
     for p in policies:
-        checkpoint_policy(p)  # raises on a bad value
+        checkpoint_policy(p, "policies")  # raises on a bad value
     dev = resolve_device(device)
     dtype = resolve_dtype(torch_dtype, dev)
     pairs = load_pairs(model_path, datasets, num_pairs, max_length, seed, trust_remote_code, template, system)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fastdpo.data.formats import Row
 from fastdpo.data.prepare import DataOptions
-from fastdpo.data.sources import parse_spec
+from fastdpo.data.sources import parse_spec, select
 from fastdpo.data.tokenize import TokenizeOptions, TokenizeStats, tokenize_chunk
 from fastdpo.errors import FastDPOError
 
@@ -24,7 +24,7 @@ SHOWN = 50  # messages printed per list
 
 @dataclass
 class CheckReport:
-    sources: list[tuple[str, int, dict]] = field(default_factory=list)  # (spec, rows, formats)
+    sources: list[tuple[str, int, int, dict]] = field(default_factory=list)  # (spec, rows read, rows used, formats)
     errors: list[str] = field(default_factory=list)  # in row order
     duplicates: list[str] = field(default_factory=list)
     over_length: list[str] = field(default_factory=list)
@@ -49,24 +49,28 @@ class _Checker:
         self.errors: list[tuple[int, str]] = []  # (record ordinal, message): sorted into row order at the end
         self.ordinal = 0
         self.ordinals: dict[str, int] = {}  # source -> ordinal of the pending rows
+        self.used: set[str] = set()  # sources of the rows checked so far
+        self.flagged: set[str] = set()  # sources already reported by the tokenizer pass
 
     def error(self, message: str, ordinal: int | None = None) -> None:
         self.errors.append((self.ordinal if ordinal is None else ordinal, message))
 
-    def row(self, row: Row) -> None:
-        r = self.report
+    def row(self, row: Row, ordinal: int) -> None:
+        """Check one row training would use; a row `#N` repeats is tokenised again but reported once."""
+        repeat = row.source in self.used
+        self.used.add(row.source)
         if row.identical:
-            self.error(f"{row.source}: chosen is identical to rejected: there is no preference to learn. "
-                       "Fix one of them or drop the row.")
+            if not repeat:
+                self.error(f"{row.source}: chosen is identical to rejected: there is no preference to learn. "
+                           "Fix one of them or drop the row.", ordinal)
             return
         key = hashlib.blake2b(row.key().encode(), digest_size=16).digest()
-        if key in self.seen:
-            r.duplicates.append(f"{row.source}: the same pair as {self.seen[key]}. Drop one of them.")
-        else:
-            self.seen[key] = row.source
+        if key in self.seen and not repeat:
+            self.report.duplicates.append(f"{row.source}: the same pair as {self.seen[key]}. Drop one of them.")
+        self.seen.setdefault(key, row.source)
         if self.tokenizer is not None:
             self.pending.append(row)
-            self.ordinals[row.source] = self.ordinal
+            self.ordinals[row.source] = ordinal
             if len(self.pending) >= CHUNK:
                 self.flush()
 
@@ -81,43 +85,56 @@ class _Checker:
         _, stats = tokenize_chunk(self.tokenizer, rows, o, problems=problems, lengths=lengths)
         self.report.stats.add(stats)
         for e in problems:
-            self.error(str(e), ordinals[e.where])
+            if e.where not in self.flagged:
+                self.flagged.add(e.where)
+                self.error(str(e), ordinals[e.where])
         for k, p, c, r in lengths:
             self.report.lengths["prompt"].append(p)
             self.report.lengths["chosen"].append(c)
             self.report.lengths["rejected"].append(r)
-            if p + max(c, r) > o.max_length:
+            if p + max(c, r) > o.max_length and rows[k].source not in self.flagged:
+                self.flagged.add(rows[k].source)
                 self.report.over_length.append(f"{rows[k].source}: prompt {p} + completion {max(c, r)} tokens > "
                                                f"--max_length {o.max_length}.")
 
 
-def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckReport:
-    """Validate every row of `specs` (all problems are collected, none raised), tokenising with `tokenizer` if
-    given."""
+def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, Row | None]], bool]:
+    """Every record of one spec as (ordinal, row), None for a bad row (its error recorded); and whether the source
+    itself could be read."""
     from fastdpo.data.sources import iter_records
 
+    items: list[tuple[int, Row | None]] = []
+    try:
+        for rec in iter_records(spec, opts.split):
+            checker.ordinal += 1
+            try:
+                items.append((checker.ordinal, rec.row()))
+            except FastDPOError as e:
+                checker.error(str(e))
+                items.append((checker.ordinal, None))
+    except FastDPOError as e:  # the source itself: missing file, unreadable Parquet, unknown HF dataset
+        checker.error(str(e))
+        return items, False
+    return items, True
+
+
+def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckReport:
+    """Validate every row of `specs` (all problems are collected, none raised); then check the rows training would
+    use (`#N` selects them as training does), tokenising with `tokenizer` if given."""
     report = CheckReport()
     checker = _Checker(opts, tokenizer, report)
     for text in specs:
         spec = parse_spec(text)
-        n, formats, unreadable = 0, {}, False
-        try:
-            for rec in iter_records(spec, opts.split):
-                n += 1
-                checker.ordinal += 1
-                try:
-                    row = rec.row()
-                except FastDPOError as e:
-                    checker.error(str(e))
-                    continue
-                formats[row.format] = formats.get(row.format, 0) + 1
-                checker.row(row)
-        except FastDPOError as e:  # the source itself: missing file, unreadable Parquet, unknown HF dataset
-            checker.error(str(e))
-            unreadable = True
-        if n == 0 and not unreadable:
+        items, readable = _read(spec, opts, checker)
+        if not items and readable:
             checker.error(f"{spec.label}: has no rows. Check the file or the --split.")
-        report.sources.append((text, n, formats))
+        used = select(items, spec, opts.seed, opts.streaming)
+        formats: dict[str, int] = {}
+        for ordinal, row in used:
+            if row is not None:
+                formats[row.format] = formats.get(row.format, 0) + 1
+                checker.row(row, ordinal)
+        report.sources.append((text, len(items), len(used), formats))
     checker.flush()
     report.errors = [m for _, m in sorted(checker.errors, key=lambda e: e[0])]
     return report
@@ -134,9 +151,10 @@ def _listing(title: str, items: list[str]) -> list[str]:
 
 def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> list[str]:
     lines = []
-    for text, n, formats in report.sources:
+    for text, n, used, formats in report.sources:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(formats.items())) or "none valid"
-        lines.append(f"{text}: {n} rows ({kinds})")
+        count = f"{n} rows" if used == n and "#" not in text else f"{n} rows read, {used} used for training"
+        lines.append(f"{text}: {count} ({kinds})")
     lines += _listing("errors", report.errors)
     lines += _listing("warnings: duplicate pairs", report.duplicates)
     if model:

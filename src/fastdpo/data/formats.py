@@ -199,7 +199,17 @@ def _implicit_text(c: str, r: str, where: str) -> Row:
     return Row(c[:cut], chosen, rejected, where, format="implicit_text")
 
 
+def _swift_rejected_error(value: dict, where: str) -> RowError:
+    """`messages` with a `rejected` field: an ms-swift row whose rejected reply is under TRL's name."""
+    return RowError(where, "rejected", "is given with messages; with messages the rejected reply goes in "
+                    f"rejected_response or rejected_messages (fields present: {_fields(value)}).",
+                    "Rename rejected to rejected_response (the rejected reply as text), or give the whole rejected "
+                    "conversation as rejected_messages.")
+
+
 def _pair_row(value: dict, where: str, tools: list | None) -> Row:
+    if value.get("messages") is not None and value.get("chosen") is None:
+        raise _swift_rejected_error(value, where)
     for name in ("chosen", "rejected"):
         if name not in value or value[name] is None:
             raise _missing(value, name, where)

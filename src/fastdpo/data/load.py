@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastdpo.data.formats import Row, RowError, to_row
-from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, source_kind
+from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, select, source_kind
 from fastdpo.data.sources import parse_spec as parse_dataset_spec
 from fastdpo.errors import FastDPOError
 
@@ -54,7 +54,7 @@ def load_spec(spec: Spec, split: str = "train", seed: int = 42) -> list[Row]:
     rows = [r.row() for r in iter_records(spec, split)]
     if not rows:
         raise FastDPOError(f"Dataset {spec.label} has no rows.")
-    return sample(rows, spec.count, seed) if spec.count is not None else rows
+    return select(rows, spec, seed)
 
 
 def load_rows(specs: list[str], seed: int = 42, split: str = "train") -> list[Row]:

@@ -14,7 +14,7 @@ import csv
 import json
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -326,4 +326,28 @@ def sample(items: list, n: int, seed: int) -> list:
     rng = random.Random(seed)
     whole, rest = divmod(n, len(items))
     return items * whole + rng.sample(items, rest)
+
+
+def first_cycling(read: Callable[[], Iterator], n: int, label: str) -> Iterator:
+    """The first N items of `read()`, reading it again from the start while it runs out (streaming's `#N`)."""
+    taken = 0
+    while taken < n:
+        before = taken
+        for item in read():
+            yield item
+            taken += 1
+            if taken == n:
+                return
+        if taken == before:
+            raise FastDPOError(f"Dataset {label} has no rows.")
+
+
+def select(items: list, spec: Spec, seed: int, streaming: bool = False) -> list:
+    """The items `#N` of `spec` keeps, as training takes them: all without `#N`; the first N (cycling) when
+    streaming; else a seeded sample (see `sample`)."""
+    if spec.count is None or not items:
+        return items
+    if streaming:
+        return list(first_cycling(lambda: iter(items), spec.count, spec.label))
+    return sample(items, spec.count, seed)
 

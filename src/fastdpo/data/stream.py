@@ -14,9 +14,8 @@ from collections.abc import Iterator
 
 from fastdpo.data.parallel import ordered_map
 from fastdpo.data.prepare import DataOptions, DataSummary
-from fastdpo.data.sources import Record, Spec, iter_records, parse_spec, source_kind
+from fastdpo.data.sources import Record, Spec, first_cycling, iter_records, parse_spec, source_kind
 from fastdpo.data.tokenize import TokenizedPair, TokenizeStats, no_pairs_error, tokenize_chunk
-from fastdpo.errors import FastDPOError
 
 CHUNK = 1024  # records per worker task
 
@@ -41,19 +40,12 @@ class PairStream:
         self._it = self._pairs()
 
     def _limited(self, spec: Spec) -> Iterator[Record]:
+        def read() -> Iterator[Record]:
+            return iter_records(spec, self.opts.split, streaming=True)
+
         if spec.count is None:
-            yield from iter_records(spec, self.opts.split, streaming=True)
-            return
-        taken = 0
-        while taken < spec.count:
-            before = taken
-            for rec in iter_records(spec, self.opts.split, streaming=True):
-                yield rec
-                taken += 1
-                if taken == spec.count:
-                    return
-            if taken == before:
-                raise FastDPOError(f"Dataset {spec.label} has no rows.")
+            return read()
+        return first_cycling(read, spec.count, spec.label)
 
     def records(self) -> Iterator[Record]:
         """One pass over the datasets, interleaved row by row."""
