@@ -21,6 +21,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, like a training subprocess (identical float summation order); tiny models run fastest
+    that way, too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """Tiny random-init model dirs, built once per family (and variant) per session."""

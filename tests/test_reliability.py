@@ -56,14 +56,7 @@ def wait_for_steps(out: Path, n: int, proc=None, timeout: float = 300) -> None:
     raise AssertionError(f"no step {n} in {out} after {timeout} s")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, like the training subprocess (identical float summation order); tiny models run
-    fastest that way, too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: identical float summation order across runs
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,7 @@ BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumula
             lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01, device="cpu", max_steps=4, save_steps=2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: identical float summation order across runs
 
 
 @pytest.fixture(scope="module")
