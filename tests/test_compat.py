@@ -167,3 +167,10 @@ def test_fewer_than_32_pairs_per_step_warns(caplog):
     caplog.clear()
     warn_small_steps(parse("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "4"), 2)
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("lr", ["1e39", "nan", "-1e-5"])
+def test_impossible_learning_rates_are_one_clean_line(capsys, lr):
+    """1e39 used to end in a raw overflow traceback inside AdamW's first step."""
+    rc, out = run_cli(capsys, "train", "--model", "m", "--dataset", "d.jsonl", f"--learning_rate={lr}")
+    assert rc != 0 and "--learning_rate must be a number from 0 to 1e+06" in out and "Traceback" not in out

@@ -22,6 +22,7 @@ from fastdpo.errors import FastDPOError
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
 ATTN_IMPLS = ("auto", "flex", "dense", "padded", "flash_attn", "flash_attention_2", "sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+MAX_LR = 1e6  # far past any useful rate, far below where AdamW's step size overflows float32
 CHECKPOINT_POLICIES = ("none", "full", "ffn", "attn")
 
 
@@ -233,8 +234,9 @@ class TrainConfig:
             raise FastDPOError(f"--beta must be > 0, got {self.beta}.")
         if not 0 <= self.warmup_ratio < 1:
             raise FastDPOError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
-        if self.learning_rate < 0:
-            raise FastDPOError(f"--learning_rate must be >= 0, got {self.learning_rate}.")
+        if not 0 <= self.learning_rate <= MAX_LR:  # also refuses NaN
+            raise FastDPOError(f"--learning_rate must be a number from 0 to {MAX_LR:g} (DPO uses 1e-7 to 1e-4), got "
+                               f"{self.learning_rate}.")
         if self.max_tokens_per_batch and self.max_tokens_per_batch < 16:
             raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
         if self.uses_lora and self.lora_rank < 1:
