@@ -18,6 +18,8 @@ log = logging.getLogger("fastdpo")
 SEQUENCE_PARALLEL = ("sequence parallelism is not available in fastdpo. One H200 trains a 65,538-token pair of "
                      "Qwen3-8B with LoRA and --gradient_checkpointing full; for longer pairs add "
                      "--activation_offloading, or shard with --deepspeed zero3 on several GPUs.")
+LESS_MEMORY = ("Lower memory with --train_type lora/qlora, --deepspeed zero3 (FSDP2 sharding), --gradient_checkpointing "
+               "full, --precompute_ref_log_probs or --activation_offloading.")
 RLHF_TYPES = {"dpo": None, "simpo": "simpo", "orpo": "orpo", "cpo": "cpo"}
 
 
@@ -60,9 +62,7 @@ def _offload(name: str) -> Callable[[Any, dict], str | None]:
     def apply(value: Any, values: dict) -> str | None:
         if _is_off(value):
             return None
-        raise FastDPOError(f"--{name} {value}: DeepSpeed's CPU offload is not available in fastdpo. Lower memory with "
-                           "--train_type lora/qlora, --deepspeed zero3 (FSDP2 sharding), --gradient_checkpointing "
-                           "full, --precompute_ref_log_probs or --activation_offloading.")
+        raise FastDPOError(f"--{name} {value}: DeepSpeed's CPU offload is not available in fastdpo. {LESS_MEMORY}")
     return apply
 
 

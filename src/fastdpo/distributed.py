@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from fastdpo.compat import LESS_MEMORY
 from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
@@ -134,9 +135,8 @@ def deepspeed_json_plan(path: str, cfg=None) -> Plan:
         device = (zero.get(key) or {}).get("device", "none")
         if device not in ("none", None):  # as the --offload_* flags and --deepspeed zero3_offload: refused
             raise FastDPOError(f"--deepspeed {path}: zero_optimization.{key}.device={device}: DeepSpeed's CPU/NVMe "
-                               "offload is not available in fastdpo. Remove it (or set \"device\": \"none\"); to "
-                               "lower memory use --train_type lora/qlora, zero3 (FSDP2 sharding), "
-                               "--gradient_checkpointing full, --precompute_ref_log_probs or --activation_offloading.")
+                               f"offload is not available in fastdpo. Remove it (or set \"device\": \"none\"). "
+                               f"{LESS_MEMORY}")
     checks = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
               "gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
     for key, flag in checks.items():
