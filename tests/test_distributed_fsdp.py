@@ -252,6 +252,81 @@ def test_full_shard_keeps_the_first_unit_and_root_gathered_between_micro_steps(m
         dist.destroy_process_group()
 
 
+def test_full_shard_gathers_the_step_start_after_the_update(model_dirs):
+    """full_shard: after an update, `gather_step_start` gathers the root and the first decoder unit (what a step's
+    first forward opens with) before that forward; the forward then computes exactly what it computes without it, and
+    the step's last backward shards everything again. (One rank: the values of a real two-rank gather are checked by
+    the two-rank runs against one rank.)"""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from conftest import random_pairs
+    from torch.distributed.tensor import DTensor
+
+    from fastdpo.distributed import Dist, gather_step_start, grad_sync, parallel_plan, wrap_models
+    from fastdpo.model import build_mask, make_batch
+    from fastdpo.reference import Reference
+
+    config, model, backend = five_layer_qwen3(model_dirs)
+    twin = copy.deepcopy(model)
+    plan = parallel_plan("full_shard", "")
+    d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, layers_per_unit=2)  # units: layers 0-1, 2-3, 4
+
+    def whole(m):  # layer 0 (first unit), layer 2 (middle unit), layer 4 (last unit), embeddings (root)
+        return [not isinstance(w, DTensor) for w in (m.model.layers[0].mlp.up_proj.weight,
+                                                     m.model.layers[2].mlp.up_proj.weight,
+                                                     m.model.layers[4].mlp.up_proj.weight,
+                                                     m.model.embed_tokens.weight)]
+
+    def step(policy, seed):
+        batch = make_batch(random_pairs(3, config.vocab_size, seed=seed), backend, 0, torch.device("cpu"))
+        with grad_sync(policy, True, keep_gathered=d.keeps_gathered):
+            sums, *_ = policy(batch, build_mask(batch, backend))
+            sums.sum().backward()
+        return sums.detach()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        runs, counts = [], []
+        for m, early in ((model, True), (twin, False)):
+            policy = wrap_models(m, Reference("precompute"), backend, d)
+            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+            step(policy, 0)  # one step with an update: the next step's gathers must see the updated shards
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert whole(m) == [False, False, False, False]
+            handles = gather_step_start(policy) if early else []
+            counts.append(len(handles))
+            for h in handles:
+                h.wait()
+            assert whole(m) == ([True, False, False, True] if early else [False] * 4)
+            runs.append((step(policy, 1), {n: p.grad.full_tensor() for n, p in m.named_parameters()}))
+            assert whole(m) == [False, False, False, False]
+        assert counts == [2, 0] and torch.equal(runs[0][0], runs[1][0])
+        assert runs[0][1].keys() == runs[1][1].keys()
+        assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_start_gathers_nothing_outside_full_shard(model_dirs):
+    """DDP, one process and shard_grad_op have no step-start units: nothing is gathered."""
+    import torch.distributed as dist
+
+    from fastdpo.distributed import Dist, gather_step_start, parallel_plan, wrap_models
+    from fastdpo.reference import Reference
+
+    config, model, backend = five_layer_qwen3(model_dirs)
+    plan = parallel_plan("shard_grad_op", "")
+    d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, layers_per_unit=2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert gather_step_start(wrap_models(model, Reference("precompute"), backend, d)) == []
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("mode", ["shard_grad_op", "full_shard"])
 def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
     """Deferred FSDP2 micro-steps accumulate their gradients in the parameters' dtype (bf16) and reduce in float32

@@ -440,6 +440,17 @@ def grad_sync(policy: torch.nn.Module, last: bool, keep_gathered: bool = False):
     yield
 
 
+def gather_step_start(policy: torch.nn.Module) -> list:
+    """full_shard: start gathering the root and the first decoder unit, which every step's first forward opens with
+    and which the step's last backward sharded for the optimizer. Called right after the update is queued (the
+    gathers read the updated shards: FSDP2 orders them after it) when another step follows: the gathers run under the
+    host's work between steps (the flag read, logging, a checkpoint or an evaluation, packing the next micro-batches)
+    instead of, exposed, in the next forward, whose pre-forward hooks wait on them. Not before the first forward,
+    where FSDP2 sets up its streams. Returns the handles (none for other modes). No peak is added: nothing else is
+    held between steps, and the next forward gathers both at once anyway."""
+    return [unit.unshard(async_op=True) for unit in getattr(policy, "_fastdpo_boundary_units", ())]
+
+
 def _accumulate_in_param_dtype(module: torch.nn.Module) -> None:
     """Deferred FSDP2 micro-steps accumulate their unsharded gradients in the parameters' dtype, as one process and
     DDP do; the reduction on the last micro-step runs in the reduce dtype (float32 unless `Dist.sum_in_fp32` is off).

@@ -31,6 +31,7 @@ from fastdpo.distributed import (
     barrier,
     clip_grad_norm,
     full_state_dict,
+    gather_step_start,
     gather_step_view,
     grad_sync,
     heartbeat,
@@ -464,6 +465,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             stepped = step_unless_nonfinite(optimizer, finite)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if step + 1 < s.total_steps:  # full_shard: the next forward's first weights, gathered under the host work
+                gather_step_start(s.policy)
             reduce_beta_drift(s.beta, d)
             s.beta.step()
             ok = bool(finite)
