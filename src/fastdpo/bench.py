@@ -377,9 +377,11 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
         raise FastDPOError("fastdpo bench needs --shape NAME (random-init) or --model PATH.")
     n = cfg.pairs_per_step * (steps + warmup)
     if dataset:
+        from fastdpo.data.columns import RowOptions
         from fastdpo.data.load import load_rows
 
-        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in load_rows(dataset, cfg.seed)]
+        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected}
+                for r in load_rows(dataset, cfg.seed, read=RowOptions.from_config(cfg))]
         if len(rows) < n:
             raise FastDPOError(f"--dataset has {len(rows)} rows; the bench needs {n} (pairs per step x steps).")
     else:

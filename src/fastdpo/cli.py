@@ -159,6 +159,7 @@ def cmd_bench(args: argparse.Namespace, console) -> int:
 
 def cmd_tune(args: argparse.Namespace, console) -> int:
     from fastdpo.bench import anchor_pairs
+    from fastdpo.data.columns import RowOptions
     from fastdpo.data.load import load_rows
     from fastdpo.tune import run_tune
 
@@ -169,7 +170,8 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
         raise FastDPOError("fastdpo tune needs --dataset (your data) or --shape (the anchor workload).")
     n = cfg.pairs_per_step * (args.steps + args.warmup)
     if cfg.dataset:
-        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in load_rows(cfg.dataset, cfg.seed)]
+        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected}
+                for r in load_rows(cfg.dataset, cfg.seed, read=RowOptions.from_config(cfg))]
         rows = (rows * (n // len(rows) + 1))[:n]
     else:
         rows = anchor_pairs(n)

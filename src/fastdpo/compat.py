@@ -124,6 +124,21 @@ def _optim(value: str, values: dict) -> str | None:
                        "Pass --optim adamw_torch or drop the flag.")
 
 
+def _column_key(flag: str) -> Callable[[Any, dict], str | None]:
+    """OpenRLHF's --prompt_key COL (chosen, rejected): the same as --columns '{"COL": "prompt"}'."""
+    def apply(value: Any, values: dict) -> str | None:
+        from fastdpo.data.columns import add_key_flag
+
+        columns = values.get("columns") or {}
+        if not isinstance(columns, dict):
+            raise FastDPOError(f"--columns must be a JSON object (dataset column -> fastdpo column), got {columns!r}.")
+        columns = dict(columns)
+        add_key_flag(columns, flag, str(value))
+        values["columns"] = columns
+        return None
+    return apply
+
+
 def _note(text: str) -> Callable[[Any, dict], str | None]:
     return lambda value, values: text
 
@@ -176,6 +191,12 @@ FOREIGN: dict[str, Foreign] = {
     "add_version": Foreign("ms-swift: ignored (--output_dir is used as given).",
                            _note("ignored; --output_dir is used as given.")),
     "check_model": Foreign("ms-swift: ignored.", _note("ignored.")),
+    "prompt_key": Foreign("OpenRLHF: the prompt column (= --columns '{\"COL\": \"prompt\"}').",
+                          _column_key("prompt_key")),
+    "chosen_key": Foreign("OpenRLHF: the chosen column (= --columns '{\"COL\": \"chosen\"}').",
+                          _column_key("chosen_key")),
+    "rejected_key": Foreign("OpenRLHF: the rejected column (= --columns '{\"COL\": \"rejected\"}').",
+                            _column_key("rejected_key")),
 }
 
 

@@ -61,6 +61,13 @@ class TrainConfig:
     template: str = _f("", "Chat template for conversational rows: chatml|llama3|identity|hh or a Jinja file "
                        "(default: the tokenizer's chat_template).")
     system: str = _f("", "System prompt for conversational rows that have none.")
+    columns: dict = _f({}, "Dataset columns renamed to fastdpo's before rows are read (as ms-swift): a JSON object "
+                       "{dataset column: fastdpo column}, e.g. '{\"question\": \"prompt\", \"good\": \"chosen\", "
+                       "\"bad\": \"rejected\"}' (a mapping in YAML). Applies to every dataset, --val_dataset too.")
+    input_template: str = _f("", "OpenRLHF: text around plain-text prompts, {} standing for the prompt, e.g. "
+                             "$'User: {}\\nAssistant: ' (message-list rows use the chat template instead).")
+    apply_chat_template: bool = _f(False, "OpenRLHF: plain-text rows become a user turn and assistant replies, so the "
+                                   "chat template applies to them too (message-list rows always go through it).")
     dataset_num_proc: int = _f(1, "Processes that tokenise the dataset.")
     load_from_cache_file: bool = _f(True, "Reuse tokenised data cached under a fingerprint of data, tokenizer, settings.")
     dataset_cache_dir: str = _f("", "Tokenisation cache dir (default: $FASTDPO_CACHE_DIR, else ~/.cache/fastdpo).")
@@ -384,9 +391,16 @@ class TrainConfig:
             if str(self.gradient_checkpointing) == "auto":
                 raise FastDPOError("--gradient_checkpointing auto measures on data in memory. With --streaming, name a "
                                    "policy: none, full, ffn, attn or every:K.")
+        from fastdpo.data.columns import check_input_template, column_mapping
         from fastdpo.data.template import resolve_template
 
         resolve_template(self.template)  # raises on an unknown name or a missing file
+        column_mapping(self.columns)
+        if self.input_template:
+            check_input_template(self.input_template)
+            if self.apply_chat_template:
+                raise FastDPOError("--input_template and --apply_chat_template both wrap the prompt (OpenRLHF uses the "
+                                   "input template only without the chat template). Drop one.")
 
     @property
     def pairs_per_step(self) -> int:

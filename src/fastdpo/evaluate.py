@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from fastdpo.config import _f
+from fastdpo.data.columns import RowOptions
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
@@ -52,7 +53,7 @@ def split_rows(rows: list[Row], ratio: float, seed: int) -> tuple[list[Row], lis
 def held_out_rows(cfg, rows: list[Row]) -> tuple[list[Row], list[Row]]:
     """(training rows, validation rows) per --val_dataset or --split_dataset_ratio (no validation rows otherwise)."""
     if cfg.val_dataset:
-        return rows, load_rows(cfg.val_dataset, cfg.seed)
+        return rows, load_rows(cfg.val_dataset, cfg.seed, read=RowOptions.from_config(cfg))
     if cfg.split_dataset_ratio > 0:
         return split_rows(rows, cfg.split_dataset_ratio, cfg.seed)
     return rows, []
@@ -395,7 +396,7 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
         if ref_model is not None:
             prepare_packed(ref_model, backend)
 
-    rows = load_rows(cfg.dataset, cfg.seed)
+    rows = load_rows(cfg.dataset, cfg.seed, read=RowOptions.from_config(cfg))
     pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))  # tokenised exactly as training did
     pad_id = tok.pad_token_id or 0
     budget = micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_eval_batch_size)

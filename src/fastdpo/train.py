@@ -138,7 +138,7 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
     summary is logged (and saved in `summary_dir`). With --streaming the training data is read lazily by a
     PairStream instead: no training rows or pairs here."""
     opts = DataOptions.from_config(cfg)
-    rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split))
+    rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read))
     pairs: list[TokenizedPair] = []
     if not cfg.streaming:
         pairs, summary = tokenize_pairs(rows, tokenizer, opts)

@@ -2,7 +2,8 @@
 
 A hit skips tokenising (most of the cost). The key is computed from the rows themselves, so it follows whatever
 chose them (files, `#N` samples, splits, held-out rows) and changes when any row's text, the tokenizer (vocabulary,
-specials, chat template), a length or template setting, or this cache format changes. Entries are written to a
+specials, chat template), a length or template setting, how records become rows (column mapping, prompt template),
+or this cache format changes. Entries are written to a
 temporary dir and renamed into place.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from fastdpo import __version__
+from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats
 
@@ -59,8 +61,9 @@ def rows_fingerprint(rows: list[Row]) -> str:
     return h.hexdigest()
 
 
-def data_key(rows: list[Row], tokenizer, options: TokenizeOptions) -> str:
+def data_key(rows: list[Row], tokenizer, options: TokenizeOptions, read: RowOptions = AS_GIVEN) -> str:
     parts = {
+        "read": dataclasses.asdict(read),
         "format": CACHE_FORMAT,
         "version": __version__,
         "rows": rows_fingerprint(rows),

@@ -108,7 +108,7 @@ def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, R
         for rec in iter_records(spec, opts.split):
             checker.ordinal += 1
             try:
-                items.append((checker.ordinal, rec.row()))
+                items.append((checker.ordinal, rec.row(opts.read)))
             except FastDPOError as e:
                 checker.error(str(e))
                 items.append((checker.ordinal, None))

@@ -10,6 +10,12 @@ Accepted (detected per row, so files may mix them):
   then as implicit conversational rows.
 - ms-swift: `messages` ending with the chosen assistant turn, plus `rejected_response` (text) or `rejected_messages`
   (the whole rejected conversation); an optional `system` column.
+- LLaMA-Factory alpaca: `instruction` (+ `input`, joined by a newline) is the user turn after the `history` pairs
+  [[user, assistant], ...]; `chosen`/`rejected` reply texts. Conversational, as LLaMA-Factory always applies the
+  chat template.
+- LLaMA-Factory sharegpt: `conversations` (`{from, value}` or `{role, content}` turns: an optional leading system
+  turn, then user/observation turns alternating with assistant/function_call turns, ending with a user or
+  observation turn), `chosen`/`rejected` one message each (or reply texts).
 Optional columns: `tools` (a list or its JSON text; passed to the chat template), `system` (conversational rows).
 """
 
@@ -21,7 +27,14 @@ from dataclasses import dataclass
 
 from fastdpo.errors import FastDPOError
 
-FORMATS = ("standard", "conversational", "implicit_text", "implicit_conversational", "hh_rlhf", "ms_swift")
+FORMATS = ("standard", "conversational", "implicit_text", "implicit_conversational", "hh_rlhf", "ms_swift", "alpaca",
+           "sharegpt")
+ALPACA_FIELDS = ("instruction", "input", "history")
+# LLaMA-Factory's ShareGPT role tags (and their OpenAI names) -> message roles; function_call becomes a tool call
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "observation": "tool", "tool": "tool", "function_call": "function_call"}
+SHAREGPT_ORDER = ("After an optional leading system turn, conversations alternate human (or observation) and gpt (or "
+                  "function_call) turns and end with the human or observation turn that chosen and rejected answer.")
 HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 
 
@@ -146,13 +159,17 @@ def _split_common(c: list[dict], r: list[dict], names: tuple[str, str], where: s
     return c[:k], _reply(c[k:], f"{names[0]}[{k}:]", where), _reply(r[k:], f"{names[1]}[{k}:]", where)
 
 
+def _string(value: object, name: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise RowError(where, name, f"must be a string, got {_kind(value)}.", "Fix the row.")
+    return _unicode(value, name, where)
+
+
 def _with_system(prompt: list[dict], value: dict, where: str) -> list[dict]:
     system = value.get("system")
     if system is None or (prompt and prompt[0]["role"] == "system"):
         return prompt
-    if not isinstance(system, str):
-        raise RowError(where, "system", f"must be a string, got {_kind(system)}.", "Fix the row.")
-    _unicode(system, "system", where)
+    system = _string(system, "system", where)
     return [{"role": "system", "content": system}, *prompt] if system else prompt
 
 
@@ -265,12 +282,151 @@ def _swift_row(value: dict, where: str, tools: list | None) -> Row:
                    "An ms-swift row needs rejected_response (text) or rejected_messages (the rejected conversation).")
 
 
+def _tag(m: dict) -> tuple[str, str]:
+    """The role and content keys of a ShareGPT turn: {from, value} (LLaMA-Factory's default) or {role, content}."""
+    return ("from", "value") if "from" in m else ("role", "content")
+
+
+def _tool_call(text: str, name: str, where: str) -> dict:
+    """A function_call turn (JSON: {"name", "arguments"} or a list of them) -> an assistant message with tool_calls."""
+    try:
+        calls = json.loads(text)
+    except (ValueError, RecursionError):
+        calls = None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise RowError(where, name, "is not a function call in JSON.",
+                       'Write the call as {"name": ..., "arguments": {...}} (or a list of them).')
+    out = []
+    for c in calls:
+        args = c.get("arguments", {})
+        if isinstance(args, str):  # arguments as JSON text: chat templates expect the object
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                pass
+        out.append({"type": "function", "function": {"name": c["name"], "arguments": args}})
+    return {"role": "assistant", "content": "", "tool_calls": out}
+
+
+def _turn(m: object, name: str, where: str) -> dict:
+    """One ShareGPT turn -> a message: human/user, gpt/assistant, system, observation/tool (-> tool), function_call
+    (-> an assistant tool call)."""
+    if not isinstance(m, dict):
+        raise RowError(where, name, f"must be an object with from and value (or role and content), got {_kind(m)}.",
+                       "Fix the message.")
+    role_key, text_key = _tag(m)
+    tag = m.get(role_key)
+    if not isinstance(tag, str) or tag not in SHAREGPT_ROLES:
+        raise RowError(where, f"{name}.{role_key}", f"is {tag!r}, not a ShareGPT role.",
+                       f"Use one of: {', '.join(SHAREGPT_ROLES)}.")
+    role = SHAREGPT_ROLES[tag]
+    if role == "assistant" and m.get(text_key) is None and m.get("tool_calls"):  # OpenAI-style tool calls
+        return {"role": "assistant", "content": "", "tool_calls": m["tool_calls"]}
+    text = _string(m.get(text_key), f"{name}.{text_key}", where)
+    return _tool_call(text, f"{name}.{text_key}", where) if role == "function_call" else {"role": role, "content": text}
+
+
+def _sharegpt_turns(value: dict, where: str) -> tuple[list[dict], list[dict]]:
+    """(leading system turn or nothing, the rest) of `conversations`, checked to alternate user/observation with
+    assistant/function_call turns and to end with the turn the replies answer (as LLaMA-Factory requires)."""
+    conv = value["conversations"]
+    if not isinstance(conv, list) or not conv:
+        raise RowError(where, "conversations", f"must be a non-empty list of turns, got {_kind(conv)}"
+                       + (" (empty list)." if conv == [] else "."), "Fix the row.")
+    turns = [_turn(m, f"conversations[{i}]", where) for i, m in enumerate(conv)]
+    head = 1 if turns[0]["role"] == "system" else 0
+    for i in range(head, len(turns)):
+        user_side = (i - head) % 2 == 0
+        if (turns[i]["role"] in ("user", "tool")) != user_side or turns[i]["role"] == "system":
+            belongs = "a user (human) or observation" if user_side else "an assistant (gpt) or function_call"
+            key = _tag(conv[i])[0]
+            raise RowError(where, f"conversations[{i}].{key}", f"is {conv[i][key]!r} where {belongs} turn belongs.",
+                           SHAREGPT_ORDER)
+    if (len(turns) - head) % 2 == 0:
+        last = "only a system turn" if len(turns) == head else f"an assistant turn ({conv[-1][_tag(conv[-1])[0]]!r})"
+        raise RowError(where, "conversations", f"ends with {last}, but a preference row ends with the user (or "
+                       "observation) turn that chosen and rejected answer.", SHAREGPT_ORDER)
+    return turns[:head], turns[head:]
+
+
+def _sharegpt_reply(value: dict, name: str, where: str) -> list[dict]:
+    """`chosen`/`rejected` of a ShareGPT row: one message object (assistant or function_call), or the reply text."""
+    reply = value.get(name)
+    if reply is None:
+        raise _missing(value, name, where)
+    if isinstance(reply, str):
+        return [{"role": "assistant", "content": _text(reply, name, where, True)}]
+    if not isinstance(reply, dict):
+        raise RowError(where, name, f"must be one message ({{from, value}} or {{role, content}}) or the reply text, "
+                       f"got {_kind(reply)}.", "Give the reply alone: the turns before it go in conversations.")
+    message = _turn(reply, name, where)
+    if message["role"] != "assistant":
+        key = _tag(reply)[0]
+        raise RowError(where, f"{name}.{key}", f"is {reply[key]!r}, but a reply is an assistant (gpt) or "
+                       "function_call turn.", "Give the assistant's reply.")
+    return _reply([message], name, where)
+
+
+def _sharegpt_row(value: dict, where: str, tools: list | None) -> Row:
+    system, turns = _sharegpt_turns(value, where)
+    chosen, rejected = (_sharegpt_reply(value, name, where) for name in ("chosen", "rejected"))
+    return Row(_with_system(system + turns, value, where), chosen, rejected, where, tools, "sharegpt")
+
+
+def _alpaca_history(value: dict, where: str) -> list[dict]:
+    """`history` [[user, assistant], ...] -> alternating user/assistant messages."""
+    history = value.get("history") or []
+    if not isinstance(history, list):
+        raise RowError(where, "history", f"must be a list of [user, assistant] pairs, got {_kind(history)}.",
+                       "Fix the row.")
+    turns = []
+    for i, pair in enumerate(history):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise RowError(where, f"history[{i}]", f"must be a [user, assistant] pair of strings, got {_kind(pair)}"
+                           + (f" of {len(pair)}." if isinstance(pair, (list, tuple)) else "."), "Fix the pair.")
+        for role, j in (("user", 0), ("assistant", 1)):
+            turns.append({"role": role, "content": _string(pair[j], f"history[{i}][{j}]", where)})
+    return turns
+
+
+def _alpaca_row(value: dict, where: str, tools: list | None) -> Row:
+    """LLaMA-Factory alpaca: the history turns, then instruction and input (joined by a newline) as the user turn."""
+    for name in ("prompt", "messages"):
+        if value.get(name) is not None:
+            raise RowError(where, name, f"is given with LLaMA-Factory alpaca fields (fields present: {_fields(value)}).",
+                           "Keep one form: instruction/input or prompt (rename columns with --columns).")
+    if value.get("instruction") is None:
+        raise RowError(where, "instruction", f"is missing (fields present: {_fields(value)}); input and history "
+                       "belong to LLaMA-Factory alpaca rows.", "Add the instruction, or name the prompt column with "
+                       "--columns (e.g. '{\"input\": \"prompt\"}').")
+    parts = [_string(value.get(name) or "", name, where) for name in ("instruction", "input")]
+    text = "\n".join(p for p in parts if p)
+    if not text:
+        raise RowError(where, "instruction", "is empty, and so is input.", "Give the user's request.")
+    replies = []
+    for name in ("chosen", "rejected"):
+        if value.get(name) is None:
+            raise _missing(value, name, where)
+        if not isinstance(value[name], str):
+            raise RowError(where, name, f"must be the reply text in an alpaca row, got {_kind(value[name])}.",
+                           "Give chosen and rejected as strings next to instruction.")
+        replies.append([{"role": "assistant", "content": _text(value[name], name, where, True)}])
+    prompt = _with_system([*_alpaca_history(value, where), {"role": "user", "content": text}], value, where)
+    return Row(prompt, replies[0], replies[1], where, tools, "alpaca")
+
+
 def to_row(value: object, where: str) -> Row:
     """Normalise one decoded record to a `Row`; raise `RowError` naming the field and a fix."""
     if not isinstance(value, dict):
         raise RowError(where, None, f"expected a JSON object with prompt/chosen/rejected, got {_kind(value)}.",
                        "Write one object per row.")
     tools = _tools(value, where)
+    if value.get("conversations") is not None:
+        return _sharegpt_row(value, where, tools)
+    if value.get("instruction") is not None or (value.get("prompt") is None and value.get("messages") is None and any(
+            value.get(name) is not None for name in ALPACA_FIELDS)):  # never the implicit prompt: it would drop them
+        return _alpaca_row(value, where, tools)
     if "chosen" in value or "rejected" in value:  # before `messages`: some TRL datasets add an SFT copy of chosen
         return _pair_row(value, where, tools)
     if value.get("messages") is not None:
@@ -278,4 +434,5 @@ def to_row(value: object, where: str) -> Row:
     if "prompt" in value:
         raise _missing(value, "chosen", where)
     raise RowError(where, None, f"has no preference fields (fields present: {_fields(value)}).",
-                   "Give prompt/chosen/rejected, chosen/rejected, or messages + rejected_response.")
+                   "Give prompt/chosen/rejected, chosen/rejected, messages + rejected_response, instruction + "
+                   "chosen/rejected or conversations + chosen/rejected (or name your columns with --columns).")

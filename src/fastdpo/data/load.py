@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row, RowError, to_row
 from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, select, source_kind
 from fastdpo.data.sources import parse_spec as parse_dataset_spec
@@ -36,12 +37,12 @@ def _records(path: Path) -> list[tuple[int, object]]:
     return out
 
 
-def load_file(path_str: str) -> list[Row]:
+def load_file(path_str: str, read: RowOptions = AS_GIVEN) -> list[Row]:
     """All rows of one local file or directory of data files (an empty file gives none)."""
     spec = Spec(path_str, path_str)
     if source_kind(spec) not in ("file", "dir"):
         raise FastDPOError(f"Dataset {path_str} not found. Check the path given to --dataset.")
-    return [r.row() for r in iter_records(spec)]
+    return [r.row(read) for r in iter_records(spec)]
 
 
 def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
@@ -49,17 +50,18 @@ def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
     return sample(rows, n, seed)
 
 
-def load_spec(spec: Spec, split: str = "train", seed: int = 42) -> list[Row]:
+def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions = AS_GIVEN) -> list[Row]:
     """Every row of one spec, validated (the first bad row raises), then `#N`-sampled."""
-    rows = [r.row() for r in iter_records(spec, split)]
+    rows = [r.row(read) for r in iter_records(spec, split)]
     if not rows:
         raise FastDPOError(f"Dataset {spec.label} has no rows.")
     return select(rows, spec, seed)
 
 
-def load_rows(specs: list[str], seed: int = 42, split: str = "train") -> list[Row]:
-    """All rows of all datasets given (`path`, `path#N`, `org/name:subset`), in order."""
+def load_rows(specs: list[str], seed: int = 42, split: str = "train", read: RowOptions = AS_GIVEN) -> list[Row]:
+    """All rows of all datasets given (`path`, `path#N`, `org/name:subset`), in order, read as `read` says (column
+    mapping, prompt template)."""
     rows: list[Row] = []
     for text in specs:
-        rows.extend(load_spec(parse_dataset_spec(text), split, seed))
+        rows.extend(load_spec(parse_dataset_spec(text), split, seed, read))
     return rows

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdpo.data.cache import cache_root, data_key, load_cached, save_cached
+from fastdpo.data.columns import RowOptions
 from fastdpo.data.formats import Row
 from fastdpo.data.load import load_rows
 from fastdpo.data.parallel import ordered_map
@@ -35,6 +36,7 @@ class DataOptions:
     streaming: bool = False
     num_workers: int = 0
     shuffle_buffer_size: int = 10_000
+    read: RowOptions = field(default_factory=RowOptions)  # column mapping and prompt handling
 
     @classmethod
     def from_config(cls, cfg) -> DataOptions:
@@ -44,8 +46,8 @@ class DataOptions:
         return cls(tok, split=cfg.split, seed=cfg.seed, num_proc=cfg.dataset_num_proc,
                    use_cache=cfg.load_from_cache_file, cache_dir=cfg.dataset_cache_dir, streaming=cfg.streaming,
                    num_workers=cfg.dataloader_num_workers,
-                   shuffle_buffer_size=cfg.shuffle_buffer_size if cfg.shuffle else 1)  # a 1-pair buffer keeps the order
-
+                   shuffle_buffer_size=cfg.shuffle_buffer_size if cfg.shuffle else 1,  # a 1-pair buffer keeps the order
+                   read=RowOptions.from_config(cfg))
 
     @classmethod
     def for_scoring(cls, cfg) -> DataOptions:
@@ -57,7 +59,7 @@ class DataOptions:
                               max_completion_length=getattr(cfg, "max_completion_length", 0),
                               template=resolve_template(getattr(cfg, "template", "")),
                               system=getattr(cfg, "system", "") or None)
-        return cls(tok, seed=cfg.seed, use_cache=False)
+        return cls(tok, seed=cfg.seed, use_cache=False, read=RowOptions.from_config(cfg))
 
 
 @dataclass
@@ -104,7 +106,7 @@ def _tokenize_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats]:
 def load_pairs(specs: list[str], tokenizer, opts: DataOptions) -> tuple[list[TokenizedPair], DataSummary]:
     """Every pair of the datasets `specs`, tokenised and length-limited, in dataset order (index = row position).
     Raises FastDPOError on the first bad row or when no pair survives."""
-    pairs, summary = tokenize_pairs(load_rows(specs, opts.seed, opts.split), tokenizer, opts)
+    pairs, summary = tokenize_pairs(load_rows(specs, opts.seed, opts.split, opts.read), tokenizer, opts)
     summary.datasets = list(specs)
     return pairs, summary
 
@@ -113,7 +115,7 @@ def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions) -> tuple[list[
     """Rows -> pairs (index = position in `rows`), from the cache when the same rows were tokenised the same way
     before, else with `opts.num_proc` processes. Raises on the first bad row or when no pair survives."""
     root = cache_root(opts.cache_dir)
-    key = data_key(rows, tokenizer, opts.tokenize) if opts.use_cache else None
+    key = data_key(rows, tokenizer, opts.tokenize, opts.read) if opts.use_cache else None
     if key is not None:
         hit = load_cached(root, key)
         if hit is not None:

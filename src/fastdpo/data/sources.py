@@ -18,28 +18,34 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row, to_row
 from fastdpo.errors import FastDPOError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 MAX_SAMPLED_ROWS = 10_000_000  # `path#N` above this is a typo, not a plan (and would exhaust memory)
 # CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
-CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools")
+CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools", "conversations", "history")
 _WS = re.compile(r"\s*")
 
 
 @dataclass
 class Record:
-    """One raw row: its location and decoded value, or the problem found while reading it."""
+    """One raw row: its location and decoded value, or the problem found while reading it. CSV cells are text
+    (`text_cells`): those of message and tool columns are decoded once the columns have their fastdpo names."""
 
     where: str
     value: object = None
     error: str | None = None
+    text_cells: bool = False
 
-    def row(self) -> Row:
+    def row(self, read: RowOptions = AS_GIVEN) -> Row:
         if self.error is not None:
             raise FastDPOError(f"{self.where}: {self.error}")
-        return to_row(self.value, self.where)
+        value = read.rename(self.value, self.where)
+        if self.text_cells:
+            value = {k: _csv_value(k, v) for k, v in value.items()}
+        return read.adapt(to_row(value, self.where))
 
 
 @dataclass(frozen=True)
@@ -222,16 +228,26 @@ def _json_records(path: Path) -> Iterator[Record]:
         yield Record(f"{path}:1", error="a .json dataset must be an array of row objects.")
 
 
+def _is_turn(m: object) -> bool:
+    return isinstance(m, dict) and ("role" in m or "from" in m)
+
+
 def _csv_value(name: str, cell: str | None) -> object:
-    if cell is None or name not in CSV_JSON_COLUMNS or not cell.lstrip().startswith("["):
+    """A cell of a message or tool column holding JSON (a message list, an alpaca history, a ShareGPT reply
+    object) -> its value; any other cell stays text."""
+    if cell is None or name not in CSV_JSON_COLUMNS or not cell.lstrip().startswith(("[", "{")):
         return cell
     try:
         value = json.loads(cell)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return cell
-    if name == "tools" or (isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value)):
+    if name == "tools":
         return value
-    return cell
+    if name == "history":
+        return value if isinstance(value, list) and all(isinstance(p, list) for p in value) else cell
+    if isinstance(value, list) and value and all(_is_turn(m) for m in value):
+        return value
+    return value if name in ("chosen", "rejected") and _is_turn(value) else cell
 
 
 def _csv_records(path: Path) -> Iterator[Record]:
@@ -246,7 +262,7 @@ def _csv_records(path: Path) -> Iterator[Record]:
                     yield Record(where, error=f"has {len(row[None])} more cells than the header. Quote cells that "
                                  "contain commas.")
                     continue
-                yield Record(where, {k: _csv_value(k, v) for k, v in row.items()})
+                yield Record(where, row, text_cells=True)
         except UnicodeDecodeError:
             yield Record(f"{path}:{start}", error="not valid UTF-8 at or after this line. Re-save the file as UTF-8.")
         except csv.Error as e:

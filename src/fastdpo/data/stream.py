@@ -21,9 +21,9 @@ CHUNK = 1024  # records per worker task
 
 
 def _stream_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats]:
-    tokenizer, options = state
+    tokenizer, options, read = state
     start, records = item
-    return tokenize_chunk(tokenizer, [r.row() for r in records], options, start)
+    return tokenize_chunk(tokenizer, [r.row(read) for r in records], options, start)
 
 
 class PairStream:
@@ -71,7 +71,7 @@ class PairStream:
 
     def _pairs(self) -> Iterator[TokenizedPair]:
         size = max(1, self.opts.shuffle_buffer_size)
-        state = (self.tokenizer, self.opts.tokenize)
+        state = (self.tokenizer, self.opts.tokenize, self.opts.read)
         while True:
             rng = random.Random(self.opts.seed * 1_000_003 + self.epoch)
             buffer: list[TokenizedPair] = []

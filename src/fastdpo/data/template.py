@@ -62,6 +62,17 @@ def _first_difference(a: str, b: str) -> int:
     return i
 
 
+def _dropped_call(messages: list[dict], text: str) -> str | None:
+    """The name of a tool call missing from the rendered text (a template without tool-call support drops them)."""
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if isinstance(name, str) and name not in text:
+                return name
+    return None
+
+
 class ChatRenderer:
     """Renders conversational rows to (prompt, prompt+chosen, prompt+rejected) texts."""
 
@@ -105,4 +116,10 @@ class ChatRenderer:
                                f"the {name} reply: from character {i}, alone {text[i:i + 30]!r}, in the conversation "
                                f"{f[i:i + 30]!r}.", "Use a template whose generation prompt matches how it renders "
                                "the assistant turn (--template NAME or a Jinja file).")
+        for messages, f in ((prompt + row.chosen, full[0]), (prompt + row.rejected, full[1])):
+            name = _dropped_call(messages, f)
+            if name is not None:
+                raise RowError(row.source, None, f"holds a tool call of {name!r}, but the chat template does not "
+                               "render tool calls: the call would be trained as an empty turn.",
+                               "Use a chat template that renders tool_calls (the model's own, or --template FILE).")
         return text, full[0], full[1]
