@@ -325,3 +325,12 @@ def test_alpaca_file_trains(tmp_path, model_dirs, one_thread):
               if '"loss"' in line]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert result["final_dir"]
+
+
+def test_eval_reads_rows_as_training_did():
+    from fastdpo.evaluate import EvalConfig
+
+    cfg = EvalConfig(model="m", dataset=["d.jsonl"], columns={"q": "prompt"}, input_template="w9 {}")
+    assert RowOptions.from_config(cfg) == RowOptions((("q", "prompt"),), "w9 {}")
+    with pytest.raises(FastDPOError, match="Did you mean 'prompt'"):
+        EvalConfig(model="m", dataset=["d.jsonl"], columns={"q": "promt"}).validate()

@@ -391,16 +391,11 @@ class TrainConfig:
             if str(self.gradient_checkpointing) == "auto":
                 raise FastDPOError("--gradient_checkpointing auto measures on data in memory. With --streaming, name a "
                                    "policy: none, full, ffn, attn or every:K.")
-        from fastdpo.data.columns import check_input_template, column_mapping
+        from fastdpo.data.columns import check_row_flags
         from fastdpo.data.template import resolve_template
 
         resolve_template(self.template)  # raises on an unknown name or a missing file
-        column_mapping(self.columns)
-        if self.input_template:
-            check_input_template(self.input_template)
-            if self.apply_chat_template:
-                raise FastDPOError("--input_template and --apply_chat_template both wrap the prompt (OpenRLHF uses the "
-                                   "input template only without the chat template). Drop one.")
+        check_row_flags(self)
 
     @property
     def pairs_per_step(self) -> int:

@@ -306,6 +306,10 @@ class EvalConfig(ModelArgs, GenerationArgs):
     max_completion_length: int = _f(0, "Max tokens per completion (0: no separate limit), as in training.")
     template: str = _f("", "Chat template for conversational rows, as in training: chatml|llama3|identity|hh or a "
                            "Jinja file (default: the tokenizer's chat_template).")
+    columns: dict = _f({}, "Dataset columns renamed to fastdpo's, as in training: a JSON object {dataset column: "
+                           "fastdpo column}.")
+    input_template: str = _f("", "Text around plain-text prompts ({} is the prompt), as in training.")
+    apply_chat_template: bool = _f(False, "Plain-text rows become a user turn and assistant replies, as in training.")
     loss_type: str = _f("sigmoid", "Preference loss reported as `loss`.")
     beta: float = _f(0.1, "DPO beta of the implicit rewards (use the training value).")
     label_smoothing: float = _f(0.0, "Label smoothing of the reported loss.")
@@ -343,8 +347,10 @@ class EvalConfig(ModelArgs, GenerationArgs):
                                "drop the flag.")
         if not self.dataset:
             raise FastDPOError("--dataset is required: held-out JSONL/JSON files with prompt/chosen/rejected.")
+        from fastdpo.data.columns import check_row_flags
         from fastdpo.data.template import resolve_template
 
+        check_row_flags(self)
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         _choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
         resolve_template(self.template)  # raises on an unknown name or a missing file

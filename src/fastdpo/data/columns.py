@@ -64,6 +64,16 @@ def check_input_template(template: str) -> None:
                            "newline: $'User: {}\\nAssistant: ' in Bash, or a double-quoted string in YAML.")
 
 
+def check_row_flags(cfg) -> None:
+    """--columns, --input_template and --apply_chat_template of a config (train, check-data, eval)."""
+    column_mapping(cfg.columns)
+    if cfg.input_template:
+        check_input_template(cfg.input_template)
+        if cfg.apply_chat_template:
+            raise FastDPOError("--input_template and --apply_chat_template both wrap the prompt (OpenRLHF uses the "
+                               "input template only without the chat template). Drop one.")
+
+
 @dataclass(frozen=True)
 class RowOptions:
     """How records become rows. Part of the tokenisation cache key."""
