@@ -75,6 +75,17 @@ def test_sharegpt_role_content_variant_and_string_replies():
     assert row.prompt == [user("w1")] and row.chosen == [assistant("w5")] and row.rejected == [assistant("w7")]
 
 
+def test_sharegpt_turns_of_both_kinds_in_one_columnar_dataset(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"conversations": [turn("human", "w1")], "chosen": turn("gpt", "w5"), "rejected": turn("gpt", "w7")},
+            {"conversations": [user("w2")], "chosen": assistant("w5"), "rejected": assistant("w7")}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")  # absent keys become nulls
+    got = load_rows([str(tmp_path / "d.parquet")])
+    assert [r.prompt for r in got] == [[user("w1")], [user("w2")]] and got[1].chosen == [assistant("w5")]
+
+
 def test_sharegpt_system_turn_wins_over_the_system_column():
     conv = [turn("system", "w0"), turn("human", "w1")]
     base = {"chosen": turn("gpt", "w5"), "rejected": turn("gpt", "w7")}

@@ -283,8 +283,9 @@ def _swift_row(value: dict, where: str, tools: list | None) -> Row:
 
 
 def _tag(m: dict) -> tuple[str, str]:
-    """The role and content keys of a ShareGPT turn: {from, value} (LLaMA-Factory's default) or {role, content}."""
-    return ("from", "value") if "from" in m else ("role", "content")
+    """The role and content keys of a ShareGPT turn: {from, value} (LLaMA-Factory's default) or {role, content}
+    (columnar datasets mixing both give the absent keys as null)."""
+    return ("from", "value") if m.get("from") is not None else ("role", "content")
 
 
 def _tool_call(text: str, name: str, where: str) -> dict:
