@@ -182,6 +182,7 @@ def test_openrlhf_defaults_when_left_out(monkeypatch):
     cfg = parse("--pretrain", "m", "--dataset", "d.jsonl")
     assert (cfg.learning_rate, cfg.max_length, cfg.per_device_train_batch_size) == (1e-5, 512, 8)
     assert (cfg.gradient_accumulation_steps, cfg.adam_beta2) == (16, 0.95)  # 128 pairs per step on one GPU
+    assert parse("--pretrain", "m", "--dataset", "d.jsonl", "--gradient_accumulation_steps", "2").pairs_per_step == 16
 
 
 @pytest.mark.parametrize("flags,needle", [

@@ -111,9 +111,10 @@ def finish(given: dict, values: dict) -> list[str]:
     adopted = _adopt(values, DEFAULTS)
     if values["lr_scheduler_type"] == "cosine_with_min_lr" and not values.get("lr_scheduler_kwargs"):
         values["lr_scheduler_kwargs"] = {"min_lr_rate": number(given.get("min_lr_ratio", MIN_LR_RATIO))}
-    if "train_batch_size" not in given:
-        adopted.append(f"--train_batch_size {TRAIN_BATCH_SIZE}")
-    _accumulation(given, values)
+    if "train_batch_size" in given or "gradient_accumulation_steps" not in values:  # else fastdpo's own flag rules
+        if "train_batch_size" not in given:
+            adopted.append(f"--train_batch_size {TRAIN_BATCH_SIZE}")
+        _accumulation(given, values)
     for name in ("save_steps", "eval_steps"):  # OpenRLHF's -1: no checkpoints / no evaluation during training
         if values.get(name) == -1:
             values[name] = 0
