@@ -45,7 +45,8 @@ class TrainConfig:
     lora_rank: int = _f(8, "LoRA rank.")
     lora_alpha: int = _f(32, "LoRA alpha.")
     lora_dropout: float = _f(0.05, "LoRA dropout.")
-    target_modules: str = _f("all-linear", "LoRA targets: all-linear or comma-separated module names.")
+    target_modules: str = _f("all-linear", "LoRA targets: all-linear, default (PEFT's modules for the architecture, "
+                             "e.g. q_proj,v_proj) or module names (comma-separated or several values).", nargs="+")
     adapters: str = _f("", "LoRA: start the trained adapter from this PEFT adapter dir instead of a fresh one.")
     ref_adapters: str = _f("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
     # data
@@ -83,7 +84,8 @@ class TrainConfig:
                                    "per_device_train_batch_size pairs).")
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
     attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
-    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true = full).")
+    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true or no "
+                                     "value = full).", bare="true")
     max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing auto` / `fastdpo tune` (0: 90% of the GPU).")
     activation_offloading: bool = _f(False, "Move activations saved for backward to pinned CPU memory (slower; pair "
                                             "with --gradient_checkpointing none or ffn).")
@@ -133,6 +135,7 @@ class TrainConfig:
     ref_model_sync_steps: int = _f(512, "TR-DPO: optimizer steps between reference updates.")
     # evaluation during training
     val_dataset: list = _f([], "Held-out preference files (like --dataset) evaluated during training.", nargs="+")
+    val_split: str = _f("train", "Split to read from HF datasets in --val_dataset.")
     split_dataset_ratio: float = _f(0.0, "Hold out this fraction of --dataset for evaluation (without --val_dataset).")
     eval_steps: int = _f(0, "Evaluate every N optimizer updates (0: at every save and at the end) on the held-out pairs.")
     metric_for_best_model: str = _f("loss", "Eval metric ranking checkpoints (loss, rewards/accuracies, ...); the best "
@@ -514,6 +517,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -
         typ = _flag_type(f)
         if typ is _parse_bool:
             kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+        elif f.metadata.get("bare"):  # also given without a value, as OpenRLHF writes --gradient_checkpointing
+            kw.update(nargs="?", const=f.metadata["bare"], type=typ)
         elif f.metadata.get("nargs"):
             kw.update(nargs=f.metadata["nargs"], type=str)
         else:
@@ -544,7 +549,7 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
             values[name] = getattr(args, name)
             asked.add(name)
     foreign.update({name: getattr(args, name) for name in foreign_names if hasattr(args, name)})
-    apply_foreign(foreign, values)  # flags of ms-swift / HF scripts: mapped, noted, or refused
+    apply_foreign(foreign, values)  # flags of other tools' scripts and configs: mapped, noted, or refused
     if cls is TrainConfig:
         _check_adapter_flags(values, asked)
     if "gradient_checkpointing" in values:
@@ -552,6 +557,8 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     for name in ("dataset", "val_dataset"):
         if isinstance(values.get(name), str):
             values[name] = [values[name]]
+    if isinstance(values.get("target_modules"), list):
+        values["target_modules"] = ",".join(map(str, values["target_modules"]))
     return cls(**values)
 
 
@@ -561,7 +568,7 @@ ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "a
 def _check_adapter_flags(values: dict, asked: set[str]) -> None:
     """Adapter settings asked for on a full fine-tune would be ignored: ms-swift scripts leave out --train_type
     because lora is its default there, while here the default is full."""
-    given = [name for name in ADAPTER_FLAGS if name in asked]
+    given = [name for name in ADAPTER_FLAGS if name in asked and name in values]
     if given and values.get("train_type", "full") == "full":
         flags = ", ".join(f"--{name}" for name in given)
         raise FastDPOError(f"{flags} set, but --train_type is full (the default here; ms-swift's is lora), which "
@@ -585,15 +592,17 @@ def load_yaml(path: str, fields: dict[str, dataclasses.Field], extra=()) -> dict
     out = {}
     for key, value in data.items():
         if key in extra:
-            out[key] = value
+            if value is not None:  # a key left empty (`resume_from_checkpoint: null`) asks for nothing
+                out[key] = value
             continue
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise FastDPOError(f"{path}: unknown key {key!r}.{hint}")
         typ = _flag_type(fields[key])
-        if value is None and fields[key].default is None:  # an optional flag left unset (e.g. greater_is_better)
-            out[key] = None
+        if value is None:  # left unset: the default (None for e.g. greater_is_better)
+            if fields[key].default is None:
+                out[key] = None
             continue
         try:
             if typ is _parse_bool and not isinstance(value, bool):

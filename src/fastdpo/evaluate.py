@@ -53,7 +53,7 @@ def split_rows(rows: list[Row], ratio: float, seed: int) -> tuple[list[Row], lis
 def held_out_rows(cfg, rows: list[Row]) -> tuple[list[Row], list[Row]]:
     """(training rows, validation rows) per --val_dataset or --split_dataset_ratio (no validation rows otherwise)."""
     if cfg.val_dataset:
-        return rows, load_rows(cfg.val_dataset, cfg.seed, read=RowOptions.from_config(cfg))
+        return rows, load_rows(cfg.val_dataset, cfg.seed, cfg.val_split, read=RowOptions.from_config(cfg))
     if cfg.split_dataset_ratio > 0:
         return split_rows(rows, cfg.split_dataset_ratio, cfg.seed)
     return rows, []

@@ -35,6 +35,17 @@ def _env_int(env: dict, name: str, default: int | None = None, low: int = 0) -> 
     return value
 
 
+def world_size(env: dict | None = None) -> int:
+    """Ranks of the job: WORLD_SIZE inside a worker, NPROC_PER_NODE x NNODES before `fastdpo train` starts them,
+    else 1."""
+    env = os.environ if env is None else env
+    if env.get("WORLD_SIZE"):
+        return _env_int(env, "WORLD_SIZE", low=1)
+    if env.get("NPROC_PER_NODE"):
+        return _env_int(env, "NPROC_PER_NODE", low=1) * _env_int(env, "NNODES", 1, low=1)
+    return 1
+
+
 def torchrun_args(argv: list[str], env: dict, visible_gpus: int) -> list[str]:
     """The torchrun command line (without `torchrun`) that runs `fastdpo <argv>` as the env vars describe."""
     nproc = _env_int(env, "NPROC_PER_NODE", low=1)

@@ -173,7 +173,10 @@ def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, 
 
     if adapters:
         return PeftModel.from_pretrained(model, str(check_adapter_dir(adapters, "--adapters")), is_trainable=True)
-    targets = "all-linear" if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
+    if target_modules in ("all-linear", "default"):
+        targets = None if target_modules == "default" else target_modules  # None: PEFT's modules for the architecture
+    else:
+        targets = [t.strip() for t in target_modules.split(",")]
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, cfg)

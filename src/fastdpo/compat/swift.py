@@ -1,37 +1,18 @@
-"""Flags of ms-swift and HF TrainingArguments scripts that have no field of their own here (seed 002's scripts use
-them). Each is accepted on the command line and in YAML and given its meaning here: mapped onto a config field, a
-no-op with a logged note when fastdpo already behaves that way, or a clear error when honouring it is impossible
-(a copied script must never train something other than what it asks for without saying so)."""
+"""Flags of ms-swift and HF TrainingArguments scripts that have no field of their own here."""
 
 from __future__ import annotations
 
-import argparse
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from fastdpo.compat.base import LESS_MEMORY, Foreign, Source, is_off, note, to_bool
 from fastdpo.errors import FastDPOError
-
-log = logging.getLogger("fastdpo")
 
 SEQUENCE_PARALLEL = ("sequence parallelism is not available in fastdpo. One H200 trains a 65,538-token pair of "
                      "Qwen3-8B with LoRA and --gradient_checkpointing full; for longer pairs add "
                      "--activation_offloading, or shard with --deepspeed zero3 on several GPUs.")
-LESS_MEMORY = ("Lower memory with --train_type lora/qlora, --deepspeed zero3 (FSDP2 sharding), --gradient_checkpointing "
-               "full, --precompute_ref_log_probs or --activation_offloading.")
+LIGER = note("ignored; fastdpo's log-probs are always computed in chunks, never as full logits.")
 RLHF_TYPES = {"dpo": None, "simpo": "simpo", "orpo": "orpo", "cpo": "cpo"}
-
-
-def _bool(value: Any) -> bool:
-    from fastdpo.config import _parse_bool
-
-    return value if isinstance(value, bool) else _parse_bool(str(value))
-
-
-def _is_off(value: Any) -> bool:
-    """false / none / 0 / empty: the flag asks for nothing."""
-    return str(value).strip().lower() in ("false", "0", "none", "no", "") or value is False
 
 
 def _rlhf_type(value: str, values: dict) -> str | None:
@@ -52,15 +33,15 @@ def _rlhf_type(value: str, values: dict) -> str | None:
 
 def _sequence_parallel(name: str) -> Callable[[Any, dict], str | None]:
     def apply(value: Any, values: dict) -> str | None:
-        if str(value).strip() in ("1", "0", "") or _is_off(value):
+        if str(value).strip() in ("1", "0", "") or is_off(value):
             return None
         raise FastDPOError(f"--{name} {value}: {SEQUENCE_PARALLEL}")
     return apply
 
 
-def _offload(name: str) -> Callable[[Any, dict], str | None]:
+def offload(name: str) -> Callable[[Any, dict], str | None]:
     def apply(value: Any, values: dict) -> str | None:
-        if _is_off(value):
+        if is_off(value):
             return None
         raise FastDPOError(f"--{name} {value}: DeepSpeed's CPU offload is not available in fastdpo. {LESS_MEMORY}")
     return apply
@@ -84,7 +65,7 @@ def _quant_method(value: str, values: dict) -> str | None:
 
 def _precision(dtype: str) -> Callable[[Any, dict], str | None]:
     def apply(value: Any, values: dict) -> str | None:
-        if not _bool(value):
+        if not to_bool(value):
             return None
         given = values.get("torch_dtype", "auto")
         if given not in ("auto", dtype):
@@ -124,35 +105,10 @@ def _optim(value: str, values: dict) -> str | None:
                        "Pass --optim adamw_torch or drop the flag.")
 
 
-def _column_key(flag: str) -> Callable[[Any, dict], str | None]:
-    """OpenRLHF's --prompt_key COL (chosen, rejected): the same as --columns '{"COL": "prompt"}'."""
-    def apply(value: Any, values: dict) -> str | None:
-        from fastdpo.data.columns import add_key_flag
-
-        columns = values.get("columns") or {}
-        if not isinstance(columns, dict):
-            raise FastDPOError(f"--columns must be a JSON object (dataset column -> fastdpo column), got {columns!r}.")
-        columns = dict(columns)
-        add_key_flag(columns, flag, str(value))
-        values["columns"] = columns
-        return None
-    return apply
-
-
-def _note(text: str) -> Callable[[Any, dict], str | None]:
-    return lambda value, values: text
-
-
-@dataclass(frozen=True)
-class Foreign:
-    help: str
-    apply: Callable[[Any, dict], str | None]
-
-
-FOREIGN: dict[str, Foreign] = {
+FLAGS: dict[str, Foreign] = {
     "rlhf_type": Foreign("ms-swift: dpo (default), simpo, orpo or cpo (= --loss_type).", _rlhf_type),
-    "bf16": Foreign("HF: true = --torch_dtype bfloat16.", _precision("bfloat16")),
-    "fp16": Foreign("HF: true = --torch_dtype float16.", _precision("float16")),
+    "bf16": Foreign("HF/OpenRLHF: true (or bare) = --torch_dtype bfloat16.", _precision("bfloat16"), bare=True),
+    "fp16": Foreign("HF: true (or bare) = --torch_dtype float16.", _precision("float16"), bare=True),
     "optim": Foreign("HF: adamw_torch / adamw_torch_fused (AdamW is what fastdpo uses).", _optim),
     "save_strategy": Foreign("HF: steps (see --save_steps), epoch or no.", _save_strategy),
     "eval_strategy": Foreign("HF: steps (see --eval_steps), epoch or no.", _eval_strategy),
@@ -164,52 +120,33 @@ FOREIGN: dict[str, Foreign] = {
                                       _sequence_parallel("sequence_parallel_size")),
     "ring_attn": Foreign("ms-swift ring attention: not available (false = off).", _sequence_parallel("ring_attn")),
     "offload_optimizer": Foreign("DeepSpeed optimizer offload: not available (false = off).",
-                                 _offload("offload_optimizer")),
-    "offload_param": Foreign("DeepSpeed parameter offload: not available (false = off).", _offload("offload_param")),
+                                 offload("offload_optimizer")),
+    "offload_param": Foreign("DeepSpeed parameter offload: not available (false = off).", offload("offload_param")),
     "flash_attn_version": Foreign("ms-swift: ignored (--attn_impl flash_attn runs the flex backend).",
-                                  _note("ignored; --attn_impl flash_attn runs the flex backend.")),
-    "use_liger_kernel": Foreign("HF/ms-swift: ignored (log-probs are always chunked and fused here).",
-                                _note("ignored; fastdpo's log-probs are always computed in chunks, never as full "
-                                      "logits.")),
+                                  note("ignored; --attn_impl flash_attn runs the flex backend.")),
+    "use_liger_kernel": Foreign("HF/ms-swift/OpenRLHF: ignored (log-probs are always chunked and fused here).",
+                                LIGER, bare=True),
     "packing": Foreign("ms-swift: ignored (pairs are always packed; see --padding_free).",
-                       _note("ignored; pairs are always packed (--padding_free).")),
+                       note("ignored; pairs are always packed (--padding_free).")),
     "lazy_tokenize": Foreign("ms-swift: ignored (tokenisation is cached; see --streaming).",
-                             _note("ignored; tokenisation runs once and is cached (--streaming reads lazily).")),
+                             note("ignored; tokenisation runs once and is cached (--streaming reads lazily).")),
     "zero3_save_16bit_model": Foreign("ms-swift: ignored (the final model is always saved whole, in the training dtype).",
-                                      _note("ignored; the final model is always saved whole (not as shards), in "
+                                      note("ignored; the final model is always saved whole (not as shards), in "
                                             "the training dtype.")),
     "save_only_model": Foreign("HF: ignored (checkpoints keep optimizer state for exact resume).",
-                               _note("ignored; checkpoints keep the optimizer state so resume is exact.")),
+                               note("ignored; checkpoints keep the optimizer state so resume is exact.")),
     "load_best_model_at_end": Foreign("HF: ignored (the best checkpoint is tracked and named at the end).",
-                                      _note("ignored; the best checkpoint is tracked and named in the summary.")),
+                                      note("ignored; the best checkpoint is tracked and named in the summary.")),
     "gradient_checkpointing_kwargs": Foreign("HF: ignored (checkpointing is always non-reentrant).",
-                                             _note("ignored; checkpointing is always non-reentrant.")),
-    "ddp_find_unused_parameters": Foreign("HF: ignored.", _note("ignored.")),
-    "data_seed": Foreign("HF: ignored (--seed drives the data order).", _note("ignored; --seed drives the data order.")),
+                                             note("ignored; checkpointing is always non-reentrant.")),
+    "ddp_find_unused_parameters": Foreign("HF: ignored.", note("ignored.")),
+    "data_seed": Foreign("HF: ignored (--seed drives the data order).", note("ignored; --seed drives the data order.")),
     "use_hf": Foreign("ms-swift: ignored (hub ids load from the Hugging Face hub).",
-                      _note("ignored; hub ids load from the Hugging Face hub.")),
+                      note("ignored; hub ids load from the Hugging Face hub.")),
     "add_version": Foreign("ms-swift: ignored (--output_dir is used as given).",
-                           _note("ignored; --output_dir is used as given.")),
-    "check_model": Foreign("ms-swift: ignored.", _note("ignored.")),
-    "prompt_key": Foreign("OpenRLHF: the prompt column (= --columns '{\"COL\": \"prompt\"}').",
-                          _column_key("prompt_key")),
-    "chosen_key": Foreign("OpenRLHF: the chosen column (= --columns '{\"COL\": \"chosen\"}').",
-                          _column_key("chosen_key")),
-    "rejected_key": Foreign("OpenRLHF: the rejected column (= --columns '{\"COL\": \"rejected\"}').",
-                            _column_key("rejected_key")),
+                           note("ignored; --output_dir is used as given.")),
+    "check_model": Foreign("ms-swift: ignored.", note("ignored.")),
 }
 
 
-def add_foreign_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("accepted from ms-swift / HF TrainingArguments scripts")
-    for name, f in FOREIGN.items():
-        group.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="VALUE", help=f.help)
-
-
-def apply_foreign(given: dict, values: dict) -> None:
-    """Give each foreign flag in `given` (name -> value) its meaning: update `values` (the config fields being
-    built) in place, log a note, or raise FastDPOError."""
-    for name, value in given.items():
-        note = FOREIGN[name].apply(value, values)
-        if note:
-            log.info("--%s %s: %s", name, value, note)
+SWIFT = Source("accepted from ms-swift / HF TrainingArguments scripts", FLAGS)

@@ -1,0 +1,60 @@
+"""Flags of other tools' scripts and configs (ms-swift, HF TrainingArguments, TRL, LLaMA-Factory, OpenRLHF) that
+have no field of their own here. Each is accepted on the command line and in YAML and given its meaning here:
+mapped onto a config field, a no-op with a logged note when fastdpo already behaves that way, or a clear error
+when honouring it is impossible (a copied command must never train something other than what it asks for without
+saying so). One module per tool holds its table; this one joins them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from fastdpo.compat.base import LESS_MEMORY, Foreign, Source, Unnamed
+from fastdpo.compat.llamafactory import LLAMAFACTORY
+from fastdpo.compat.openrlhf import OPENRLHF
+from fastdpo.compat.swift import RLHF_TYPES, SEQUENCE_PARALLEL, SWIFT
+from fastdpo.compat.trl import TRL
+from fastdpo.errors import FastDPOError
+
+__all__ = ["FOREIGN", "LESS_MEMORY", "RLHF_TYPES", "SEQUENCE_PARALLEL", "SOURCES", "Foreign", "add_foreign_flags",
+           "apply_foreign"]
+
+log = logging.getLogger("fastdpo")
+
+# TRL's finish runs last: it checks that --load_in_4bit (shared with OpenRLHF) ended with LoRA adapters
+SOURCES: tuple[Source, ...] = (SWIFT, LLAMAFACTORY, OPENRLHF, TRL)
+FOREIGN: dict[str, Foreign] = {name: f for source in SOURCES for name, f in source.flags.items()}
+assert len(FOREIGN) == sum(len(s.flags) for s in SOURCES), "a flag belongs to one tool's table"
+
+
+def add_foreign_flags(parser: argparse.ArgumentParser) -> None:
+    for source in SOURCES:
+        group = parser.add_argument_group(source.title)
+        for name, f in source.flags.items():
+            kw: dict = {"default": argparse.SUPPRESS, "metavar": "VALUE", "help": f.help}
+            if f.bare:
+                kw.update(nargs="?", const=True)
+            elif f.nargs:
+                kw["nargs"] = f.nargs
+            group.add_argument(f"--{name}", **kw)
+
+
+def apply_foreign(given: dict, values: dict) -> None:
+    """Give each foreign flag in `given` (name -> value) its meaning: update `values` (the config fields being
+    built) in place, log a note, or raise FastDPOError. Then each tool whose flags were given settles what depends
+    on several of them."""
+    for name, value in given.items():
+        try:
+            text = FOREIGN[name].apply(value, values)
+        except Unnamed as e:
+            raise FastDPOError(f"--{name} {_shown(value)}{e.sep}{e}") from None
+        if text:
+            log.info("--%s %s: %s", name, _shown(value), text)
+    for source in SOURCES:
+        if source.finish and source.given_in(given):
+            for text in source.finish(given, values):
+                log.info("%s", text)
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
