@@ -181,6 +181,19 @@ def test_columns_rename_before_format_detection():
     assert row.format == "sharegpt"
 
 
+def test_a_prompt_in_an_unread_column_is_named_not_dropped():
+    """Chosen and rejected sharing no text, next to a text column: that column is the prompt, not read without a
+    mapping; training on an empty prompt would be silent."""
+    value = {"question": "w1 w2", "chosen": "w5 w6", "rejected": "w7 w8"}
+    with pytest.raises(RowError, match=f"^{W}: has no prompt.*'question' is not read.*--columns '{{\"question\": "
+                                       f"\"prompt\"}}'"):
+        to_row(value, W)
+    assert Record(W, value).row(read(columns={"question": "prompt"})).prompt == "w1 w2"
+    # a shared text is the implicit prompt, whatever other columns hold; with nothing else, an empty prompt stays
+    assert to_row({"id": "x", "chosen": "w1 w5", "rejected": "w1 w7"}, W).prompt == "w1"
+    assert to_row({"chosen": "w5", "rejected": "w7"}, W).prompt == ""
+
+
 def test_a_mapped_column_missing_or_colliding_names_the_row():
     opts = read(columns={"question": "prompt"})
     with pytest.raises(RowError, match=f"^{W}: field 'question' is missing .*renames it to prompt"):

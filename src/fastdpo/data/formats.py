@@ -201,13 +201,20 @@ def parse_hh(text: str) -> list[dict] | None:
     return turns if any(t["role"] == "assistant" for t in turns) else None
 
 
-def _implicit_text(c: str, r: str, where: str) -> Row:
+def _implicit_text(c: str, r: str, where: str, value: dict) -> Row:
     n = 0
     while n < min(len(c), len(r)) and c[n] == r[n]:
         n += 1
     if c == r:
         return Row("", c, r, where, format="implicit_text")
     cut = max((i for i in range(n) if c[i].isspace()), default=0)  # keep words whole; the space opens the reply
+    others = [k for k, v in value.items() if k not in ("chosen", "rejected", "system", "tools")
+              and isinstance(v, str) and v.strip()]
+    if cut == 0 and others:  # no shared text to be the prompt, and a text column that is likely to hold it
+        raise RowError(where, None, f"has no prompt: chosen and rejected share no text, and the text in "
+                       f"{', '.join(repr(k) for k in others)} is not read.",
+                       f"If {others[0]!r} holds the prompt, name it: --columns '{{\"{others[0]}\": \"prompt\"}}' "
+                       f"(or --prompt_key {others[0]}).")
     chosen, rejected = c[cut:], r[cut:]
     for name, text in (("chosen", chosen), ("rejected", rejected)):
         if not text.strip():
@@ -238,7 +245,7 @@ def _pair_row(value: dict, where: str, tools: list | None) -> Row:
             if hc is not None and hr is not None:
                 prompt, chosen, rejected = _split_common(hc, hr, ("chosen", "rejected"), where)
                 return Row(_with_system(prompt, value, where), chosen, rejected, where, tools, "hh_rlhf")
-            return _implicit_text(c, r, where)
+            return _implicit_text(c, r, where, value)
         if isinstance(p, list):
             raise RowError(where, "chosen", "is a string but prompt is a list of messages.",
                            "Give chosen and rejected as assistant message lists, or all three as strings.")
