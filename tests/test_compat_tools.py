@@ -43,6 +43,22 @@ def test_trl_command_line(caplog):
     assert (cfg.max_length, cfg.eval_steps, cfg.gradient_accumulation_steps) == (1024, 50, 8)
 
 
+def test_trl_commands_take_trl_defaults_for_what_they_leave_out(caplog):
+    """`trl dpo --model_name_or_path M --dataset_name D` trains with DPOConfig's learning rate and max_length and HF's
+    three epochs there; the same command here must not silently train differently."""
+    caplog.set_level(logging.INFO, logger="fastdpo")
+    cfg = parse("--model_name_or_path", "m", "--dataset_name", "org/prefs")
+    assert (cfg.learning_rate, cfg.max_length, cfg.num_train_epochs) == (1e-6, 1024, 3.0)
+    assert "TRL's defaults for what the command leaves out: --learning_rate 1e-06, --max_length 1024, " \
+           "--num_train_epochs 3.0." in caplog.text
+    cfg = parse("--model_name_or_path", "m", "--dataset_name", "org/prefs", "--learning_rate", "5e-7",
+                "--max_steps", "10")
+    assert (cfg.learning_rate, cfg.max_length, cfg.num_train_epochs) == (5e-7, 1024, TrainConfig().num_train_epochs)
+    # --model_name_or_path alone (LLaMA-Factory configs use it too) keeps fastdpo's defaults
+    cfg = parse("--model_name_or_path", "m", "--dataset", "d.jsonl")
+    assert (cfg.learning_rate, cfg.max_length) == (TrainConfig().learning_rate, TrainConfig().max_length)
+
+
 def test_trl_peft_defaults_and_quantisation(caplog):
     caplog.set_level(logging.INFO, logger="fastdpo")
     cfg = parse("--model_name_or_path", "m", "--dataset_name", "d", "--use_peft", "--load_in_4bit")

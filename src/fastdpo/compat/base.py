@@ -132,3 +132,11 @@ def refuse_on(text: str) -> Apply:
             return None
         raise FastDPOError(text.format(value=value))
     return apply
+
+
+def adopt(values: dict, defaults: dict) -> list[str]:
+    """Set the tool's defaults that the command leaves out (fields not in `values`); name them (`--field value`)."""
+    adopted = [f"--{k} {v}" for k, v in defaults.items() if k not in values]
+    for k, v in defaults.items():
+        values.setdefault(k, v)
+    return adopted

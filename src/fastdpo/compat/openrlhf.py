@@ -14,6 +14,7 @@ from fastdpo.compat.base import (
     Apply,
     Foreign,
     Source,
+    adopt,
     assign,
     later,
     maps_to,
@@ -100,15 +101,7 @@ def _lora(given: dict, values: dict) -> list[str]:
         return []
     four_bit = to_bool(given.get("load_in_4bit", False))
     assign(values, "train_type", "qlora" if four_bit else "lora", "lora_rank", rank)
-    return _adopt(values, LORA_DEFAULTS)
-
-
-def _adopt(values: dict, defaults: dict) -> list[str]:
-    """Set the defaults the command leaves out; name them."""
-    adopted = [f"--{k} {v}" for k, v in defaults.items() if k not in values]
-    for k, v in defaults.items():
-        values.setdefault(k, v)
-    return adopted
+    return adopt(values, LORA_DEFAULTS)
 
 
 def _accumulation(given: dict, values: dict) -> None:
@@ -125,7 +118,7 @@ def _accumulation(given: dict, values: dict) -> None:
 
 
 def finish(given: dict, values: dict) -> list[str]:
-    adopted = _adopt(values, DEFAULTS)
+    adopted = adopt(values, DEFAULTS)
     if values["lr_scheduler_type"] == "cosine_with_min_lr" and not values.get("lr_scheduler_kwargs"):
         values["lr_scheduler_kwargs"] = {"min_lr_rate": number(given.get("min_lr_ratio", MIN_LR_RATIO))}
     if "train_batch_size" in given or "gradient_accumulation_steps" not in values:  # else fastdpo's own flag rules

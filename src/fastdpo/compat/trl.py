@@ -1,11 +1,13 @@
 """Flags of TRL's scripts (`trl dpo`, examples/scripts/dpo.py): its ScriptArguments and ModelConfig. DPOConfig's own
-flags (beta, max_length, loss_type, rpo_alpha, ...) are fastdpo's flags already."""
+flags (beta, max_length, loss_type, rpo_alpha, ...) are fastdpo's flags already. DPOConfig's defaults differ from
+fastdpo's in ways that change training (learning rate, sequence length, and HF's three epochs), so a command with
+TRL's script flags gets TRL's defaults for what it leaves out, listed in one logged note."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastdpo.compat.base import Foreign, Source, assign, later, maps_to, number, refuse_on, to_bool
+from fastdpo.compat.base import Foreign, Source, adopt, assign, later, maps_to, number, refuse_on, to_bool
 from fastdpo.errors import FastDPOError
 
 
@@ -97,8 +99,23 @@ def _peft(given: dict, values: dict) -> list[str]:
     return notes
 
 
+# TRL 1.x DPOConfig (learning_rate, max_length) and TrainingArguments (num_train_epochs) where fastdpo's differ
+DEFAULTS = {"learning_rate": 1e-6, "max_length": 1024, "num_train_epochs": 3.0}
+# flags only TRL's scripts have: they make a command TRL's (--model_name_or_path is LLaMA-Factory's too)
+SCRIPT_FLAGS = frozenset({"dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "use_peft",
+                          "lora_r", "lora_target_modules"})
+
+
+def _defaults(given: dict, values: dict) -> list[str]:
+    if not SCRIPT_FLAGS & set(given):
+        return []
+    defaults = {k: v for k, v in DEFAULTS.items() if k != "num_train_epochs" or not values.get("max_steps")}
+    adopted = adopt(values, defaults)
+    return ["TRL's defaults for what the command leaves out: " + ", ".join(adopted) + "."] if adopted else []
+
+
 def finish(given: dict, values: dict) -> list[str]:
-    return _dataset(given, values) + _peft(given, values)
+    return _dataset(given, values) + _peft(given, values) + _defaults(given, values)
 
 
 FLAGS: dict[str, Foreign] = {
