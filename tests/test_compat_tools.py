@@ -152,17 +152,6 @@ def test_llamafactory_refusals(tmp_path, keys, needle):
         from_yaml(tmp_path, {"model_name_or_path": "m", "stage": "dpo", "dataset": "d.jsonl", **keys})
 
 
-def test_llamafactory_dataset_dir_names_the_files(tmp_path):
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(
-        {"dpo_en_demo": {"file_name": "dpo_en_demo.json", "ranking": True}}), encoding="utf-8")
-    keys = {"model_name_or_path": "m", "stage": "dpo", "dataset": "dpo_en_demo", "dataset_dir": str(tmp_path / "data")}
-    with pytest.raises(FastDPOError, match=f"dataset: \\[{tmp_path}/data/dpo_en_demo.json\\]"):
-        from_yaml(tmp_path, keys)
-    with pytest.raises(FastDPOError, match="Drop dataset_dir and list the files under dataset.$"):
-        from_yaml(tmp_path, {**keys, "dataset_dir": str(tmp_path / "nowhere")})
-
-
 # ---------------------------------------------------------------- OpenRLHF
 
 OPENRLHF = ("--save_path", "out", "--save_steps", "-1", "--logging_steps", "1", "--eval_steps", "-1",

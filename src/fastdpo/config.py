@@ -65,6 +65,11 @@ class TrainConfig:
     columns: dict = _f({}, "Dataset columns renamed to fastdpo's before rows are read (as ms-swift): a JSON object "
                        "{dataset column: fastdpo column}, e.g. '{\"question\": \"prompt\", \"good\": \"chosen\", "
                        "\"bad\": \"rejected\"}' (a mapping in YAML). Applies to every dataset, --val_dataset too.")
+    dataset_info: dict = _f({}, "Datasets read with their own columns, row format and sharegpt tags, keyed by the "
+                            "--dataset / --val_dataset entry: {ENTRY: {name, formatting: alpaca|sharegpt, columns: "
+                            "{dataset column: fastdpo column}, tags: {role_tag, content_tag, user_tag, ...}}}; only "
+                            "the columns named are read, --columns does not apply. Filled from LLaMA-Factory's "
+                            "dataset_dir/dataset_info.json.")
     input_template: str = _f("", "OpenRLHF: text around plain-text prompts, {} standing for the prompt, e.g. "
                              "$'User: {}\\nAssistant: ' (message-list rows use the chat template instead).")
     apply_chat_template: bool = _f(False, "OpenRLHF: plain-text rows become a user turn and assistant replies, so the "

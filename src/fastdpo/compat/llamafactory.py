@@ -4,7 +4,6 @@ lora_alpha, lora_dropout, simpo_gamma, ld_alpha, report_to, ...) keep their own 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from fastdpo.compat.base import (
     to_bool,
 )
 from fastdpo.compat.swift import LIGER
+from fastdpo.data.dataset_info import Resolved, load_info, resolve, split_names
 from fastdpo.errors import FastDPOError
 
 PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo", "simpo": "simpo"}
@@ -91,20 +91,47 @@ def _overwrite_cache(value: Any, values: dict) -> str | None:
     return None
 
 
-def _dataset_dir(value: Any, values: dict) -> str | None:
-    data = values.get("dataset") or []
-    names = [n.strip() for d in ([data] if isinstance(data, str) else data) for n in str(d).split(",") if n.strip()]
-    info = Path(str(value)) / "dataset_info.json"
-    found = []
-    try:
-        table = json.loads(info.read_text(encoding="utf-8"))
-        found = [str(Path(str(value)) / table[n]["file_name"]) for n in names
-                 if isinstance(table.get(n), dict) and "file_name" in table[n]]
-    except (OSError, ValueError, TypeError):
-        pass
-    hint = f" For {', '.join(names)}, {info} names: dataset: [{', '.join(found)}]." if found else ""
-    raise FastDPOError(f"dataset_dir {value}: LLaMA-Factory resolves dataset names through {info}; fastdpo reads "
-                       f"files, dirs and HF dataset ids. Drop dataset_dir and list the files under dataset.{hint}")
+def _datasets(given: dict, values: dict) -> list[str]:
+    """dataset and eval_dataset: names resolved through dataset_dir/dataset_info.json (when dataset_dir is given),
+    each read with its own columns, formatting and tags (--dataset_info)."""
+    evals = split_names(given.get("eval_dataset"))
+    if "dataset_dir" not in given:
+        if evals:
+            assign(values, "val_dataset", evals, "eval_dataset", ",".join(evals))
+        return []
+    dataset_dir = str(given["dataset_dir"])
+    table = load_info(dataset_dir)
+    if evals and values.get("val_dataset"):
+        raise FastDPOError(f"eval_dataset {','.join(evals)} and --val_dataset both name held-out data. Drop one.")
+    reading = dict(values.get("dataset_info") or {})
+    notes = []
+    for field, split, names in (("dataset", "split", split_names(values.get("dataset"))),
+                                ("val_dataset", "val_split", evals)):
+        got = [resolve(name, table, dataset_dir) for name in names]
+        if got:
+            values[field] = [r.spec for r in got]
+            _add_reading(reading, got)
+            _hub_split(values, split, got, dataset_dir)
+            notes += [r.note for r in got if r.note]
+    values["dataset_info"] = reading
+    return notes
+
+
+def _add_reading(reading: dict, got: list[Resolved]) -> None:
+    for r in got:
+        if reading.setdefault(r.spec, r.read.to_dict()) != r.read.to_dict():
+            raise FastDPOError(f"dataset {r.read.name}: {r.spec} is also another dataset, read otherwise. Name each "
+                               "data file once.")
+
+
+def _hub_split(values: dict, split: str, got: list[Resolved], dataset_dir: str) -> None:
+    """The split of the hub datasets of one list (--split or --val_split): one for all of them."""
+    splits = {r.split for r in got if r.split is not None}
+    if len(splits) > 1:
+        raise FastDPOError(f"datasets {', '.join(r.read.name for r in got)}: their hub datasets read different splits "
+                           f"({', '.join(sorted(splits))}); fastdpo reads one split for all of them (--{split}).")
+    if splits and splits != {"train"}:
+        assign(values, split, splits.pop(), "dataset_dir", dataset_dir)
 
 
 def _lora(given: dict, values: dict) -> list[str]:
@@ -157,7 +184,7 @@ def finish(given: dict, values: dict) -> list[str]:
     if "dpo_label_smoothing" in given and values.get("loss_type") == "simpo" and values["label_smoothing"] > 0:
         raise FastDPOError("dpo_label_smoothing with pref_loss simpo: LLaMA-Factory ignores it for SimPO, fastdpo "
                            "would smooth SimPO's labels. Drop dpo_label_smoothing.")
-    return _lora(given, values) + _template(values)
+    return _datasets(given, values) + _lora(given, values) + _template(values)
 
 
 FLAGS: dict[str, Foreign] = {
@@ -194,9 +221,13 @@ FLAGS: dict[str, Foreign] = {
         "max_samples {value} takes the first rows of the data; fastdpo's `path#N` takes a seeded random sample of N "
         "rows. Drop max_samples and write the dataset as `path#N` for a sample, or cut the file to its first rows."
     )),
-    "dataset_dir": Foreign("LLaMA-Factory: refused (list the data files under dataset instead).", _dataset_dir),
+    "dataset_dir": Foreign("LLaMA-Factory: the dataset and eval_dataset names are looked up in DIR/dataset_info.json "
+                           "(file_name or hf_hub_url, columns, formatting, tags, num_samples; ranking must be true).",
+                           later),
+    "eval_dataset": Foreign("LLaMA-Factory: held-out datasets (names with dataset_dir) = --val_dataset.", later),
 }
 
 LLAMAFACTORY = Source("accepted from LLaMA-Factory configs", FLAGS, finish, markers=frozenset(
     {"stage", "pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "finetuning_type", "lora_target",
-     "quantization_bit", "cutoff_len", "val_size", "preprocessing_num_workers", "plot_loss"}))
+     "quantization_bit", "cutoff_len", "val_size", "preprocessing_num_workers", "plot_loss", "dataset_dir",
+     "eval_dataset"}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from fastdpo.data.dataset_info import DatasetRead
 from fastdpo.data.formats import Row, RowError, _fields
 from fastdpo.errors import FastDPOError
 
@@ -65,8 +66,13 @@ def check_input_template(template: str) -> None:
 
 
 def check_row_flags(cfg) -> None:
-    """--columns, --input_template and --apply_chat_template of a config (train, check-data, eval)."""
-    column_mapping(cfg.columns)
+    """--columns, --dataset_info, --input_template and --apply_chat_template of a config (train, check-data, eval)."""
+    read = RowOptions.from_config(cfg)
+    named = set(getattr(cfg, "dataset", [])) | set(getattr(cfg, "val_dataset", []))
+    stray = [spec for spec, _ in read.datasets if spec not in named]
+    if stray:
+        raise FastDPOError(f"--dataset_info gives a reading for {', '.join(stray)}, which --dataset and --val_dataset "
+                           "do not name. Key it by the dataset as written there.")
     if cfg.input_template:
         check_input_template(cfg.input_template)
         if cfg.apply_chat_template:
@@ -81,11 +87,18 @@ class RowOptions:
     columns: tuple[tuple[str, str], ...] = ()  # (dataset column, fastdpo column)
     input_template: str = ""
     apply_chat_template: bool = False
+    datasets: tuple[tuple[str, DatasetRead], ...] = ()  # (dataset spec, its own reading): --dataset_info
 
     @classmethod
     def from_config(cls, cfg) -> RowOptions:
+        own = getattr(cfg, "dataset_info", None) or {}
         return cls(column_mapping(getattr(cfg, "columns", None) or {}), getattr(cfg, "input_template", ""),
-                   getattr(cfg, "apply_chat_template", False))
+                   getattr(cfg, "apply_chat_template", False),
+                   tuple(sorted((spec, DatasetRead.from_dict(spec, d)) for spec, d in own.items())))
+
+    def reading(self, dataset: str) -> DatasetRead | None:
+        """The reading of dataset spec `dataset` when --dataset_info gives it one (it replaces --columns there)."""
+        return next((read for spec, read in self.datasets if spec == dataset), None)
 
     def rename(self, value: object, where: str) -> object:
         """The record with its mapped columns renamed (all at once, so a mapping may swap two columns)."""

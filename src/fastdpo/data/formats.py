@@ -338,7 +338,9 @@ def _turn(m: object, name: str, where: str) -> dict:
 def _sharegpt_turns(value: dict, where: str) -> tuple[list[dict], list[dict]]:
     """(leading system turn or nothing, the rest) of `conversations`, checked to alternate user/observation with
     assistant/function_call turns and to end with the turn the replies answer (as LLaMA-Factory requires)."""
-    conv = value["conversations"]
+    conv = value.get("conversations")
+    if conv is None:
+        raise _missing(value, "conversations", where)
     if not isinstance(conv, list) or not conv:
         raise RowError(where, "conversations", f"must be a non-empty list of turns, got {_kind(conv)}"
                        + (" (empty list)." if conv == [] else "."), "Fix the row.")
@@ -424,12 +426,15 @@ def _alpaca_row(value: dict, where: str, tools: list | None) -> Row:
     return Row(prompt, replies[0], replies[1], where, tools, "alpaca")
 
 
-def to_row(value: object, where: str) -> Row:
-    """Normalise one decoded record to a `Row`; raise `RowError` naming the field and a fix."""
+def to_row(value: object, where: str, formatting: str | None = None) -> Row:
+    """Normalise one decoded record to a `Row`, in the format detected (or in `formatting`, alpaca or sharegpt, when
+    the dataset says which); raise `RowError` naming the field and a fix."""
     if not isinstance(value, dict):
         raise RowError(where, None, f"expected a JSON object with prompt/chosen/rejected, got {_kind(value)}.",
                        "Write one object per row.")
     tools = _tools(value, where)
+    if formatting is not None:
+        return {"alpaca": _alpaca_row, "sharegpt": _sharegpt_row}[formatting](value, where, tools)
     if value.get("conversations") is not None:
         return _sharegpt_row(value, where, tools)
     if value.get("instruction") is not None or (value.get("prompt") is None and value.get("messages") is None and any(

@@ -38,14 +38,18 @@ class Record:
     value: object = None
     error: str | None = None
     text_cells: bool = False
+    dataset: str = ""  # the spec it was read from
 
     def row(self, read: RowOptions = AS_GIVEN) -> Row:
+        """The record as a Row, read as its dataset's own reading says (--dataset_info), else as `read` says."""
         if self.error is not None:
             raise FastDPOError(f"{self.where}: {self.error}")
-        value = read.rename(self.value, self.where)
+        own = read.reading(self.dataset)
+        where = f"{self.where} (dataset {own.name})" if own else self.where
+        value = own.project(self.value, where) if own else read.rename(self.value, where)
         if self.text_cells:
             value = {k: _csv_value(k, v) for k, v in value.items()}
-        return read.adapt(to_row(value, self.where))
+        return read.adapt(to_row(value, where, own.formatting if own else None))
 
 
 @dataclass(frozen=True)
@@ -325,7 +329,13 @@ def _hf_records(spec: Spec, split: str, streaming: bool) -> Iterator[Record]:
 
 
 def iter_records(spec: Spec, split: str = "train", streaming: bool = False) -> Iterator[Record]:
-    """All records of one spec, in order (without `#N` sampling)."""
+    """All records of one spec, in order (without `#N` sampling), each naming the spec."""
+    for rec in _spec_records(spec, split, streaming):
+        rec.dataset = spec.text
+        yield rec
+
+
+def _spec_records(spec: Spec, split: str, streaming: bool) -> Iterator[Record]:
     kind = source_kind(spec)
     path = Path(spec.name).expanduser()
     if kind == "file":
