@@ -33,6 +33,8 @@ INFO = {
     "modelscope": {"ms_hub_url": "org/prefs", "ranking": True},
     "hub": {"hf_hub_url": "org/prefs", "ms_hub_url": "org/ms", "subset": "en", "split": "test", "ranking": True},
     "hub_train": {"hf_hub_url": "org/other", "ranking": True, "formatting": "sharegpt"},
+    "misspelt": {"file_name": "alpaca.jsonl", "ranking": True, "colums": {"prompt": "question"}},
+    "moved": {"file_name": "gone.jsonl", "ranking": True},
 }
 
 
@@ -106,6 +108,9 @@ def test_hub_entries_name_the_dataset_subset_and_split(lf):
     ({"dataset": "data/alpaca.jsonl"}, "data/alpaca.jsonl is a file, but with dataset_dir every dataset is a name"),
     ({"dataset": "hub,hub_train"}, "their hub datasets read different splits \\(test, train\\)"),
     ({"eval_dataset": "my_alpaca", "val_size": 0.1}, "Give --val_dataset or --split_dataset_ratio, not both"),
+    ({"dataset": "misspelt"}, "dataset misspelt: 'colums' in its dataset_info.json entry .* Did you mean columns"),
+    ({"dataset": "moved"}, "dataset moved: its file_name 'gone.jsonl' is not in data .* Fix file_name in "
+                           "data/dataset_info.json"),
 ])
 def test_refusals_name_the_entry(lf, keys, needle):
     with pytest.raises(FastDPOError, match=needle):

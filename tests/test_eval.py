@@ -464,6 +464,32 @@ def test_eval_tokenises_like_training(tmp_path, model_dirs, monkeypatch):
         EvalConfig(model="m", dataset=["d"], truncation_strategy="middle").validate()
 
 
+def test_eval_reads_the_split_it_is_given(tmp_path, model_dirs, monkeypatch):
+    """A save_to_disk dataset with train and test splits (TRL's --dataset_test_split): --split test scores the
+    held-out split, not the training rows."""
+    from datasets import Dataset, DatasetDict
+
+    from fastdpo import evaluate
+    from fastdpo.cli import build_parser
+    from fastdpo.config import build_config
+
+    rows = easy_rows(5, seed=3)
+    DatasetDict({"train": Dataset.from_list(rows[:2]), "test": Dataset.from_list(rows[2:])}).save_to_disk(
+        str(tmp_path / "ds"))
+    seen = {}
+
+    def capture(model, reference, pairs, *args):
+        seen["pairs"] = pairs
+        raise SystemExit
+
+    monkeypatch.setattr(evaluate, "pair_logps", capture)
+    args = build_parser().parse_args(["eval", "--model", str(model_dirs("qwen3")), "--dataset", str(tmp_path / "ds"),
+                                      "--split", "test", "--output_dir", str(tmp_path / "e"), "--kl", "false"])
+    with pytest.raises(SystemExit):
+        run_eval(build_config(args, EvalConfig))
+    assert len(seen["pairs"]) == 3
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--eval_backend", "OpenCompass"], "--eval_backend OpenCompass: fastdpo eval scores held-out preference pairs"),
     (["--eval_dataset", "mt_bench,zh_cls"], "--eval_dataset mt_bench,zh_cls: name benchmark tasks with --lm_eval_tasks"),

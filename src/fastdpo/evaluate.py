@@ -299,6 +299,7 @@ class TrainingEval:
 @dataclass
 class EvalConfig(ModelArgs, GenerationArgs):
     dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train.", nargs="+")
+    split: str = _f("train", "Split to read from HF datasets in --dataset (e.g. test: TRL's --dataset_test_split).")
     ref_model: str = _f("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
     max_length: int = _f(2048, "Max tokens of prompt+completion per sequence, as in training.")
     truncation_strategy: str = _f("right", "right|left|delete, as in training.")
@@ -402,7 +403,7 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
         if ref_model is not None:
             prepare_packed(ref_model, backend)
 
-    rows = load_rows(cfg.dataset, cfg.seed, read=RowOptions.from_config(cfg))
+    rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=RowOptions.from_config(cfg))
     pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))  # tokenised exactly as training did
     pad_id = tok.pad_token_id or 0
     budget = micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_eval_batch_size)

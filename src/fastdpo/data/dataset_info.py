@@ -36,6 +36,8 @@ TAGS = {"role_tag": ("from", None), "content_tag": ("value", None), "user_tag": 
         "assistant_tag": ("gpt", "gpt"), "observation_tag": ("observation", "observation"),
         "function_tag": ("function_call", "function_call"), "system_tag": ("system", "system")}
 DEFAULT_TAGS = tuple((k, default) for k, (default, _) in TAGS.items())
+ENTRY_KEYS = ("file_name", "hf_hub_url", "subset", "split", "formatting", "ranking", "columns", "tags", "num_samples",
+              "folder", "revision", "file_sha1", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 UNSUPPORTED = {"ms_hub_url": "a ModelScope dataset", "om_hub_url": "a Modelers dataset",
                "script_url": "a dataset loading script", "cloud_file_name": "a cloud file"}
 
@@ -160,7 +162,11 @@ def _source(name: str, entry: dict, dataset_dir: str) -> tuple[str, bool]:
                                "file_name (a file or directory under dataset_dir) or hf_hub_url.")
     if not entry.get("file_name"):
         raise FastDPOError(f"dataset {name}: the entry names no file_name or hf_hub_url.")
-    return str(Path(dataset_dir) / str(entry["file_name"])), False
+    path = Path(dataset_dir) / str(entry["file_name"])
+    if not path.expanduser().exists():
+        raise FastDPOError(f"dataset {name}: its file_name {entry['file_name']!r} is not in {dataset_dir} ({path} "
+                           f"does not exist). Fix file_name in {Path(dataset_dir) / INFO_FILE}, or add the file.")
+    return str(path), False
 
 
 def _columns(name: str, entry: dict, formatting: str) -> tuple[tuple[str, str], ...]:
@@ -206,6 +212,11 @@ def resolve(name: str, table: dict, dataset_dir: str) -> Resolved:
         raise _unknown(name, table, dataset_dir)
     if not isinstance(entry, dict):
         raise FastDPOError(f"dataset {name}: its {INFO_FILE} entry must be an object, got {entry!r}.")
+    for key in entry:  # a misspelt key would leave its setting at the default; keys unlike any are left alone
+        close = difflib.get_close_matches(str(key), ENTRY_KEYS, n=1, cutoff=0.8)
+        if key not in ENTRY_KEYS and close:
+            raise FastDPOError(f"dataset {name}: {key!r} in its {INFO_FILE} entry is not a key LLaMA-Factory reads. "
+                               f"Did you mean {close[0]}?")
     if entry.get("ranking") is not True:
         raise FastDPOError(f"dataset {name}: ranking is not true in {Path(dataset_dir) / INFO_FILE}, so it is not "
                            "preference data (LLaMA-Factory's stage dpo refuses it too). Name a preference dataset, "
