@@ -116,6 +116,22 @@ def test_check_data_many_sources_and_a_clean_exit(tmp_path, capsys):
     assert code == 1 and "not found" in out and "Traceback" not in out
 
 
+def test_check_data_checks_the_held_out_pairs_too(tmp_path, capsys):
+    """--val_dataset (with --val_split) is checked like --dataset: training would stop at its bad rows."""
+    from datasets import Dataset, DatasetDict
+
+    train = write_jsonl(tmp_path / "t.jsonl", easy_rows(4))
+    val = write_jsonl(tmp_path / "v.jsonl", [GOOD, {"prompt": "w1", "chosen": "w5"}])
+    code, out = run_cli(capsys, "check-data", "--dataset", str(train), "--val_dataset", str(val))
+    assert code == 1 and f"{train}: 4 rows (standard 4)" in out, out
+    assert "held-out pairs (--val_dataset, split train):" in out and f"{val}:2: field 'rejected' is missing" in out, out
+    rows = easy_rows(5)
+    DatasetDict({"train": Dataset.from_list(rows[:2]), "test": Dataset.from_list(rows[2:])}).save_to_disk(tmp_path / "hf")
+    code, out = run_cli(capsys, "check-data", "--dataset", str(train), "--val_dataset", str(tmp_path / "hf"),
+                        "--val_split", "test")
+    assert code == 0 and f"{tmp_path / 'hf'}: 3 rows (standard 3)" in out, out
+
+
 def test_check_data_reports_the_rows_a_row_count_selects(tmp_path, capsys):
     rows = easy_rows(32)
     rows[5] = {**rows[5], "chosen": rows[5]["rejected"]}  # one bad row: training stops at it whatever #N selects

@@ -8,6 +8,7 @@ the length flags would drop or trim. Every message names the file and line (or i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -189,7 +190,16 @@ def run_check_data(cfg, console) -> int:
 
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     opts = DataOptions.from_config(cfg)
-    report = check_data(cfg.dataset, opts, tokenizer)
-    for line in report_lines(report, opts, cfg.model):
+    ok = _check_and_print(cfg.dataset, opts, tokenizer, cfg.model, console)
+    if cfg.val_dataset:  # held-out pairs are read whole, from their own split
+        console.print(f"held-out pairs (--val_dataset, split {cfg.val_split}):", markup=False, highlight=False)
+        held_out = dataclasses.replace(opts, split=cfg.val_split, streaming=False)
+        ok = _check_and_print(cfg.val_dataset, held_out, tokenizer, cfg.model, console) and ok
+    return 0 if ok else 1
+
+
+def _check_and_print(specs: list[str], opts: DataOptions, tokenizer, model: str, console) -> bool:
+    report = check_data(specs, opts, tokenizer)
+    for line in report_lines(report, opts, model):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    return 0 if report.ok else 1
+    return report.ok
