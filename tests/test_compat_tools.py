@@ -43,6 +43,15 @@ def test_trl_command_line(caplog):
     assert (cfg.max_length, cfg.eval_steps, cfg.gradient_accumulation_steps) == (1024, 50, 8)
 
 
+def test_a_refused_yaml_value_names_its_file_and_key(tmp_path):
+    y = tmp_path / "dpo.yaml"
+    y.write_text(yaml.safe_dump({"model": "m", "dataset": ["d.jsonl"], "pref_beta": "high"}), encoding="utf-8")
+    with pytest.raises(FastDPOError, match=f"^{y}: key 'pref_beta': --pref_beta high: expected a number"):
+        parse("--config", str(y))
+    with pytest.raises(FastDPOError, match="^--pref_beta x: expected a number"):  # the command line's value wins
+        parse("--config", str(y), "--pref_beta", "x")
+
+
 def test_trl_commands_take_trl_defaults_for_what_they_leave_out(caplog):
     """`trl dpo --model_name_or_path M --dataset_name D` trains with DPOConfig's learning rate and max_length and HF's
     three epochs there; the same command here must not silently train differently."""

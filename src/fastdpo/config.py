@@ -553,8 +553,10 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
         if hasattr(args, name):
             values[name] = getattr(args, name)
             asked.add(name)
+    yaml_keys = {name: args.config for name in foreign}  # before the command line's flags join them
     foreign.update({name: getattr(args, name) for name in foreign_names if hasattr(args, name)})
-    apply_foreign(foreign, values)  # flags of other tools' scripts and configs: mapped, noted, or refused
+    yaml_keys = {name: path for name, path in yaml_keys.items() if not hasattr(args, name)}
+    apply_foreign(foreign, values, yaml_keys)  # flags of other tools' scripts and configs: mapped, noted, or refused
     if cls is TrainConfig:
         _check_adapter_flags(values, asked)
     if "gradient_checkpointing" in values:

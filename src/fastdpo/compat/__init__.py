@@ -39,21 +39,27 @@ def add_foreign_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(f"--{name}", **kw)
 
 
-def apply_foreign(given: dict, values: dict) -> None:
+def apply_foreign(given: dict, values: dict, yaml_keys: dict | None = None) -> None:
     """Give each foreign flag in `given` (name -> value) its meaning: update `values` (the config fields being
     built) in place, log a note, or raise FastDPOError. Then each tool whose flags were given settles what depends
-    on several of them."""
+    on several of them. `yaml_keys` (name -> YAML file) names the file of a refused value that came from one."""
     for name, value in given.items():
         try:
             text = FOREIGN[name].apply(value, values)
         except Unnamed as e:
-            raise FastDPOError(f"--{name} {_shown(value)}{e.sep}{e}") from None
+            raise FastDPOError(_where(name, yaml_keys) + f"--{name} {_shown(value)}{e.sep}{e}") from None
+        except FastDPOError as e:
+            raise FastDPOError(_where(name, yaml_keys) + str(e)) from None
         if text:
             log.info("--%s %s: %s", name, _shown(value), text)
     for source in SOURCES:
         if source.finish and source.given_in(given):
             for text in source.finish(given, values):
                 log.info("%s", text)
+
+
+def _where(name: str, yaml_keys: dict | None) -> str:
+    return f"{yaml_keys[name]}: key {name!r}: " if yaml_keys and name in yaml_keys else ""
 
 
 def _shown(value) -> str:
