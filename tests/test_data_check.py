@@ -132,6 +132,29 @@ def test_check_data_checks_the_held_out_pairs_too(tmp_path, capsys):
     assert code == 0 and f"{tmp_path / 'hf'}: 3 rows (standard 3)" in out, out
 
 
+def test_max_samples_keeps_the_first_rows_of_each_dataset(tmp_path, capsys):
+    """--max_samples N (LLaMA-Factory's and OpenRLHF's): the first N rows of each dataset, after `#N`; training and
+    check-data agree, the held-out set is cut too, and a stream is refused (its `#N` takes the first rows)."""
+    from fastdpo.cli import build_parser
+    from fastdpo.config import TrainConfig, build_config
+    from fastdpo.data.columns import RowOptions
+    from fastdpo.data.load import load_rows
+    from fastdpo.errors import FastDPOError
+
+    a, b = write_jsonl(tmp_path / "a.jsonl", easy_rows(6, seed=1)), write_jsonl(tmp_path / "b.jsonl", easy_rows(5, seed=2))
+    first = RowOptions(max_samples=2)
+    assert [r.prompt for r in load_rows([str(a), str(b)], read=first)] == \
+        [r["prompt"] for r in easy_rows(6, seed=1)[:2] + easy_rows(5, seed=2)[:2]]
+    sampled = load_rows([f"{a}#4"], seed=3)
+    assert [r.prompt for r in load_rows([f"{a}#4"], seed=3, read=first)] == [r.prompt for r in sampled[:2]]
+    code, out = run_cli(capsys, "check-data", "--dataset", str(a), "--val_dataset", str(b), "--max_samples", "3")
+    assert code == 0 and f"{a}: 6 rows read, 3 used for training" in out and f"{b}: 5 rows read, 3 used" in out, out
+    cfg = build_config(build_parser().parse_args(["train", "--model", "m", "--dataset", str(a), "--streaming", "true",
+                                                  "--max_steps", "2", "--max_samples", "3"]), TrainConfig)
+    with pytest.raises(FastDPOError, match="write each dataset as `path#3`"):
+        cfg.validate_data()
+
+
 def test_check_data_reports_the_rows_a_row_count_selects(tmp_path, capsys):
     rows = easy_rows(32)
     rows[5] = {**rows[5], "chosen": rows[5]["rejected"]}  # one bad row: training stops at it whatever #N selects

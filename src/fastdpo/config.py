@@ -65,6 +65,8 @@ class TrainConfig:
     columns: dict = _f({}, "Dataset columns renamed to fastdpo's before rows are read (as ms-swift): a JSON object "
                        "{dataset column: fastdpo column}, e.g. '{\"question\": \"prompt\", \"good\": \"chosen\", "
                        "\"bad\": \"rejected\"}' (a mapping in YAML). Applies to every dataset, --val_dataset too.")
+    max_samples: int = _f(0, "Keep the first N rows of each dataset, --val_dataset's too, after `#N` sampling (0: all), "
+                          "as LLaMA-Factory's and OpenRLHF's max_samples (OpenRLHF also caps several datasets' sum).")
     dataset_info: dict = _f({}, "Datasets read with their own columns, row format and sharegpt tags, keyed by the "
                             "--dataset / --val_dataset entry: {ENTRY: {name, formatting: alpaca|sharegpt, columns: "
                             "{dataset column: fastdpo column}, tags: {role_tag, content_tag, user_tag, ...}}}; only "
@@ -385,12 +387,15 @@ class TrainConfig:
         for name in ("max_length", "dataset_num_proc", "shuffle_buffer_size"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
-        for name in ("max_prompt_length", "max_completion_length", "dataloader_num_workers"):
+        for name in ("max_prompt_length", "max_completion_length", "dataloader_num_workers", "max_samples"):
             if getattr(self, name) < 0:
                 raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
         if self.streaming:  # the data is read once, lazily: nothing may need all of it ahead
             if self.max_steps <= 0:
                 raise FastDPOError("--streaming needs --max_steps > 0: the size of a streamed dataset is not known ahead.")
+            if self.max_samples:
+                raise FastDPOError(f"--max_samples {self.max_samples} with --streaming: write each dataset as "
+                                   f"`path#{self.max_samples}` instead (a stream takes its first N rows).")
             if self.split_dataset_ratio > 0:
                 raise FastDPOError("--streaming cannot hold out --split_dataset_ratio of a stream. Give --val_dataset.")
             if self.precompute_ref_log_probs:

@@ -217,10 +217,6 @@ FLAGS: dict[str, Foreign] = {
     "use_unsloth": Foreign("LLaMA-Factory: not available (false = off).", refuse_on(
         "use_unsloth {value}: Unsloth's kernels are not used here; fastdpo has its own packed, chunked path. "
         "Drop the key."), bare=True),
-    "max_samples": Foreign("LLaMA-Factory/OpenRLHF: refused (`path#N` samples N rows at random instead).", refuse_on(
-        "max_samples {value} takes the first rows of the data; fastdpo's `path#N` takes a seeded random sample of N "
-        "rows. Drop max_samples and write the dataset as `path#N` for a sample, or cut the file to its first rows."
-    )),
     "dataset_dir": Foreign("LLaMA-Factory: the dataset and eval_dataset names are looked up in DIR/dataset_info.json "
                            "(file_name or hf_hub_url, columns, formatting, tags, num_samples; ranking must be true).",
                            later),

@@ -129,7 +129,7 @@ def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckRepo
         items, readable = _read(spec, opts, checker)
         if not items and readable:
             checker.error(f"{spec.label}: has no rows. Check the file or the --split.")
-        used = select(items, spec, opts.seed, opts.streaming)
+        used = select(items, spec, opts.seed, opts.streaming, opts.read.max_samples)
         formats: dict[str, int] = {}
         for ordinal, row in used:
             if row is not None:

@@ -88,13 +88,15 @@ class RowOptions:
     input_template: str = ""
     apply_chat_template: bool = False
     datasets: tuple[tuple[str, DatasetRead], ...] = ()  # (dataset spec, its own reading): --dataset_info
+    max_samples: int = 0  # the first N rows of each dataset, after `#N` (0: all)
 
     @classmethod
     def from_config(cls, cfg) -> RowOptions:
         own = getattr(cfg, "dataset_info", None) or {}
         return cls(column_mapping(getattr(cfg, "columns", None) or {}), getattr(cfg, "input_template", ""),
                    getattr(cfg, "apply_chat_template", False),
-                   tuple(sorted((spec, DatasetRead.from_dict(spec, d)) for spec, d in own.items())))
+                   tuple(sorted((spec, DatasetRead.from_dict(spec, d)) for spec, d in own.items())),
+                   getattr(cfg, "max_samples", 0))
 
     def reading(self, dataset: str) -> DatasetRead | None:
         """The reading of dataset spec `dataset` when --dataset_info gives it one (it replaces --columns there)."""

@@ -55,7 +55,7 @@ def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions
     rows = [r.row(read) for r in iter_records(spec, split)]
     if not rows:
         raise FastDPOError(f"Dataset {spec.label} has no rows.")
-    return select(rows, spec, seed)
+    return select(rows, spec, seed, first=read.max_samples)
 
 
 def load_rows(specs: list[str], seed: int = 42, split: str = "train", read: RowOptions = AS_GIVEN) -> list[Row]:

@@ -368,12 +368,12 @@ def first_cycling(read: Callable[[], Iterator], n: int, label: str) -> Iterator:
             raise FastDPOError(f"Dataset {label} has no rows.")
 
 
-def select(items: list, spec: Spec, seed: int, streaming: bool = False) -> list:
+def select(items: list, spec: Spec, seed: int, streaming: bool = False, first: int = 0) -> list:
     """The items `#N` of `spec` keeps, as training takes them: all without `#N`; the first N (cycling) when
-    streaming; else a seeded sample (see `sample`)."""
-    if spec.count is None or not items:
-        return items
-    if streaming:
-        return list(first_cycling(lambda: iter(items), spec.count, spec.label))
-    return sample(items, spec.count, seed)
+    streaming; else a seeded sample (see `sample`). Then only the first `first` of them (--max_samples; 0: all)."""
+    kept = items
+    if spec.count is not None and items:
+        kept = list(first_cycling(lambda: iter(items), spec.count, spec.label)) if streaming else \
+            sample(items, spec.count, seed)
+    return kept[:first] if first else kept
 
