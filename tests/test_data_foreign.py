@@ -351,6 +351,17 @@ def test_alpaca_file_trains(tmp_path, model_dirs, one_thread):
     assert result["final_dir"]
 
 
+def test_eval_takes_the_column_keys_as_training_does():
+    """`fastdpo eval` scores the rows a run trained on with the same flags: OpenRLHF's keys included."""
+    from fastdpo.evaluate import EvalConfig
+
+    argv = ["eval", "--model", "m", "--dataset", "d.jsonl", "--prompt_key", "q", "--rejected_key", "bad"]
+    cfg = build_config(build_parser().parse_args(argv), EvalConfig)
+    assert cfg.columns == {"q": "prompt", "bad": "rejected"}
+    with pytest.raises(FastDPOError, match="--pretrain"):  # the rest of OpenRLHF's flags stay training's
+        build_parser().parse_args(["eval", "--model", "m", "--dataset", "d.jsonl", "--pretrain", "m"])
+
+
 def test_eval_reads_rows_as_training_did():
     from fastdpo.evaluate import EvalConfig
 

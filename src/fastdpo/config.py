@@ -534,19 +534,19 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -
         else:
             kw["type"] = typ
         parser.add_argument(f"--{f.name}", **kw)
-    if cls is TrainConfig:
-        from fastdpo.compat import add_foreign_flags
+    from fastdpo.compat import add_foreign_flags, foreign_flags
 
-        add_foreign_flags(parser)
+    if foreign_flags(cls):
+        add_foreign_flags(parser, foreign_flags(cls))
 
 
 def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     """Merge defaults < YAML file < command line into a config object (not yet validated)."""
-    from fastdpo.compat import FOREIGN, apply_foreign
+    from fastdpo.compat import apply_foreign, foreign_flags
 
     values: dict[str, Any] = {}
     names = {f.name: f for f in dataclasses.fields(cls)}
-    foreign_names = FOREIGN if cls is TrainConfig else {}
+    foreign_names = foreign_flags(cls)
     foreign: dict[str, Any] = {}
     if getattr(args, "config", None):
         for key, value in load_yaml(args.config, names, foreign_names).items():

@@ -7,17 +7,18 @@ saying so). One module per tool holds its table; this one joins them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 from fastdpo.compat.base import LESS_MEMORY, Foreign, Source, Unnamed
 from fastdpo.compat.llamafactory import LLAMAFACTORY
-from fastdpo.compat.openrlhf import OPENRLHF
+from fastdpo.compat.openrlhf import COLUMN_FLAGS, OPENRLHF
 from fastdpo.compat.swift import RLHF_TYPES, SEQUENCE_PARALLEL, SWIFT
 from fastdpo.compat.trl import TRL
 from fastdpo.errors import FastDPOError
 
 __all__ = ["FOREIGN", "LESS_MEMORY", "RLHF_TYPES", "SEQUENCE_PARALLEL", "SOURCES", "Foreign", "add_foreign_flags",
-           "apply_foreign"]
+           "apply_foreign", "foreign_flags"]
 
 log = logging.getLogger("fastdpo")
 
@@ -27,10 +28,22 @@ FOREIGN: dict[str, Foreign] = {name: f for source in SOURCES for name, f in sour
 assert len(FOREIGN) == sum(len(s.flags) for s in SOURCES), "a flag belongs to one tool's table"
 
 
-def add_foreign_flags(parser: argparse.ArgumentParser) -> None:
+def foreign_flags(cls: type) -> dict[str, Foreign]:
+    """The other tools' flags a config class takes: all of them for training; the column keys for any command that
+    reads rows with a column mapping (`fastdpo eval`)."""
+    from fastdpo.config import TrainConfig
+
+    if cls is TrainConfig:
+        return FOREIGN
+    return COLUMN_FLAGS if any(f.name == "columns" for f in dataclasses.fields(cls)) else {}
+
+
+def add_foreign_flags(parser: argparse.ArgumentParser, flags: dict[str, Foreign] = FOREIGN) -> None:
     for source in SOURCES:
+        if not flags.keys() & source.flags.keys():
+            continue
         group = parser.add_argument_group(source.title)
-        for name, f in source.flags.items():
+        for name, f in ((n, f) for n, f in source.flags.items() if n in flags):
             kw: dict = {"default": argparse.SUPPRESS, "metavar": "VALUE", "help": f.help}
             if f.bare:
                 kw.update(nargs="?", const=True)
