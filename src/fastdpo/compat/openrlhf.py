@@ -73,12 +73,9 @@ def _use_wandb(value: Any, values: dict) -> str | None:
 def _column_key(flag: str) -> Apply:
     """--prompt_key COL (chosen, rejected): the same as --columns '{"COL": "prompt"}'."""
     def apply(value: Any, values: dict) -> str | None:
-        from fastdpo.data.columns import add_key_flag
+        from fastdpo.data.columns import add_key_flag, column_mapping
 
-        columns = values.get("columns") or {}
-        if not isinstance(columns, dict):
-            raise FastDPOError(f"--columns must be a JSON object (dataset column -> fastdpo column), got {columns!r}.")
-        columns = dict(columns)
+        columns = dict(column_mapping(values.get("columns") or {}))  # --columns checked as it is anywhere
         add_key_flag(columns, flag, str(value))
         values["columns"] = columns
         return None
