@@ -211,6 +211,55 @@ def test_full_shard_keeps_last_unit_and_root_gathered_into_backward(model_dirs, 
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("mode", ["full_shard", "shard_grad_op", "reference"])
+def test_each_forward_gathers_the_next_unit_as_it_opens(mode, model_dirs):
+    """FSDP2 issues a unit's gather as the unit before it opens its forward (the root: the first unit's), not when the
+    host reaches the unit itself: the first decoder layer of each unit starts only after the next unit's gather was
+    issued. The same for the policy under full_shard and shard_grad_op and for a sharded forward-only reference."""
+    import torch
+    import torch.distributed as dist
+    from conftest import random_pairs
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.distributed import Dist, parallel_plan, wrap_models
+    from fastdpo.model import build_mask, make_batch
+    from fastdpo.reference import Reference
+
+    config, model, backend = five_layer_qwen3(model_dirs)
+    ref = Reference("copy", AutoModelForCausalLM.from_config(config)) if mode == "reference" else Reference("precompute")
+    plan = parallel_plan("shard_grad_op" if mode == "shard_grad_op" else "full_shard", "")
+    d = Dist(0, 1, 0, plan.mode, plan.reshard_after_forward, layers_per_unit=2)  # units: layers 0-1, 2-3, 4
+    events, unshard = [], FSDPParamGroup.unshard
+
+    def record(group, *args, **kwargs):
+        if not group.is_unsharded and group._all_gather_result is None:  # a gather is issued
+            events.append(("gather", group.fsdp_params[0]._param_fqn))
+        return unshard(group, *args, **kwargs)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    FSDPParamGroup.unshard = record
+    try:
+        policy = wrap_models(model, ref, backend, d)
+        watched = ref.model if mode == "reference" else model
+        for i in (0, 2, 4):
+            watched.model.layers[i].register_forward_pre_hook(lambda m, a, i=i: events.append(("forward", i)))
+        batch = make_batch(random_pairs(3, config.vocab_size), backend, 0, torch.device("cpu"))
+        mask = build_mask(batch, backend)
+        if mode == "reference":
+            ref.logps(None, batch, backend, mask)
+        else:
+            policy(batch, mask)
+    finally:
+        FSDPParamGroup.unshard = unshard
+        dist.destroy_process_group()
+    gathered = [next((k for k, e in enumerate(events) if e[0] == "gather" and f"layers.{i}." in e[1]), None)
+                for i in (0, 2, 4)]
+    started = [events.index(("forward", i)) for i in (0, 2, 4)]
+    assert None not in gathered, events
+    assert gathered[1] < started[0] and gathered[2] < started[1], events  # the next unit's gather came first
+
+
 def test_full_shard_keeps_the_first_unit_and_root_gathered_between_micro_steps(model_dirs):
     """full_shard (ZeRO-3) frees a unit's gathered weights after its backward, except, between an optimizer step's
     micro-steps, the two that the next forward opens with: the root (embeddings, head) and the first decoder unit.

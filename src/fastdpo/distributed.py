@@ -362,18 +362,23 @@ def _shard(module: LogpsModule, d: Dist, reshard: bool, training: bool = True) -
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float32 if d.sum_in_fp32 else None)
     layers = decoder_layers(module.model)
     start, sizes = 0, unit_sizes(layers, d.layers_per_unit)
-    first = None
+    units = []  # in forward order
     for i, size in enumerate(sizes):
         unit, start = layers[start : start + size], start + size
         keep = training and i == len(sizes) - 1
         sharded = fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh,
                               reshard_after_forward=reshard and not keep, mp_policy=mp)
-        first = first or (sharded[0] if isinstance(sharded, list) else sharded)  # a list shares one state
+        units.append(sharded[0] if isinstance(sharded, list) else sharded)  # a list shares one state
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not training, mp_policy=mp)
+    # each forward gathers the next unit as it opens (the root: the first unit), so that gather runs under this unit's
+    # compute even when the host is behind the device; left to the next unit's own hook, it is issued only when the
+    # host reaches that unit, and the device waits on it. A no-op for a unit already gathered.
+    for unit, after in zip([module, *units], units):
+        unit.set_modules_to_forward_prefetch([after])
     # full_shard: the root and the first unit open every forward; between a step's micro-batches (grad_sync) they
     # stay gathered instead of being freed by one backward and gathered again, exposed, by the next forward. No peak
     # is added: nothing else is held at a micro-batch boundary, and both are gathered again right after it.
-    module._fastdpo_boundary_units = (module, first) if reshard and training else ()
+    module._fastdpo_boundary_units = (module, *units[:1]) if reshard and training else ()
     for m in module.modules():
         if isinstance(m, FSDPModule):
             if hasattr(m, "set_gradient_divide_factor"):  # torch >= 2.8
