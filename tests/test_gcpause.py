@@ -1,5 +1,5 @@
-"""Python's garbage collection during training: pauses measured per step; with --gc_steps, frozen setup, no
-automatic collection, a collection every N steps, and Python's settings back afterwards."""
+"""Python's garbage collection during training: pauses measured per step, setup frozen; with --gc_steps, no
+automatic collection and a collection every N steps; Python's settings back afterwards."""
 
 import gc
 import weakref
@@ -20,18 +20,32 @@ def _cycle():
     return weakref.ref(a)
 
 
-def test_pauses_are_measured_without_changing_python_schedule():
+def test_setup_is_frozen_and_python_keeps_its_schedule():
+    """By default what exists when training starts is frozen (no collection walks it again) while Python still
+    collects on its own schedule: a cycle made during training goes without any explicit collection. Pauses are
+    counted; the freeze's own collection is setup's, not a step's; afterwards nothing stays frozen."""
+    setup = [Node() for _ in range(100)]
+
+    def walked():  # whether a collection would walk the setup objects
+        return any(o is setup for o in gc.get_objects())
+
+    assert walked()
     pauses = GcPauses().start()
     try:
-        assert gc.isenabled() and gc.get_freeze_count() == 0
-        pauses.take()  # whatever Python collected since start
+        assert gc.isenabled() and gc.get_freeze_count() > 0 and not walked()
+        assert pauses.take()["gc/collections"] == 0
+        garbage = _cycle()
+        alive = [Node() for _ in range(50_000)]  # far past the thresholds that trigger an automatic collection
+        assert garbage() is None and alive  # collected by Python's own schedule
+        assert pauses.take()["gc/collections"] >= 1
         gc.collect()
         gc.collect(0)
         got = pauses.take()
-        assert got["gc/collections"] >= 2 and got["gc/pause_ms"] > 0
+        assert got["gc/collections"] == 2 and got["gc/pause_ms"] > 0
         assert pauses.take()["gc/collections"] == 0  # taken: counted once
     finally:
         pauses.stop()
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and walked()
     gc.collect()
     assert pauses.take()["gc/collections"] == 0  # stopped: no longer watching
 

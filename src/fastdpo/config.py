@@ -168,9 +168,10 @@ class TrainConfig:
                              "budget (FlexAttention on CUDA): the next multiple of budget / N (and of 128 tokens). More pad less "
                              "(batch/padding in the metrics) and build kernels for more lengths (each once; up "
                              "front with --compile_warmup).")
-    gc_steps: int = _f(0, "Python's garbage collection in training: 0 leaves it to Python; N freezes what exists "
-                       "when training starts, turns automatic collection off and collects the young generations "
-                       "at every N-th step on every rank at once (pauses logged as gc/pause_ms either way).")
+    gc_steps: int = _f(0, "Python's garbage collection in training: what exists when training starts is frozen "
+                       "(never walked again) either way; 0 leaves the schedule to Python; N turns automatic "
+                       "collection off and collects the young generations at every N-th step on every rank at once "
+                       "(pauses logged as gc/pause_ms).")
     profile_memory: bool = _f(False, "With --profile_steps: also record the GPU allocations of those steps; "
                               "output_dir/profile/rank{R}/memory.txt names the peak and what was alive at it, by "
                               "source line (memory_snapshot.pickle: the timeline, for pytorch.org/memory_viz).")

@@ -7,12 +7,15 @@ a different moment. On several GPUs a pause
 on one rank stalls the others at the next collective, so the ranks' pauses add up.
 
 `GcPauses` times every collection (through `gc.callbacks`) and reports, per logged step, the milliseconds paused
-and the number of collections (`gc/pause_ms`, `gc/collections`: the largest over ranks). With `--gc_steps N` it
-also takes the schedule over: the objects that exist when training starts (the model, compiled code, data) are
-frozen, so no collection walks them again; automatic collection is off; every N steps each rank collects the young
-generations (what the steps since created), at the same step, so the ranks pause together, briefly. Survivors of
-those collections (compiled code of a new micro-batch length, say) are not walked again while training runs, so
-cyclic garbage that outlives its step waits until training ends, when Python's own settings come back.
+and the number of collections (`gc/pause_ms`, `gc/collections`: the largest over ranks). When training starts, the
+objects that exist then (the model, compiled code, data) are frozen after one collection, so no collection during
+training walks them again: Python keeps its own schedule, but a full collection walks only what training created
+(on two H200s a full collection in step 9 of a Qwen3-1.7B run paused 414-510 ms without this, benchmarks/NOTES.md
+entry 42). With `--gc_steps N` it also takes the schedule over: automatic collection is off, and every N steps each
+rank collects the young generations (what the steps since created), at the same step, so the ranks pause together,
+briefly. Survivors of those collections (compiled code of a new micro-batch length, say) are not walked again while
+training runs, so cyclic garbage that outlives its step waits until training ends. Frozen objects that become
+cyclic garbage during training wait too; Python's own settings come back when training ends.
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ class GcPauses:
     def start(self) -> GcPauses:
         gc.callbacks.append(self._callback)
         self._running = True
+        self._was_enabled = gc.isenabled()
+        gc.collect()  # what setup left as garbage goes now, not frozen
+        gc.freeze()
         if self.every:
-            self._was_enabled = gc.isenabled()
-            gc.collect()  # what setup left as garbage goes now, not frozen
-            gc.freeze()
             gc.disable()
-            self.take()  # that collection is setup's, not a step's
+        self.take()  # that collection is setup's, not a step's
         return self
 
     def step_end(self, step: int) -> None:
@@ -65,7 +68,6 @@ class GcPauses:
         self._running = False
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
-        if self.every:
-            gc.unfreeze()
-            if self._was_enabled:
-                gc.enable()
+        gc.unfreeze()
+        if self.every and self._was_enabled:
+            gc.enable()
