@@ -184,3 +184,40 @@ def test_check_data_and_training_from_a_llamafactory_config(lf, model_dirs, one_
     losses = [json.loads(line)["loss"] for line in (lf / "saves" / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+
+def test_eval_reads_names_through_dataset_dir_as_training_does(lf, model_dirs, monkeypatch, capsys):
+    """`fastdpo eval --dataset my_chat --dataset_dir data` scores the rows training held out under eval_dataset
+    my_chat, read with that entry's own columns and tags; the resolved reading can also be passed as --dataset_info
+    (what a run's config.yaml holds). Unknown names and a conflicting --split are refused with the fix."""
+    from fastdpo.data import prepare
+    from fastdpo.evaluate import EvalConfig, run_eval
+
+    train_cfg = config(lf, lf_yaml(eval_dataset="my_chat"))
+    train_cfg.validate_data()
+    held_out = load_rows(train_cfg.val_dataset, train_cfg.seed, train_cfg.val_split,
+                         read=RowOptions.from_config(train_cfg))
+    seen = []
+
+    def capture(rows, *args):
+        seen.append(rows)
+        raise SystemExit
+
+    monkeypatch.setattr(prepare, "tokenize_pairs", capture)
+    model = str(model_dirs())
+    for flags in (["--dataset", "my_chat", "--dataset_dir", "data"],
+                  ["--dataset", "data/chat", "--dataset_info", json.dumps({"data/chat": train_cfg.dataset_info["data/chat"]})]):
+        args = build_parser().parse_args(["eval", "--model", model, "--output_dir", str(lf / "e"), *flags])
+        with pytest.raises(SystemExit):
+            run_eval(build_config(args, EvalConfig))
+    assert len(seen) == 2 and seen[0] == held_out and seen[1] == held_out and len(held_out) == 16
+    assert held_out[0].format == "sharegpt"
+
+    code = run_cli(capsys, "eval", "--model", model, "--dataset", "my_chatt", "--dataset_dir", "data")
+    assert code[0] == 1 and "dataset my_chatt: not in data/dataset_info.json. Did you mean my_chat" in code[1]
+    with pytest.raises(FastDPOError, match="read split test"):
+        EvalConfig(model=model, dataset=["hub"], dataset_dir="data", split="validation").validate()
+    cfg = EvalConfig(model=model, dataset=["hub"], dataset_dir="data")
+    cfg.validate()
+    cfg.validate()  # the names are resolved once
+    assert (cfg.dataset, cfg.split) == (["org/prefs:en"], "test")

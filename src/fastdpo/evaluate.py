@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import random
 import time
@@ -30,6 +31,8 @@ from fastdpo.losses import LOSSES, LossInputs, LossParams, loss_inputs, loss_par
 from fastdpo.model import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
 from fastdpo.reference import REF_ADAPTER, Reference, active_adapter, precomputed_table
 from fastdpo.seqlogps import completion_logps
+
+log = logging.getLogger("fastdpo")
 
 # Metrics of held-out pairs that can rank checkpoints (`--metric_for_best_model`, with or without `eval_`).
 PAIR_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -309,6 +312,11 @@ class EvalConfig(ModelArgs, GenerationArgs):
                            "Jinja file (default: the tokenizer's chat_template).")
     columns: dict = _f({}, "Dataset columns renamed to fastdpo's, as in training: a JSON object {dataset column: "
                            "fastdpo column}.")
+    dataset_dir: str = _f("", "LLaMA-Factory: names in --dataset are entries of DIR/dataset_info.json, each read with "
+                              "its own columns, format and tags, as training's dataset_dir and eval_dataset read them.")
+    dataset_info: dict = _f({}, "Datasets read with their own columns, row format and sharegpt tags, keyed by the "
+                                "--dataset entry, as in training (a run's config.yaml holds it); --dataset_dir fills "
+                                "it.")
     input_template: str = _f("", "Text around plain-text prompts ({} is the prompt), as in training.")
     apply_chat_template: bool = _f(False, "Plain-text rows become a user turn and assistant replies, as in training.")
     loss_type: str = _f("sigmoid", "Preference loss reported as `loss`.")
@@ -351,6 +359,7 @@ class EvalConfig(ModelArgs, GenerationArgs):
         from fastdpo.data.columns import check_row_flags
         from fastdpo.data.template import resolve_template
 
+        self._resolve_dataset_names()
         check_row_flags(self)
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         _choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
@@ -365,6 +374,25 @@ class EvalConfig(ModelArgs, GenerationArgs):
                 raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSSES))}.")
         if self.eval_limit < 0 or self.lm_eval_limit < 0:
             raise FastDPOError("--eval_limit and --lm_eval_limit must be >= 0 (0: all).")
+
+
+    def _resolve_dataset_names(self) -> None:
+        """--dataset_dir: the names in --dataset become their specs, their readings go to --dataset_info and a hub
+        split other than train to --split (once: the names are gone afterwards)."""
+        from fastdpo.data.dataset_info import load_info, resolve_names, split_names
+
+        if not self.dataset_dir or getattr(self, "_names_resolved", False):
+            return
+        reading = dict(self.dataset_info)
+        self.dataset, split, notes = resolve_names(split_names(self.dataset), load_info(self.dataset_dir),
+                                                   self.dataset_dir, reading, "split")
+        if split and self.split not in ("train", split):
+            raise FastDPOError(f"--split {self.split}: the datasets named through --dataset_dir read split {split} "
+                               "(their dataset_info.json entries). Drop --split.")
+        self.split = split or self.split
+        self.dataset_info, self._names_resolved = reading, True
+        for note in notes:
+            log.info("%s", note)
 
 
 def run_eval(cfg: EvalConfig, console=None) -> dict:

@@ -22,7 +22,7 @@ from fastdpo.compat.base import (
     to_bool,
 )
 from fastdpo.compat.swift import LIGER
-from fastdpo.data.dataset_info import Resolved, load_info, resolve, split_names
+from fastdpo.data.dataset_info import load_info, resolve_names, split_names
 from fastdpo.errors import FastDPOError
 
 PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo", "simpo": "simpo"}
@@ -107,31 +107,13 @@ def _datasets(given: dict, values: dict) -> list[str]:
     notes = []
     for field, split, names in (("dataset", "split", split_names(values.get("dataset"))),
                                 ("val_dataset", "val_split", evals)):
-        got = [resolve(name, table, dataset_dir) for name in names]
-        if got:
-            values[field] = [r.spec for r in got]
-            _add_reading(reading, got)
-            _hub_split(values, split, got, dataset_dir)
-            notes += [r.note for r in got if r.note]
+        if names:
+            values[field], hub_split, got_notes = resolve_names(names, table, dataset_dir, reading, split)
+            if hub_split:
+                assign(values, split, hub_split, "dataset_dir", dataset_dir)
+            notes += got_notes
     values["dataset_info"] = reading
     return notes
-
-
-def _add_reading(reading: dict, got: list[Resolved]) -> None:
-    for r in got:
-        if reading.setdefault(r.spec, r.read.to_dict()) != r.read.to_dict():
-            raise FastDPOError(f"dataset {r.read.name}: {r.spec} is also another dataset, read otherwise. Name each "
-                               "data file once.")
-
-
-def _hub_split(values: dict, split: str, got: list[Resolved], dataset_dir: str) -> None:
-    """The split of the hub datasets of one list (--split or --val_split): one for all of them."""
-    splits = {r.split for r in got if r.split is not None}
-    if len(splits) > 1:
-        raise FastDPOError(f"datasets {', '.join(r.read.name for r in got)}: their hub datasets read different splits "
-                           f"({', '.join(sorted(splits))}); fastdpo reads one split for all of them (--{split}).")
-    if splits and splits != {"train"}:
-        assign(values, split, splits.pop(), "dataset_dir", dataset_dir)
 
 
 def _lora(given: dict, values: dict) -> list[str]:

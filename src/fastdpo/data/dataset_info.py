@@ -235,3 +235,21 @@ def resolve(name: str, table: dict, dataset_dir: str) -> Resolved:
     read = DatasetRead(name, formatting, _columns(name, entry, formatting), tuple(
         (k, str(tags.get(k, default))) for k, default in DEFAULT_TAGS) if formatting == "sharegpt" else DEFAULT_TAGS)
     return Resolved(source + count, read, split if hub else None, note)
+
+
+def resolve_names(names: list[str], table: dict, dataset_dir: str, reading: dict,
+                  split_flag: str) -> tuple[list[str], str | None, list[str]]:
+    """The names of one dataset list (training's or the held-out one) -> (their specs, the split their hub datasets
+    read when it is not train, notes). Each reading is added to `reading` (the --dataset_info value) under its spec;
+    `split_flag` names the flag that holds the list's split, for the message when the hub datasets disagree."""
+    got = [resolve(name, table, dataset_dir) for name in names]
+    for r in got:
+        if reading.setdefault(r.spec, r.read.to_dict()) != r.read.to_dict():
+            raise FastDPOError(f"dataset {r.read.name}: {r.spec} is also another dataset, read otherwise. Name each "
+                               "data file once.")
+    splits = {r.split for r in got if r.split is not None}
+    if len(splits) > 1:
+        raise FastDPOError(f"datasets {', '.join(r.read.name for r in got)}: their hub datasets read different splits "
+                           f"({', '.join(sorted(splits))}); fastdpo reads one split for all of them (--{split_flag}).")
+    split = splits.pop() if splits else None
+    return [r.spec for r in got], split if split != "train" else None, [r.note for r in got if r.note]
