@@ -38,6 +38,22 @@ def test_json_array_rows_carry_their_line(tmp_path):
     assert rows[1].source == f"{f}:7"  # each indented object takes 5 lines, after the '[' line
 
 
+def test_rows_sharing_a_line_of_a_json_array_carry_their_index(tmp_path):
+    """A one-line array (json.dump's default) locates each row by its index too, so a bad row can be found; rows alone
+    on their line keep the bare line."""
+    f = tmp_path / "one.json"
+    f.write_text(json.dumps(ROWS), encoding="utf-8")
+    assert [r.source for r in load_rows([str(f)])] == [f"{f}:1 index {k}" for k in range(len(ROWS))]
+    g = tmp_path / "mixed.json"
+    g.write_text(f"[{json.dumps(ROWS[0])},\n{json.dumps(ROWS[1])}, {json.dumps(ROWS[2])},\n{json.dumps(ROWS[3])}]")
+    assert [r.source for r in load_rows([str(g)])] == [f"{g}:1", f"{g}:2 index 1", f"{g}:2 index 2", f"{g}:3"]
+    bad = [dict(r) for r in ROWS]
+    del bad[2]["chosen"]
+    f.write_text(json.dumps(bad), encoding="utf-8")
+    with pytest.raises(FastDPOError, match=f"{f}:1 index 2"):
+        load_rows([str(f)])
+
+
 def test_json_object_with_data_list_and_json_lines_in_a_json_file(tmp_path):
     a = tmp_path / "a.json"
     a.write_text(json.dumps({"data": ROWS}))

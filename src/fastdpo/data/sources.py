@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import itertools
 import json
 import random
 import re
@@ -164,10 +165,13 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
 
 
 def _json_array_records(path: Path, text: str) -> Iterator[Record]:
-    """Elements of a top-level JSON array, each with the line it starts on."""
+    """Elements of a top-level JSON array, each with the line it starts on, and its index in the array as well when
+    another element starts on the same line (a one-line array: `path:1 index 5`)."""
     dec = json.JSONDecoder()
     i = _WS.match(text, 0).end() + 1  # past '['
     line, seen = 1, 0
+    held, before = None, None  # the last element read (line, index, value), not yet given out; its predecessor's line
+    error = None
 
     def line_at(pos: int) -> int:
         nonlocal line, seen
@@ -175,25 +179,38 @@ def _json_array_records(path: Path, text: str) -> Iterator[Record]:
         seen = pos
         return line
 
-    while True:
+    def give(next_line: int | None) -> Record:
+        at, k, value = held
+        return Record(f"{path}:{at}" + (f" index {k}" if at in (before, next_line) else ""), value)
+
+    for k in itertools.count():
         i = _WS.match(text, i).end()
         if i < len(text) and text[i] == "]":
-            return
+            break
         try:
             value, end = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            yield Record(f"{path}:{e.lineno}", error=f"invalid JSON ({e.msg}, column {e.colno}). Fix the syntax.")
-            return
+            error = Record(f"{path}:{e.lineno}", error=f"invalid JSON ({e.msg}, column {e.colno}). Fix the syntax.")
+            break
         except (ValueError, RecursionError) as e:
-            yield Record(f"{path}:{line_at(i)}", error=f"invalid JSON ({_unparsable(e)}). Fix this row.")
-            return
-        yield Record(f"{path}:{line_at(i)}", value)
+            error = Record(f"{path}:{line_at(i)}", error=f"invalid JSON ({_unparsable(e)}). Fix this row.")
+            break
+        at = line_at(i)
+        if held is not None:
+            yield give(at)
+            before = held[0]
+        held = (at, k, value)
         i = _WS.match(text, end).end()
         if i < len(text) and text[i] == ",":
             i += 1
         elif i >= len(text) or text[i] != "]":
-            yield Record(f"{path}:{line_at(min(i, len(text)))}", error="invalid JSON (expected ',' or ']' after a row).")
-            return
+            error = Record(f"{path}:{line_at(min(i, len(text)))}", error="invalid JSON (expected ',' or ']' after a "
+                           "row).")
+            break
+    if held is not None:
+        yield give(None)
+    if error is not None:
+        yield error
 
 
 def _json_records(path: Path) -> Iterator[Record]:
