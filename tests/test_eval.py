@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from fastdpo import checkpoint as ckpt
 from fastdpo.config import TrainConfig
-from fastdpo.data.load import Row
+from fastdpo.data.load import Row, load_rows
 from fastdpo.data.tokenize import tokenize_rows
 from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import (
@@ -434,7 +434,6 @@ def test_eval_during_training_on_flex_matches_the_padded_eval(tmp_path, model_di
 def test_eval_tokenises_like_training(tmp_path, model_dirs, monkeypatch):
     """--template and the length limits mean the same in eval as in training: the scored pairs are training's."""
     from fastdpo import evaluate
-    from fastdpo.data.load import load_rows
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
 
     words = WORDS[4:40]
@@ -526,3 +525,21 @@ def test_eval_on_flex_without_a_budget_gets_one(tmp_path, heldout, model_dirs, m
         run_eval(EvalConfig(model=str(model_dirs("qwen3")), dataset=[str(heldout)], max_tokens_per_batch=2048,
                             output_dir=str(tmp_path / "o2")))
     assert seen["budget"] == 2048
+
+
+def test_reward_columns_come_from_each_rows_own_record(tmp_path):
+    """The extra fields handed to a reward function are each row's own: in a one-line JSON array (every row on line
+    1), in JSONL, and for rows read through --dataset_info (whose location names the dataset)."""
+    import dataclasses
+
+    from fastdpo.evaluate import row_columns
+
+    records = [{**r, "answer": f"w{k}"} for k, r in enumerate(easy_rows(4, seed=2))]
+    one_line = tmp_path / "one.json"
+    one_line.write_text(json.dumps(records), encoding="utf-8")
+    lines = write_jsonl(tmp_path / "rows.jsonl", records)
+    for f in (one_line, lines):
+        rows = load_rows([str(f)])
+        assert row_columns(rows)["answer"] == ["w0", "w1", "w2", "w3"], f
+    named = [dataclasses.replace(r, source=f"{r.source} (dataset mine)") for r in load_rows([str(one_line)])]
+    assert row_columns(named[::-1])["answer"] == ["w3", "w2", "w1", "w0"]

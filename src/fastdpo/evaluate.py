@@ -487,14 +487,15 @@ def row_columns(rows: list[Row]) -> dict[str, list]:
     from fastdpo.data.load import _records
 
     columns: dict[str, list] = {"chosen": [r.chosen for r in rows], "rejected": [r.rejected for r in rows]}
-    records: dict[str, dict[int, object]] = {}
+    records: dict[str, dict[str, object]] = {}
     extras = []
     for r in rows:
-        path, _, line = r.source.rpartition(":")
+        where = r.source.split(" (dataset ", 1)[0]  # `path:line` or `path:line index K`, without --dataset_info's name
+        path = where.rpartition(":")[0]
         if path not in records:
             p = Path(path)
-            records[path] = dict(_records(p)) if p.is_file() and p.suffix in (".json", ".jsonl") else {}
-        rec = records[path].get(int(line)) if line.isdigit() else None
+            records[path] = _records(p) if path and p.is_file() and p.suffix in (".json", ".jsonl") else {}
+        rec = records[path].get(where)
         extras.append(rec if isinstance(rec, dict) else {})
     shared = set.intersection(*(set(e) for e in extras)) - {"prompt", "chosen", "rejected"} if extras else set()
     for key in sorted(shared):

@@ -25,15 +25,13 @@ def check_row(value: object, where: str) -> Row:
     return to_row(value, where)
 
 
-def _records(path: Path) -> list[tuple[int, object]]:
-    """(line, decoded value) of the rows of a JSONL / JSON file, numbered as `Row.source` numbers them."""
-    out = []
+def _records(path: Path) -> dict[str, object]:
+    """{location: decoded value} of the rows of a JSONL / JSON file, located as `Row.source` locates them."""
+    out = {}
     for rec in file_records(path):
         if rec.error is not None:
             raise FastDPOError(f"{rec.where}: {rec.error}")
-        head, _, line = rec.where.rpartition(":")
-        if head == str(path) and line.isdigit():
-            out.append((int(line), rec.value))
+        out[rec.where] = rec.value
     return out
 
 
