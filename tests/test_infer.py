@@ -168,3 +168,36 @@ def test_cli_answers_messages_like_ms_swift(tmp_path, capsys, model_dirs):
     loaded = load_for_generation(ModelArgs(model=str(m)))
     answer = generate_texts(loaded.model, loaded.tokenizer, [messages], GenerationArgs(max_new_tokens=5))[0]
     assert answer and out.split()[: len(answer.split())] == answer.split()
+
+
+@pytest.mark.parametrize("template", ["chatml", "identity"])
+def test_a_model_trained_with_a_template_generates_from_the_prompts_it_trained_on(tmp_path, model_dirs, template):
+    """--template is saved as the trained model's chat template: generation from final/ starts from exactly the
+    prompt tokens training scored (the tiny tokenizer has no template of its own, so before, a chat prompt was
+    refused); eval and infer take --template for a model saved without it."""
+    from fastdpo.config import TrainConfig
+    from fastdpo.data.load import load_rows
+    from fastdpo.data.prepare import DataOptions, tokenize_pairs
+    from fastdpo.evaluate import EvalConfig
+    from fastdpo.model import load_tokenizer
+    from fastdpo.train import train
+
+    words = WORDS[4:40]
+    rows = [{"prompt": [{"role": "user", "content": " ".join(words[i:i + 4])}],
+             "chosen": [{"role": "assistant", "content": " " + words[i + 5]}],
+             "rejected": [{"role": "assistant", "content": " " + words[i + 7]}]} for i in range(8)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    base = model_dirs("qwen3")
+    assert not getattr(load_tokenizer(str(base)), "chat_template", None)
+    cfg = TrainConfig(model=str(base), dataset=[str(data)], output_dir=str(tmp_path / "out"), template=template,
+                      train_type="lora", lora_rank=2, max_steps=1, per_device_train_batch_size=4)
+    final = train(cfg, progress=False)["final_dir"]
+    trained, _ = tokenize_pairs(load_rows([str(data)]), load_tokenizer(str(base)), DataOptions.from_config(cfg))
+    loaded = load_for_generation(ModelArgs(model=str(base), adapters=str(final)))
+    prompts = [r["prompt"] for r in rows]
+    assert [prompt_ids(loaded.tokenizer, p) for p in prompts] == [list(p.prompt) for p in trained]
+    assert len(generate_ids(loaded.model, loaded.tokenizer, prompts[:2], GenerationArgs(max_new_tokens=2))) == 2
+    for args in (InferConfig(model=str(base), template=template, prompt="x"),
+                 EvalConfig(model=str(base), template=template, dataset=[str(data)])):
+        tok = load_for_generation(args).tokenizer
+        assert [prompt_ids(tok, p) for p in prompts] == [list(p.prompt) for p in trained]

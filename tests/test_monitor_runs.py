@@ -96,12 +96,23 @@ def test_swapped_labels_alert(tmp_path, model_dirs):
     assert first["step"] == 3 and "chosen and rejected may be swapped; check the data" in first["advice"]
 
 
-def test_exploding_learning_rate_raises_grad_spike_and_kl_ratio(tmp_path, model_dirs):
+def test_exploding_learning_rate_raises_kl_ratio(tmp_path, model_dirs):
     run(tmp_path, model_dirs("qwen3"), "lr", noisy_rows(96, 2), learning_rate=10.0, max_grad_norm=0,
         lr_scheduler_type="constant_with_warmup", warmup_steps=6, max_steps=7)
     got = {a["name"]: a for a in alerts(tmp_path / "lr")}
-    assert "grad_spike" in got and "--learning_rate" in got["grad_spike"]["advice"]
     assert "kl_ratio" in got and "--beta" in got["kl_ratio"]["advice"]  # the policy runs away from the reference
+
+
+def test_a_wild_batch_raises_grad_spike_at_its_step(tmp_path, model_dirs):
+    """Six steps of two-token completions, then a step whose completions repeat one token 50 times: its summed
+    log-probs' gradient is tens of times the running median (90x here), far past the factor of 10."""
+    r = random.Random(4)
+    rows = [{"prompt": " ".join(f"w{r.randrange(4, 60)}" for _ in range(4)), "chosen": f" w{4 + i % 20} w{30 + i % 20}",
+             "rejected": f" w{30 + i % 20} w{4 + i % 20}"} for i in range(48)]
+    rows += [{"prompt": "w7 w8", "chosen": " w5" * 50, "rejected": " w6" * 50} for _ in range(8)]
+    run(tmp_path, model_dirs("qwen3"), "wild", rows, max_grad_norm=0, shuffle=False, max_steps=7, max_length=128)
+    got = {a["name"]: a for a in alerts(tmp_path / "wild")}
+    assert got["grad_spike"]["step"] == 7 and "--learning_rate" in got["grad_spike"]["advice"]
 
 
 def test_conflicting_labels_raise_accuracy_stuck(tmp_path, model_dirs):

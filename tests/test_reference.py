@@ -47,9 +47,17 @@ def weights(result):
 
 
 def live_models():
-    """Causal LMs alive in this process (their inner decoder models are PreTrainedModels too, and not counted)."""
-    gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, PreTrainedModel) and o.get_output_embeddings() is not None]
+    """Causal LMs alive in this process (their inner decoder models are PreTrainedModels too, and not counted).
+    Training freezes what exists when it starts, out of the collector's sight, so the census lifts the freeze and
+    sets it again."""
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    try:
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, PreTrainedModel) and o.get_output_embeddings() is not None]
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 def count_models_during_training(monkeypatch, tmp_path, model_dir, name, max_steps=2, **kw):

@@ -80,6 +80,8 @@ class InferConfig(ModelArgs, GenerationArgs):
     infer_backend: str = _f("pt", "pt: transformers generate (the one backend here; ms-swift's default).")
     compare: bool = _f(False, "Also answer with the base model (adapters off / --model) and print both side by side.")
     result_path: str = _f("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
+    template: str = _f("", "Chat template for the prompts: chatml|llama3|identity|hh or a Jinja file (default: the "
+                           "tokenizer's own; a model trained here saves the --template it trained with).")
 
     def validate(self) -> None:
         self.validate_model()
@@ -164,6 +166,7 @@ def load_for_generation(args: ModelArgs, need_base: bool = False) -> Loaded:
     tuned_dir = full or adapter
     tok_dir = tuned_dir if tuned_dir and has_tokenizer(tuned_dir) else args.model  # training saves its tokenizer
     tokenizer = load_tokenizer(tok_dir, args.trust_remote_code)
+    keep_template(tokenizer, getattr(args, "template", ""))
     if full:
         model = load_model(full, dtype, device, args.trust_remote_code)
         base = load_model(args.model, dtype, device, args.trust_remote_code) if need_base else None
@@ -174,6 +177,16 @@ def load_for_generation(args: ModelArgs, need_base: bool = False) -> Loaded:
     if adapter:
         model = load_adapter(model, adapter, "checkpoint" if args.checkpoint else "adapters")
     return Loaded(model.eval(), tokenizer, bool(adapter))
+
+
+def keep_template(tokenizer, template: str) -> None:
+    """--template NAME|FILE becomes the tokenizer's chat template, so generation (and a saved tokenizer) formats
+    prompts as training rendered them; '' keeps the tokenizer's own."""
+    from fastdpo.data.template import resolve_template
+
+    text = resolve_template(template)
+    if text:
+        tokenizer.chat_template = text
 
 
 def has_tokenizer(path: str) -> bool:
@@ -191,7 +204,10 @@ def prompt_ids(tokenizer, prompt: Prompt, system: str = "", use_chat_template: b
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system}, *messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # the specials the tokenizer puts before text (BOS), which the identity template writes, as in training
+        prefix = tokenizer.decode(tokenizer("")["input_ids"])
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             special_prefix=prefix)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if not isinstance(prompt, str):
         raise FastDPOError("Chat `messages` need a tokenizer with a chat template; this model has none. "

@@ -48,6 +48,7 @@ from fastdpo.envinfo import as_assignments, compile_vars
 from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.gcpause import GcPauses
+from fastdpo.infer import keep_template
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers, offloading
 from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
@@ -173,6 +174,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None) -> Setup:
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
     stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
+    keep_template(tokenizer, cfg.template)  # saved with every checkpoint: infer and eval format prompts the same way
     if cfg.gradient_checkpointing == "auto":
         from fastdpo.tune import auto_policy
 
