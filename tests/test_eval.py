@@ -493,6 +493,10 @@ def test_eval_reads_the_split_it_is_given(tmp_path, model_dirs, monkeypatch):
     (["--eval_backend", "OpenCompass"], "--eval_backend OpenCompass: fastdpo eval scores held-out preference pairs"),
     (["--eval_dataset", "mt_bench,zh_cls"], "--eval_dataset mt_bench,zh_cls: name benchmark tasks with --lm_eval_tasks"),
     (["--infer_backend", "vllm"], "--infer_backend vllm"),
+    (["--vllm_max_model_len", "16384"], "--vllm_max_model_len 16384: fastdpo eval does not run vLLM"),
+    (["--num_gpus", "4"], "--num_gpus 4: fastdpo eval runs on one device"),
+    (["--eval_dataset", "mt_bench,zh_cls", "--eval_backend", "OpenCompass", "--infer_backend", "vllm",
+      "--vllm_max_model_len", "16384", "--num_gpus", "4"], "--eval_backend OpenCompass"),  # ms-swift's OpenCompass eval command
 ])
 def test_ms_swift_eval_flags_get_clear_answers(flags, needle, capsys):
     rc, out = run_cli(capsys, "eval", "--model", "m", "--dataset", "d.jsonl", *flags)

@@ -337,6 +337,8 @@ class EvalConfig(ModelArgs, GenerationArgs):
                                "--lm_eval_tasks).")
     eval_dataset: str = _f("", "ms-swift's benchmark list: name the tasks with --lm_eval_tasks instead.")
     infer_backend: str = _f("pt", "pt: transformers generate (the one backend here).")
+    vllm_max_model_len: int = _f(0, "ms-swift's vLLM context length: vLLM is not used here (see --infer_backend).")
+    num_gpus: int = _f(0, "ms-swift's GPU count for evaluation: fastdpo eval runs on one device (--device).")
 
     def validate(self) -> None:
         from fastdpo.config import ATTN_IMPLS, _choice
@@ -354,6 +356,13 @@ class EvalConfig(ModelArgs, GenerationArgs):
         if self.infer_backend != "pt":
             raise FastDPOError(f"--infer_backend {self.infer_backend}: fastdpo generates with transformers (pt); "
                                "drop the flag.")
+        if self.vllm_max_model_len:
+            raise FastDPOError(f"--vllm_max_model_len {self.vllm_max_model_len}: fastdpo eval does not run vLLM; "
+                               "answers are generated with transformers, within the model's own context. Drop the "
+                               "flag.")
+        if self.num_gpus > 1:
+            raise FastDPOError(f"--num_gpus {self.num_gpus}: fastdpo eval runs on one device (--device cuda:N); "
+                               "drop the flag. To score several checkpoints at once, run one eval per GPU.")
         if not self.dataset:
             raise FastDPOError("--dataset is required: held-out JSONL/JSON files with prompt/chosen/rejected.")
         from fastdpo.data.columns import check_row_flags
