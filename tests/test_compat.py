@@ -1,4 +1,4 @@
-"""Flags of ms-swift / HF TrainingArguments scripts (seed 002): accepted and mapped, accepted with a note, or refused
+"""Flags of ms-swift / HF TrainingArguments scripts: accepted and mapped, accepted with a note, or refused
 with a message that says what to do; the same in YAML; --shuffle false keeps the dataset order."""
 
 import logging

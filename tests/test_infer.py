@@ -158,7 +158,7 @@ def test_cli_errors(tmp_path, capsys, lora_run):
 
 
 def test_cli_answers_messages_like_ms_swift(tmp_path, capsys, model_dirs):
-    """`--messages '[...]' --infer_backend pt` (seed 002's infer command): the conversation goes through the chat
+    """`--messages '[...]' --infer_backend pt` (ms-swift's infer command): the conversation goes through the chat
     template and the answer is what generate_texts gives for the same messages."""
     m = chat_model(tmp_path, model_dirs)
     messages = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w10 w11"}]

@@ -1,4 +1,4 @@
-"""`fastdpo env`: versions, GPUs, NCCL variables, and the NCCL_P2P_DISABLE / NCCL_IB_DISABLE advice of seed 002."""
+"""`fastdpo env`: versions, GPUs, NCCL variables, and the NCCL_P2P_DISABLE / NCCL_IB_DISABLE advice."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Alerts on the vital signs of a DPO run (seed 000 §5.2), each with advice, raised once and then rate-limited.
+"""Alerts on the vital signs of a DPO run, each with advice, raised once and then rate-limited.
 
 The engine is a pure function of the logged records (plus the expected update gap): feed it every logged step.
 

@@ -1,4 +1,4 @@
-"""The beta schedule (`--beta_schedule`): `constant`, or `kl_adaptive` after seed 000 §4.2.
+"""The beta schedule (`--beta_schedule`): `constant`, or `kl_adaptive`.
 
 kl_adaptive: each optimizer step records its drift, the mean absolute policy-reference log-ratio per completion
 token over the step's chosen and rejected completions,

@@ -1,5 +1,5 @@
 """Turn a CUDA out-of-memory error into a message a user can act on: what was asked for, the peak seen, the settings
-that drive memory, and concrete next steps, most effective first (seed 000 §4.3: tell OOM from a hang)."""
+that drive memory, and concrete next steps, most effective first (telling an OOM from a hang)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`fastdpo env`: versions, GPUs, and the NCCL variables that matter, with advice on NCCL_P2P_DISABLE /
-NCCL_IB_DISABLE (seed 002 §1.1):
+NCCL_IB_DISABLE:
 
 - one node, GPUs in one PCIe domain, no InfiniBand: at most NCCL_P2P_DISABLE=1 (and only when peer access is broken,
   e.g. consumer cards); never needed with NVLink, where it slows communication;

@@ -1,4 +1,4 @@
-"""A heartbeat across ranks that names the rank that stopped progressing (seed 000 §4.3: tell a hang from an OOM).
+"""A heartbeat across ranks that names the rank that stopped progressing (to tell a hang from an OOM).
 
 Each rank calls `beat(step, phase)` as it reaches points of the loop (cheap: a local update). A background thread
 publishes the last beat and a liveness counter to a `torch.distributed` Store (the rendezvous TCPStore, or any

@@ -80,7 +80,7 @@ def padding(busiest_computed: int, tokens: int, ranks: int = 1) -> float:
 
 
 def kl_ratio(kl: float, chosen_reward: float) -> float:
-    """kl / rewards/chosen, signed as seed 000 §5.2 defines it: how far the policy drifted per unit of reward it
+    """kl / rewards/chosen, signed: how far the policy drifted per unit of reward it
     gained. Positive when both move the same way (drift up with chosen rising, or both falling: likelihood of chosen
     lost while the policy leaves the reference); negative in the healthy case where the completions' mean log-ratio
     falls (rejected pushed down) while chosen's reward rises. |rewards/chosen| is floored at KL_RATIO_FLOOR (sign

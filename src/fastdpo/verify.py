@@ -1,6 +1,6 @@
 """`fastdpo verify`: on your model and data, the gradients of one batch through every fast path and every activation
-checkpointing policy, compared with the plain computation (seed 000 §3.3); and whether each policy really lowers
-memory, naming the likely cause when it does not (seed 000 §6.1).
+checkpointing policy, compared with the plain computation; and whether each policy really lowers
+memory, naming the likely cause when it does not.
 
 The plain path is the conventional padded batch through the model's own SDPA attention without checkpointing. The
 reference is the plain path in float32: in bfloat16 / float16 the parameters are upcast for that one computation and
@@ -158,7 +158,7 @@ class HeldForBackward:
 
 
 def no_saving_causes(model: torch.nn.Module, wrapped: list[str], longest_pair: int) -> list[str]:
-    """The likely reasons a checkpointing policy did not lower memory: the five cases of seed 000 §6.1, a policy
+    """The likely reasons a checkpointing policy did not lower memory: five known cases, a policy
     that wrapped nothing, and short sequences (§6.5)."""
     causes = []
     if not wrapped:
