@@ -367,3 +367,33 @@ def test_four_ddp_ranks_match_one_rank(ddp, tmp_path, model_dirs):
     for x, y in zip(metrics(tmp_path / "ws4"), metrics(tmp / "ws1"), strict=True):
         for key in ("loss", "rewards/margins", "rewards/accuracies", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+
+
+def test_master_port_flag_is_the_launchers_port(monkeypatch, caplog):
+    """DeepSpeed's and torchrun's --master_port on a `NPROC_PER_NODE=N fastdpo train` command sets the workers'
+    rendezvous port, as MASTER_PORT does; against a different MASTER_PORT it is refused; without workers it is
+    noted and ignored."""
+    import logging
+
+    from fastdpo.cli import build_parser
+    from fastdpo.config import build_config
+
+    def build(*flags):
+        args = build_parser().parse_args(["train", "--model", "m", "--dataset", "d.jsonl", *flags])
+        return build_config(args, TrainConfig)
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("NPROC_PER_NODE", raising=False)
+    with caplog.at_level(logging.INFO, logger="fastdpo"):
+        build("--master_port", "29501")
+    assert "MASTER_PORT" not in os.environ and "one process has no rendezvous" in caplog.text
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    build("--master_port", "29501")
+    args = torchrun_args(["train"], dict(os.environ), visible_gpus=2)
+    assert "--standalone" not in args and args[args.index("--master_port") + 1] == "29501"
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    with pytest.raises(FastDPOError, match="--master_port 29501 but MASTER_PORT=29400"):
+        build("--master_port", "29501")
+    with pytest.raises(FastDPOError, match="port number"):
+        build("--master_port", "70000")

@@ -142,3 +142,24 @@ def test_scheduled_garbage_collection_trains_the_same_and_logs_pauses(tmp_path, 
     assert [r["gc/collections"] for r in rows] == [0, 1, 0, 1]  # only the scheduled ones, at steps 2 and 4
     assert all(r["gc/pause_ms"] > 0 for r in rows if r["gc/collections"])
     assert all("gc/pause_ms" in r and "gc/collections" in r for r in metrics(tmp_path / "python"))
+
+
+def test_drop_last_skips_each_epochs_short_step(tmp_path, model_dirs):
+    """48 pairs at 20 per step: three steps an epoch, the last of 8 pairs; --dataloader_drop_last (ms-swift's
+    --drop_last) skips it, so two epochs are four steps of 20, not six. Fewer pairs than one step is refused."""
+    from fastdpo.cli import build_parser
+    from fastdpo.config import build_config
+    from fastdpo.errors import FastDPOError
+
+    m = model_dirs("qwen3")
+    kw = dict(max_steps=0, num_train_epochs=2, per_device_train_batch_size=20, logging_steps=1)
+    run(tmp_path, m, "keep", **kw)
+    run(tmp_path, m, "drop", dataloader_drop_last=True, **kw)
+    keep, drop = metrics(tmp_path / "keep"), metrics(tmp_path / "drop")
+    assert len(keep) == 6 and len(drop) == 4
+    assert [r["epoch"] for r in drop] == [0.5, 1.0, 1.5, 2.0]
+    assert keep[0]["loss"] == drop[0]["loss"] and keep[1]["loss"] == drop[1]["loss"]  # the same steps, minus the short
+    args = build_parser().parse_args(["train", "--model", "m", "--dataset", "d.jsonl", "--drop_last", "true"])
+    assert build_config(args, TrainConfig).dataloader_drop_last is True
+    with pytest.raises(FastDPOError, match="fewer than one step's 64"):
+        run(tmp_path, m, "tiny", dataloader_drop_last=True, max_steps=0, per_device_train_batch_size=64)

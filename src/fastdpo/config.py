@@ -83,6 +83,8 @@ class TrainConfig:
     shuffle: bool = _f(True, "Shuffle the pairs each epoch (seeded by --seed); false keeps the dataset order.")
     shuffle_buffer_size: int = _f(10000, "Pairs in the seeded shuffle buffer when streaming.")
     dataloader_num_workers: int = _f(0, "Processes that read and tokenise ahead of training when streaming.")
+    dataloader_drop_last: bool = _f(False, "Skip each epoch's last step when it would have fewer pairs than the others "
+                                    "(off: it trains on the pairs left). Ignored with --streaming.")
     # batching
     per_device_train_batch_size: int = _f(8, "Pairs per micro-batch (without a token budget).")
     gradient_accumulation_steps: int = _f(1, "Micro-steps per optimizer step. A step covers bs x accum x world pairs.")

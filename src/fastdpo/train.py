@@ -223,6 +223,16 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     return " ".join(hints) or None
 
 
+def epoch_steps(pairs: int, per_step: int, drop_last: bool) -> int:
+    """Optimizer steps in one epoch: the last one takes the pairs left, or with `drop_last` is skipped when short."""
+    if not drop_last:
+        return math.ceil(pairs / per_step)
+    if pairs < per_step:
+        raise FastDPOError(f"--dataloader_drop_last: the data has {pairs} pairs, fewer than one step's {per_step}, so "
+                           "every step would be skipped. Drop the flag or take fewer pairs per step.")
+    return pairs // per_step
+
+
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
              ref_model=None, rows: list[Row] | None = None, d: Dist | None = None) -> Setup:
     """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts.
@@ -257,7 +267,8 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     policy = wrap_models(model, reference, backend, d)
 
     # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
-    steps_per_epoch = cfg.max_steps if cfg.streaming else math.ceil(len(pairs) / (cfg.pairs_per_step * d.world_size))
+    steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), cfg.pairs_per_step * d.world_size,
+                                                                      cfg.dataloader_drop_last)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
     return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
-from fastdpo.compat.base import LESS_MEMORY, Foreign, Source, is_off, note, to_bool
+from fastdpo.compat.base import LESS_MEMORY, Foreign, Source, Unnamed, is_off, maps_to, note, number, to_bool
 from fastdpo.errors import FastDPOError
 
 SEQUENCE_PARALLEL = ("sequence parallelism is not available in fastdpo. One H200 trains a 65,538-token pair of "
@@ -45,6 +46,22 @@ def offload(name: str) -> Callable[[Any, dict], str | None]:
             return None
         raise FastDPOError(f"--{name} {value}: DeepSpeed's CPU offload is not available in fastdpo. {LESS_MEMORY}")
     return apply
+
+
+def _master_port(value: Any, values: dict) -> str | None:
+    """The launcher reads MASTER_PORT (`fastdpo.launch`); inside a worker the launcher's port stands."""
+    port = number(value, int)
+    if not 0 < port < 65536:
+        raise Unnamed("expected a port number (1-65535).")
+    held = os.environ.get("MASTER_PORT")
+    if "LOCAL_RANK" in os.environ:
+        return None
+    if not os.environ.get("NPROC_PER_NODE"):
+        return "ignored: one process has no rendezvous (NPROC_PER_NODE=N starts N workers on that port)."
+    if held and held != str(port):
+        raise FastDPOError(f"--master_port {port} but MASTER_PORT={held}: drop one.")
+    os.environ["MASTER_PORT"] = str(port)
+    return None
 
 
 def _quant_method(value: str, values: dict) -> str | None:
@@ -146,6 +163,9 @@ FLAGS: dict[str, Foreign] = {
     "add_version": Foreign("ms-swift: ignored (--output_dir is used as given).",
                            note("ignored; --output_dir is used as given.")),
     "check_model": Foreign("ms-swift: ignored.", note("ignored.")),
+    "drop_last": Foreign("= --dataloader_drop_last.", maps_to("dataloader_drop_last", bool)),
+    "master_port": Foreign("DeepSpeed / torchrun: the port of the workers' rendezvous (= MASTER_PORT) when "
+                           "NPROC_PER_NODE=N starts them.", _master_port),
 }
 
 
