@@ -162,3 +162,11 @@ def test_resume_warns_about_a_garbled_metrics_line(trained, tmp_path, caplog):
     assert [r["step"] for r in logged(cfg.output_dir)] == [2, 3, 4]
     assert f"{path}: line 1 could not be read" in caplog.text, caplog.text
     assert (path.parent / "metrics.jsonl.bak-2").read_text() == "".join(lines)
+
+
+def test_a_changed_drop_last_is_refused(trained, tmp_path):
+    """--dataloader_drop_last decides how many steps an epoch has, so the data order after a resume depends on it."""
+    from fastdpo.errors import FastDPOError
+
+    with pytest.raises(FastDPOError, match="written with --dataloader_drop_last false"):
+        train(resume_copy(trained, tmp_path, dataloader_drop_last=True), progress=False)

@@ -523,7 +523,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                 hb.beat(done, "save")
                 evaluator.best.saved(done, out / f"checkpoint-{done}")
                 state = {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress(),
-                         "pairs_per_step": step_pairs_total, "world_size": d.world_size}
+                         "pairs_per_step": step_pairs_total, "world_size": d.world_size,
+                         "drop_last": cfg.dataloader_drop_last}
                 if d.sharded:
                     saved = ckpt.save_sharded_checkpoint(out, done, model, s.tokenizer, optimizer, scheduler, state,
                                                          cfg, d.rank, extra)
@@ -571,8 +572,15 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
 
 
 def check_resume_step_size(resume: Path, cfg: TrainConfig, d: Dist) -> None:
-    """The data order continues only if a step covers as many pairs as when the checkpoint was written."""
-    saved = ckpt.load_progress(resume).get("pairs_per_step")
+    """The data order continues only if a step covers as many pairs, and an epoch as many steps, as when the
+    checkpoint was written."""
+    progress = ckpt.load_progress(resume)
+    dropped = progress.get("drop_last")
+    if dropped is not None and dropped != cfg.dataloader_drop_last and not cfg.streaming:
+        raise FastDPOError(f"{resume} was written with --dataloader_drop_last {str(dropped).lower()}; the data order "
+                           "continues only with the same setting (it decides the steps of an epoch). Set it back to "
+                           "resume.")
+    saved = progress.get("pairs_per_step")
     now = cfg.pairs_per_step * d.world_size
     if saved is None or saved == now:
         return
