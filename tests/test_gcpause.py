@@ -80,6 +80,15 @@ def test_a_collector_disabled_before_stays_disabled():
         gc.enable()
 
 
+def test_a_freeze_made_before_training_stays():
+    gc.freeze()
+    try:
+        GcPauses().start().stop()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_negative_gc_steps_is_a_clear_error():
     from fastdpo.config import TrainConfig
     from fastdpo.errors import FastDPOError

@@ -31,6 +31,7 @@ class GcPauses:
         self._count = 0
         self._began = 0.0
         self._was_enabled = True
+        self._was_frozen = False
         self._running = False
 
     def _callback(self, phase: str, info: dict) -> None:
@@ -44,6 +45,7 @@ class GcPauses:
         gc.callbacks.append(self._callback)
         self._running = True
         self._was_enabled = gc.isenabled()
+        self._was_frozen = gc.get_freeze_count() > 0  # the caller's own freeze outlives training
         gc.collect()  # what setup left as garbage goes now, not frozen
         gc.freeze()
         if self.every:
@@ -68,6 +70,7 @@ class GcPauses:
         self._running = False
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
-        gc.unfreeze()
+        if not self._was_frozen:
+            gc.unfreeze()
         if self.every and self._was_enabled:
             gc.enable()
