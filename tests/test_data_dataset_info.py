@@ -213,6 +213,8 @@ def test_eval_reads_names_through_dataset_dir_as_training_does(lf, model_dirs, m
     assert len(seen) == 2 and seen[0] == held_out and seen[1] == held_out and len(held_out) == 16
     assert held_out[0].format == "sharegpt"
 
+    with pytest.raises(FastDPOError, match="which --dataset does not name"):  # a training config's whole reading
+        EvalConfig(model=model, dataset=["data/chat"], dataset_info=train_cfg.dataset_info).validate()
     code = run_cli(capsys, "eval", "--model", model, "--dataset", "my_chatt", "--dataset_dir", "data")
     assert code[0] == 1 and "dataset my_chatt: not in data/dataset_info.json. Did you mean my_chat" in code[1]
     with pytest.raises(FastDPOError, match="read split test"):

@@ -71,8 +71,9 @@ def check_row_flags(cfg) -> None:
     named = set(getattr(cfg, "dataset", [])) | set(getattr(cfg, "val_dataset", []))
     stray = [spec for spec, _ in read.datasets if spec not in named]
     if stray:
-        raise FastDPOError(f"--dataset_info gives a reading for {', '.join(stray)}, which --dataset and --val_dataset "
-                           "do not name. Key it by the dataset as written there.")
+        lists = "--dataset and --val_dataset do" if hasattr(cfg, "val_dataset") else "--dataset does"
+        raise FastDPOError(f"--dataset_info gives a reading for {', '.join(stray)}, which {lists} not name. Key each "
+                           "reading by a dataset as written there, and leave out the others' readings.")
     if cfg.input_template:
         check_input_template(cfg.input_template)
         if cfg.apply_chat_template:
