@@ -111,7 +111,9 @@ def test_random_json_records(workdir, byte_tok, records, as_array, ascii_only, b
         where = str(got).split(": ", 1)[0]
         assert where.startswith(str(path)), got
         if ":" in where[len(str(path)):]:  # names a line / row within the file
-            assert 1 <= int(where.rsplit(":", 1)[1]) <= max(1, text.count("\n") + 1, len(records)), got
+            line, _, index = where.rsplit(":", 1)[1].partition(" index ")  # `line` or `line index K`
+            assert 1 <= int(line) <= max(1, text.count("\n") + 1, len(records)), got
+            assert not index or int(index) >= 0, got
 
 
 def _has_surrogate(v) -> bool:
