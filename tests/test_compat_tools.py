@@ -76,6 +76,8 @@ def test_trl_peft_defaults_and_quantisation(caplog):
     assert cfg.val_dataset == []
     cfg = parse("--model_name_or_path", "m", "--dataset_name", "d", "--dataset_test_split", "test")
     assert cfg.val_dataset == [] and "TRL evaluates on it only with --eval_strategy" in caplog.text
+    cfg = parse("--model_name_or_path", "m", "--dataset_name", "d", "--dataset_test_split", "test", "--eval_steps", "2")
+    assert (cfg.val_dataset, cfg.val_split) == (["d"], "test")  # fastdpo's own --eval_steps asks for the evaluation
     assert parse("--model", "m", "--dataset", "d", "--use_peft", "--load_in_8bit").quant_bits == 8
 
 

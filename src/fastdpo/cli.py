@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from fastdpo.config import TrainConfig, _parse_bool, _Parser, add_config_flags, build_config
 from fastdpo.errors import FastDPOError
@@ -278,9 +279,15 @@ def _after_training_commands(sub) -> None:
         p.set_defaults(func=func)
 
 
+# warnings from inside the libraries that no flag of ours can act on (peft reads a property transformers deprecated)
+LIBRARY_NOISE = (r"`is_gradient_checkpointing` is deprecated",)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for text in LIBRARY_NOISE:
+        warnings.filterwarnings("ignore", message=text, category=FutureWarning)
     console = _console()
     try:
         parser = build_parser()

@@ -59,8 +59,9 @@ def _dataset(given: dict, values: dict) -> list[str]:
     if test is None:
         return []
     strategy = str(given.get("eval_strategy", given.get("evaluation_strategy", "no"))).lower()
-    if strategy == "no":
-        return [f"--dataset_test_split {test}: not read; TRL evaluates on it only with --eval_strategy steps|epoch."]
+    if strategy == "no" and not values.get("eval_steps"):  # fastdpo's own --eval_steps N asks for evaluation too
+        return [f"--dataset_test_split {test}: not read; TRL evaluates on it only with --eval_strategy steps|epoch "
+                "(or give --eval_steps N)."]
     if not name:
         raise FastDPOError(f"--dataset_test_split {test} selects a split of --dataset_name: add --dataset_name, or give "
                            "--val_dataset with --val_split.")
