@@ -91,6 +91,18 @@ def test_check_data_identical_duplicate_and_over_length(tmp_path, capsys):
     assert line.split()[1:] == ["3", "21", "21"], out
 
 
+def test_check_data_finds_each_problem_of_a_one_line_json_array(tmp_path, capsys):
+    """json.dump writes every row on line 1: each row is told apart by its index, so an identical pair and a
+    duplicate further along are reported (with one location for all, the first row hid every later one)."""
+    rows = [GOOD, {**GOOD, "prompt": "w3"}, GOOD, {"prompt": "w1", "chosen": " w2", "rejected": " w2"}]
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps(rows), encoding="utf-8")
+    code, out = run_cli(capsys, "check-data", "--dataset", str(f))
+    assert code == 1, out
+    assert f"{f}:1 index 3: chosen is identical to rejected" in out
+    assert f"{f}:1 index 2: the same pair as {f}:1 index 0" in out
+
+
 def test_check_data_reports_template_problems_with_the_row(tmp_path, capsys):
     f = write_jsonl(tmp_path / "d.jsonl", [GOOD, CONV])
     no_template = tokenizer_dir(tmp_path / "plain", None)
