@@ -220,3 +220,40 @@ def test_cli_keeps_library_deprecation_noise_out(tmp_path, capsys, lora_run):
     texts = [str(w.message) for w in seen]
     assert not any("is_gradient_checkpointing" in t for t in texts), (texts, transformers.__version__, peft.__version__)
     assert "a warning of our own" in texts
+
+
+def test_an_adapter_alone_runs_on_the_base_it_names(tmp_path, capsys, lora_run):
+    """`fastdpo infer --adapters DIR` and `fastdpo export --adapters DIR --merge_lora` without --model use the base
+    the adapter's adapter_config.json names (ms-swift's `swift infer --adapters ...`); a base that is not there, or
+    none, is a clear error. --stream false prints the answer when done instead of streaming it."""
+    import json
+
+    base, adapter, _ = lora_run
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    alone = InferConfig(adapters=str(adapter), prompt="w10")
+    alone.validate()
+    assert alone.model == str(base)
+    gen = GenerationArgs(max_new_tokens=6)
+    given = load_for_generation(ModelArgs(model=str(base), adapters=str(adapter)))
+    ids = generate_ids(given.model, given.tokenizer, PROMPTS, gen)
+    named = load_for_generation(alone)
+    assert generate_ids(named.model, named.tokenizer, PROMPTS, gen) == ids
+    rc, streamed = run_cli(capsys, "infer", "--adapters", adapter, "--prompt", "w10 w11", "--max_new_tokens", 4)
+    assert rc == 0 and f"--model {base}" in streamed and "answer" not in streamed, streamed
+    rc, table = run_cli(capsys, "infer", "--adapters", adapter, "--prompt", "w10 w11", "--max_new_tokens", 4,
+                        "--stream", "false")
+    assert rc == 0 and "answer" in table and "prompt" in table, table  # printed as a table when done
+    rc, out = run_cli(capsys, "export", "--adapters", adapter, "--merge_lora", "true", "--output_dir", tmp_path / "m")
+    assert rc == 0 and (tmp_path / "m" / "config.json").is_file(), out
+
+    moved = tmp_path / "moved"
+    shutil.copytree(adapter, moved)
+    cfg = json.loads((moved / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(tmp_path / "gone")}))
+    rc, out = run_cli(capsys, "infer", "--adapters", moved, "--prompt", "w1")
+    assert rc == 1 and "which is not there from here. Pass --model" in out, out
+    (moved / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": None}))
+    rc, out = run_cli(capsys, "export", "--adapters", moved, "--merge_lora", "true", "--output_dir", tmp_path / "m2")
+    assert rc == 1 and "names no base model" in out, out
+    rc, out = run_cli(capsys, "infer", "--prompt", "w1")
+    assert rc == 1 and "--model is required" in out

@@ -16,7 +16,8 @@ from fastdpo.errors import FastDPOError
 
 @dataclass
 class ExportConfig:
-    model: str = _f("", "Base model the adapter was trained on: local HF model dir or hub id.")
+    model: str = _f("", "Base model the adapter was trained on: local HF model dir or hub id (default: the one its "
+                        "adapter_config.json names).")
     adapters: str = _f("", "PEFT adapter dir (a LoRA run's output_dir/final or checkpoint-N).")
     merge_lora: bool = _f(False, "Merge the adapter into the base weights (the export this command performs).")
     output_dir: str = _f("", "New directory for the merged model.")
@@ -24,10 +25,12 @@ class ExportConfig:
     trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
 
     def validate(self) -> None:
-        if not self.model:
-            raise FastDPOError("--model is required: the base model the adapter was trained on.")
         if not self.adapters:
             raise FastDPOError("--adapters is required: the LoRA adapter dir to merge.")
+        if not self.model:
+            from fastdpo.infer import base_of_adapter
+
+            self.model = base_of_adapter(self.adapters, "adapters")
         if not self.merge_lora:
             raise FastDPOError("Nothing to export: add --merge_lora to fold the adapter into the base weights.")
         if not self.output_dir:

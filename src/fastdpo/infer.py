@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from fastdpo.config import _f
 from fastdpo.errors import FastDPOError
 from fastdpo.model import load_model, load_tokenizer, resolve_device, resolve_dtype, use_model_attention
 
+log = logging.getLogger("fastdpo")
+
 Prompt = str | list  # plain prompt text, or a list of chat messages {"role", "content"}
 
 
@@ -27,7 +30,8 @@ Prompt = str | list  # plain prompt text, or a list of chat messages {"role", "c
 class ModelArgs:
     """Which model to run: a base, optionally with a PEFT adapter or a fastdpo checkpoint on top."""
 
-    model: str = _f("", "Base model: local HF model dir or hub id.")
+    model: str = _f("", "Base model: local HF model dir or hub id (default with an adapter: the base its "
+                        "adapter_config.json names).")
     adapters: str = _f("", "PEFT adapter dir (e.g. a LoRA run's output_dir/final or checkpoint-N) to apply to --model.")
     checkpoint: str = _f("", "fastdpo checkpoint or final dir: a LoRA adapter (applied to --model) or a full model.")
     torch_dtype: str = _f("auto", "float32|bfloat16|float16|auto (bf16 on GPU, fp32 on CPU).")
@@ -36,7 +40,10 @@ class ModelArgs:
 
     def validate_model(self) -> None:
         if not self.model:
-            raise FastDPOError("--model is required: the base model (local HF model dir or hub id).")
+            tuned = self.adapters or self.checkpoint
+            if not tuned or not (Path(tuned).expanduser() / "adapter_config.json").is_file():
+                raise FastDPOError("--model is required: the base model (local HF model dir or hub id).")
+            self.model = base_of_adapter(tuned, "adapters" if self.adapters else "checkpoint")
         if self.adapters and self.checkpoint:
             raise FastDPOError("Give --adapters or --checkpoint, not both (--checkpoint accepts an adapter dir too).")
         from fastdpo.config import DTYPES, _choice
@@ -80,6 +87,8 @@ class InferConfig(ModelArgs, GenerationArgs):
     infer_backend: str = _f("pt", "pt: transformers generate (the one backend here; ms-swift's default).")
     compare: bool = _f(False, "Also answer with the base model (adapters off / --model) and print both side by side.")
     result_path: str = _f("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
+    stream: bool = _f(True, "Print a single prompt's answer as it is generated (ms-swift's --stream); false prints it "
+                            "when done. Answers to a --prompts file are written when done either way.")
     template: str = _f("", "Chat template for the prompts: chatml|llama3|identity|hh or a Jinja file (default: the "
                            "tokenizer's own; a model trained here saves the --template it trained with).")
 
@@ -124,6 +133,29 @@ class Loaded:
 def _adapter_off(model):
     with model.disable_adapter():
         yield model
+
+
+def base_of_adapter(adapter: str, flag: str) -> str:
+    """The base model an adapter dir names (PEFT's `base_model_name_or_path`), used when --model is left out, as
+    ms-swift does; a clear error when it names none, or a local path that is not there."""
+    path = Path(adapter).expanduser() / "adapter_config.json"
+    if not path.is_file():
+        raise FastDPOError(f"--{flag} {adapter}: no adapter_config.json there, so not a PEFT adapter dir (a LoRA run's "
+                           "output_dir/final or checkpoint-N).")
+    try:
+        named = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        named = {}
+    base = named.get("base_model_name_or_path") if isinstance(named, dict) else None
+    if not isinstance(base, str) or not base:
+        raise FastDPOError(f"--model is required: {adapter}/adapter_config.json names no base model. Pass the model "
+                           "the adapter was trained on.")
+    local = base.startswith(("/", ".", "~")) or base.count("/") > 1
+    if local and not Path(base).expanduser().exists():
+        raise FastDPOError(f"--model is required: --{flag} {adapter} was trained on {base}, which is not there from "
+                           "here. Pass --model with that model's directory.")
+    log.info("--model %s: the base model --%s %s names.", base, flag, adapter)
+    return base
 
 
 def checkpoint_kind(path: str, flag: str) -> str:
@@ -354,7 +386,7 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
         groups.setdefault(str(r.get("system") or cfg.system), []).append(i)
-    stream = bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
+    stream = cfg.stream and bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
     for system, idx in groups.items():
         gen = copy.copy(cfg)
         gen.system = system
