@@ -257,3 +257,34 @@ def test_an_adapter_alone_runs_on_the_base_it_names(tmp_path, capsys, lora_run):
     assert rc == 1 and "names no base model" in out, out
     rc, out = run_cli(capsys, "infer", "--prompt", "w1")
     assert rc == 1 and "--model is required" in out
+
+
+def test_load_data_args_answers_the_runs_held_out_prompts(tmp_path, capsys, model_dirs):
+    """ms-swift's `--load_data_args true`: the prompts are the pairs the run held out (here its
+    --split_dataset_ratio share of --dataset, the same rows its evaluation scored), read from the run's saved config;
+    the answers go to the run's infer_held_out.jsonl. A run that held out nothing is a clear error."""
+    from conftest import easy_rows
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.data.load import load_rows
+    from fastdpo.evaluate import held_out_rows
+    from fastdpo.train import train
+
+    base = model_dirs("qwen3")
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(20, seed=4))
+    cfg = TrainConfig(model=str(base), dataset=[str(data)], output_dir=str(tmp_path / "run"), train_type="lora",
+                      lora_rank=2, max_steps=1, per_device_train_batch_size=4, split_dataset_ratio=0.25)
+    final = train(cfg, progress=False)["final_dir"]
+    rc, out = run_cli(capsys, "infer", "--adapters", final, "--load_data_args", "true", "--max_new_tokens", 2)
+    assert rc == 0, out
+    answers = [json.loads(line) for line in (tmp_path / "run" / "infer_held_out.jsonl").read_text().splitlines()]
+    _, held = held_out_rows(cfg, load_rows(cfg.dataset, cfg.seed))
+    assert len(answers) == len(held) == 5
+    assert [a["prompt"] for a in answers] == [r.prompt for r in held] and all("response" in a for a in answers)
+
+    plain = TrainConfig(**{**cfg.to_dict(), "output_dir": str(tmp_path / "plain"), "split_dataset_ratio": 0.0})
+    rc, out = run_cli(capsys, "infer", "--adapters", train(plain, progress=False)["final_dir"], "--load_data_args",
+                      "true")
+    assert rc == 1 and "held out no pairs" in out, out
+    rc, out = run_cli(capsys, "infer", "--model", base, "--load_data_args", "true")
+    assert rc == 1 and "add --adapters or --checkpoint" in out, out

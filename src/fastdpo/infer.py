@@ -89,14 +89,22 @@ class InferConfig(ModelArgs, GenerationArgs):
     result_path: str = _f("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
     stream: bool = _f(True, "Print a single prompt's answer as it is generated (ms-swift's --stream); false prints it "
                             "when done. Answers to a --prompts file are written when done either way.")
+    load_data_args: bool = _f(False, "Answer the held-out prompts of the run that wrote --adapters / --checkpoint (its "
+                                     "saved --val_dataset, or its --split_dataset_ratio share of --dataset), as "
+                                     "ms-swift's --load_data_args; answers go to --result_path (default: "
+                                     "infer_held_out.jsonl in the run's output_dir).")
     template: str = _f("", "Chat template for the prompts: chatml|llama3|identity|hh or a Jinja file (default: the "
                            "tokenizer's own; a model trained here saves the --template it trained with).")
 
     def validate(self) -> None:
         self.validate_model()
         self.validate_generation()
-        if sum(map(bool, (self.prompt, self.prompts, self.messages))) != 1:
-            raise FastDPOError("Give exactly one of --prompt TEXT, --prompts FILE.jsonl or --messages JSON.")
+        if sum(map(bool, (self.prompt, self.prompts, self.messages, self.load_data_args))) != 1:
+            raise FastDPOError("Give exactly one of --prompt TEXT, --prompts FILE.jsonl, --messages JSON or "
+                               "--load_data_args true.")
+        if self.load_data_args and not (self.adapters or self.checkpoint):
+            raise FastDPOError("--load_data_args answers the held-out prompts of a training run: add --adapters or "
+                               "--checkpoint with a dir it wrote (final/ or checkpoint-N/).")
         if self.infer_backend != "pt":
             raise FastDPOError(f"--infer_backend {self.infer_backend}: fastdpo generates with transformers (pt). To "
                                "serve with vLLM or another engine, merge the adapter first (fastdpo export "
@@ -365,6 +373,40 @@ def conversation(text: str) -> list[dict]:
     return messages
 
 
+def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
+    """The held-out rows of the run that wrote `tuned` (its final/ or a checkpoint-N/), read as training read them,
+    as prompt rows (with their chosen and rejected kept); and the run's output_dir."""
+    import dataclasses
+
+    import yaml
+
+    from fastdpo.checkpoint import saved_config
+    from fastdpo.config import TrainConfig
+    from fastdpo.data.columns import RowOptions
+    from fastdpo.data.load import load_rows
+    from fastdpo.evaluate import held_out_rows
+
+    here = Path(tuned).expanduser()
+    saved, run = saved_config(here), here.parent
+    if not saved and (run / "config.yaml").is_file():
+        try:
+            saved = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError:
+            saved = {}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    if not isinstance(saved, dict) or not saved.get("dataset"):
+        raise FastDPOError(f"--load_data_args: no training config next to {tuned} (fastdpo saves it as "
+                           f"{run / 'config.yaml'}). Give the prompts with --prompts FILE.jsonl instead.")
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in names})
+    if not cfg.val_dataset and cfg.split_dataset_ratio <= 0:
+        raise FastDPOError(f"--load_data_args: the run in {run} held out no pairs (no --val_dataset or "
+                           "--split_dataset_ratio). Give the prompts with --prompts FILE.jsonl instead.")
+    rows = [] if cfg.val_dataset else load_rows(cfg.dataset, cfg.seed, cfg.split, RowOptions.from_config(cfg))
+    _, held = held_out_rows(cfg, rows)
+    return [{"prompt" if isinstance(r.prompt, str) else "messages": r.prompt, "chosen": r.chosen,
+             "rejected": r.rejected, "source": r.source} for r in held], run
+
+
 def _row_prompt(row: dict) -> Prompt:
     return row["prompt"] if isinstance(row.get("prompt"), str) else row["messages"]
 
@@ -379,6 +421,9 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
         rows = [{"prompt": cfg.prompt}]
     elif cfg.messages:
         rows = [{"messages": conversation(cfg.messages)}]
+    elif cfg.load_data_args:
+        rows, run = held_out_prompts(cfg.adapters or cfg.checkpoint)
+        log.info("--load_data_args: %d held-out prompts of the run in %s.", len(rows), run)
     else:
         rows = read_prompts(cfg.prompts)
     # one system prompt per call: group rows by their own system prompt (or --system)
@@ -401,8 +446,9 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
                     results[i]["base_response"] = a
     if console is not None and not stream:
         show_answers(console, results, cfg.compare)
-    if cfg.prompts:
-        out = Path(cfg.result_path or Path(cfg.prompts).with_suffix(".infer.jsonl"))
+    if cfg.prompts or cfg.load_data_args:
+        default = Path(cfg.prompts).with_suffix(".infer.jsonl") if cfg.prompts else run / "infer_held_out.jsonl"
+        out = Path(cfg.result_path or default)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
         if console is not None:
