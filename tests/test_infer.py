@@ -288,3 +288,24 @@ def test_load_data_args_answers_the_runs_held_out_prompts(tmp_path, capsys, mode
     assert rc == 1 and "held out no pairs" in out, out
     rc, out = run_cli(capsys, "infer", "--model", base, "--load_data_args", "true")
     assert rc == 1 and "add --adapters or --checkpoint" in out, out
+
+
+def test_an_adapter_names_its_local_base_by_absolute_path(tmp_path, capsys, monkeypatch, model_dirs):
+    """Trained with `--model base` relative to the working directory, the adapter still finds its base from
+    elsewhere: a local base dir is saved in adapter_config.json by its absolute path."""
+    from conftest import easy_rows
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.train import train
+
+    shutil.copytree(model_dirs("qwen3"), tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(8, seed=4))
+    cfg = TrainConfig(model="base", dataset=[str(data)], output_dir="run", train_type="lora", lora_rank=2,
+                      max_steps=1, per_device_train_batch_size=4)
+    final = tmp_path / train(cfg, progress=False)["final_dir"]
+    named = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str((tmp_path / "base").resolve())
+    monkeypatch.chdir(tmp_path / "run")
+    rc, out = run_cli(capsys, "infer", "--adapters", final, "--prompt", "w10", "--max_new_tokens", 2)
+    assert rc == 0, out

@@ -172,16 +172,27 @@ def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, 
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapters:
-        return PeftModel.from_pretrained(model, str(check_adapter_dir(adapters, "--adapters")), is_trainable=True)
+        return _name_base(PeftModel.from_pretrained(model, str(check_adapter_dir(adapters, "--adapters")),
+                                                    is_trainable=True), model)
     if target_modules in ("all-linear", "default"):
         targets = None if target_modules == "default" else target_modules  # None: PEFT's modules for the architecture
     else:
         targets = [t.strip() for t in target_modules.split(",")]
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, cfg)
+        return _name_base(get_peft_model(model, cfg), model)
     except ValueError as e:
         raise FastDPOError(f"--target_modules {target_modules!r}: {str(e).splitlines()[0]}") from None
+
+
+def _name_base(peft_model, base):
+    """A saved adapter names its base model (adapter_config.json), and infer and export without --model load that;
+    a local base dir is named by its absolute path, so the name holds from any working directory."""
+    where = Path(str(getattr(base, "name_or_path", "") or "")).expanduser()
+    if where.is_dir():
+        for c in peft_model.peft_config.values():
+            c.base_model_name_or_path = str(where.resolve())
+    return peft_model
 
 
 def base_causal_lm(model):
