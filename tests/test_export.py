@@ -89,3 +89,16 @@ def test_export_errors(tmp_path, capsys, model_dirs):
         for n in needles:
             assert n in text, text
     assert not (tmp_path / "o").exists()
+
+
+def test_export_defaults_next_to_the_adapter(tmp_path, capsys, model_dirs):
+    """`fastdpo export --adapters DIR --merge_lora true`, ms-swift's command: the merged model goes to DIR-merged,
+    the base is the one the adapter names; a second export refuses to overwrite it."""
+    base = model_dirs("llama")
+    adapter = random_adapter(base, tmp_path / "checkpoint-4")
+    rc, text = run_cli(capsys, "export", "--adapters", str(adapter) + "/", "--merge_lora", "true")
+    assert rc == 0, text
+    assert (tmp_path / "checkpoint-4-merged" / "config.json").is_file()
+    assert_same_generation(base, adapter, tmp_path / "checkpoint-4-merged", max_new_tokens=4)
+    rc, text = run_cli(capsys, "export", "--adapters", adapter, "--merge_lora", "true")
+    assert rc == 1 and "exists and is not empty" in text, text

@@ -20,7 +20,8 @@ class ExportConfig:
                         "adapter_config.json names).")
     adapters: str = _f("", "PEFT adapter dir (a LoRA run's output_dir/final or checkpoint-N).")
     merge_lora: bool = _f(False, "Merge the adapter into the base weights (the export this command performs).")
-    output_dir: str = _f("", "New directory for the merged model.")
+    output_dir: str = _f("", "New directory for the merged model (default: the adapter dir's path + -merged, as "
+                             "ms-swift names it).")
     torch_dtype: str = _f("auto", "dtype of the merged weights: auto (the base's stored dtype)|float32|bfloat16|float16.")
     trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
 
@@ -33,8 +34,8 @@ class ExportConfig:
             self.model = base_of_adapter(self.adapters, "adapters")
         if not self.merge_lora:
             raise FastDPOError("Nothing to export: add --merge_lora to fold the adapter into the base weights.")
-        if not self.output_dir:
-            raise FastDPOError("--output_dir is required: a new directory for the merged model.")
+        if not self.output_dir:  # ms-swift's default: next to the adapter
+            self.output_dir = str(Path(self.adapters.rstrip("/\\")).expanduser()) + "-merged"
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         out = Path(self.output_dir).resolve()
         for name, src in (("--model", self.model), ("--adapters", self.adapters)):
