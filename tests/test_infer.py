@@ -309,3 +309,28 @@ def test_an_adapter_names_its_local_base_by_absolute_path(tmp_path, capsys, monk
     monkeypatch.chdir(tmp_path / "run")
     rc, out = run_cli(capsys, "infer", "--adapters", final, "--prompt", "w10", "--max_new_tokens", 2)
     assert rc == 0, out
+
+
+def test_val_dataset_answers_a_preference_datasets_prompts(tmp_path, capsys, lora_run):
+    """ms-swift's `--val_dataset`: any preference data train reads (here conversational rows, whose prompt is a
+    message list, and a plain-text file) is answered row by row; chosen and rejected are kept next to the answer."""
+    base, adapter, _ = lora_run
+    conv = write_jsonl(tmp_path / "conv.jsonl", [
+        {"prompt": [{"role": "user", "content": p}], "chosen": [{"role": "assistant", "content": " w5"}],
+         "rejected": [{"role": "assistant", "content": " w6"}]} for p in PROMPTS[:2]])
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": p, "chosen": " w5", "rejected": " w6"} for p in PROMPTS])
+    rc, out = run_cli(capsys, "infer", "--model", base, "--adapters", adapter, "--val_dataset", plain,
+                      "--max_new_tokens", 3)
+    assert rc == 0, out
+    got = [json.loads(line) for line in (tmp_path / "plain.infer.jsonl").read_text().splitlines()]
+    assert [g["prompt"] for g in got] == PROMPTS and all(g["chosen"] == " w5" and "response" in g for g in got)
+    rc, out = run_cli(capsys, "infer", "--model", base, "--adapters", adapter, "--val_dataset", conv,
+                      "--max_new_tokens", 3, "--use_chat_template", "false")
+    assert rc == 1 and "chat template" in out, out  # message lists need a template: the tiny tokenizer has none
+    rc, out = run_cli(capsys, "infer", "--model", base, "--adapters", adapter, "--val_dataset", conv, "--template",
+                      "chatml", "--max_new_tokens", 3, "--result_path", tmp_path / "r.jsonl")
+    assert rc == 0, out
+    got = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [g["messages"][0]["content"] for g in got] == PROMPTS[:2]
+    rc, out = run_cli(capsys, "infer", "--model", base, "--val_dataset", plain, "--prompt", "w1")
+    assert rc == 1 and "exactly one of" in out

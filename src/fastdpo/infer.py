@@ -89,6 +89,9 @@ class InferConfig(ModelArgs, GenerationArgs):
     result_path: str = _f("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
     stream: bool = _f(True, "Print a single prompt's answer as it is generated (ms-swift's --stream); false prints it "
                             "when done. Answers to a --prompts file are written when done either way.")
+    val_dataset: list = _f([], "Preference datasets whose prompts are answered (any format and source --dataset of "
+                               "train takes), as ms-swift's --val_dataset; the answers, with chosen and rejected, go "
+                               "to --result_path (default: next to the first as NAME.infer.jsonl).", nargs="+")
     load_data_args: bool = _f(False, "Answer the held-out prompts of the run that wrote --adapters / --checkpoint (its "
                                      "saved --val_dataset, or its --split_dataset_ratio share of --dataset), as "
                                      "ms-swift's --load_data_args; answers go to --result_path (default: "
@@ -99,9 +102,9 @@ class InferConfig(ModelArgs, GenerationArgs):
     def validate(self) -> None:
         self.validate_model()
         self.validate_generation()
-        if sum(map(bool, (self.prompt, self.prompts, self.messages, self.load_data_args))) != 1:
-            raise FastDPOError("Give exactly one of --prompt TEXT, --prompts FILE.jsonl, --messages JSON or "
-                               "--load_data_args true.")
+        if sum(map(bool, (self.prompt, self.prompts, self.messages, self.val_dataset, self.load_data_args))) != 1:
+            raise FastDPOError("Give exactly one of --prompt TEXT, --prompts FILE.jsonl, --messages JSON, "
+                               "--val_dataset DATA or --load_data_args true.")
         if self.load_data_args and not (self.adapters or self.checkpoint):
             raise FastDPOError("--load_data_args answers the held-out prompts of a training run: add --adapters or "
                                "--checkpoint with a dir it wrote (final/ or checkpoint-N/).")
@@ -403,8 +406,14 @@ def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
                            "--split_dataset_ratio). Give the prompts with --prompts FILE.jsonl instead.")
     rows = [] if cfg.val_dataset else load_rows(cfg.dataset, cfg.seed, cfg.split, RowOptions.from_config(cfg))
     _, held = held_out_rows(cfg, rows)
+    return prompt_rows(held), run
+
+
+def prompt_rows(rows: list) -> list[dict]:
+    """Preference rows as rows to answer: the prompt (text, or the conversation as `messages`), with chosen, rejected
+    and the row's location kept for the result file."""
     return [{"prompt" if isinstance(r.prompt, str) else "messages": r.prompt, "chosen": r.chosen,
-             "rejected": r.rejected, "source": r.source} for r in held], run
+             "rejected": r.rejected, "source": r.source} for r in rows]
 
 
 def _row_prompt(row: dict) -> Prompt:
@@ -421,6 +430,10 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
         rows = [{"prompt": cfg.prompt}]
     elif cfg.messages:
         rows = [{"messages": conversation(cfg.messages)}]
+    elif cfg.val_dataset:
+        from fastdpo.data.load import load_rows
+
+        rows = prompt_rows(load_rows(cfg.val_dataset))
     elif cfg.load_data_args:
         rows, run = held_out_prompts(cfg.adapters or cfg.checkpoint)
         log.info("--load_data_args: %d held-out prompts of the run in %s.", len(rows), run)
@@ -446,8 +459,14 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
                     results[i]["base_response"] = a
     if console is not None and not stream:
         show_answers(console, results, cfg.compare)
-    if cfg.prompts or cfg.load_data_args:
-        default = Path(cfg.prompts).with_suffix(".infer.jsonl") if cfg.prompts else run / "infer_held_out.jsonl"
+    if cfg.prompts or cfg.val_dataset or cfg.load_data_args:
+        named = cfg.prompts or (cfg.val_dataset[0].split("#")[0] if cfg.val_dataset else "")
+        if cfg.load_data_args:
+            default = run / "infer_held_out.jsonl"
+        elif Path(named).is_file():
+            default = Path(named).with_suffix(".infer.jsonl")
+        else:  # a directory or a hub dataset
+            default = Path(Path(named).name + ".infer.jsonl")
         out = Path(cfg.result_path or default)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
