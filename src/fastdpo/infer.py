@@ -355,7 +355,8 @@ def read_prompts(path: str) -> list[dict]:
         elif isinstance(row.get("messages"), list) and all(isinstance(m, dict) for m in row["messages"]):
             pass
         else:
-            raise FastDPOError(f"{where}: needs a `prompt` string or a `messages` list of {{role, content}} objects.")
+            raise FastDPOError(f"{where}: needs a `prompt` string or a `messages` list of {{role, content}} objects. "
+                               "For preference data in another layout, pass the file as --val_dataset.")
         rows.append(row)
     if not rows:
         raise FastDPOError(f"Prompts file {path} has no rows.")
