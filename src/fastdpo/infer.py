@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fastdpo.config import _f
+from fastdpo.data.template import keep_template, special_prefix
 from fastdpo.errors import FastDPOError
 from fastdpo.model import load_model, load_tokenizer, resolve_device, resolve_dtype, use_model_attention
 
@@ -222,16 +223,6 @@ def load_for_generation(args: ModelArgs, need_base: bool = False) -> Loaded:
     return Loaded(model.eval(), tokenizer, bool(adapter))
 
 
-def keep_template(tokenizer, template: str) -> None:
-    """--template NAME|FILE becomes the tokenizer's chat template, so generation (and a saved tokenizer) formats
-    prompts as training rendered them; '' keeps the tokenizer's own."""
-    from fastdpo.data.template import resolve_template
-
-    text = resolve_template(template)
-    if text:
-        tokenizer.chat_template = text
-
-
 def has_tokenizer(path: str) -> bool:
     return any((Path(path) / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
@@ -247,10 +238,8 @@ def prompt_ids(tokenizer, prompt: Prompt, system: str = "", use_chat_template: b
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system}, *messages]
-        # the specials the tokenizer puts before text (BOS), which the identity template writes, as in training
-        prefix = tokenizer.decode(tokenizer("")["input_ids"])
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             special_prefix=prefix)
+                                             special_prefix=special_prefix(tokenizer))  # as training renders
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if not isinstance(prompt, str):
         raise FastDPOError("Chat `messages` need a tokenizer with a chat template; this model has none. "

@@ -23,6 +23,7 @@ from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import step_order
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.data.stream import PairStream
+from fastdpo.data.template import keep_template
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.diagnostics import oom_error
 from fastdpo.distributed import (
@@ -48,7 +49,6 @@ from fastdpo.envinfo import as_assignments, compile_vars
 from fastdpo.errors import FastDPOError
 from fastdpo.evaluate import TrainingEval, held_out_reference, held_out_rows
 from fastdpo.gcpause import GcPauses
-from fastdpo.infer import keep_template
 from fastdpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
 from fastdpo.memory import apply_checkpointing, compile_layers, offloading
 from fastdpo.metrics import StepMetrics, Throughput, device_peak_flops, padding, peak_memory_gib, step_flops

@@ -55,6 +55,19 @@ def resolve_template(value: str) -> str | None:
                        "nor an existing Jinja file.")
 
 
+def keep_template(tokenizer, template: str) -> None:
+    """--template NAME|FILE becomes the tokenizer's chat template, so generation (and a saved tokenizer) formats
+    prompts as training rendered them; '' keeps the tokenizer's own."""
+    text = resolve_template(template)
+    if text:
+        tokenizer.chat_template = text
+
+
+def special_prefix(tokenizer) -> str:
+    """The specials the tokenizer itself puts before text (e.g. BOS), which the identity template writes out."""
+    return tokenizer.decode(tokenizer("")["input_ids"])
+
+
 def _first_difference(a: str, b: str) -> int:
     i = 0
     while i < min(len(a), len(b)) and a[i] == b[i]:
@@ -80,8 +93,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template = template
         self.system = system or None
-        # the specials the tokenizer itself puts before text (e.g. BOS): the identity template repeats them
-        self.extra = {"special_prefix": tokenizer.decode(tokenizer("")["input_ids"])}
+        self.extra = {"special_prefix": special_prefix(tokenizer)}
 
     @property
     def available(self) -> bool:
