@@ -308,10 +308,15 @@ def load_progress(ckpt: Path) -> dict:
 
 def saved_config(ckpt: Path) -> dict:
     """The resolved config saved with the checkpoint ({} when it has none or it cannot be read)."""
+    return read_config(ckpt / STATE / "config.yaml")
+
+
+def read_config(path: Path) -> dict:
+    """A config.yaml written by training ({} when it is missing or cannot be read)."""
     import yaml
 
     try:
-        config = yaml.safe_load((ckpt / STATE / "config.yaml").read_text(encoding="utf-8"))
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return {}
     return config if isinstance(config, dict) else {}

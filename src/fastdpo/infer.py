@@ -371,23 +371,17 @@ def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
     as prompt rows (with their chosen and rejected kept); and the run's output_dir."""
     import dataclasses
 
-    import yaml
-
-    from fastdpo.checkpoint import saved_config
+    from fastdpo.checkpoint import read_config, saved_config
     from fastdpo.config import TrainConfig
     from fastdpo.data.columns import RowOptions
     from fastdpo.data.load import load_rows
     from fastdpo.evaluate import held_out_rows
 
     here = Path(tuned).expanduser()
-    saved, run = saved_config(here), here.parent
-    if not saved and (run / "config.yaml").is_file():
-        try:
-            saved = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError:
-            saved = {}
+    run = here.parent
+    saved = saved_config(here) or read_config(run / "config.yaml")
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    if not isinstance(saved, dict) or not saved.get("dataset"):
+    if not saved.get("dataset"):
         raise FastDPOError(f"--load_data_args: no training config next to {tuned} (fastdpo saves it as "
                            f"{run / 'config.yaml'}). Give the prompts with --prompts FILE.jsonl instead.")
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in names})
@@ -416,6 +410,7 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
 
     cfg.validate()
     loaded = load_for_generation(cfg, need_base=cfg.compare)
+    written = None  # where the answers go (none for a single prompt)
     if cfg.prompt:
         rows = [{"prompt": cfg.prompt}]
     elif cfg.messages:
@@ -424,11 +419,15 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
         from fastdpo.data.load import load_rows
 
         rows = prompt_rows(load_rows(cfg.val_dataset))
+        first = Path(cfg.val_dataset[0].split("#")[0])  # a file: next to it; a directory or hub dataset: here
+        written = first.with_suffix(".infer.jsonl") if first.is_file() else Path(first.name + ".infer.jsonl")
     elif cfg.load_data_args:
         rows, run = held_out_prompts(cfg.adapters or cfg.checkpoint)
         log.info("--load_data_args: %d held-out prompts of the run in %s.", len(rows), run)
+        written = run / "infer_held_out.jsonl"
     else:
         rows = read_prompts(cfg.prompts)
+        written = Path(cfg.prompts).with_suffix(".infer.jsonl")
     # one system prompt per call: group rows by their own system prompt (or --system)
     results: list[dict] = [dict(r) for r in rows]
     groups: dict[str, list[int]] = {}
@@ -449,15 +448,8 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
                     results[i]["base_response"] = a
     if console is not None and not stream:
         show_answers(console, results, cfg.compare)
-    if cfg.prompts or cfg.val_dataset or cfg.load_data_args:
-        named = cfg.prompts or (cfg.val_dataset[0].split("#")[0] if cfg.val_dataset else "")
-        if cfg.load_data_args:
-            default = run / "infer_held_out.jsonl"
-        elif Path(named).is_file():
-            default = Path(named).with_suffix(".infer.jsonl")
-        else:  # a directory or a hub dataset
-            default = Path(Path(named).name + ".infer.jsonl")
-        out = Path(cfg.result_path or default)
+    if written is not None:
+        out = Path(cfg.result_path or written)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
         if console is not None:
