@@ -19,6 +19,8 @@
 #   EXTRA_ENV  environment variables for the current code's runs only (e.g. EXTRA_ENV="TORCHINDUCTOR_CPP_WRAPPER=1"
 #            with BEFORE a copy of the same src: the setting's effect within one call).
 #   PROFILE  0: no profiled step (each run ends 5-20 s sooner; no traces or splits).
+#   PROFILE_STEPS  the profiled steps (default the last, STEPS); e.g. 8-9 also records the boundary between two steps
+#            (the logging, the next step's packing), but puts profiled steps into the table's window.
 #   REPEAT   n: the N-GPU runs (current code, then each BEFORE tree) go n times in turn, A B A B..., repeats named
 #            <run>_r2, _r3...: single runs of the same code spread by up to +-5 % within a call.
 # Prints the per-step times and each profile's compute / exposed communication / idle split, then the call's table
@@ -38,7 +40,7 @@ SHAPE=${SHAPE:-qwen3-1.7b}; M=/tmp/shape-$SHAPE
 C="--model $M --dataset $M.jsonl --max_steps $STEPS --learning_rate 1e-6 --logging_steps 1 --seed 1
    --gradient_checkpointing ffn --precompute_ref_log_probs --disable_progress true ${COMPILE---torch_compile}
    --torch_dtype bfloat16 --save_steps 0"
-[ "${PROFILE:-1}" = 1 ] && C="$C --profile_steps $STEPS"
+[ "${PROFILE:-1}" = 1 ] && C="$C --profile_steps ${PROFILE_STEPS:-$STEPS}"
 [ "${MEMORY:-0}" = 1 ] && C="$C --profile_memory"
 [ "${WARMUP:-0}" = 1 ] && C="$C --compile_warmup"
 report() {

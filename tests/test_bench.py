@@ -382,6 +382,44 @@ def test_scaling_table_sums_the_window_and_compares_with_one_gpu(tmp_path, capsy
     assert "incomplete" in rows["full_shard_4096"]
     assert st.main([str(tmp_path / "none"), "--pairs", "8"]) == 2
 
+def test_trace_gaps_splits_device_time_by_the_hosts_phase(tmp_path):
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "trace_gaps", Path(__file__).resolve().parent.parent / "benchmarks" / "trace_gaps.py")
+    tg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tg)
+
+    def x(cat, name, ts, dur, tid=10, **args):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        x("user_annotation", "fastdpo.forward", 0, 1000),
+        x("user_annotation", "fastdpo.update", 1500, 1000),
+        x("user_annotation", "FSDP::pre_forward", 10, 100),
+        x("cpu_op", "aten::mm", 200, 50),
+        x("cuda_runtime", "cudaLaunchKernel", 210, 5, correlation=1),
+        x("cpu_op", "aten::add", 1990, 20),
+        x("cuda_runtime", "cudaLaunchKernel", 1995, 5, correlation=2),
+        x("kernel", "gemm", 250, 600, tid=7, correlation=1),  # compute 250-850
+        x("kernel", "ncclDevKernel_AllGather_RING_LL", 700, 400, tid=9, correlation=3),  # exposed 850-1100
+        x("kernel", "add", 2000, 500, tid=7, correlation=2),  # after an idle gap 1100-2000, launched late
+    ]
+    path = tmp_path / "trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    out = tg.analyse(path, top=5, min_gap_us=100)
+    lines = {line.split()[0]: line.split() for line in out.splitlines()[2:] if line.strip()}
+    # window 0-2500: compute 600 + 500, exposed 250 (850-1100), idle 0-250 and 1100-2000
+    assert "window 2.5 ms; compute 1.1 ms, idle 1.1 ms, exposed communication 0.2 ms" in out.splitlines()[0]
+    assert lines["fastdpo.forward"][1:] == ["1", "1.0", "0.6", "0.2", "0.1"]  # in 0-1000: idle 0-250, exposed 850-1000
+    assert lines["fastdpo.update"][1:] == ["1", "1.0", "0.5", "0.5", "0.0"]
+    assert lines["AllGather"][1:] == ["1", "0.4", "0.2"]
+    gap = next(line for line in out.splitlines() if " add <- " in line)
+    assert "fastdpo.update" in gap and "aten::add / fastdpo.update (main)" in gap  # the phase that launched it
+
+
 def test_speed_hint_names_the_missing_settings():
     from fastdpo.train import speed_hint
 

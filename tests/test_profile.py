@@ -80,6 +80,8 @@ def test_profiled_run_writes_trace_and_summary(tmp_path, model_dirs):
     trace = json.loads(gzip.decompress((prof / "trace.json.gz").read_bytes()))
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any(n.startswith("aten::") for n in names)  # the steps' ops were recorded
+    # the loop's phases are named (benchmarks/trace_gaps.py splits device time by them)
+    assert {f"fastdpo.{p}" for p in ("pack", "forward", "loss", "backward", "metrics", "clip", "update")} <= names
     with pytest.raises(FastDPOError, match="--profile_steps"):
         TrainConfig(model="m", dataset=["d"], profile_steps="x").validate()
 

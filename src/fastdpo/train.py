@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function as phase  # names the loop's phases in --profile_steps traces
 
 from fastdpo import checkpoint as ckpt
 from fastdpo.beta import BetaSchedule
@@ -346,21 +347,25 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         view, refs, offset = step_logps(s, groups, step_pairs[:1])
     for i, group in enumerate(groups):
         real = bool(group)  # an empty share still runs (zero-weighted) so every rank joins the same collectives
-        batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device, cfg.max_tokens_per_batch)
-        b = batch.num_pairs
-        mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
-        metrics.count_batch(batch)
+        with phase("fastdpo.pack"):
+            batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device,
+                               cfg.max_tokens_per_batch)
+            b = batch.num_pairs
+            mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
+            metrics.count_batch(batch)
         with grad_sync(s.policy, last=i == len(groups) - 1, keep_gathered=d.keeps_gathered):
-            with offloading(cfg.activation_offloading, s.model):
+            with phase("fastdpo.forward"), offloading(cfg.activation_offloading, s.model):
                 pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
-            ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
-            in_step = at(view, offset if real else 0, b) if view is not None else None
-            x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
-            # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
-            loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
-            if not real:
-                loss = loss * 0.0
-            loss.backward()
+            with phase("fastdpo.loss"):
+                ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
+                in_step = at(view, offset if real else 0, b) if view is not None else None
+                x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
+                # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
+                loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
+                if not real:
+                    loss = loss * 0.0
+            with phase("fastdpo.backward"):
+                loss.backward()
         if real:
             s.beta.observe(x)
             metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
@@ -467,17 +472,20 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             run_step(s, step_pairs, metrics)
             tokens = sum(p.num_tokens for p in step_pairs)
             # the step's sums over all ranks (the guard below decides alike everywhere); counts are known here
-            reduce_metrics(metrics, d, len(step_pairs), tokens)
+            with phase("fastdpo.metrics"):
+                reduce_metrics(metrics, d, len(step_pairs), tokens)
             hb.beat(step + 1, "optimizer")
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = clip_grad_norm(trainable, max_norm)
+            with phase("fastdpo.clip"):
+                grad_norm = clip_grad_norm(trainable, max_norm)
             lr = scheduler.get_last_lr()[0]
             # a NaN/Inf loss or gradient skips the update (counted; N in a row stop the run). The update obeys the
             # flag on the device, so the host queues it without waiting for the backward, and reads the flag after
-            finite = finite_flag(metrics.loss_sum, grad_norm)
-            stepped = step_unless_nonfinite(optimizer, finite)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            with phase("fastdpo.update"):
+                finite = finite_flag(metrics.loss_sum, grad_norm)
+                stepped = step_unless_nonfinite(optimizer, finite)
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             if step + 1 < s.total_steps:  # full_shard: the next forward's first weights, gathered under the host work
                 gather_step_start(s.policy)
             reduce_beta_drift(s.beta, d)
