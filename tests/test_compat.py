@@ -24,12 +24,13 @@ def test_seed_002_script_flags_are_accepted(caplog):
                 "--flash_attn_version", "2.6.3", "--padding_free", "true", "--deepspeed", "zero3",
                 "--zero3_save_16bit_model", "true", "--offload_optimizer", "false", "--offload_param", "false",
                 "--shuffle", "true", "--seed", "42", "--bf16", "true", "--save_strategy", "no",
-                "--eval_strategy", "no", "--ulysses_num_heads", "1", "--use_liger_kernel", "true")
+                "--eval_strategy", "no", "--ulysses_num_heads", "1", "--use_liger_kernel", "true",
+                "--ring_attn", "false", "--ring_attn_window_size", "512")
     assert cfg.loss_type == "sigmoid" and cfg.torch_dtype == "bfloat16" and cfg.save_steps == 0
     assert cfg.eval_steps == 0 and cfg.shuffle is True and cfg.deepspeed == "zero3"
     notes = caplog.text
     assert "--flash_attn_version 2.6.3: ignored" in notes and "--zero3_save_16bit_model true: ignored" in notes
-    assert "--use_liger_kernel true: ignored" in notes
+    assert "--use_liger_kernel true: ignored" in notes and "--ring_attn_window_size 512: ignored" in notes
 
 
 def test_rlhf_type_selects_the_loss():
@@ -44,6 +45,7 @@ def test_rlhf_type_selects_the_loss():
 @pytest.mark.parametrize("flags,needle", [
     (("--ulysses_num_heads", "8"), "--ulysses_num_heads 8: sequence parallelism is not available"),
     (("--ring_attn", "true"), "--ring_attn true: sequence parallelism"),
+    (("--ring_attn", "true", "--ring_attn_window_size", "512"), "--ring_attn true: sequence parallelism"),
     (("--sequence_parallel_size", "2"), "--sequence_parallel_size 2"),
     (("--offload_optimizer", "true"), "--offload_optimizer true: DeepSpeed's CPU offload is not available"),
     (("--offload_param", "cpu"), "--deepspeed zero3 \\(FSDP2 sharding\\)"),

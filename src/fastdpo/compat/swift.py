@@ -136,6 +136,8 @@ FLAGS: dict[str, Foreign] = {
     "sequence_parallel_size": Foreign("ms-swift sequence parallelism: not available (1 = off).",
                                       _sequence_parallel("sequence_parallel_size")),
     "ring_attn": Foreign("ms-swift ring attention: not available (false = off).", _sequence_parallel("ring_attn")),
+    "ring_attn_window_size": Foreign("ms-swift ring attention's window: ignored (ring attention is not available).",
+                                     note("ignored; ring attention is not available (see --ring_attn).")),
     "offload_optimizer": Foreign("DeepSpeed optimizer offload: not available (false = off).",
                                  offload("offload_optimizer")),
     "offload_param": Foreign("DeepSpeed parameter offload: not available (false = off).", offload("offload_param")),
