@@ -205,3 +205,41 @@ def test_the_real_command_exits_non_zero_without_a_traceback(tmp_path):
                          text=True, env=env, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 1 and f"{f}:3: field 'rejected' is missing" in out and "Traceback" not in out, out
+
+
+def test_plain_text_rows_under_a_chat_template_get_a_note(tmp_path, capsys):
+    """ms-swift and LLaMA-Factory render a plain prompt as a user turn; TRL (and fastdpo's default) do not. A model
+    with a chat template and raw plain-text rows is told so; rows already rendered, or read another way, are not."""
+    raw = write_jsonl(tmp_path / "raw.jsonl", easy_rows(4))
+    chat = tokenizer_dir(tmp_path / "chat")
+    code, out = run_cli(capsys, "check-data", "--dataset", str(raw), "--model", str(chat))
+    assert code == 0 and "note: 4 plain-text rows are tokenised as they are" in out, out
+    assert "--apply_chat_template true" in out
+    for flags in (["--apply_chat_template", "true"], ["--input_template", "user {} assistant "]):
+        code, out = run_cli(capsys, "check-data", "--dataset", str(raw), "--model", str(chat), *flags)
+        assert code == 0 and "note:" not in out, (flags, out)
+    code, out = run_cli(capsys, "check-data", "--dataset", str(raw), "--model", str(tokenizer_dir(tmp_path / "t", None)))
+    assert code == 0 and "note:" not in out, out  # no chat template at hand: nothing else to do
+    rendered = write_jsonl(tmp_path / "rendered.jsonl", [
+        {"prompt": "<|im_start|>user\nw1 w2<|im_end|>\n<|im_start|>assistant\n", "chosen": "w5", "rejected": "w7"}])
+    code, out = run_cli(capsys, "check-data", "--dataset", str(rendered), "--model", str(chat))
+    assert code == 0 and "note:" not in out, out
+
+
+def test_training_logs_the_plain_text_note(tmp_path, caplog):
+    import logging
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.model import load_tokenizer
+    from fastdpo.train import load_splits
+
+    caplog.set_level(logging.WARNING, logger="fastdpo")
+    raw = write_jsonl(tmp_path / "raw.jsonl", easy_rows(4))
+    chat = tokenizer_dir(tmp_path / "chat")
+    cfg = TrainConfig(model=str(chat), dataset=[str(raw)], output_dir=str(tmp_path / "o"))
+    load_splits(cfg, load_tokenizer(str(chat)))
+    assert "4 plain-text rows are tokenised as they are" in caplog.text
+    caplog.clear()
+    cfg = TrainConfig(model=str(chat), dataset=[str(raw)], output_dir=str(tmp_path / "o"), apply_chat_template=True)
+    load_splits(cfg, load_tokenizer(str(chat)))
+    assert "plain-text rows" not in caplog.text

@@ -24,7 +24,7 @@ from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import step_order
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.data.stream import PairStream
-from fastdpo.data.template import keep_template
+from fastdpo.data.template import keep_template, plain_text_note
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.diagnostics import oom_error
 from fastdpo.distributed import (
@@ -145,6 +145,9 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
     if not cfg.streaming:
         pairs, summary = tokenize_pairs(rows, tokenizer, opts)
         summary.log()
+        note = None if cfg.input_template else plain_text_note(rows, tokenizer, opts.tokenize.template)
+        if note:
+            log.warning("data: %s", note)
         if summary_dir is not None:
             summary.save(summary_dir / "data_summary.json")
     val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []

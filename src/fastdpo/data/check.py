@@ -31,6 +31,7 @@ class CheckReport:
     over_length: list[str] = field(default_factory=list)
     lengths: dict = field(default_factory=lambda: {"prompt": [], "chosen": [], "rejected": []})
     stats: TokenizeStats = field(default_factory=TokenizeStats)
+    notes: list[str] = field(default_factory=list)  # with a tokenizer: how the rows will be read
 
     @property
     def ok(self) -> bool:
@@ -124,6 +125,7 @@ def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckRepo
     use (`#N` selects them as training does), tokenising with `tokenizer` if given."""
     report = CheckReport()
     checker = _Checker(opts, tokenizer, report)
+    plain: list[Row] = []
     for text in specs:
         spec = parse_spec(text)
         items, readable = _read(spec, opts, checker)
@@ -135,8 +137,14 @@ def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckRepo
             if row is not None:
                 formats[row.format] = formats.get(row.format, 0) + 1
                 checker.row(row, ordinal)
+                if not row.conversational:
+                    plain.append(row)
         report.sources.append((text, len(items), len(used), formats))
     checker.flush()
+    if tokenizer is not None and not opts.read.input_template:
+        from fastdpo.data.template import plain_text_note
+
+        report.notes += filter(None, [plain_text_note(plain, tokenizer, opts.tokenize.template)])
     report.errors = [m for _, m in sorted(checker.errors, key=lambda e: e[0])]
     return report
 
@@ -156,6 +164,7 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(formats.items())) or "none valid"
         count = f"{n} rows" if used == n and "#" not in text else f"{n} rows read, {used} used for training"
         lines.append(f"{text}: {count} ({kinds})")
+    lines += [f"note: {n}" for n in report.notes]
     lines += _listing("errors", report.errors)
     lines += _listing("warnings: duplicate pairs", report.duplicates)
     if model:

@@ -68,6 +68,37 @@ def special_prefix(tokenizer) -> str:
     return tokenizer.decode(tokenizer("")["input_ids"])
 
 
+def plain_text_note(rows: list[Row], tokenizer, template: str | None = None) -> str | None:
+    """A note when plain-text rows will be tokenised as they are although a chat template is at hand (`template`, or
+    the tokenizer's own). TRL reads such rows that way, and so does fastdpo by default. ms-swift and LLaMA-Factory
+    put the prompt in a user turn and render the template, so a run moved from them would otherwise train on
+    another text layout without a word. Rows whose prompts already end their user turn as the template does (the
+    template's generation prompt is in the text) were rendered beforehand: no note."""
+    plain = [r for r in rows if not r.conversational]
+    if not plain or not (template or getattr(tokenizer, "chat_template", None)):
+        return None
+    marker = _turn_end(tokenizer, template)
+    if marker and any(marker in r.prompt for r in plain[:200]):
+        return None
+    return (f"{len(plain)} plain-text rows are tokenised as they are, without the chat template (as TRL reads them). "
+            "ms-swift and LLaMA-Factory put such a prompt in a user turn and render the chat template: pass "
+            "--apply_chat_template true to train that way, or --input_template to wrap prompts yourself.")
+
+
+def _turn_end(tokenizer, template: str | None) -> str | None:
+    """What the template writes after a user message's text through its generation prompt (e.g. chatml's
+    '<|im_end|>\n<|im_start|>assistant'), stripped; None when it cannot be rendered or writes nothing."""
+    mark = "\x00fastdpo\x00"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], chat_template=template,
+                                             add_generation_prompt=True, tokenize=False,
+                                             special_prefix=special_prefix(tokenizer))
+    except Exception:  # a template is user code: without a rendering, the note stays
+        return None
+    after = text.split(mark, 1)[1].strip() if mark in text else ""
+    return after or None
+
+
 def _first_difference(a: str, b: str) -> int:
     i = 0
     while i < min(len(a), len(b)) and a[i] == b[i]:
