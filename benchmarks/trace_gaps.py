@@ -18,8 +18,12 @@ import argparse
 import bisect
 import gzip
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from fastdpo.profile import merge, subtract  # noqa: E402
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -30,34 +34,6 @@ def load(path: Path) -> list[dict]:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
-
-
-def merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def subtract(spans: list[tuple[float, float]], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Merged `spans` minus merged `holes`."""
-    out, j = [], 0
-    for a, b in spans:
-        cur = a
-        while j < len(holes) and holes[j][1] <= cur:
-            j += 1
-        k = j
-        while k < len(holes) and holes[k][0] < b:
-            if holes[k][0] > cur:
-                out.append((cur, holes[k][0]))
-            cur = max(cur, holes[k][1])
-            k += 1
-        if cur < b:
-            out.append((cur, b))
-    return out
 
 
 def overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
