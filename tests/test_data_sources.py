@@ -107,6 +107,9 @@ def test_directory_of_mixed_files_in_sorted_order(tmp_path):
     write_jsonl(d / "a.jsonl", ROWS[:2])
     (d / "sub" / "c.json").write_text(json.dumps(ROWS[4:]))
     (d / "notes.txt").write_text("ignored")
+    for hidden in (".ipynb_checkpoints/a-checkpoint.jsonl", ".b.jsonl", "__pycache__/x.jsonl", "sub/.old/c.json"):
+        (d / hidden).parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(d / hidden, ROWS[:1])  # a notebook's or an editor's copies: not data
     assert texts(load_rows([str(d)])) == EXPECTED
 
 

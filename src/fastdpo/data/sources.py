@@ -118,9 +118,14 @@ def source_kind(spec: Spec) -> str:
 
 
 def data_files(path: Path) -> list[Path]:
+    """The data files below a directory, in sorted order. Names starting with '.' or '__', and everything under
+    such folders, are left out as HF datasets leaves them out: a notebook's `.ipynb_checkpoints/` copies or a
+    `__pycache__` would otherwise train as more rows."""
+    def hidden(f: Path) -> bool:
+        return any(part.startswith((".", "__")) for part in f.relative_to(path).parts)
+
     try:
-        files = sorted(f for f in path.rglob("*")
-                       if f.suffix in DATA_SUFFIXES and not f.name.startswith(".") and f.is_file())
+        files = sorted(f for f in path.rglob("*") if f.suffix in DATA_SUFFIXES and not hidden(f) and f.is_file())
     except OSError as e:
         raise FastDPOError(f"Dataset dir {path}: cannot list it ({e.strerror}).") from None
     if not files:
