@@ -334,3 +334,64 @@ def test_val_dataset_answers_a_preference_datasets_prompts(tmp_path, capsys, lor
     assert [g["messages"][0]["content"] for g in got] == PROMPTS[:2]
     rc, out = run_cli(capsys, "infer", "--model", base, "--val_dataset", plain, "--prompt", "w1")
     assert rc == 1 and "exactly one of" in out
+
+
+def test_prompts_already_rendered_are_not_wrapped_again(tmp_path, model_dirs):
+    """Text that already holds the template's end of a user turn (its generation prompt) goes in as it is: wrapping
+    it in a second user turn would feed the model a conversation inside a message."""
+    from fastdpo.data.template import turn_end
+
+    loaded = load_for_generation(ModelArgs(model=str(chat_model(tmp_path, model_dirs))))
+    tok = loaded.tokenizer
+    marker = turn_end(tok)
+    assert marker == "<eos> assistant"
+    text = tok.apply_chat_template([{"role": "user", "content": "w10 w11"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert prompt_ids(tok, text, rendered=marker) == tok(text)["input_ids"]
+    assert prompt_ids(tok, text) != tok(text)["input_ids"]  # without the check: wrapped a second time
+    assert prompt_ids(tok, "w10 w11", rendered=marker) == prompt_ids(tok, "w10 w11")  # unrendered text: templated
+    with pytest.raises(FastDPOError, match="already rendered"):
+        prompt_ids(tok, text, system="w1", rendered=marker)
+    gen = GenerationArgs(max_new_tokens=3)
+    seen = []
+    import fastdpo.infer as infer_mod
+
+    real = infer_mod.prompt_ids
+    try:
+        infer_mod.prompt_ids = lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw)
+        generate_ids(loaded.model, tok, [text], gen)
+    finally:
+        infer_mod.prompt_ids = real
+    assert seen == [marker]  # generation passes the marker on
+
+
+def test_preference_data_prompts_go_in_as_training_read_them(tmp_path, model_dirs, monkeypatch):
+    """--val_dataset / --load_data_args: plain-text prompts are tokenised as training tokenises plain-text rows (as
+    they are), conversational ones through the template; with --adapters of a run, the rows are read with the run's
+    reading (here --apply_chat_template, which makes plain-text rows user turns)."""
+    import fastdpo.infer as infer_mod
+    from fastdpo.infer import val_rows
+
+    m = chat_model(tmp_path, model_dirs)
+    seen = []
+    real = infer_mod.prompt_ids
+    monkeypatch.setattr(infer_mod, "prompt_ids",
+                        lambda tok, p, system="", use=True, rendered=None: seen.append((p, use)) or real(
+                            tok, p, system, use, rendered))
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": p, "chosen": " w5", "rejected": " w6"} for p in PROMPTS])
+    conv = write_jsonl(tmp_path / "conv.jsonl", [
+        {"prompt": [{"role": "user", "content": "w12"}], "chosen": [{"role": "assistant", "content": "w5"}],
+         "rejected": [{"role": "assistant", "content": "w6"}]}])
+    run_infer(InferConfig(model=str(m), val_dataset=[str(plain), str(conv)], max_new_tokens=1,
+                          result_path=str(tmp_path / "r.jsonl")))
+    assert seen == [(p, False) for p in PROMPTS] + [([{"role": "user", "content": "w12"}], True)]
+    seen.clear()
+    run_infer(InferConfig(model=str(m), prompts=str(plain), max_new_tokens=1, result_path=str(tmp_path / "s.jsonl")))
+    assert seen == [(p, True) for p in PROMPTS]  # typed prompts: through the template, as before
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"model: {m}\ndataset: [{plain}]\napply_chat_template: true\n")
+    rows = val_rows(InferConfig(model=str(m), adapters=str(run / "final"), val_dataset=[str(plain)]))
+    assert [r["messages"] for r in rows] == [[{"role": "user", "content": p}] for p in PROMPTS]
+    assert [r["prompt"] for r in val_rows(InferConfig(model=str(m), val_dataset=[str(plain)]))] == PROMPTS

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fastdpo.config import _f
-from fastdpo.data.template import keep_template, special_prefix
+from fastdpo.data.template import keep_template, special_prefix, turn_end
 from fastdpo.errors import FastDPOError
 from fastdpo.model import load_model, load_tokenizer, resolve_device, resolve_dtype, use_model_attention
 
@@ -230,10 +230,18 @@ def has_tokenizer(path: str) -> bool:
 # ---------------------------------------------------------------- generation
 
 
-def prompt_ids(tokenizer, prompt: Prompt, system: str = "", use_chat_template: bool = True) -> list[int]:
+def prompt_ids(tokenizer, prompt: Prompt, system: str = "", use_chat_template: bool = True,
+               rendered: str | None = None) -> list[int]:
     """Token ids of one prompt: through the chat template (with the generation prompt) when the tokenizer has one,
-    else the plain text tokenised the way training tokenises prompts."""
+    else the plain text tokenised the way training tokenises prompts. Text that already holds `rendered` (the
+    template's end of a user turn through its generation prompt, `turn_end`) was rendered beforehand: it is
+    tokenised as it is, not wrapped in a second user turn."""
     template = use_chat_template and getattr(tokenizer, "chat_template", None)
+    if template and isinstance(prompt, str) and rendered and rendered in prompt:
+        if system:
+            raise FastDPOError("A prompt already rendered with the chat template cannot take --system (or a row's "
+                               "`system`). Put the system turn into the prompt text, or give the prompt unrendered.")
+        template = None
     if template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system and not any(m.get("role") == "system" for m in messages):
@@ -245,8 +253,9 @@ def prompt_ids(tokenizer, prompt: Prompt, system: str = "", use_chat_template: b
         raise FastDPOError("Chat `messages` need a tokenizer with a chat template; this model has none. "
                            "Give `prompt` text instead.")
     if system:
-        raise FastDPOError("--system needs a tokenizer with a chat template; this model has none. Put the "
-                           "instructions into the prompt text instead.")
+        raise FastDPOError("--system goes into the chat template's system turn, and this prompt goes in without a "
+                           "template (the tokenizer has none, --use_chat_template false, or plain-text preference "
+                           "data, which training reads as it is). Put the instructions into the prompt text instead.")
     return tokenizer(prompt)["input_ids"]
 
 
@@ -280,7 +289,9 @@ def generate_ids(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs | 
     model.eval()
     cfg = generation_config(model, tokenizer, gen)
     device = next(model.parameters()).device
-    ids = [prompt_ids(tokenizer, p, gen.system, gen.use_chat_template) for p in prompts]
+    rendered = turn_end(tokenizer) if gen.use_chat_template and getattr(tokenizer, "chat_template", None) \
+        else None
+    ids = [prompt_ids(tokenizer, p, gen.system, gen.use_chat_template, rendered) for p in prompts]
     out: list[list[int]] = []
     if gen.temperature > 0:
         torch.manual_seed(gen.seed)
@@ -366,25 +377,49 @@ def conversation(text: str) -> list[dict]:
     return messages
 
 
-def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
-    """The held-out rows of the run that wrote `tuned` (its final/ or a checkpoint-N/), read as training read them,
-    as prompt rows (with their chosen and rejected kept); and the run's output_dir."""
+def run_config(tuned: str):
+    """The TrainConfig of the fastdpo run that wrote `tuned` (its final/ or a checkpoint-N/), or None where there is
+    no saved one; and the run's output_dir."""
     import dataclasses
 
     from fastdpo.checkpoint import read_config, saved_config
     from fastdpo.config import TrainConfig
-    from fastdpo.data.columns import RowOptions
-    from fastdpo.data.load import load_rows
-    from fastdpo.evaluate import held_out_rows
 
     here = Path(tuned).expanduser()
     run = here.parent
     saved = saved_config(here) or read_config(run / "config.yaml")
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
     if not saved.get("dataset"):
+        return None, run
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in saved.items() if k in names}), run
+
+
+def val_rows(cfg: InferConfig) -> list[dict]:
+    """--val_dataset's rows as prompt rows, read as the run that wrote --adapters / --checkpoint read its data (its
+    --columns, --input_template, --apply_chat_template), or as given without such a run."""
+    import dataclasses
+
+    from fastdpo.data.columns import AS_GIVEN, RowOptions
+    from fastdpo.data.load import load_rows
+
+    tuned = cfg.adapters or cfg.checkpoint
+    trained = run_config(tuned)[0] if tuned else None
+    read = AS_GIVEN if trained is None else \
+        dataclasses.replace(RowOptions.from_config(trained), datasets=(), max_samples=0)
+    return prompt_rows(load_rows(cfg.val_dataset, read=read))
+
+
+def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
+    """The held-out rows of the run that wrote `tuned` (its final/ or a checkpoint-N/), read as training read them,
+    as prompt rows (with their chosen and rejected kept); and the run's output_dir."""
+    from fastdpo.data.columns import RowOptions
+    from fastdpo.data.load import load_rows
+    from fastdpo.evaluate import held_out_rows
+
+    cfg, run = run_config(tuned)
+    if cfg is None:
         raise FastDPOError(f"--load_data_args: no training config next to {tuned} (fastdpo saves it as "
                            f"{run / 'config.yaml'}). Give the prompts with --prompts FILE.jsonl instead.")
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in names})
     if not cfg.val_dataset and cfg.split_dataset_ratio <= 0:
         raise FastDPOError(f"--load_data_args: the run in {run} held out no pairs (no --val_dataset or "
                            "--split_dataset_ratio). Give the prompts with --prompts FILE.jsonl instead.")
@@ -416,9 +451,7 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     elif cfg.messages:
         rows = [{"messages": conversation(cfg.messages)}]
     elif cfg.val_dataset:
-        from fastdpo.data.load import load_rows
-
-        rows = prompt_rows(load_rows(cfg.val_dataset))
+        rows = val_rows(cfg)
         first = Path(cfg.val_dataset[0].split("#")[0])  # a file: next to it; a directory or hub dataset: here
         written = first.with_suffix(".infer.jsonl") if first.is_file() else Path(first.name + ".infer.jsonl")
     elif cfg.load_data_args:
@@ -428,15 +461,22 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     else:
         rows = read_prompts(cfg.prompts)
         written = Path(cfg.prompts).with_suffix(".infer.jsonl")
+    # preference data's plain-text prompts go in as training tokenised them: as they are, not as a user turn (rows
+    # a run read with --apply_chat_template are message lists by now, and go through the template)
+    as_text = {i for i, r in enumerate(rows) if "prompt" in r} if cfg.val_dataset or cfg.load_data_args else set()
+    if as_text and cfg.use_chat_template and getattr(loaded.tokenizer, "chat_template", None):
+        log.info("%d plain-text prompts of preference data go in as training reads them: as they are, without the "
+                 "chat template (a run trained with --apply_chat_template reads them as user turns).", len(as_text))
     # one system prompt per call: group rows by their own system prompt (or --system)
     results: list[dict] = [dict(r) for r in rows]
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple[str, bool], list[int]] = {}
     for i, r in enumerate(rows):
-        groups.setdefault(str(r.get("system") or cfg.system), []).append(i)
+        groups.setdefault((str(r.get("system") or cfg.system), i in as_text), []).append(i)
     stream = cfg.stream and bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
-    for system, idx in groups.items():
+    for (system, plain), idx in groups.items():
         gen = copy.copy(cfg)
         gen.system = system
+        gen.use_chat_template = cfg.use_chat_template and not plain
         prompts = [_row_prompt(rows[i]) for i in idx]
         streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
         answers = generate_texts(loaded.model, loaded.tokenizer, prompts, gen, streamer)

@@ -77,7 +77,7 @@ def plain_text_note(rows: list[Row], tokenizer, template: str | None = None) -> 
     plain = [r for r in rows if not r.conversational]
     if not plain or not (template or getattr(tokenizer, "chat_template", None)):
         return None
-    marker = _turn_end(tokenizer, template)
+    marker = turn_end(tokenizer, template)
     if marker and any(marker in r.prompt for r in plain[:200]):
         return None
     return (f"{len(plain)} plain-text rows are tokenised as they are, without the chat template (as TRL reads them). "
@@ -85,7 +85,7 @@ def plain_text_note(rows: list[Row], tokenizer, template: str | None = None) -> 
             "--apply_chat_template true to train that way, or --input_template to wrap prompts yourself.")
 
 
-def _turn_end(tokenizer, template: str | None) -> str | None:
+def turn_end(tokenizer, template: str | None = None) -> str | None:
     """What the template writes after a user message's text through its generation prompt (e.g. chatml's
     '<|im_end|>\n<|im_start|>assistant'), stripped; None when it cannot be rendered or writes nothing."""
     mark = "\x00fastdpo\x00"
