@@ -389,6 +389,18 @@ def test_preference_data_prompts_go_in_as_training_read_them(tmp_path, model_dir
     run_infer(InferConfig(model=str(m), prompts=str(plain), max_new_tokens=1, result_path=str(tmp_path / "s.jsonl")))
     assert seen == [(p, True) for p in PROMPTS]  # typed prompts: through the template, as before
 
+    seen.clear()  # eval's generation (--reward_fn) answers preference data the same way, in order
+    from fastdpo.infer import answer_as_read
+
+    loaded = load_for_generation(ModelArgs(model=str(m)))
+    mixed = ["w10", [{"role": "user", "content": "w12"}], "w13"]
+    answers = answer_as_read(loaded.model, loaded.tokenizer, mixed, GenerationArgs(max_new_tokens=2))
+    assert sorted(seen, key=str) == sorted([("w10", False), ("w13", False), (mixed[1], True)], key=str)
+    assert answers == [generate_texts(loaded.model, loaded.tokenizer, ["w10"], GenerationArgs(
+        max_new_tokens=2, use_chat_template=False))[0], generate_texts(loaded.model, loaded.tokenizer, [mixed[1]],
+        GenerationArgs(max_new_tokens=2))[0], generate_texts(loaded.model, loaded.tokenizer, ["w13"], GenerationArgs(
+            max_new_tokens=2, use_chat_template=False))[0]]
+
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)
     (run / "config.yaml").write_text(f"model: {m}\ndataset: [{plain}]\napply_chat_template: true\n")

@@ -467,20 +467,21 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
 
 def generation_metrics(cfg: EvalConfig, loaded, base, rows: list[Row], reward_fn, path: Path) -> dict:
     """Answer the rows' prompts with the tuned model (and the base: adapters off, the base of a full checkpoint, or
-    `base`), score every answer with the reward function, and compare."""
-    from fastdpo.infer import generate_texts
+    `base`), each prompt going in as training read it (`answer_as_read`), score every answer with the reward
+    function, and compare."""
+    from fastdpo.infer import answer_as_read
     from fastdpo.rewards import score, win_rate
 
     rows = rows[: cfg.eval_limit] if cfg.eval_limit else rows
     prompts = [r.prompt for r in rows]
     columns = row_columns(rows)
-    tuned_text = generate_texts(loaded.model, loaded.tokenizer, prompts, cfg)
+    tuned_text = answer_as_read(loaded.model, loaded.tokenizer, prompts, cfg)
     tuned = score(reward_fn, cfg.reward_fn, prompts, tuned_text, columns)
     result = {"prompts": len(prompts), "reward/tuned": sum(tuned) / len(tuned)}
     records = [{"prompt": p, "response": t, "reward": s} for p, t, s in zip(prompts, tuned_text, tuned)]
     if loaded.tuned or base is not None:
         with loaded.base_model() if loaded.tuned else contextlib.nullcontext(base) as base_model:
-            base_text = generate_texts(base_model, loaded.tokenizer, prompts, cfg)
+            base_text = answer_as_read(base_model, loaded.tokenizer, prompts, cfg)
         base_scores = score(reward_fn, cfg.reward_fn, prompts, base_text, columns)
         result["reward/base"] = sum(base_scores) / len(base_scores)
         result.update(win_rate(base_scores, tuned))

@@ -330,6 +330,20 @@ def generate_texts(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs 
             generate_ids(model, tokenizer, prompts, gen, streamer)]
 
 
+def answer_as_read(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs) -> list[str]:
+    """Answers to prompts of preference data, in order, each going in as training read it: plain text as it is
+    (training tokenises plain-text rows without a chat template), message lists through the template."""
+    answers: list[str] = [""] * len(prompts)
+    for plain in (True, False):
+        idx = [i for i, p in enumerate(prompts) if isinstance(p, str) == plain]
+        if idx:
+            part = copy.copy(gen)
+            part.use_chat_template = gen.use_chat_template and not plain
+            for i, a in zip(idx, generate_texts(model, tokenizer, [prompts[i] for i in idx], part)):
+                answers[i] = a
+    return answers
+
+
 # ---------------------------------------------------------------- prompts file and the command
 
 
