@@ -5,10 +5,8 @@
 FSDP2's `full_shard` gathers the next unit's weights while the current unit computes. NCCL's gather kernels hold
 SMs and memory bandwidth for as long as they run. On two H200s, an 8192-token forward computed 10-15 % longer under
 `full_shard` than on one GPU (benchmarks/NOTES.md entry 43). This probe times three kernels of a Qwen3-1.7B layer
-(the up projection's GEMM, the down projection's GEMM, SiLU-and-multiply) three ways:
-- alone;
-- while a chain of gathers of one unit's shard (`--shard_mib`) runs on a side stream;
-- and so for each way of gathering:
+(the up projection's GEMM, the down projection's GEMM, SiLU-and-multiply) alone, and then while a chain of gathers
+of one unit's shard (`--shard_mib`) runs on a side stream, for each of three kinds of gather:
   - `nccl`: NCCL's all-gather into `torch.empty` buffers, as FSDP2 does by default;
   - `nccl_registered`: the same, with buffers from the process group's allocator. FSDP2 uses those after
     `set_allocate_memory_from_process_group_for_comm(True)`, and NCCL may then take paths that use fewer SMs;
