@@ -475,30 +475,35 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     else:
         rows = read_prompts(cfg.prompts)
         written = Path(cfg.prompts).with_suffix(".infer.jsonl")
-    # preference data's plain-text prompts go in as training tokenised them: as they are, not as a user turn (rows
-    # a run read with --apply_chat_template are message lists by now, and go through the template)
-    as_text = {i for i, r in enumerate(rows) if "prompt" in r} if cfg.val_dataset or cfg.load_data_args else set()
-    if as_text and cfg.use_chat_template and getattr(loaded.tokenizer, "chat_template", None):
+    # preference data's prompts go in as training read them (`answer_as_read`): plain text as it is, not as a user
+    # turn (rows a run read with --apply_chat_template are message lists by now, and go through the template)
+    from_pairs = bool(cfg.val_dataset or cfg.load_data_args)
+    plain = sum("prompt" in r for r in rows) if from_pairs else 0
+    if plain and cfg.use_chat_template and getattr(loaded.tokenizer, "chat_template", None):
         log.info("%d plain-text prompts of preference data go in as training reads them: as they are, without the "
-                 "chat template (a run trained with --apply_chat_template reads them as user turns).", len(as_text))
+                 "chat template (a run trained with --apply_chat_template reads them as user turns).", plain)
+    stream = cfg.stream and bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
+
+    def answer(model, prompts: list[Prompt], gen: InferConfig) -> list[str]:
+        if from_pairs:
+            return answer_as_read(model, loaded.tokenizer, prompts, gen)
+        streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+        return generate_texts(model, loaded.tokenizer, prompts, gen, streamer)
+
     # one system prompt per call: group rows by their own system prompt (or --system)
     results: list[dict] = [dict(r) for r in rows]
-    groups: dict[tuple[str, bool], list[int]] = {}
+    groups: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
-        groups.setdefault((str(r.get("system") or cfg.system), i in as_text), []).append(i)
-    stream = cfg.stream and bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
-    for (system, plain), idx in groups.items():
+        groups.setdefault(str(r.get("system") or cfg.system), []).append(i)
+    for system, idx in groups.items():
         gen = copy.copy(cfg)
         gen.system = system
-        gen.use_chat_template = cfg.use_chat_template and not plain
         prompts = [_row_prompt(rows[i]) for i in idx]
-        streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-        answers = generate_texts(loaded.model, loaded.tokenizer, prompts, gen, streamer)
-        for i, a in zip(idx, answers):
+        for i, a in zip(idx, answer(loaded.model, prompts, gen)):
             results[i]["response"] = a
         if cfg.compare:
             with loaded.base_model() as base:
-                for i, a in zip(idx, generate_texts(base, loaded.tokenizer, prompts, gen)):
+                for i, a in zip(idx, answer(base, prompts, gen)):
                     results[i]["base_response"] = a
     if console is not None and not stream:
         show_answers(console, results, cfg.compare)
