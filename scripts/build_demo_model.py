@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from fastdpo.demo import char_tokenizer, generate_answers, prompt_text, question, tens_carry, verify
-from fastdpo.tiny import tiny_config
+from fastdpo.commands.demo import char_tokenizer, generate_answers, prompt_text, question, tens_carry, verify
+from fastdpo.model.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,7 +227,7 @@ def main() -> None:
     write_jsonl(out / "heldout.jsonl", [{"prompt": prompt_text(q), "question": q, "answer": answer(q)} for q in heldout])
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json")
     manifest = {
-        "task": "3-digit addition, character-level, greedy answer checked by fastdpo.demo.verify",
+        "task": "3-digit addition, character-level, greedy answer checked by fastdpo.commands.demo.verify",
         "settings": vars(args) | {"out": None},
         "val_accuracy": val_acc,
         "heldout_accuracy": heldout_acc,

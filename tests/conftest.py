@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastdpo.data.tokenize import TokenizedPair
-from fastdpo.tiny import build_tiny_model
+from fastdpo.model.tiny import build_tiny_model
 
 WORDS = [f"w{i}" for i in range(60)]
 
@@ -91,7 +91,7 @@ def restore_logging():
 def lora_run(tmp_path_factory, model_dirs):
     """A LoRA adapter trained on the easy preference (qwen3 base): (base dir, adapter dir, training output dir)."""
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     root = tmp_path_factory.mktemp("lora_run")
     base = model_dirs("qwen3")

@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import WORDS
 
 from fastdpo.data.template import BUILTIN_TEMPLATES
-from fastdpo.tiny import word_tokenizer
+from fastdpo.model.tiny import word_tokenizer
 
 ROLE_WORDS = ["user", "assistant", "system", "tool", "get_time", "get_date"]
 

@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, port: int, kwargs: dict) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     try:
         result = train(TrainConfig(**kwargs), progress=False)
@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, port: int, kwargs: dict) -> None:
 
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "fastdpo.train", "dist_helpers"])
+    ctx.set_forkserver_preload(["torch", "transformers", "fastdpo.training.loop", "dist_helpers"])
     return ctx
 
 

@@ -4,7 +4,7 @@ that updates far below bf16's precision still count on average."""
 import pytest
 import torch
 
-from fastdpo.adamw import CHUNK, AdamW, _pieces, stochastic_round_
+from fastdpo.optim.adamw import CHUNK, AdamW, _pieces, stochastic_round_
 
 
 def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
@@ -111,7 +111,7 @@ def test_rounding_noise_depends_on_seed_and_step_only():
 
 
 def test_large_tensors_are_updated_in_slices(monkeypatch):
-    monkeypatch.setattr("fastdpo.adamw.CHUNK", 100)
+    monkeypatch.setattr("fastdpo.optim.adamw.CHUNK", 100)
     a, b = torch.zeros(250), torch.zeros(30)
     pieces = _pieces([[a, b]])
     assert [sum(t.numel() for t in p[0]) for p in pieces] == [100, 100, 80]
@@ -138,8 +138,8 @@ def test_training_in_bf16_applies_small_updates(tmp_path, model_dirs):
     from conftest import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
-    from fastdpo.optim import build_optimizer
-    from fastdpo.train import train
+    from fastdpo.optim.optimizer import build_optimizer
+    from fastdpo.training.loop import train
 
     model = model_dirs("qwen3")
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(24, seed=1))
@@ -201,7 +201,7 @@ def test_state_loads_from_and_into_torch_adamw():
 
 def _skip_run(make_opt, dtype, skip: bool, device="cpu"):
     """Three good steps; with `skip`, a NaN step flagged non-finite between the second and the third."""
-    from fastdpo.optim import step_unless_nonfinite, undo_step_count
+    from fastdpo.optim.optimizer import step_unless_nonfinite, undo_step_count
 
     torch.manual_seed(0)
     w = torch.nn.Parameter((torch.randn(64, 33) * 0.02).to(device, dtype))
@@ -255,7 +255,7 @@ def check_skipped_step(kind, dtype, device):
 def test_local_shard_reads_the_held_tensor_or_asks_for_it():
     """A DTensor's local tensor is read as its attribute (no dispatch); a wrapper that only offers `to_local()` is
     asked for it; a plain tensor is itself."""
-    from fastdpo.adamw import local_shard
+    from fastdpo.optim.adamw import local_shard
 
     plain, held, asked = torch.zeros(3), torch.ones(2), torch.full((2,), 2.0)
 

@@ -10,7 +10,7 @@ from conftest import easy_rows
 
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
-from fastdpo.model import FLEX_PAD, SHAPE_BUCKETS, flex_length
+from fastdpo.model.core import FLEX_PAD, SHAPE_BUCKETS, flex_length
 
 
 def test_flex_length_uses_few_static_shapes():
@@ -31,7 +31,7 @@ def test_flex_length_uses_few_static_shapes():
 def test_length_buckets_set_the_static_lengths(n):
     """--length_buckets N: a budget's micro-batches take N static lengths, each padded by less than budget / N."""
     from fastdpo.data.tokenize import TokenizedPair
-    from fastdpo.model import Backend, make_batch
+    from fastdpo.model.core import Backend, make_batch
 
     budget = 8192
     lengths = {flex_length(t, budget, n) for t in range(1, budget + 1)}
@@ -52,7 +52,8 @@ def _cfg(tmp_path, model_dirs, **kw):
 
 
 def test_longest_pair_probe_stops_at_first_oom(tmp_path, model_dirs, monkeypatch):
-    from fastdpo import bench, train
+    from fastdpo.commands import bench
+    from fastdpo.training import trainer as train
 
     real = train.run_step
 
@@ -71,14 +72,14 @@ def test_longest_pair_probe_stops_at_first_oom(tmp_path, model_dirs, monkeypatch
 
 
 def test_long_pair_rows_split():
-    from fastdpo.bench import long_pair_rows
+    from fastdpo.data.anchor import long_pair_rows
 
     r = long_pair_rows(1000)
     assert [len(r[k].split()) for k in ("prompt", "chosen", "rejected")] == [500, 250, 250]
 
 
 def test_qlora_bench_on_cpu_is_a_clear_error(tmp_path, model_dirs):
-    from fastdpo.bench import bench_model
+    from fastdpo.model.shapes import bench_model
 
     cfg = _cfg(tmp_path, model_dirs, train_type="qlora", quant_bits=4)
     with pytest.raises(FastDPOError, match="needs a CUDA GPU"):
@@ -86,8 +87,8 @@ def test_qlora_bench_on_cpu_is_a_clear_error(tmp_path, model_dirs):
 
 
 def test_activation_offloading_keeps_gradients(model_dirs):
-    from fastdpo.memory import OffloadActivations
-    from fastdpo.model import load_model
+    from fastdpo.model.core import load_model
+    from fastdpo.model.memory import OffloadActivations
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
     ids = torch.randint(4, 60, (2, 24))
@@ -111,8 +112,8 @@ def test_activation_offloading_keeps_gradients(model_dirs):
 
 
 def test_activation_offloading_skips_parameters(model_dirs):
-    from fastdpo.memory import OffloadActivations
-    from fastdpo.model import load_model
+    from fastdpo.model.core import load_model
+    from fastdpo.model.memory import OffloadActivations
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
     seen = []
@@ -141,8 +142,8 @@ def test_training_with_offloading_matches(tmp_path, model_dirs, monkeypatch):
     from conftest import write_jsonl
     from safetensors.torch import load_file
 
-    from fastdpo import memory
-    from fastdpo.train import train
+    from fastdpo.model import memory
+    from fastdpo.training.loop import train
 
     moved = []
     real_init = memory.OffloadActivations.__init__
@@ -165,8 +166,9 @@ def test_training_with_offloading_matches(tmp_path, model_dirs, monkeypatch):
 
 
 def test_warm_up_lengths_leaves_no_gradients(tmp_path, model_dirs):
-    from fastdpo.model import load_model, load_tokenizer
-    from fastdpo.train import assemble, warm_up_lengths
+    from fastdpo.model.core import load_model, load_tokenizer
+    from fastdpo.training.setup import assemble
+    from fastdpo.training.trainer import warm_up_lengths
 
     cfg = _cfg(tmp_path, model_dirs, max_tokens_per_batch=512)
     path = str(model_dirs("qwen3"))
@@ -181,8 +183,8 @@ def test_warm_up_lengths_leaves_no_gradients(tmp_path, model_dirs):
 
 
 def test_compile_layers_makes_frozen_embeddings_output_require_grad(model_dirs):
-    from fastdpo.memory import compile_layers
-    from fastdpo.model import add_lora, load_model
+    from fastdpo.model.core import add_lora, load_model
+    from fastdpo.model.memory import compile_layers
 
     model = add_lora(load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu")), 4, 8, 0.0, "all-linear")
     emb = model.get_input_embeddings()
@@ -199,8 +201,8 @@ def test_compile_layers_refuses_cuda_graphs(model_dirs):
     """CUDA graphs replay one graph for every layer, overwriting the outputs the backward still needs: a clear error."""
     import torch._inductor.config
 
-    from fastdpo.memory import compile_layers
-    from fastdpo.model import load_model
+    from fastdpo.model.core import load_model
+    from fastdpo.model.memory import compile_layers
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
     with torch._inductor.config.patch({"triton.cudagraphs": True}):
@@ -213,9 +215,9 @@ def test_compiled_lengths_stay_compiled(model_dirs):
     the flex kernel and the compiled layers raise the limit to cover their lengths, and never lower a larger one."""
     import torch._dynamo
 
-    from fastdpo import attention
-    from fastdpo.memory import compile_layers
-    from fastdpo.model import load_model
+    from fastdpo.model import attention
+    from fastdpo.model.core import load_model
+    from fastdpo.model.memory import compile_layers
 
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
@@ -236,16 +238,18 @@ def test_compiled_lengths_stay_compiled(model_dirs):
 def test_flex_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, caplog):
     """FlexAttention builds kernels per micro-batch length: a run without --max_tokens_per_batch gets a budget
     (logged), compiled layers or not, so its micro-batches take a few static lengths."""
-    from fastdpo import train as train_mod
     from fastdpo.data.tokenize import TokenizedPair
-    from fastdpo.model import Backend, flex_budget, load_model, load_tokenizer
+    from fastdpo.model.core import Backend, flex_budget, load_model, load_tokenizer
+    from fastdpo.training import setup as train_mod
 
     pairs = [TokenizedPair(prompt=[5] * 300, chosen=[6] * 100, rejected=[7] * 100, index=i) for i in range(6)]
     pairs.append(TokenizedPair(prompt=[5] * 2000, chosen=[6] * 600, rejected=[7] * 600, index=6))
     assert flex_budget(pairs, 8) == 7168  # 8 x ~886 tokens, rounded up to 1024s
     assert flex_budget(pairs, 1) == 4096  # never below the longest pair (3200)
     monkeypatch.setattr(train_mod, "choose_backend", lambda *a: Backend("flex"))
-    monkeypatch.setattr(train_mod, "compile_layers", lambda model, **kw: None)
+    from fastdpo.parallel import parallelize
+
+    monkeypatch.setattr(parallelize, "compile_layers", lambda model, **kw: None)
     monkeypatch.setattr(train_mod, "prepare_packed", lambda *a: None)
     path = str(model_dirs("qwen3"))
     cfg = _cfg(tmp_path, model_dirs, torch_compile=True, per_device_train_batch_size=2)
@@ -421,7 +425,7 @@ def test_trace_gaps_splits_device_time_by_the_hosts_phase(tmp_path):
 
 
 def test_speed_hint_names_the_missing_settings():
-    from fastdpo.train import speed_hint
+    from fastdpo.training.setup import speed_hint
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     plain = TrainConfig(model="m", dataset=["d"])
@@ -457,7 +461,7 @@ def test_compile_warmup_leaves_training_unchanged(tmp_path, model_dirs, caplog):
     from dist_helpers import metrics
     from safetensors.torch import load_file
 
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(12, seed=1))
     common = dict(model=str(model_dirs("qwen3")), dataset=[str(data)], max_steps=3, per_device_train_batch_size=4,
@@ -480,7 +484,7 @@ def test_compile_warmup_leaves_training_unchanged(tmp_path, model_dirs, caplog):
 
 
 def test_bench_environment_records_compile_variables(monkeypatch):
-    from fastdpo.bench import environment
+    from fastdpo.commands.bench import environment
 
     for k in [k for k in os.environ if k.startswith(("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_"))]:
         monkeypatch.delenv(k)

@@ -7,9 +7,9 @@ import torch
 from conftest import random_pairs
 from torch.nn.attention.flex_attention import create_block_mask
 
-from fastdpo import attention
-from fastdpo.attention import FLEX_BLOCK, allowed, dense_mask, flex_block_mask
 from fastdpo.data.pack import pack_pairs
+from fastdpo.model import attention
+from fastdpo.model.attention import FLEX_BLOCK, allowed, dense_mask, flex_block_mask
 
 
 def reference(batch, window):

@@ -85,11 +85,12 @@ def test_shuffle_false_keeps_the_dataset_order():
 def test_training_passes_shuffle_to_the_step_order(tmp_path, model_dirs, monkeypatch):
     from conftest import easy_rows, write_jsonl
 
-    from fastdpo import train as train_mod
+    from fastdpo.training import loop as train_mod
+    from fastdpo.training import trainer as step_mod
 
     seen = []
-    real = train_mod.step_order
-    monkeypatch.setattr(train_mod, "step_order", lambda *a: seen.append(a) or real(*a))
+    real = step_mod.step_order
+    monkeypatch.setattr(step_mod, "step_order", lambda *a: seen.append(a) or real(*a))
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(8))
     cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "o"),
                       max_steps=1, per_device_train_batch_size=4, shuffle=False)
@@ -161,7 +162,7 @@ def test_unknown_flag_hints_come_from_the_command_given(capsys, argv, needle):
 
 
 def test_fewer_than_32_pairs_per_step_warns(caplog):
-    from fastdpo.train import warn_small_steps
+    from fastdpo.training.setup import warn_small_steps
 
     caplog.set_level(logging.WARNING, logger="fastdpo")
     warn_small_steps(parse("--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "1"), 1)

@@ -244,7 +244,7 @@ def test_val_split_selects_the_split_of_held_out_dataset_dirs(tmp_path):
     """TRL's --dataset_test_split: the held-out rows come from that split of the same dataset dir."""
     from datasets import Dataset, DatasetDict
 
-    from fastdpo import evaluate
+    from fastdpo.data import split as evaluate
 
     rows = easy_rows(6, seed=2)
     DatasetDict({"train": Dataset.from_list(rows[:4]), "test": Dataset.from_list(rows[4:])}).save_to_disk(tmp_path / "ds")

@@ -185,7 +185,7 @@ def test_check_data_reports_the_rows_a_row_count_selects(tmp_path, capsys):
 def test_check_data_selects_the_rows_training_uses(tmp_path):
     from transformers import AutoTokenizer
 
-    from fastdpo.data.check import check_data
+    from fastdpo.commands.check_data import check_data
     from fastdpo.data.prepare import DataOptions, load_pairs
 
     f = write_jsonl(tmp_path / "d.jsonl", easy_rows(32))
@@ -230,8 +230,8 @@ def test_training_logs_the_plain_text_note(tmp_path, caplog):
     import logging
 
     from fastdpo.config import TrainConfig
-    from fastdpo.model import load_tokenizer
-    from fastdpo.train import load_splits
+    from fastdpo.model.core import load_tokenizer
+    from fastdpo.training.setup import load_splits
 
     caplog.set_level(logging.WARNING, logger="fastdpo")
     raw = write_jsonl(tmp_path / "raw.jsonl", easy_rows(4))

@@ -190,8 +190,8 @@ def test_eval_reads_names_through_dataset_dir_as_training_does(lf, model_dirs, m
     """`fastdpo eval --dataset my_chat --dataset_dir data` scores the rows training held out under eval_dataset
     my_chat, read with that entry's own columns and tags; the resolved reading can also be passed as --dataset_info
     (what a run's config.yaml holds). Unknown names and a conflicting --split are refused with the fix."""
+    from fastdpo.commands.evaluate import EvalConfig, run_eval
     from fastdpo.data import prepare
-    from fastdpo.evaluate import EvalConfig, run_eval
 
     train_cfg = config(lf, lf_yaml(eval_dataset="my_chat"))
     train_cfg.validate_data()

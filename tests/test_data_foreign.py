@@ -253,7 +253,7 @@ def test_column_and_template_flag_conflicts_are_refused(tmp_path, argv, needle):
 
 
 def test_mapping_applies_to_val_dataset_and_check_data(tmp_path, capsys):
-    from fastdpo.evaluate import held_out_rows
+    from fastdpo.data.split import held_out_rows
 
     rows = [{"question": f"w{i}", "good": " w5", "bad": " w7"} for i in range(10, 14)]
     val = write_jsonl(tmp_path / "val.jsonl", rows)
@@ -334,7 +334,7 @@ def test_check_data_counts_foreign_formats(tmp_path, capsys):
 def test_alpaca_file_trains(tmp_path, model_dirs, one_thread):
     from conftest import easy_rows
 
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     rows = [{"instruction": r["prompt"], "input": "", "chosen": r["chosen"], "rejected": r["rejected"]}
             for r in easy_rows(32, seed=2)]
@@ -353,7 +353,7 @@ def test_alpaca_file_trains(tmp_path, model_dirs, one_thread):
 
 def test_eval_takes_the_column_keys_as_training_does():
     """`fastdpo eval` scores the rows a run trained on with the same flags: OpenRLHF's keys included."""
-    from fastdpo.evaluate import EvalConfig
+    from fastdpo.commands.evaluate import EvalConfig
 
     argv = ["eval", "--model", "m", "--dataset", "d.jsonl", "--prompt_key", "q", "--rejected_key", "bad"]
     cfg = build_config(build_parser().parse_args(argv), EvalConfig)
@@ -363,7 +363,7 @@ def test_eval_takes_the_column_keys_as_training_does():
 
 
 def test_eval_reads_rows_as_training_did():
-    from fastdpo.evaluate import EvalConfig
+    from fastdpo.commands.evaluate import EvalConfig
 
     cfg = EvalConfig(model="m", dataset=["d.jsonl"], columns={"q": "prompt"}, input_template="w9 {}")
     assert RowOptions.from_config(cfg) == RowOptions((("q", "prompt"),), "w9 {}")

@@ -11,8 +11,8 @@ from fastdpo.config import TrainConfig
 from fastdpo.data.prepare import DataOptions, load_pairs
 from fastdpo.data.stream import PairStream
 from fastdpo.data.tokenize import TokenizeOptions
-from fastdpo.tiny import word_tokenizer
-from fastdpo.train import train
+from fastdpo.model.tiny import word_tokenizer
+from fastdpo.training.loop import train
 
 
 def as_tuples(pairs):

@@ -8,7 +8,7 @@ from fastdpo.data.formats import RowError, to_row
 from fastdpo.data.template import BUILTIN_TEMPLATES, resolve_template
 from fastdpo.data.tokenize import TokenizeOptions, tokenize_rows
 from fastdpo.errors import FastDPOError
-from fastdpo.tiny import word_tokenizer
+from fastdpo.model.tiny import word_tokenizer
 
 
 def rows_of(values):

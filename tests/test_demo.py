@@ -6,8 +6,8 @@ import zipfile
 
 import pytest
 
-from fastdpo import demo
 from fastdpo.cli import main
+from fastdpo.commands import demo
 
 
 def rows(name):

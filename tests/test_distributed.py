@@ -16,10 +16,11 @@ from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metric
 
 from fastdpo.cli import main
 from fastdpo.config import TrainConfig
-from fastdpo.distributed import parallel_plan, rank_micro_batches, split_ranks
+from fastdpo.config.launch import wants_launch
 from fastdpo.errors import FastDPOError
-from fastdpo.launch import failure_message, torchrun_args, wants_launch
-from fastdpo.train import train
+from fastdpo.parallel.distributed import parallel_plan, rank_micro_batches, split_ranks
+from fastdpo.parallel.launch import failure_message, torchrun_args
+from fastdpo.training.loop import train
 
 # ---------------------------------------------------------------- pure pieces
 
@@ -243,10 +244,10 @@ def _environ(pid: int) -> dict:
 
 
 def test_each_rank_precomputes_its_share(tmp_path, model_dirs, monkeypatch):
-    from fastdpo import reference
     from fastdpo.data.tokenize import TokenizedPair
-    from fastdpo.distributed import Dist
-    from fastdpo.model import choose_backend, load_model, load_tokenizer
+    from fastdpo.dpo import reference
+    from fastdpo.model.core import choose_backend, load_model, load_tokenizer
+    from fastdpo.parallel.distributed import Dist
 
     path = str(model_dirs("qwen3"))
     model = load_model(path, torch.float32, torch.device("cpu"))
@@ -265,7 +266,7 @@ def test_each_rank_precomputes_its_share(tmp_path, model_dirs, monkeypatch):
 
 
 def test_two_ranks_share_the_precompute_and_match_one_rank(tmp_path, model_dirs):
-    from fastdpo.refcache import load_table
+    from fastdpo.dpo.refcache import load_table
 
     common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp_path))], precompute_ref_log_probs=True,
                   **BASE)
@@ -290,9 +291,9 @@ def _gradients_in_buckets(model_dir: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.distributed import Dist, wrap_models
-    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.parallel.distributed import Dist, wrap_models
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     backend = Backend("dense")
@@ -323,10 +324,10 @@ def _one_graph_per_layer(split: bool, model_dir: str) -> None:
     from torch._dynamo.testing import CompileCounter
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.distributed import Dist, wrap_models
-    from fastdpo.memory import compile_layers
-    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.model.memory import compile_layers
+    from fastdpo.parallel.distributed import Dist, wrap_models
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     backend = Backend("dense")

@@ -7,7 +7,7 @@ from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_ranks
 from safetensors.torch import load_file
 
 from fastdpo.config import TrainConfig
-from fastdpo.train import train
+from fastdpo.training.loop import train
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +144,9 @@ def test_zero2_keeps_weights_gathered_through_a_step(model_dirs):
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.distributed import Dist, grad_sync, parallel_plan, wrap_models
-    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.parallel.distributed import Dist, grad_sync, parallel_plan, wrap_models
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))
     backend = Backend("dense")
@@ -181,9 +181,9 @@ def test_full_shard_keeps_last_unit_and_root_gathered_into_backward(model_dirs, 
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.distributed import Dist, parallel_plan, wrap_models
-    from fastdpo.model import build_mask, make_batch
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.parallel.distributed import Dist, parallel_plan, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     ref = Reference(reference, AutoModelForCausalLM.from_config(config) if reference == "copy" else None)
@@ -222,9 +222,9 @@ def test_each_forward_gathers_the_next_unit_as_it_opens(mode, model_dirs):
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.distributed import Dist, parallel_plan, wrap_models
-    from fastdpo.model import build_mask, make_batch
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.parallel.distributed import Dist, parallel_plan, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     ref = Reference("copy", AutoModelForCausalLM.from_config(config)) if mode == "reference" else Reference("precompute")
@@ -270,9 +270,9 @@ def test_full_shard_keeps_the_first_unit_and_root_gathered_between_micro_steps(m
     from conftest import random_pairs
     from torch.distributed.tensor import DTensor
 
-    from fastdpo.distributed import Dist, grad_sync, parallel_plan, wrap_models
-    from fastdpo.model import build_mask, make_batch
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.parallel.distributed import Dist, grad_sync, parallel_plan, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     plan = parallel_plan("full_shard", "")
@@ -313,9 +313,9 @@ def test_full_shard_gathers_the_step_start_after_the_update(model_dirs):
     from conftest import random_pairs
     from torch.distributed.tensor import DTensor
 
-    from fastdpo.distributed import Dist, gather_step_start, grad_sync, parallel_plan, wrap_models
-    from fastdpo.model import build_mask, make_batch
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.parallel.distributed import Dist, gather_step_start, grad_sync, parallel_plan, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     twin = copy.deepcopy(model)
@@ -363,8 +363,8 @@ def test_step_start_gathers_nothing_outside_full_shard(model_dirs):
     """DDP, one process and shard_grad_op have no step-start units: nothing is gathered."""
     import torch.distributed as dist
 
-    from fastdpo.distributed import Dist, gather_step_start, parallel_plan, wrap_models
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.parallel.distributed import Dist, gather_step_start, parallel_plan, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     plan = parallel_plan("shard_grad_op", "")
@@ -388,9 +388,9 @@ def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
     from conftest import random_pairs
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.distributed import Dist, LogpsModule, grad_sync, parallel_plan, wrap_models
-    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.parallel.distributed import Dist, LogpsModule, grad_sync, parallel_plan, wrap_models
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"), torch_dtype=torch.bfloat16)
     backend = Backend("dense")
@@ -431,8 +431,8 @@ def test_fsdp_units_hold_the_requested_decoder_layers(model_dirs, requested, gro
     all fit in one."""
     import torch.distributed as dist
 
-    from fastdpo.distributed import Dist, parallel_plan, wrap_models
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.parallel.distributed import Dist, parallel_plan, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     plan = parallel_plan("full_shard", "")
@@ -452,7 +452,7 @@ def test_auto_units_follow_the_layers_weights():
     UNIT_MIB is a unit of its own; a model smaller than that is one unit."""
     import torch
 
-    from fastdpo.distributed import UNIT_MIB, unit_sizes
+    from fastdpo.parallel.distributed import UNIT_MIB, unit_sizes
 
     class Layer(torch.nn.Module):
         def __init__(self, params):
@@ -495,7 +495,7 @@ def five_layer_qwen3(model_dirs):
     """The tiny Qwen3 with five decoder layers, on the packed dense path: (config, model, backend)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fastdpo.model import Backend, prepare_packed
+    from fastdpo.model.core import Backend, prepare_packed
 
     config = AutoConfig.from_pretrained(model_dirs("qwen3"))
     config.num_hidden_layers = 5

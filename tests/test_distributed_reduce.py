@@ -7,7 +7,7 @@ import pytest
 import torch
 from dist_helpers import BASE, dataset, metrics, run_isolated, run_on_ranks, run_ranks, weights
 
-from fastdpo.distributed import sums_in_fp32
+from fastdpo.parallel.distributed import sums_in_fp32
 
 
 def test_auto_widens_only_beyond_two_ranks():
@@ -75,9 +75,9 @@ def _collective_dtypes(mode: str, wide: bool, model_dir: str) -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fsdp_comm
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.distributed import Dist, parallel_plan, wrap_models
-    from fastdpo.model import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.reference import Reference
+    from fastdpo.dpo.reference import Reference
+    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.parallel.distributed import Dist, parallel_plan, wrap_models
 
     seen = []  # a child process of its own: the wrappers below need no undoing
     for name in ("all_reduce", "reduce_scatter_tensor"):
@@ -108,8 +108,8 @@ def _flagged_update_on_shards() -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from fastdpo.adamw import AdamW
-    from fastdpo.optim import step_unless_nonfinite, undo_step_count
+    from fastdpo.optim.adamw import AdamW
+    from fastdpo.optim.optimizer import step_unless_nonfinite, undo_step_count
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     for make in (lambda ps: AdamW(ps, lr=1e-2, seed=1), lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)):
@@ -141,7 +141,7 @@ def _clip_on_shards(rank: int, world: int, dtype: torch.dtype) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fastdpo.distributed import _sharded_on_one_mesh, clip_grad_norm
+    from fastdpo.parallel.distributed import _sharded_on_one_mesh, clip_grad_norm
 
     mesh = init_device_mesh("cpu", (world,))
     shapes = [(7, 3), (5,), (1,), (9, 4), (2, 2)]

@@ -10,26 +10,20 @@ import torch
 from conftest import WORDS, easy_rows, run_cli, write_jsonl
 from transformers import AutoModelForCausalLM
 
-from fastdpo import checkpoint as ckpt
+from fastdpo.commands.evaluate import EvalConfig, run_eval
 from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row, load_rows
+from fastdpo.data.split import split_rows
 from fastdpo.data.tokenize import tokenize_rows
+from fastdpo.dpo.losses import LossInputs, LossParams
+from fastdpo.dpo.reference import Reference
+from fastdpo.dpo.rewards import load_reward_fn, score, win_rate
 from fastdpo.errors import FastDPOError
-from fastdpo.evaluate import (
-    BestTracker,
-    EvalConfig,
-    TrainingEval,
-    preference_metrics,
-    run_eval,
-    split_rows,
-    token_kl,
-)
-from fastdpo.losses import LossInputs, LossParams
-from fastdpo.model import Backend, load_tokenizer, prepare_packed
-from fastdpo.reference import Reference
-from fastdpo.rewards import load_reward_fn, score, win_rate
-from fastdpo.tiny import build_tiny_model
-from fastdpo.train import train
+from fastdpo.model.core import Backend, load_tokenizer, prepare_packed
+from fastdpo.model.tiny import build_tiny_model
+from fastdpo.training import checkpoint as ckpt
+from fastdpo.training.evaluate import BestTracker, TrainingEval, preference_metrics, token_kl
+from fastdpo.training.loop import train
 
 # ---------------------------------------------------------------- pure pieces
 
@@ -433,7 +427,7 @@ def test_eval_during_training_on_flex_matches_the_padded_eval(tmp_path, model_di
 
 def test_eval_tokenises_like_training(tmp_path, model_dirs, monkeypatch):
     """--template and the length limits mean the same in eval as in training: the scored pairs are training's."""
-    from fastdpo import evaluate
+    from fastdpo.commands import evaluate
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
 
     words = WORDS[4:40]
@@ -468,8 +462,8 @@ def test_eval_reads_the_split_it_is_given(tmp_path, model_dirs, monkeypatch):
     held-out split, not the training rows."""
     from datasets import Dataset, DatasetDict
 
-    from fastdpo import evaluate
     from fastdpo.cli import build_parser
+    from fastdpo.commands import evaluate
     from fastdpo.config import build_config
 
     rows = easy_rows(5, seed=3)
@@ -506,8 +500,8 @@ def test_ms_swift_eval_flags_get_clear_answers(flags, needle, capsys):
 def test_eval_on_flex_without_a_budget_gets_one(tmp_path, heldout, model_dirs, monkeypatch):
     """FlexAttention builds kernels per micro-batch length: `fastdpo eval` without --max_tokens_per_batch scores in
     micro-batches under a budget of about --per_device_eval_batch_size pairs, so they take a few static lengths."""
-    import fastdpo.evaluate as ev
-    import fastdpo.model as model_mod
+    import fastdpo.commands.evaluate as ev
+    import fastdpo.model.core as model_mod
 
     seen = {}
 
@@ -536,7 +530,7 @@ def test_reward_columns_come_from_each_rows_own_record(tmp_path):
     1), in JSONL, and for rows read through --dataset_info (whose location names the dataset)."""
     import dataclasses
 
-    from fastdpo.evaluate import row_columns
+    from fastdpo.commands.evaluate import row_columns
 
     records = [{**r, "answer": f"w{k}"} for k, r in enumerate(easy_rows(4, seed=2))]
     one_line = tmp_path / "one.json"

@@ -6,8 +6,8 @@ import torch
 from conftest import run_cli
 from transformers import AutoModelForCausalLM
 
-from fastdpo.export import ExportConfig, merge_lora
-from fastdpo.infer import GenerationArgs, ModelArgs, generate_ids, load_for_generation
+from fastdpo.commands.export import ExportConfig, merge_lora
+from fastdpo.model.generate import GenerationArgs, ModelArgs, generate_ids, load_for_generation
 
 PROMPTS = ["w10 w11", "w12", "w13 w14 w15 w16 w17", "w40 w22 w31", "w50 w51 w52"]
 

@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from fastdpo.gcpause import GcPauses
+from fastdpo.observe.gcpause import GcPauses
 
 
 class Node:

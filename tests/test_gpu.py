@@ -8,8 +8,8 @@ from conftest import random_pairs
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
-from fastdpo.memory import compile_layers
-from fastdpo.model import Backend, prepare_packed, sequence_logps
+from fastdpo.model.core import Backend, prepare_packed, sequence_logps
+from fastdpo.model.memory import compile_layers
 
 pytestmark = pytest.mark.gpu
 
@@ -84,7 +84,7 @@ def _many_flex_lengths():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
 
-    from fastdpo import attention
+    from fastdpo.model import attention
 
     torch._dynamo.reset()
     attention._compiled_flex.cache_clear()
@@ -111,7 +111,7 @@ def test_qlora_trains_on_cuda(tmp_path, model_dirs):
     from conftest import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(32))
     cfg = TrainConfig(model=str(model_dirs("qwen3", hidden=128)), dataset=[str(data)], train_type="qlora",
@@ -124,7 +124,7 @@ def test_qlora_trains_on_cuda(tmp_path, model_dirs):
 
 
 def test_activation_offloading_keeps_gradients_and_lowers_peak():
-    from fastdpo.memory import OffloadActivations
+    from fastdpo.model.memory import OffloadActivations
 
     model = qwen3_model(torch.bfloat16)
     model.train()
@@ -156,7 +156,7 @@ def test_activation_offloading_keeps_gradients_and_lowers_peak():
 def test_block_mask_matches_create_block_mask_on_cuda():
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from fastdpo.attention import FLEX_BLOCK, allowed, flex_block_mask
+    from fastdpo.model.attention import FLEX_BLOCK, allowed, flex_block_mask
 
     pairs = random_pairs(40, 151936, seed=3, max_prompt=400, max_comp=300)
     batch = pack_pairs(pairs, 4096).to("cuda")
@@ -180,7 +180,7 @@ def _bf16_spacing(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_fused_adamw_kernel_matches_the_float32_update():
-    from fastdpo.adamw import AdamW
+    from fastdpo.optim.adamw import AdamW
 
     torch.manual_seed(0)
     n = 3 * 2048 + 17  # a partial last block
@@ -218,7 +218,7 @@ def test_fused_adamw_kernel_matches_the_float32_update():
 
 
 def test_fused_adamw_rounding_is_unbiased():
-    from fastdpo.adamw_kernel import adamw_update_
+    from fastdpo.optim.adamw_kernel import adamw_update_
 
     # weight 1.0 (bfloat16 spacing 2^-7 above it): an update of +0.3 spacing must round up 30 % of the time
     n = 1 << 20
@@ -242,7 +242,7 @@ def test_fused_adamw_one_launch_updates_each_tensor_as_its_own_launch_would():
     """The table and program map of the one launch: tensors of many sizes (empty, a partial chunk, several chunks,
     smaller than one block) updated together get the bits that one launch per tensor gives them, stochastic rounding
     noise included; float32 weights too."""
-    from fastdpo.adamw_kernel import BLOCK, ITERS, adamw_update_
+    from fastdpo.optim.adamw_kernel import BLOCK, ITERS, adamw_update_
 
     torch.manual_seed(0)
     sizes = [3 * BLOCK * ITERS + 17, 0, 64, BLOCK * ITERS, BLOCK + 1, 5]
@@ -271,7 +271,7 @@ def test_fused_adamw_kernel_obeys_the_device_flag():
     optimizer level a skipped NaN step changes nothing, for fastdpo's kernel and torch's fused AdamW."""
     from test_adamw import check_skipped_step
 
-    from fastdpo.adamw_kernel import adamw_update_
+    from fastdpo.optim.adamw_kernel import adamw_update_
 
     w = torch.randn(5000, device="cuda").bfloat16()
     m, v = torch.randn_like(w) * 1e-3, torch.rand_like(w) * 1e-6
@@ -292,7 +292,7 @@ def test_profile_memory_reports_the_peak_on_cuda(tmp_path, model_dirs):
     from conftest import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(16, seed=1))
     cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
@@ -319,9 +319,9 @@ def test_training_without_a_budget_builds_few_flex_lengths(tmp_path, model_dirs)
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
 
-    from fastdpo import attention
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.model import attention
+    from fastdpo.training.loop import train
 
     r = random.Random(5)
     rows = [{"prompt": " ".join(f"w{r.randrange(10, 60)}" for _ in range(r.randint(20, 900))),
@@ -346,8 +346,8 @@ def test_policy_forward_and_backward_never_wait_for_the_device():
     """The host must be able to run ahead of the GPU through a whole micro-batch (forward, per-sequence sums, and
     backward): any op that reads a device value back (bincount, .item(), boolean indexing) stalls the queue and, under
     FSDP2, its prefetching. The first pass builds the kernels; the second runs with syncs made errors."""
-    from fastdpo.model import build_mask, make_batch
-    from fastdpo.seqlogps import completion_logps
+    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.model.seqlogps import completion_logps
 
     model = qwen3_model(torch.bfloat16, layers=2)
     backend = Backend("flex")
@@ -368,7 +368,7 @@ def test_head_gradient_accumulates_in_float32_inside_the_gemm(monkeypatch):
     """The chunked log-prob backward adds each chunk's head gradient into the float32 sum inside the GEMM (bf16
     inputs, float32 output): closer to the float64 gradient than forming each chunk's product in bf16 and adding it,
     the path it replaced (kept for other devices); the hidden-state gradient is unchanged."""
-    import fastdpo.logprobs as lp
+    import fastdpo.model.logprobs as lp
 
     assert lp._has_out_dtype()
     g = torch.Generator(device="cuda").manual_seed(0)

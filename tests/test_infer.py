@@ -7,18 +7,10 @@ import shutil
 import pytest
 from conftest import WORDS, run_cli, write_jsonl
 
+from fastdpo.commands.infer import GenerationArgs, InferConfig, ModelArgs, generate_texts, load_for_generation, run_infer
 from fastdpo.errors import FastDPOError
-from fastdpo.infer import (
-    GenerationArgs,
-    InferConfig,
-    ModelArgs,
-    generate_ids,
-    generate_texts,
-    load_for_generation,
-    prompt_ids,
-    run_infer,
-)
-from fastdpo.tiny import build_tiny_model
+from fastdpo.model.generate import generate_ids, prompt_ids
+from fastdpo.model.tiny import build_tiny_model
 
 PROMPTS = ["w10 w11", "w12", "w13 w14 w15 w16 w17", "w40 w22 w31"]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
@@ -175,12 +167,12 @@ def test_a_model_trained_with_a_template_generates_from_the_prompts_it_trained_o
     """--template is saved as the trained model's chat template: generation from final/ starts from exactly the
     prompt tokens training scored (the tiny tokenizer has no template of its own, so before, a chat prompt was
     refused); eval and infer take --template for a model saved without it."""
+    from fastdpo.commands.evaluate import EvalConfig
     from fastdpo.config import TrainConfig
     from fastdpo.data.load import load_rows
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
-    from fastdpo.evaluate import EvalConfig
-    from fastdpo.model import load_tokenizer
-    from fastdpo.train import train
+    from fastdpo.model.core import load_tokenizer
+    from fastdpo.training.loop import train
 
     words = WORDS[4:40]
     rows = [{"prompt": [{"role": "user", "content": " ".join(words[i:i + 4])}],
@@ -267,8 +259,8 @@ def test_load_data_args_answers_the_runs_held_out_prompts(tmp_path, capsys, mode
 
     from fastdpo.config import TrainConfig
     from fastdpo.data.load import load_rows
-    from fastdpo.evaluate import held_out_rows
-    from fastdpo.train import train
+    from fastdpo.data.split import held_out_rows
+    from fastdpo.training.loop import train
 
     base = model_dirs("qwen3")
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(20, seed=4))
@@ -296,7 +288,7 @@ def test_an_adapter_names_its_local_base_by_absolute_path(tmp_path, capsys, monk
     from conftest import easy_rows
 
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     shutil.copytree(model_dirs("qwen3"), tmp_path / "base")
     monkeypatch.chdir(tmp_path)
@@ -354,7 +346,7 @@ def test_prompts_already_rendered_are_not_wrapped_again(tmp_path, model_dirs):
         prompt_ids(tok, text, system="w1", rendered=marker)
     gen = GenerationArgs(max_new_tokens=3)
     seen = []
-    import fastdpo.infer as infer_mod
+    import fastdpo.model.generate as infer_mod
 
     real = infer_mod.prompt_ids
     try:
@@ -369,8 +361,8 @@ def test_preference_data_prompts_go_in_as_training_read_them(tmp_path, model_dir
     """--val_dataset / --load_data_args: plain-text prompts are tokenised as training tokenises plain-text rows (as
     they are), conversational ones through the template; with --adapters of a run, the rows are read with the run's
     reading (here --apply_chat_template, which makes plain-text rows user turns)."""
-    import fastdpo.infer as infer_mod
-    from fastdpo.infer import val_rows
+    import fastdpo.model.generate as infer_mod
+    from fastdpo.commands.infer import val_rows
 
     m = chat_model(tmp_path, model_dirs)
     seen = []
@@ -390,7 +382,7 @@ def test_preference_data_prompts_go_in_as_training_read_them(tmp_path, model_dir
     assert seen == [(p, True) for p in PROMPTS]  # typed prompts: through the template, as before
 
     seen.clear()  # eval's generation (--reward_fn) answers preference data the same way, in order
-    from fastdpo.infer import answer_as_read
+    from fastdpo.model.generate import answer_as_read
 
     loaded = load_for_generation(ModelArgs(model=str(m)))
     mixed = ["w10", [{"role": "user", "content": "w12"}], "w13"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastdpo.logprobs import sequence_sums, token_logps
+from fastdpo.model.logprobs import sequence_sums, token_logps
 
 
 def naive(hidden, weight, targets, scale=1.0, softcap=None):

@@ -1,6 +1,7 @@
 """Vital signs, the alert engine, the update guard and the sinks, on crafted records (no training)."""
 
 import importlib.machinery
+import importlib.util
 import json
 import math
 import sys
@@ -9,12 +10,12 @@ import types
 import pytest
 import torch
 
-from fastdpo.alerts import AlertEngine, AlertRules
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
-from fastdpo.metrics import KL_RATIO_FLOOR, StepMetrics, kl_ratio
-from fastdpo.monitor import Monitor, NonFiniteStop, finite_flag
-from fastdpo.sinks import open_sinks, report_targets
+from fastdpo.observe.alerts import AlertEngine, AlertRules
+from fastdpo.observe.metrics import KL_RATIO_FLOOR, StepMetrics, kl_ratio
+from fastdpo.observe.sinks import open_sinks, report_targets
+from fastdpo.training.monitor import Monitor, NonFiniteStop, finite_flag
 
 
 def rec(step, **kw):
@@ -237,9 +238,8 @@ def test_report_to_parsing_and_missing_packages(monkeypatch):
     assert report_targets("none") == [] and report_targets("TensorBoard, wandb") == ["tensorboard", "wandb"]
     with pytest.raises(FastDPOError, match="'mlflow' is not one of"):
         report_targets("mlflow")
-    import fastdpo.sinks as sinks
 
-    monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert report_targets("all") == []  # all installed ones
     TrainConfig(model="m", dataset=["d"], report_to="all").validate()
     cfg = TrainConfig(model="m", dataset=["d"], report_to="wandb")
@@ -285,7 +285,7 @@ def test_non_writing_rank_guards_but_writes_nothing(tmp_path):
 
 
 def test_oom_next_steps_follow_the_settings():
-    from fastdpo.diagnostics import oom_next_steps
+    from fastdpo.observe.diagnostics import oom_next_steps
 
     cfg = TrainConfig(model="m", dataset=["d"], precompute_ref_log_probs=True, gradient_checkpointing="ffn",
                       max_tokens_per_batch=4096, torch_dtype="bfloat16")

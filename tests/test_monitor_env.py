@@ -3,7 +3,7 @@
 import json
 
 from fastdpo.cli import main
-from fastdpo.envinfo import collect, compile_vars, nccl_advice, node_count
+from fastdpo.observe.envinfo import collect, compile_vars, nccl_advice, node_count
 
 NVLINK = [{"index": i, "name": "NVIDIA H200", "peer_access": [j for j in range(8) if j != i]} for i in range(8)]
 SPLIT = [{"index": i, "name": "NVIDIA A100", "peer_access": [j for j in range(4) if j != i and j // 2 == i // 2]}

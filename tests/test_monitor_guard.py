@@ -8,11 +8,12 @@ import torch
 from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
-import fastdpo.train as train_mod
-from fastdpo import checkpoint as ckpt
+import fastdpo.training.loop as train_mod
+import fastdpo.training.trainer as step_mod
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
-from fastdpo.monitor import NonFiniteStop
+from fastdpo.training import checkpoint as ckpt
+from fastdpo.training.monitor import NonFiniteStop
 
 
 def run(tmp_path, model, name, rows, **kw):
@@ -32,7 +33,7 @@ def records(out):
 
 def poison(monkeypatch, bad_steps):
     """Make the gradients and loss of the given (1-based) optimizer steps NaN."""
-    real = train_mod.run_step
+    real = step_mod.run_step
     calls = []
 
     def run_step(s, step_pairs, metrics):
@@ -42,7 +43,7 @@ def poison(monkeypatch, bad_steps):
             next(p for p in s.model.parameters() if p.requires_grad).grad.fill_(float("nan"))
             metrics.sums[0] = float("nan")
 
-    monkeypatch.setattr(train_mod, "run_step", run_step)
+    monkeypatch.setattr(step_mod, "run_step", run_step)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # torch's AdamW (host decides); fastdpo's (flag obeyed)
@@ -94,7 +95,7 @@ def test_simulated_oom_becomes_advice(tmp_path, model_dirs, monkeypatch, capsys,
     def oom(*a, **k):
         raise torch.OutOfMemoryError(OOM_TEXT)
 
-    monkeypatch.setattr(train_mod, "run_step", oom)
+    monkeypatch.setattr(step_mod, "run_step", oom)
     with pytest.raises(FastDPOError) as e:
         run(tmp_path, model_dirs("qwen3"), "oom", easy_rows(16, 1), max_tokens_per_batch=64, torch_dtype="float32")
     msg = str(e.value)

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from fastdpo.heartbeat import Heartbeat
+from fastdpo.parallel.heartbeat import Heartbeat
 
 
 class DictStore:
@@ -112,7 +112,7 @@ def test_stuck_rank_logs_its_own_stack(caplog):
 WORKER = textwrap.dedent("""
     import sys, time
     import torch.distributed as dist
-    from fastdpo.heartbeat import Heartbeat
+    from fastdpo.parallel.heartbeat import Heartbeat
 
     rank, path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     store = dist.FileStore(path, 3)

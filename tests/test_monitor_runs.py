@@ -7,7 +7,7 @@ import random
 import pytest
 from conftest import easy_rows, write_jsonl
 
-import fastdpo.train as train_mod
+import fastdpo.training.loop as train_mod
 from fastdpo.config import TrainConfig
 
 

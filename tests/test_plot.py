@@ -1,5 +1,6 @@
 """`fastdpo plot`: the PNG dashboard from metrics.jsonl (and alerts.jsonl)."""
 
+import importlib.util
 import json
 import math
 
@@ -7,7 +8,7 @@ import pytest
 
 from fastdpo.cli import main
 from fastdpo.errors import FastDPOError
-from fastdpo.plot import read_records, write_dashboard
+from fastdpo.observe.plot import read_records, write_dashboard
 
 
 @pytest.fixture(autouse=True)
@@ -76,8 +77,7 @@ def test_plot_errors_are_clear(tmp_path, monkeypatch, capsys):
         f.write(b'{"name": "kl_ratio", \xff}\n')
     with pytest.raises(FastDPOError, match=r"alerts.jsonl:2: not valid UTF-8"):
         write_dashboard(run)
-    import fastdpo.plot as plot
 
-    monkeypatch.setattr(plot.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FastDPOError, match="pip install matplotlib"):
         write_dashboard(fake_run(tmp_path / "ok", steps=3))

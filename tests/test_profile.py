@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fastdpo.errors import FastDPOError
-from fastdpo.profile import breakdown, merge, parse_steps, subtract
+from fastdpo.observe.profile import breakdown, merge, parse_steps, subtract
 
 
 def test_parse_steps():
@@ -44,7 +44,7 @@ def test_device_events_leave_out_cpu_ops_and_annotations():
 
     import torch
 
-    from fastdpo.profile import device_events
+    from fastdpo.observe.profile import device_events
 
     def event(name, device, start, end, annotation=False):
         return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
@@ -60,7 +60,7 @@ def test_profiled_run_writes_trace_and_summary(tmp_path, model_dirs):
     from conftest import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(16, seed=1))
     cfg = TrainConfig(
@@ -90,7 +90,7 @@ def test_a_window_outside_the_run_is_named(tmp_path, model_dirs, caplog):
     from conftest import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(8, seed=1))
     cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
@@ -104,7 +104,7 @@ def test_a_window_outside_the_run_is_named(tmp_path, model_dirs, caplog):
 def test_memory_peak_names_what_was_alive_at_it():
     """The replay follows alloc / free_completed (not free_requested: the block may still be in use on another
     stream), finds the peak, and groups the allocations alive at it by the first frame outside torch."""
-    from fastdpo.memtrace import NO_FRAME, format_report, peak_report, site
+    from fastdpo.observe.memtrace import NO_FRAME, format_report, peak_report, site
 
     ours = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "linear"},
             {"filename": "/x/fastdpo/distributed.py", "line": 310, "name": "_sum_in_fp32"}]
@@ -134,7 +134,7 @@ def test_profile_memory_needs_a_window_and_says_when_it_cannot_record(tmp_path, 
     from conftest import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
-    from fastdpo.train import train
+    from fastdpo.training.loop import train
 
     with pytest.raises(FastDPOError, match="--profile_steps"):
         TrainConfig(model="m", dataset=["d"], profile_memory=True).validate()

@@ -11,15 +11,17 @@ from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-import fastdpo.refcache
-import fastdpo.train
+import fastdpo.dpo.refcache
+import fastdpo.training.loop
+import fastdpo.training.trainer
+from fastdpo.commands.precompute import precompute_ref
 from fastdpo.config import TrainConfig
 from fastdpo.data.pack import pack_pairs
-from fastdpo.model import Backend, prepare_packed
-from fastdpo.precompute import precompute_ref
-from fastdpo.reference import Reference
-from fastdpo.seqlogps import completion_logps
-from fastdpo.train import build_setup, train
+from fastdpo.dpo.reference import Reference
+from fastdpo.model.core import Backend, prepare_packed
+from fastdpo.model.seqlogps import completion_logps
+from fastdpo.training.loop import train
+from fastdpo.training.setup import build_setup
 
 
 def long_chosen_rows(n: int, seed: int = 0) -> list[dict]:
@@ -64,14 +66,14 @@ def count_models_during_training(monkeypatch, tmp_path, model_dir, name, max_ste
     """Run a short training and return the transformers models created by it that are alive during step 1."""
     before = {id(m) for m in live_models()}
     seen = []
-    real = fastdpo.train.run_step
+    real = fastdpo.training.trainer.run_step
 
     def spy(s, step_pairs, m):
         if not seen:
             seen.append([m for m in live_models() if id(m) not in before])
         return real(s, step_pairs, m)
 
-    monkeypatch.setattr(fastdpo.train, "run_step", spy)
+    monkeypatch.setattr(fastdpo.training.trainer, "run_step", spy)
     result = run(tmp_path, model_dir, name, max_steps=max_steps, **kw)
     return seen[0], result
 
@@ -114,8 +116,8 @@ def perturbed_copy(src, dst):
 def test_cache_is_reused_and_rebuilt_on_model_data_or_max_length_change(tmp_path, model_dirs, monkeypatch):
     m = model_dirs("qwen3")
     calls = []
-    real = fastdpo.refcache.compute_table
-    monkeypatch.setattr(fastdpo.reference, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fastdpo.dpo.refcache.compute_table
+    monkeypatch.setattr(fastdpo.dpo.reference, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = config(tmp_path, m, "c")
     first = precompute_ref(cfg)
     assert not first["reused"] and len(calls) == 1
@@ -349,8 +351,8 @@ def test_continue_an_adapter_against_itself(tmp_path, model_dirs, adapter):
 
 def test_in_memory_model_precomputes_without_cache(tmp_path, model_dirs):
     """`assemble` without rows (a model built in memory, as `fastdpo bench` does): computed, never cached."""
-    from fastdpo.model import load_tokenizer
-    from fastdpo.train import assemble, load_data
+    from fastdpo.model.core import load_tokenizer
+    from fastdpo.training.setup import assemble, load_data
 
     m = model_dirs("qwen3")
     cfg = config(tmp_path, m, "mem", precompute_ref_log_probs=True)
@@ -368,8 +370,8 @@ def test_in_memory_model_precomputes_without_cache(tmp_path, model_dirs):
 def test_precompute_on_flex_without_a_budget_sizes_one_as_training_does(tmp_path, model_dirs, monkeypatch):
     """`fastdpo precompute` without --max_tokens_per_batch on FlexAttention cuts its (no-grad) micro-batches under
     four times the budget training would pick, so its kernels see a few static lengths, not one per batch."""
-    import fastdpo.precompute
-    from fastdpo.model import Backend, flex_budget
+    import fastdpo.commands.precompute
+    from fastdpo.model.core import Backend, flex_budget
 
     seen = {}
 
@@ -380,9 +382,9 @@ def test_precompute_on_flex_without_a_budget_sizes_one_as_training_does(tmp_path
         seen.update(pairs=pairs, budget=budget)
         raise Scored
 
-    monkeypatch.setattr(fastdpo.precompute, "choose_backend", lambda *a, **k: Backend("flex"))
-    monkeypatch.setattr(fastdpo.reference, "prepare_packed", lambda *a, **k: None)
-    monkeypatch.setattr(fastdpo.reference, "compute_table", capture)
+    monkeypatch.setattr(fastdpo.commands.precompute, "choose_backend", lambda *a, **k: Backend("flex"))
+    monkeypatch.setattr(fastdpo.dpo.reference, "prepare_packed", lambda *a, **k: None)
+    monkeypatch.setattr(fastdpo.dpo.reference, "compute_table", capture)
     cfg = config(tmp_path, model_dirs("qwen3"), "c")
     with pytest.raises(Scored):
         precompute_ref(cfg)

@@ -16,11 +16,11 @@ import torch
 from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
-from fastdpo import checkpoint as ckpt
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
-from fastdpo.signals import GracefulStop
-from fastdpo.train import train
+from fastdpo.training import checkpoint as ckpt
+from fastdpo.training.loop import train
+from fastdpo.training.signals import GracefulStop
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3,
             lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01, device="cpu")
@@ -207,7 +207,7 @@ def test_unwritable_output_dir_is_refused(tmp_path, model_dirs):
 
 @pytest.mark.parametrize("train_type", ["full", "lora"])
 def test_checkpoint_size_estimate_is_close(tmp_path, model_dirs, train_type):
-    from fastdpo.model import add_lora, load_model
+    from fastdpo.model.core import add_lora, load_model
 
     m = model_dirs("llama")
     cfg = config(tmp_path, m, "run", max_steps=2, save_steps=1, train_type=train_type, lora_rank=4)
@@ -266,8 +266,8 @@ def test_leftovers_of_interrupted_writes_are_cleaned_and_never_resumed(trained, 
 
 
 def test_rewriting_a_checkpoint_replaces_it_whole(trained, tmp_path):
-    from fastdpo.model import load_model, load_tokenizer
-    from fastdpo.optim import build_optimizer, build_scheduler
+    from fastdpo.model.core import load_model, load_tokenizer
+    from fastdpo.optim.optimizer import build_optimizer, build_scheduler
 
     cfg = copy_run(trained, tmp_path)
     out = Path(cfg.output_dir)
@@ -326,7 +326,7 @@ def test_corrupt_checkpoint_weights_are_a_clear_error(trained, tmp_path):
 
 
 def test_pickled_model_weights_are_refused_without_running_code(tmp_path, model_dirs):
-    from fastdpo.model import load_model
+    from fastdpo.model.core import load_model
 
     m = tmp_path / "m"
     shutil.copytree(model_dirs("qwen3"), m)
@@ -339,7 +339,7 @@ def test_pickled_model_weights_are_refused_without_running_code(tmp_path, model_
 
 
 def test_custom_model_code_needs_trust_remote_code(tmp_path, model_dirs):
-    from fastdpo.model import load_model
+    from fastdpo.model.core import load_model
 
     m = tmp_path / "m"
     shutil.copytree(model_dirs("qwen3"), m)
@@ -355,7 +355,7 @@ def test_custom_model_code_needs_trust_remote_code(tmp_path, model_dirs):
 
 
 def test_a_write_probe_left_by_a_kill_is_removed_by_the_next_run(tmp_path, monkeypatch):
-    from fastdpo.train import check_output_dir
+    from fastdpo.training.setup import check_output_dir
 
     out = tmp_path / "out"
     out.mkdir()

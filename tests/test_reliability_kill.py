@@ -98,7 +98,7 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 
 def _newest(out: Path) -> int:
-    from fastdpo.checkpoint import complete_checkpoints
+    from fastdpo.training.checkpoint import complete_checkpoints
 
     found = complete_checkpoints(out)
     return int(found[-1].name.split("-")[1]) if found else 0
@@ -109,7 +109,7 @@ def _check_loadable(out: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from fastdpo.checkpoint import complete_checkpoints
+    from fastdpo.training.checkpoint import complete_checkpoints
 
     found = complete_checkpoints(out)
     if found:

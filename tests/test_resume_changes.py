@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import easy_rows, write_jsonl
 
-from fastdpo import checkpoint as ckpt
-from fastdpo.beta import BetaSchedule
 from fastdpo.config import TrainConfig
-from fastdpo.losses import LossInputs
-from fastdpo.optim import lr_lambda
-from fastdpo.train import train
+from fastdpo.dpo.beta import BetaSchedule
+from fastdpo.dpo.losses import LossInputs
+from fastdpo.optim.optimizer import lr_lambda
+from fastdpo.training import checkpoint as ckpt
+from fastdpo.training.loop import train
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3,
             lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01, device="cpu", max_steps=4, save_steps=2)

@@ -8,7 +8,7 @@ from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
 from fastdpo.config import TrainConfig
-from fastdpo.train import train
+from fastdpo.training.loop import train
 
 
 def run(tmp_path, model_dir, name, **kw):

@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import easy_rows
 
-from fastdpo import tune
+from fastdpo.commands import tune
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
+from fastdpo.training import measure
 
 
 def test_choose_respects_limit_and_errors():
@@ -26,7 +27,7 @@ def test_choose_respects_limit_and_errors():
 
 
 def test_run_tune_measures_each_candidate(tmp_path, model_dirs, monkeypatch):
-    from fastdpo import bench
+    from fastdpo.training import measure as bench
 
     real = bench.run_fastdpo
 
@@ -51,7 +52,7 @@ def test_run_tune_measures_each_candidate(tmp_path, model_dirs, monkeypatch):
 def test_auto_policy_on_cpu_is_none():
     cfg = TrainConfig(model="m", dataset=["d"], gradient_checkpointing="auto")
     cfg.validate()  # auto is a valid value
-    assert tune.auto_policy(cfg, easy_rows(4), torch.device("cpu")) == "none"
+    assert measure.auto_policy(cfg, easy_rows(4), torch.device("cpu")) == "none"
 
 
 def test_a_bad_value_names_its_flag_and_auto_where_it_is_accepted():
@@ -64,7 +65,7 @@ def test_a_bad_value_names_its_flag_and_auto_where_it_is_accepted():
 
 
 def test_tune_on_cpu_warns_and_takes_the_median_step(tmp_path, model_dirs, monkeypatch, caplog):
-    from fastdpo import bench
+    from fastdpo.training import measure as bench
 
     def fake_run(cfg, *a, **k):  # one slow step must not decide
         return {"pairs_per_s": 1.0, "pairs_per_s_median": 10.0, "peak_gib": None, "mfu": None}
@@ -81,7 +82,7 @@ def test_tune_on_cpu_warns_and_takes_the_median_step(tmp_path, model_dirs, monke
 
 
 def test_bench_reports_the_median_of_the_timed_steps(tmp_path, model_dirs):
-    from fastdpo.bench import run_fastdpo
+    from fastdpo.training.measure import run_fastdpo
 
     cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=["x"], device="cpu", per_device_train_batch_size=2,
                       output_dir=str(tmp_path / "o"))

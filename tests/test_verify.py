@@ -10,9 +10,7 @@ import torch
 from conftest import easy_rows, write_jsonl
 
 from fastdpo.cli import main
-from fastdpo.memory import apply_checkpointing
-from fastdpo.model import Backend, load_model, prepare_packed
-from fastdpo.verify import (
+from fastdpo.commands.verify import (
     TOLERANCE,
     HeldForBackward,
     PathResult,
@@ -22,6 +20,8 @@ from fastdpo.verify import (
     run_verify,
     tolerance_for,
 )
+from fastdpo.model.core import Backend, load_model, prepare_packed
+from fastdpo.model.memory import apply_checkpointing
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +108,7 @@ def verify_cli(model_dirs, data, tmp_path, capsys, *flags) -> tuple[int, str, li
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, capsys, tmp_path, dtype):
-    import fastdpo.attention as attention
+    import fastdpo.model.attention as attention
 
     real = attention.allowed
 
@@ -147,7 +147,7 @@ def test_verify_command_passes(model_dirs, data, capsys, tmp_path):
 @pytest.fixture
 def loaded(monkeypatch):
     """Capture the model run_verify loads, with a copy of its parameters and buffers as loaded."""
-    import fastdpo.verify as verify
+    import fastdpo.commands.verify as verify
 
     seen = {}
 
@@ -173,7 +173,7 @@ def test_bfloat16_is_compared_with_float32_within_twice_its_own_error(model_dirs
                                                                        capsys):
     from rich.console import Console
 
-    import fastdpo.verify as verify
+    import fastdpo.commands.verify as verify
 
     real = verify._gradients
     dtypes = []
@@ -204,7 +204,7 @@ def test_bfloat16_is_compared_with_float32_within_twice_its_own_error(model_dirs
 
 def test_without_memory_for_float32_the_reference_is_the_bfloat16_plain_path(model_dirs, data, loaded, monkeypatch,
                                                                              capsys, tmp_path):
-    import fastdpo.verify as verify
+    import fastdpo.commands.verify as verify
 
     real = verify._gradients
 
@@ -225,7 +225,7 @@ def test_without_memory_for_float32_the_reference_is_the_bfloat16_plain_path(mod
 
 
 def test_other_errors_in_the_float32_reference_are_raised(model_dirs, data, loaded, monkeypatch):
-    import fastdpo.verify as verify
+    import fastdpo.commands.verify as verify
 
     def broken(model, *args):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
@@ -237,7 +237,7 @@ def test_other_errors_in_the_float32_reference_are_raised(model_dirs, data, load
 
 
 def test_a_policy_whose_recomputation_differs_fails(model_dirs, data, monkeypatch, capsys, tmp_path):
-    import fastdpo.memory as memory
+    import fastdpo.model.memory as memory
 
     real = memory.checkpoint
 
@@ -265,7 +265,7 @@ def test_eval_mode_is_named_when_checkpointing_saves_nothing(model_dirs):
     from conftest import random_pairs
 
     from fastdpo.data.pack import pack_pairs
-    from fastdpo.model import sequence_logps
+    from fastdpo.model.core import sequence_logps
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
     prepare_packed(model, Backend("dense"))
@@ -301,7 +301,7 @@ def test_flex_and_compiled_paths_pass_on_cuda(model_dirs, data):
 def test_verify_takes_conversational_rows_with_a_template(model_dirs, capsys, tmp_path):
     from conftest import WORDS
 
-    from fastdpo.verify import load_pairs
+    from fastdpo.commands.verify import load_pairs
 
     rows = [{"prompt": [{"role": "user", "content": " ".join(WORDS[4 + i:10 + i])}],
              "chosen": [{"role": "assistant", "content": " ".join(WORDS[5 + i:8 + i])}],
@@ -319,7 +319,7 @@ def test_verify_takes_conversational_rows_with_a_template(model_dirs, capsys, tm
 def test_recomputation_is_held_to_the_paths_own_run_to_run_difference(model_dirs, data, monkeypatch):
     """Where the path without checkpointing differs from itself when run again (non-deterministic kernels on GPUs),
     a policy may differ from it by up to twice that much; here the second run is perturbed to stand for such noise."""
-    from fastdpo import verify
+    from fastdpo.commands import verify
 
     real = verify._gradients
     calls = {"n": 0}

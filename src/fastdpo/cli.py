@@ -8,9 +8,12 @@ import os
 import sys
 import warnings
 
-from fastdpo.config import TrainConfig, _parse_bool, _Parser, add_config_flags, build_config
+from fastdpo.config import TrainConfig, add_config_flags, build_config
+from fastdpo.config.flags import _Parser
+from fastdpo.config.launch import wants_launch
+from fastdpo.config.schema import _parse_bool
 from fastdpo.errors import FastDPOError
-from fastdpo.launch import launch, wants_launch
+from fastdpo.parallel.launch import launch
 
 
 def _console():
@@ -37,8 +40,8 @@ def _setup_logging(console) -> None:
 def cmd_train(args: argparse.Namespace, console) -> int:
     import torch
 
-    from fastdpo.diagnostics import oom_error
-    from fastdpo.train import train
+    from fastdpo.observe.diagnostics import oom_error
+    from fastdpo.training.loop import train
 
     cfg = build_config(args, TrainConfig)
     try:
@@ -56,13 +59,13 @@ def cmd_train(args: argparse.Namespace, console) -> int:
 
 
 def cmd_check_data(args: argparse.Namespace, console) -> int:
-    from fastdpo.data.check import run_check_data
+    from fastdpo.commands.check_data import run_check_data
 
     return run_check_data(build_config(args, TrainConfig), console)
 
 
 def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
-    from fastdpo.precompute import precompute_ref
+    from fastdpo.commands.precompute import precompute_ref
 
     result = precompute_ref(build_config(args, TrainConfig))
     how = "reused" if result["reused"] else "computed"
@@ -71,21 +74,21 @@ def cmd_precompute_ref(args: argparse.Namespace, console) -> int:
 
 
 def cmd_infer(args: argparse.Namespace, console) -> int:
-    from fastdpo.infer import InferConfig, run_infer
+    from fastdpo.commands.infer import InferConfig, run_infer
 
     run_infer(build_config(args, InferConfig), console=console)
     return 0
 
 
 def cmd_eval(args: argparse.Namespace, console) -> int:
-    from fastdpo.evaluate import EvalConfig, run_eval
+    from fastdpo.commands.evaluate import EvalConfig, run_eval
 
     run_eval(build_config(args, EvalConfig), console=console)
     return 0
 
 
 def cmd_export(args: argparse.Namespace, console) -> int:
-    from fastdpo.export import ExportConfig, merge_lora
+    from fastdpo.commands.export import ExportConfig, merge_lora
 
     merge_lora(build_config(args, ExportConfig), console=console)
     return 0
@@ -96,14 +99,14 @@ def _rank() -> int:
 
 
 def cmd_demo(args: argparse.Namespace, console) -> int:
-    from fastdpo.demo import run_demo
+    from fastdpo.commands.demo import run_demo
 
     run_demo(args.output_dir, console=console, quick=args.quick)
     return 0
 
 
 def cmd_plot(args: argparse.Namespace, console) -> int:
-    from fastdpo.plot import write_dashboard
+    from fastdpo.observe.plot import write_dashboard
 
     console.print(f"dashboard: {write_dashboard(args.output_dir, args.out)}", highlight=False)
     return 0
@@ -112,7 +115,7 @@ def cmd_plot(args: argparse.Namespace, console) -> int:
 def cmd_verify(args: argparse.Namespace, console) -> int:
     import json
 
-    from fastdpo.verify import print_results, results_json, run_verify
+    from fastdpo.commands.verify import print_results, results_json, run_verify
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     results = run_verify(args.model, args.dataset, args.pairs, args.max_length, args.device, args.torch_dtype,
@@ -128,7 +131,7 @@ def cmd_verify(args: argparse.Namespace, console) -> int:
 def cmd_env(args: argparse.Namespace, console) -> int:
     import json
 
-    from fastdpo.envinfo import collect, print_env
+    from fastdpo.observe.envinfo import collect, print_env
 
     info = collect()
     if args.json:
@@ -139,7 +142,7 @@ def cmd_env(args: argparse.Namespace, console) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, console) -> int:
-    from fastdpo.bench import run_bench
+    from fastdpo.commands.bench import run_bench
 
     cfg = build_config(args, TrainConfig)
     if args.shape:
@@ -147,7 +150,7 @@ def cmd_bench(args: argparse.Namespace, console) -> int:
     cfg.dataset = cfg.dataset or ["<anchor workload>"]
     cfg.validate()
     if args.pair_tokens:
-        from fastdpo.bench import run_longest
+        from fastdpo.commands.bench import run_longest
 
         if args.compare:
             raise FastDPOError("--pair_tokens probes the longest pair on fastdpo alone; drop --compare.")
@@ -159,10 +162,10 @@ def cmd_bench(args: argparse.Namespace, console) -> int:
 
 
 def cmd_tune(args: argparse.Namespace, console) -> int:
-    from fastdpo.bench import anchor_pairs
+    from fastdpo.commands.tune import run_tune
+    from fastdpo.data.anchor import anchor_pairs
     from fastdpo.data.columns import RowOptions
     from fastdpo.data.load import load_rows
-    from fastdpo.tune import run_tune
 
     cfg = build_config(args, TrainConfig)
     if args.shape:
@@ -265,9 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _after_training_commands(sub) -> None:
-    from fastdpo.evaluate import EvalConfig
-    from fastdpo.export import ExportConfig
-    from fastdpo.infer import InferConfig
+    from fastdpo.commands.evaluate import EvalConfig
+    from fastdpo.commands.export import ExportConfig
+    from fastdpo.commands.infer import InferConfig
 
     for name, cls, func, text in (
         ("infer", InferConfig, cmd_infer, "Generate with a trained model (streamed; --compare: base vs tuned)."),
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(argv)
         if args.version:
-            from fastdpo import __version__
+            from fastdpo.version import __version__
 
             console.print(f"fastdpo {__version__}")
             return 0

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdpo import __version__
 from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats
+from fastdpo.version import __version__
 
 CACHE_FORMAT = 1
 

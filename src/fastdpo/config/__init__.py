@@ -1,0 +1,32 @@
+"""The configuration floor: the config dataclasses and their validation (`schema`), the parallel plan the flags ask
+for (`parallel`), other tools' flags (`compat`), and the command-line / YAML mapping (`flags`). Everything above
+imports its config from here."""
+
+from fastdpo.config.flags import ADAPTER_FLAGS, add_config_flags, build_config, load_yaml, save_config
+from fastdpo.config.parallel import DEEPSPEED_ALIASES, FSDP_MODES, LESS_MEMORY, Plan, parallel_plan
+from fastdpo.config.schema import (
+    ATTN_IMPLS,
+    CHECKPOINT_POLICIES,
+    DTYPES,
+    F_DIVERGENCE_TYPES,
+    LOSS_TRAITS,
+    LR_SCHEDULERS,
+    PAIR_METRICS,
+    REPORT_TARGETS,
+    LossTraits,
+    TrainConfig,
+    check_installed,
+    check_metric_name,
+    checkpoint_policy,
+    parse_steps,
+    report_targets,
+    require_matplotlib,
+)
+
+__all__ = [
+    "ADAPTER_FLAGS", "ATTN_IMPLS", "CHECKPOINT_POLICIES", "DEEPSPEED_ALIASES", "DTYPES", "FSDP_MODES",
+    "F_DIVERGENCE_TYPES", "LESS_MEMORY", "LOSS_TRAITS", "LR_SCHEDULERS", "PAIR_METRICS", "REPORT_TARGETS",
+    "LossTraits", "Plan", "TrainConfig", "add_config_flags", "build_config", "check_installed", "check_metric_name",
+    "checkpoint_policy", "load_yaml", "parallel_plan", "parse_steps", "report_targets", "require_matplotlib",
+    "save_config",
+]

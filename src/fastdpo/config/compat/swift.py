@@ -1,0 +1,175 @@
+"""Flags of ms-swift and HF TrainingArguments scripts that have no field of their own here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from fastdpo.config.compat.base import Foreign, Source, Unnamed, is_off, maps_to, note, number, to_bool
+from fastdpo.config.parallel import LESS_MEMORY
+from fastdpo.errors import FastDPOError
+
+SEQUENCE_PARALLEL = ("sequence parallelism is not available in fastdpo. One H200 trains a 65,538-token pair of "
+                     "Qwen3-8B with LoRA and --gradient_checkpointing full; for longer pairs add "
+                     "--activation_offloading, or shard with --deepspeed zero3 on several GPUs.")
+LIGER = note("ignored; fastdpo's log-probs are always computed in chunks, never as full logits.")
+RLHF_TYPES = {"dpo": None, "simpo": "simpo", "orpo": "orpo", "cpo": "cpo"}
+
+
+def _rlhf_type(value: str, values: dict) -> str | None:
+    v = str(value).lower()
+    if v not in RLHF_TYPES:
+        raise FastDPOError(f"--rlhf_type {value}: fastdpo trains paired preference losses (dpo, simpo, orpo, cpo and "
+                           "every --loss_type); KTO, reward models, PPO and GRPO are not among them.")
+    loss = RLHF_TYPES[v]
+    if loss is None:
+        return None
+    given = values.get("loss_type")
+    if given and given != loss:
+        raise FastDPOError(f"--rlhf_type {v} and --loss_type {given} disagree: drop one (--rlhf_type {v} means "
+                           f"--loss_type {loss}).")
+    values["loss_type"] = loss
+    return f"training with --loss_type {loss}."
+
+
+def _sequence_parallel(name: str) -> Callable[[Any, dict], str | None]:
+    def apply(value: Any, values: dict) -> str | None:
+        if str(value).strip() in ("1", "0", "") or is_off(value):
+            return None
+        raise FastDPOError(f"--{name} {value}: {SEQUENCE_PARALLEL}")
+    return apply
+
+
+def offload(name: str) -> Callable[[Any, dict], str | None]:
+    def apply(value: Any, values: dict) -> str | None:
+        if is_off(value):
+            return None
+        raise FastDPOError(f"--{name} {value}: DeepSpeed's CPU offload is not available in fastdpo. {LESS_MEMORY}")
+    return apply
+
+
+def _master_port(value: Any, values: dict) -> str | None:
+    """The launcher reads MASTER_PORT (`fastdpo.parallel.launch`); inside a worker the launcher's port stands."""
+    port = number(value, int)
+    if not 0 < port < 65536:
+        raise Unnamed("expected a port number (1-65535).")
+    held = os.environ.get("MASTER_PORT")
+    if "LOCAL_RANK" in os.environ:
+        return None
+    if not os.environ.get("NPROC_PER_NODE"):
+        return "ignored: one process has no rendezvous (NPROC_PER_NODE=N starts N workers on that port)."
+    if held and held != str(port):
+        raise FastDPOError(f"--master_port {port} but MASTER_PORT={held}: drop one.")
+    os.environ["MASTER_PORT"] = str(port)
+    return None
+
+
+def _quant_method(value: str, values: dict) -> str | None:
+    """ms-swift's QLoRA is `--train_type lora --quant_method bnb --quant_bits 4` (lora is its default train_type):
+    here that is --train_type qlora."""
+    if str(value).lower() not in ("bnb", "bitsandbytes"):
+        raise FastDPOError(f"--quant_method {value}: QLoRA quantises the base with bitsandbytes (nf4 with double "
+                           "quantisation for --quant_bits 4, LLM.int8 for 8). Pass --quant_method bnb or drop the flag.")
+    kind = values.get("train_type", "lora")
+    if kind == "full":
+        raise FastDPOError(f"--quant_method {value} with --train_type full: a quantised base can only train adapters. "
+                           "Use --train_type lora (QLoRA) or drop --quant_method.")
+    if kind == "qlora":
+        return None
+    values["train_type"] = "qlora"
+    return f"training QLoRA: --train_type qlora (LoRA on a {values.get('quant_bits', 4)}-bit base)."
+
+
+def _precision(dtype: str) -> Callable[[Any, dict], str | None]:
+    def apply(value: Any, values: dict) -> str | None:
+        if not to_bool(value):
+            return None
+        given = values.get("torch_dtype", "auto")
+        if given not in ("auto", dtype):
+            raise FastDPOError(f"--{'bf16' if dtype == 'bfloat16' else 'fp16'} true and --torch_dtype {given} "
+                               "disagree: drop one.")
+        values["torch_dtype"] = dtype
+        return None
+    return apply
+
+
+def _save_strategy(value: str, values: dict) -> str | None:
+    v = str(value).lower()
+    if v == "no":
+        values["save_steps"] = 0
+        return None
+    if v == "steps":
+        return None
+    if v == "epoch":
+        return "checkpoints follow --save_steps; the final model is saved at the end."
+    raise FastDPOError(f"--save_strategy {value}: choose steps, epoch or no.")
+
+
+def _eval_strategy(value: str, values: dict) -> str | None:
+    v = str(value).lower()
+    if v == "no":
+        values["eval_steps"] = 0
+        return None
+    if v in ("steps", "epoch"):
+        return None if v == "steps" else "held-out pairs are scored every --eval_steps."
+    raise FastDPOError(f"--eval_strategy {value}: choose steps, epoch or no.")
+
+
+def _optim(value: str, values: dict) -> str | None:
+    if str(value).lower() in ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"):
+        return None
+    raise FastDPOError(f"--optim {value}: fastdpo trains with AdamW (see --update_rounding for bfloat16 weights). "
+                       "Pass --optim adamw_torch or drop the flag.")
+
+
+FLAGS: dict[str, Foreign] = {
+    "rlhf_type": Foreign("ms-swift: dpo (default), simpo, orpo or cpo (= --loss_type).", _rlhf_type),
+    "bf16": Foreign("HF/OpenRLHF: true (or bare) = --torch_dtype bfloat16.", _precision("bfloat16"), bare=True),
+    "fp16": Foreign("HF: true (or bare) = --torch_dtype float16.", _precision("float16"), bare=True),
+    "optim": Foreign("HF: adamw_torch / adamw_torch_fused (AdamW is what fastdpo uses).", _optim),
+    "save_strategy": Foreign("HF: steps (see --save_steps), epoch or no.", _save_strategy),
+    "eval_strategy": Foreign("HF: steps (see --eval_steps), epoch or no.", _eval_strategy),
+    "evaluation_strategy": Foreign("HF (older name of --eval_strategy).", _eval_strategy),
+    "quant_method": Foreign("ms-swift: bnb (bitsandbytes, what --train_type qlora uses).", _quant_method),
+    "ulysses_num_heads": Foreign("ms-swift sequence parallelism: not available (1 = off).",
+                                 _sequence_parallel("ulysses_num_heads")),
+    "sequence_parallel_size": Foreign("ms-swift sequence parallelism: not available (1 = off).",
+                                      _sequence_parallel("sequence_parallel_size")),
+    "ring_attn": Foreign("ms-swift ring attention: not available (false = off).", _sequence_parallel("ring_attn")),
+    "ring_attn_window_size": Foreign("ms-swift ring attention's window: ignored (ring attention is not available).",
+                                     note("ignored; ring attention is not available (see --ring_attn).")),
+    "offload_optimizer": Foreign("DeepSpeed optimizer offload: not available (false = off).",
+                                 offload("offload_optimizer")),
+    "offload_param": Foreign("DeepSpeed parameter offload: not available (false = off).", offload("offload_param")),
+    "flash_attn_version": Foreign("ms-swift: ignored (--attn_impl flash_attn runs the flex backend).",
+                                  note("ignored; --attn_impl flash_attn runs the flex backend.")),
+    "use_liger_kernel": Foreign("HF/ms-swift/OpenRLHF: ignored (log-probs are always chunked and fused here).",
+                                LIGER, bare=True),
+    "packing": Foreign("ms-swift: ignored (pairs are always packed; see --padding_free).",
+                       note("ignored; pairs are always packed (--padding_free).")),
+    "lazy_tokenize": Foreign("ms-swift: ignored (tokenisation is cached; see --streaming).",
+                             note("ignored; tokenisation runs once and is cached (--streaming reads lazily).")),
+    "zero3_save_16bit_model": Foreign("ms-swift: ignored (the final model is always saved whole, in the training dtype).",
+                                      note("ignored; the final model is always saved whole (not as shards), in "
+                                            "the training dtype.")),
+    "save_only_model": Foreign("HF: ignored (checkpoints keep optimizer state for exact resume).",
+                               note("ignored; checkpoints keep the optimizer state so resume is exact.")),
+    "load_best_model_at_end": Foreign("HF: ignored (the best checkpoint is tracked and named at the end).",
+                                      note("ignored; the best checkpoint is tracked and named in the summary.")),
+    "gradient_checkpointing_kwargs": Foreign("HF: ignored (checkpointing is always non-reentrant).",
+                                             note("ignored; checkpointing is always non-reentrant.")),
+    "ddp_find_unused_parameters": Foreign("HF: ignored.", note("ignored.")),
+    "data_seed": Foreign("HF: ignored (--seed drives the data order).", note("ignored; --seed drives the data order.")),
+    "use_hf": Foreign("ms-swift: ignored (hub ids load from the Hugging Face hub).",
+                      note("ignored; hub ids load from the Hugging Face hub.")),
+    "add_version": Foreign("ms-swift: ignored (--output_dir is used as given).",
+                           note("ignored; --output_dir is used as given.")),
+    "check_model": Foreign("ms-swift: ignored.", note("ignored.")),
+    "drop_last": Foreign("= --dataloader_drop_last.", maps_to("dataloader_drop_last", bool)),
+    "master_port": Foreign("DeepSpeed / torchrun: the port of the workers' rendezvous (= MASTER_PORT) when "
+                           "NPROC_PER_NODE=N starts them.", _master_port),
+}
+
+
+SWIFT = Source("accepted from ms-swift / HF TrainingArguments scripts", FLAGS)

@@ -1,0 +1,389 @@
+"""Load models and tokenizers, add LoRA, pick the attention backend, and run the completion-only forward."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastdpo.data.pack import PairBatch, pack_pairs, pad_pairs
+from fastdpo.errors import FastDPOError
+from fastdpo.model import attention
+from fastdpo.model.logprobs import sequence_sums, token_logps
+
+log = logging.getLogger("fastdpo")
+
+# Families whose attention is fully described by the pair rule (+ an optional uniform sliding window).
+FLEX_PAD = 128  # flex rows are padded to a multiple of its block size
+SHAPE_BUCKETS = 16  # default --length_buckets: a flex micro-batch is padded to the next 1/16 of the token budget
+PACKED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "granite", "olmo2", "qwen3_moe"}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise FastDPOError(f"--device {name}: no CUDA device is visible. Use --device cpu or check CUDA_VISIBLE_DEVICES.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _is_local(path: str) -> bool:
+    return Path(path).exists() or path.startswith((".", "/", "~"))
+
+
+def _adapter_base(p: Path) -> str:
+    """The base model an adapter dir names in adapter_config.json ("" when unreadable)."""
+    try:
+        base = json.loads((p / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return base if isinstance(base, str) else ""
+
+
+def adapter_given_as_model(path: str, flag: str = "model") -> FastDPOError | None:
+    """The error for a LoRA adapter dir passed where a full model dir belongs; None when `path` is not one."""
+    p = Path(path).expanduser()
+    if not (p / "adapter_config.json").is_file() or (p / "config.json").is_file():
+        return None
+    base = _adapter_base(p)
+    named = f" trained on {base}" if base else ""
+    base = base or "BASE"
+    if flag == "ref_model":
+        fix = f"Pass --ref_adapters {path} instead (it is applied to --model, which must be {base})."
+    else:
+        fix = (f"Pass --model {base} --adapters {path} (fastdpo train also needs --train_type lora to go on "
+               f"training it; --ref_adapters {path} makes it the reference instead).")
+    return FastDPOError(f"--{flag} {path} is a LoRA adapter{named} (adapter_config.json, no config.json), not a "
+                        f"full model. {fix}")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    if _is_local(path):
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            raise FastDPOError(f"Model dir {path} not found. Check --model.")
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any((p / n).exists() for n in names):
+            if adapter := adapter_given_as_model(path):
+                raise adapter
+            raise FastDPOError(
+                f"{path} has no tokenizer files ({', '.join(names)}). Save the tokenizer into the model dir "
+                "(tokenizer.save_pretrained(dir))."
+            )
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise FastDPOError(f"Cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def quantization_config(bits: int, device: torch.device, dtype: torch.dtype):
+    """bitsandbytes settings for a QLoRA base: nf4 with double quantisation (4 bits), or LLM.int8 (8 bits)."""
+    if device.type != "cuda":
+        raise FastDPOError("--train_type qlora needs a CUDA GPU (bitsandbytes kernels). On CPU use --train_type lora.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise FastDPOError("--train_type qlora needs bitsandbytes: pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    if bits == 4:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _raised_from(e: BaseException | None, cls: type) -> bool:
+    """Whether `e` or an exception it was raised from (or while handling) is a `cls`."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, cls):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+               model_type: str = "", quant_bits: int = 0, flag: str = "model"):
+    """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
+    `quant_bits` 4 or 8 loads a quantised base for QLoRA. `flag` names the option `path` came from."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quant = quantization_config(quant_bits, device, dtype) if quant_bits else None
+
+    if _is_local(path):
+        p = Path(path).expanduser()
+        if adapter := adapter_given_as_model(path, flag):
+            raise adapter
+        if not (p / "config.json").is_file():
+            raise FastDPOError(f"{path} is not a model dir: config.json is missing. Check --{flag}.")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        hint = " Pass --trust_remote_code true only if you trust that code." if "custom code" in str(e) else ""
+        raise FastDPOError(f"Cannot read the model config of {path}: {str(e).splitlines()[0]}{hint}") from None
+    if model_type and model_type != config.model_type:
+        raise FastDPOError(
+            f"--model_type {model_type!r} does not match {path}, whose config.json says {config.model_type!r}. "
+            "Drop --model_type or point --model at the right model."
+        )
+    try:
+        extra = {"quantization_config": quant, "device_map": {"": device}} if quant else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **extra
+        )
+    except (OSError, ValueError, pickle.UnpicklingError) as e:
+        # a .bin file holding more than tensors: torch.load(weights_only=True) refused it (transformers 4.x wraps
+        # that refusal in an OSError)
+        if _raised_from(e, pickle.UnpicklingError):
+            raise FastDPOError(
+                f"{path}: the PyTorch weight file holds objects other than tensors and was not loaded (it could run "
+                "code). Use a model saved as safetensors."
+            ) from None
+        raise FastDPOError(f"Cannot load model weights from {path}: {str(e).splitlines()[0]}") from None
+    return model if quant else model.to(device)
+
+
+def check_adapter_dir(path: str, flag: str) -> Path:
+    p = Path(path).expanduser()
+    if not (p / "adapter_config.json").is_file():
+        raise FastDPOError(f"{flag} {path}: not a PEFT adapter dir (adapter_config.json is missing). "
+                           "Point it at a directory written by save_pretrained of a LoRA model.")
+    return p
+
+
+def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, adapters: str = ""):
+    """Wrap `model` with a trainable LoRA adapter named "default": a fresh one, or the one saved in `adapters`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapters:
+        return _name_base(PeftModel.from_pretrained(model, str(check_adapter_dir(adapters, "--adapters")),
+                                                    is_trainable=True), model)
+    if target_modules in ("all-linear", "default"):
+        targets = None if target_modules == "default" else target_modules  # None: PEFT's modules for the architecture
+    else:
+        targets = [t.strip() for t in target_modules.split(",")]
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        return _name_base(get_peft_model(model, cfg), model)
+    except ValueError as e:
+        raise FastDPOError(f"--target_modules {target_modules!r}: {str(e).splitlines()[0]}") from None
+
+
+def _name_base(peft_model, base):
+    """A saved adapter names its base model (adapter_config.json), and infer and export without --model load that;
+    a local base dir is named by its absolute path, so the name holds from any working directory."""
+    where = Path(str(getattr(base, "name_or_path", "") or "")).expanduser()
+    if where.is_dir():
+        for c in peft_model.peft_config.values():
+            c.base_model_name_or_path = str(where.resolve())
+    return peft_model
+
+
+def base_causal_lm(model):
+    """The transformers CausalLM under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@dataclass
+class Head:
+    """What the log-prob computation needs from the output layer."""
+
+    weight: torch.Tensor
+    scale: float
+    softcap: float | None
+
+
+def output_head(model) -> Head:
+    lm = base_causal_lm(model)
+    head = lm.get_output_embeddings()
+    assert getattr(head, "bias", None) is None, "lm_head with a bias is not supported"
+    cfg = lm.config
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    return Head(head.weight, scale, getattr(cfg, "final_logit_softcapping", None))
+
+
+def sliding_window(config) -> tuple[bool, int | None, str]:
+    """(supported by the packed path, uniform window or None, reason if not supported)."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return False, None, "attention logit soft-capping"
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types:
+        kinds = set(types)
+        if kinds == {"full_attention"}:
+            return True, None, ""
+        if kinds == {"sliding_attention"} and window:
+            return True, int(window), ""
+        return False, None, f"mixed attention layer types {sorted(kinds)}"
+    if window and getattr(config, "use_sliding_window", True):
+        return True, int(window), ""
+    return True, None, ""
+
+
+@dataclass
+class Backend:
+    name: str  # flex | dense | padded
+    window: int | None = None
+    lengths: int = SHAPE_BUCKETS  # flex: static micro-batch lengths per token budget (`flex_length`)
+
+
+# Names users bring from ms-swift / transformers scripts, and why the packed backend serves them instead.
+_VARLEN = ("Variable-length kernels (flash-attn) cannot express the prefix-shared rule, where rejected tokens see the "
+           "prompt but not chosen; FlexAttention runs that rule directly, with the prompt computed once.")
+FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
+                "sdpa": "The packed layout needs its own mask; SDPA is what the dense and padded paths use.",
+                "eager": "The packed layout needs its own mask; the padded path uses the model's own attention."}
+
+
+def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device,
+                   lengths: int = SHAPE_BUCKETS) -> Backend:
+    """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
+    cfg = base_causal_lm(model).config
+    if attn_impl in FOREIGN_ATTN:
+        log.info("--attn_impl %s: using the %s backend. %s", attn_impl, "flex" if device.type == "cuda" else "dense",
+                 FOREIGN_ATTN[attn_impl])
+        attn_impl = "auto"
+    if not padding_free or attn_impl == "padded":
+        return Backend("padded")
+    ok, window, reason = sliding_window(cfg)
+    if cfg.model_type not in PACKED_FAMILIES:
+        ok, reason = False, f"model_type {cfg.model_type!r} is not yet verified on the packed layout"
+    if not ok:
+        log.warning("Using the padded path: %s.", reason)
+        return Backend("padded")
+    name = attn_impl if attn_impl != "auto" else ("flex" if device.type == "cuda" else "dense")
+    if name == "flex" and device.type != "cuda":
+        raise FastDPOError("--attn_impl flex needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
+    return Backend(name, window, lengths)
+
+
+def _set_attn(model, name: str) -> None:
+    """Switch every sub-config to attention implementation `name` (transformers reads it at each forward)."""
+    lm = base_causal_lm(model)
+    if getattr(lm, "_fastdpo_attn", None) == name:
+        return
+    lm._fastdpo_attn = name
+    for module in lm.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", None) != name:
+            cfg._attn_implementation = name
+
+
+def prepare_packed(model, backend: Backend) -> None:
+    attention.register()
+    for module in base_causal_lm(model).modules():
+        module._fastdpo_window = backend.window
+
+
+def decoder(model):
+    lm = base_causal_lm(model)
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+
+
+def flex_length(tokens: int, budget: int, lengths: int = SHAPE_BUCKETS) -> int:
+    """Padded length of a flex micro-batch holding `tokens`: the next multiple of budget / `lengths` (rounded up to
+    the flex block), so a budget gives `lengths` static lengths and compiled kernels are built a few times, not per
+    batch; a step's last, partly filled micro-batch is not padded to the whole budget; and a pair longer than the
+    budget takes a few more lengths, not one per pair. More lengths pad less and build more kernels. Without a
+    budget: the next multiple of the flex block."""
+    if budget <= 0:
+        return -(-tokens // FLEX_PAD) * FLEX_PAD
+    step = -(-budget // (lengths * FLEX_PAD)) * FLEX_PAD
+    return -(-tokens // step) * step
+
+
+def flex_budget(pairs: list, pairs_per_micro: int) -> int:
+    """A token budget for a run that gave none: about `pairs_per_micro` pairs (TokenizedPair) of average length,
+    rounded up to 1024 tokens and never below the longest pair (so no pair needs a length of its own). Flex
+    micro-batches then take a few static lengths (`flex_length`) instead of one per batch."""
+    mean = sum(p.num_tokens for p in pairs) / len(pairs)
+    want = max(pairs_per_micro * mean, max(p.num_tokens for p in pairs))
+    return int(-(-want // 1024) * 1024)
+
+
+def micro_batch_budget(backend: Backend, budget: int, pairs: list, pairs_per_micro: int) -> int:
+    """The token budget micro-batches are cut under: `budget` when one is given. FlexAttention builds its kernels per
+    micro-batch length, so without one it gets `flex_budget` (a few static lengths, not one per batch); the other
+    backends keep 0 (micro-batches of `pairs_per_micro` pairs)."""
+    if budget or backend.name != "flex" or not pairs:
+        return budget
+    return flex_budget(pairs, pairs_per_micro)
+
+
+def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0) -> PairBatch:
+    """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
+    padded to one of a few static lengths (`flex_length`)."""
+    if backend.name == "padded":
+        batch = pad_pairs(pairs, pad_id)
+    elif backend.name == "flex":
+        batch = pack_pairs(pairs, flex_length(sum(p.num_tokens for p in pairs), budget, backend.lengths), pad_id)
+    else:
+        batch = pack_pairs(pairs, 1, pad_id)
+    return batch.to(device)
+
+
+def build_mask(batch: PairBatch, backend: Backend):
+    if backend.name == "flex":
+        return attention.flex_block_mask(batch, backend.window)
+    if backend.name == "dense":
+        return attention.dense_mask(batch, backend.window)
+    return batch.attention_mask
+
+
+def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch.Tensor:
+    """(N, H) final hidden states at the positions that predict the N completion targets."""
+    if mask is None:
+        mask = build_mask(batch, backend)
+    _set_attn(model, "sdpa" if backend.name == "padded" else attention.ATTN_NAME)
+    hidden = decoder(model)(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
+    ).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+
+
+def use_model_attention(model) -> None:
+    """Give the model back its own (SDPA) attention, e.g. before `generate`, after packed forwards."""
+    _set_attn(model, "sdpa")
+
+
+def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
+    hidden = target_hidden(model, batch, backend, mask)
+    head = output_head(model)
+    tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap)
+    return sequence_sums(tok, batch.seq, batch.lengths.numel()), tok
+
+
+def model_summary(model) -> dict:
+    lm = base_causal_lm(model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"model_type": lm.config.model_type, "params": total, "trainable": trainable}
+
+
+def save_model(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
+    """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer. `state_dict`: full weights
+    gathered from shards (FSDP2), saved instead of the model's own."""
+    only_trained = {"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}  # not a reference adapter
+    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict, **only_trained)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    (out / "fastdpo.json").write_text(json.dumps({"format": "fastdpo-model", "version": 1}))

@@ -1,0 +1,125 @@
+"""Activation checkpointing policies (DESIGN §7): none, full (per decoder layer), ffn (MLP only), attn (attention
+only), every:K (every K-th decoder layer). Non-reentrant, so keyword inputs and frozen inputs work."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from fastdpo.config import checkpoint_policy
+from fastdpo.errors import FastDPOError
+
+
+def _wrap(module: torch.nn.Module) -> None:
+    if getattr(module, "_fastdpo_ckpt", False):
+        return
+    forward = module.forward
+
+    def checkpointed(*args, **kwargs):
+        if not (torch.is_grad_enabled() and module.training):
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+    module._fastdpo_ckpt = True
+
+
+def _unwrap(module: torch.nn.Module) -> None:
+    if getattr(module, "_fastdpo_ckpt", False):
+        del module.forward
+        module._fastdpo_ckpt = False
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    from fastdpo.model.core import decoder
+
+    return list(decoder(model).layers)
+
+
+def apply_checkpointing(model, policy: str) -> list[str]:
+    """Wrap modules per `policy`; returns the names of what got wrapped (for logs and tests)."""
+    name, k = checkpoint_policy(policy)
+    layers = decoder_layers(model)
+    wrapped = []
+    for i, layer in enumerate(layers):
+        for m in (layer, getattr(layer, "mlp", None), getattr(layer, "self_attn", None)):
+            if m is not None:
+                _unwrap(m)
+        if name == "full" or (name == "every" and i % k == 0):
+            _wrap(layer)
+            wrapped.append(f"layers.{i}")
+        elif name == "ffn":
+            _wrap(layer.mlp)
+            wrapped.append(f"layers.{i}.mlp")
+        elif name == "attn":
+            _wrap(layer.self_attn)
+            wrapped.append(f"layers.{i}.self_attn")
+    return wrapped
+
+
+def compile_layers(model, backend="inductor", lengths: int | None = None) -> None:
+    """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers).
+    `lengths`: static micro-batch lengths per token budget (--length_buckets; default SHAPE_BUCKETS)."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    from fastdpo.model.attention import allow_recompiles
+    from fastdpo.model.core import SHAPE_BUCKETS, base_causal_lm
+
+    lengths = lengths or SHAPE_BUCKETS
+
+    if torch._inductor.config.triton.cudagraphs:
+        raise FastDPOError("CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1) cannot replay the per-layer compiled graphs of "
+                           "--torch_compile: one graph serves every layer, so each layer's replay overwrites the "
+                           "output of the layer before, which the backward still needs. Unset TORCHINDUCTOR_CUDAGRAPHS.")
+    # one graph per static micro-batch length, with and without grad, and a few for pairs longer than the budget:
+    # keep them all
+    allow_recompiles(max(32, 2 * lengths + 16))
+    # under DDP, TorchDynamo would split each layer's graph again at the reduction buckets' boundaries (its "DDP
+    # optimizer", meant for one whole-model graph); per-layer graphs already let the reductions overlap the
+    # backward, and the extra splits only cost fusion and kernel launches
+    torch._dynamo.config.optimize_ddp = False
+    lm = base_causal_lm(model)
+    if not lm.get_input_embeddings().weight.requires_grad:
+        # frozen embeddings (LoRA): the first layer's input would not require grad and get a graph of its own
+        lm.enable_input_require_grads()
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=False, backend=backend)  # static shapes: no dynamic-shape graphs
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Context for the forward pass: activations saved for backward move to (pinned) CPU memory and come back when
+    backward needs them. Parameters (and views of them), CPU tensors and small tensors stay where they are. The
+    copies are queued on the compute stream, so they cost transfer time but no host synchronisation; pair it with
+    `none` or `ffn` checkpointing (what a checkpointed region saves is recomputed, not offloaded)."""
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, model: torch.nn.Module, min_bytes: int | None = None):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        floor = self.MIN_BYTES if min_bytes is None else min_bytes
+        self.offloaded_bytes = 0
+
+        def pack(t: torch.Tensor):
+            size = t.numel() * t.element_size()
+            if size < floor or not t.is_contiguous() or t.untyped_storage().data_ptr() in params:
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=True)
+            self.offloaded_bytes += size
+            return (t.device, host)
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host = packed
+            return host.to(device, non_blocking=True)
+
+        super().__init__(pack, unpack)
+
+
+def offloading(enabled: bool, model: torch.nn.Module):
+    """`OffloadActivations(model)` when enabled, else a no-op context."""
+    import contextlib
+
+    return OffloadActivations(model) if enabled else contextlib.nullcontext()
