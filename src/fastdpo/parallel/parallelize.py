@@ -16,7 +16,8 @@ import torch
 from fastdpo.config import TrainConfig
 from fastdpo.model.memory import apply_checkpointing, compile_layers
 from fastdpo.observe.envinfo import as_assignments, compile_vars
-from fastdpo.parallel.distributed import Dist, wrap_models
+from fastdpo.parallel.distributed import Dist
+from fastdpo.parallel.wrap import wrap_models
 
 log = logging.getLogger("fastdpo")
 

@@ -25,16 +25,9 @@ from fastdpo.optim.optimizer import (
     follow_schedule,
     schedule_changes,
 )
-from fastdpo.parallel.distributed import (
-    Dist,
-    any_rank,
-    barrier,
-    full_state_dict,
-    heartbeat,
-    init_distributed,
-    max_over_ranks,
-    shutdown,
-)
+from fastdpo.parallel.collectives import any_rank, max_over_ranks
+from fastdpo.parallel.distributed import Dist, barrier, heartbeat, init_distributed, shutdown
+from fastdpo.parallel.wrap import full_state_dict
 from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.evaluate import TrainingEval
 from fastdpo.training.measure import auto_policy

@@ -29,17 +29,10 @@ from fastdpo.optim.optimizer import (
     step_unless_nonfinite,
     undo_step_count,
 )
-from fastdpo.parallel.distributed import (
-    Dist,
-    clip_grad_norm,
-    gather_step_start,
-    gather_step_view,
-    grad_sync,
-    policy_logps,
-    rank_micro_batches,
-    reduce_beta_drift,
-    reduce_metrics,
-)
+from fastdpo.parallel.collectives import clip_grad_norm, gather_step_view, reduce_beta_drift, reduce_metrics
+from fastdpo.parallel.distributed import Dist
+from fastdpo.parallel.split import rank_micro_batches
+from fastdpo.parallel.wrap import gather_step_start, grad_sync, policy_logps
 from fastdpo.training.monitor import finite_flag
 from fastdpo.training.setup import Setup, build_setup, pad_id
 
