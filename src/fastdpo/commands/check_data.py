@@ -17,6 +17,7 @@ from fastdpo.data.formats import Row
 from fastdpo.data.prepare import DataOptions
 from fastdpo.data.sources import parse_spec, select
 from fastdpo.data.tokenize import TokenizeOptions, TokenizeStats, tokenize_chunk
+from fastdpo.data.unsupported import UnsupportedCount, UnsupportedRow
 from fastdpo.errors import FastDPOError
 
 CHUNK = 512
@@ -106,17 +107,26 @@ def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, R
     from fastdpo.data.sources import iter_records
 
     items: list[tuple[int, Row | None]] = []
+    unsupported, first = UnsupportedCount(spec.label), 0  # rows of a kind fastdpo does not train: one message
     try:
         for rec in iter_records(spec, opts.split):
             checker.ordinal += 1
             try:
                 items.append((checker.ordinal, rec.row(opts.read)))
+            except UnsupportedRow as e:
+                unsupported.add(e)
+                first = first or checker.ordinal
+                items.append((checker.ordinal, None))
             except FastDPOError as e:
                 checker.error(str(e))
                 items.append((checker.ordinal, None))
     except FastDPOError as e:  # the source itself: missing file, unreadable Parquet, unknown HF dataset
         checker.error(str(e))
         return items, False
+    finally:
+        unsupported.rows = len(items)
+        for message in unsupported.messages():
+            checker.error(message, first)
     return items, True
 
 

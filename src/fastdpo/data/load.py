@@ -8,6 +8,7 @@ from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row, RowError, to_row
 from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, select, source_kind
 from fastdpo.data.sources import parse_spec as parse_dataset_spec
+from fastdpo.data.unsupported import read_rows
 from fastdpo.errors import FastDPOError
 
 __all__ = ["MAX_SAMPLED_ROWS", "Row", "RowError", "check_row", "load_file", "load_rows", "load_spec", "parse_spec",
@@ -50,7 +51,7 @@ def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
 
 def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions = AS_GIVEN) -> list[Row]:
     """Every row of one spec, validated (the first bad row raises), then `#N`-sampled."""
-    rows = [r.row(read) for r in iter_records(spec, split)]
+    rows = read_rows(iter_records(spec, split), read, spec.label)
     if not rows:
         raise FastDPOError(f"Dataset {spec.label} has no rows.")
     return select(rows, spec, seed, first=read.max_samples)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row, to_row
+from fastdpo.data.unsupported import refuse_unsupported
 from fastdpo.errors import FastDPOError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -50,6 +51,7 @@ class Record:
         value = own.project(self.value, where) if own else read.rename(self.value, where)
         if self.text_cells:
             value = {k: _csv_value(k, v) for k, v in value.items()}
+        refuse_unsupported(value, where)  # multimodal and unpaired rows would otherwise be misread
         return read.adapt(to_row(value, where, own.formatting if own else None))
 
 
