@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from fastdpo.config.compat.base import Foreign, Source, Unnamed, is_off, maps_to, note, number, to_bool
+from fastdpo.config.compat.base import Foreign, Source, Unnamed, adopt, is_off, maps_to, note, number, to_bool
 from fastdpo.config.parallel import LESS_MEMORY
 from fastdpo.errors import FastDPOError
 
@@ -124,7 +124,10 @@ def _optim(value: str, values: dict) -> str | None:
 
 
 FLAGS: dict[str, Foreign] = {
-    "rlhf_type": Foreign("ms-swift: dpo (default), simpo, orpo or cpo (= --loss_type).", _rlhf_type),
+    "rlhf_type": Foreign("ms-swift: dpo (default), simpo, orpo or cpo (= --loss_type). With it (or another flag only "
+                         "ms-swift has) the command takes ms-swift's defaults for what it leaves out: train_type lora, "
+                         "its learning rate, epochs, schedule and step size, SimPO's beta 2 and gamma 1, and the chat "
+                         "template for plain-text rows; they are listed when training starts.", _rlhf_type),
     "bf16": Foreign("HF/OpenRLHF: true (or bare) = --torch_dtype bfloat16.", _precision("bfloat16"), bare=True),
     "fp16": Foreign("HF: true (or bare) = --torch_dtype float16.", _precision("float16"), bare=True),
     "optim": Foreign("HF: adamw_torch / adamw_torch_fused (AdamW is what fastdpo uses).", _optim),
@@ -172,4 +175,71 @@ FLAGS: dict[str, Foreign] = {
 }
 
 
-SWIFT = Source("accepted from ms-swift / HF TrainingArguments scripts", FLAGS)
+# ms-swift's defaults where fastdpo's differ (RLHFArguments, TrainArguments, its Seq2SeqTrainingArguments overrides);
+# the learning rate follows --train_type (1e-5 full, 1e-4 adapters); a step is 16 pairs (1 per device x
+# ceil(16 / world size) accumulation steps); HF's three epochs unless --max_steps
+DEFAULTS = {"train_type": "lora", "lr_scheduler_type": "cosine", "weight_decay": 0.1, "adam_beta2": 0.95}
+RLHF_DEFAULTS = {"simpo": {"beta": 2.0, "simpo_gamma": 1.0}}
+PAIRS_PER_STEP = 16
+# flags only ms-swift's scripts have: they make a command ms-swift's (the HF TrainingArguments ones do not)
+SCRIPT_FLAGS = frozenset({"rlhf_type", "quant_method", "use_hf", "add_version", "check_model", "lazy_tokenize",
+                          "ulysses_num_heads", "sequence_parallel_size", "ring_attn", "ring_attn_window_size",
+                          "flash_attn_version", "zero3_save_16bit_model"})
+
+
+def _step_size(values: dict) -> list[str]:
+    """ms-swift's optimizer step: --per_device_train_batch_size (default 1) x --gradient_accumulation_steps (default
+    ceil(16 / batch / world size)) x world size pairs. Micro-batches do not change fastdpo's step (accumulation is
+    exact), so without a batch size of its own the step is formed from fewer, larger micro-batches."""
+    from fastdpo.config.launch import world_size
+    from fastdpo.config.schema import TrainConfig
+
+    if "gradient_accumulation_steps" in values:
+        return []
+    world = world_size()
+    if "per_device_train_batch_size" in values:
+        batch = number(values["per_device_train_batch_size"], int)
+        values["gradient_accumulation_steps"] = max(1, -(-PAIRS_PER_STEP // (batch * world)))
+        return [f"--gradient_accumulation_steps {values['gradient_accumulation_steps']}"]
+    per_rank = -(-PAIRS_PER_STEP // world)  # ms-swift: 1 pair x this many accumulation steps on each rank
+    batch = min(TrainConfig.per_device_train_batch_size, per_rank)
+    values["per_device_train_batch_size"], values["gradient_accumulation_steps"] = batch, -(-per_rank // batch)
+    return [f"--per_device_train_batch_size {batch} --gradient_accumulation_steps "
+            f"{values['gradient_accumulation_steps']} ({per_rank * world} pairs per step, as ms-swift's 1 x "
+            f"{per_rank}{f' x {world} ranks' if world > 1 else ''})"]
+
+
+def _rlhf_meaning(rlhf: str, values: dict) -> list[str]:
+    """What ms-swift's --rlhf_type sets beyond the loss: SimPO's beta and gamma, and its NLL term (ms-swift trains
+    SimPO as TRL's CPOTrainer does, with --cpo_alpha 1 x the chosen NLL: CPO-SimPO); ORPO's --beta is its lambda."""
+    out = adopt(values, RLHF_DEFAULTS.get(rlhf, {}))
+    if rlhf == "simpo" and "rpo_alpha" not in values:
+        alpha = number(values.get("cpo_alpha", 1.0))
+        if alpha > 0:
+            values["rpo_alpha"] = alpha
+            out.append(f"--rpo_alpha {alpha} (ms-swift's SimPO adds --cpo_alpha {alpha:g} x the NLL of chosen, "
+                       "CPO-SimPO; --cpo_alpha 0 trains plain SimPO)")
+    if rlhf == "orpo" and "beta" in values and "orpo_alpha" not in values:
+        values["orpo_alpha"] = values["beta"]
+        out.append(f"--orpo_alpha {values['beta']} (ms-swift's --beta is ORPO's lambda)")
+    return out
+
+
+def finish(given: dict, values: dict) -> list[str]:
+    """ms-swift's meaning for what a command with its flags leaves out, listed in one block (flags given win)."""
+    rlhf = str(given.get("rlhf_type", "dpo")).lower()
+    adopted = _rlhf_meaning(rlhf, values) + adopt(values, DEFAULTS)
+    adopted += adopt(values, {"learning_rate": 1e-5 if values["train_type"] == "full" else 1e-4})
+    if not number(values.get("max_steps", -1)) > 0:
+        adopted += adopt(values, {"num_train_epochs": 3.0})
+    adopted += _step_size(values)
+    if not values.get("input_template") and "apply_chat_template" not in values:
+        values["apply_chat_template"] = True
+        adopted.append("--apply_chat_template true (plain-text prompts are user turns through the chat template, as "
+                       "ms-swift reads them)")
+    if not adopted:
+        return []
+    return ["ms-swift's meaning for what the command leaves out (flags given win):\n  " + "\n  ".join(adopted)]
+
+
+SWIFT = Source("accepted from ms-swift / HF TrainingArguments scripts", FLAGS, finish, markers=SCRIPT_FLAGS)
