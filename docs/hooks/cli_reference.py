@@ -52,6 +52,8 @@ def _type(f: dataclasses.Field) -> str:
 
 
 def _default(f: dataclasses.Field) -> str:
+    if "default_text" in f.metadata:  # a default that depends on other flags
+        return _cell(f.metadata["default_text"])
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,27 @@ class _Parser(argparse.ArgumentParser):
         return f" Did you mean --{close[0]}?" if close else f" See `{where} --help` for its flags."
 
 
+def shown_default(f: dataclasses.Field) -> str:
+    """A field's default as --help shows it (`default_text` in its metadata where the default depends on others)."""
+    if "default_text" in f.metadata:
+        return f.metadata["default_text"]
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value in ("", [], {}):
+        return "none"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
-    """One flag per config field, with default SUPPRESS so we can tell what the user set."""
+    """One flag per config field, with default SUPPRESS so we can tell what the user set; the help text ends with
+    the field's default."""
     parser.add_argument("--config", help="YAML file with any of these flags; the command line wins.")
     for f in dataclasses.fields(cls):
-        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
+        text = f.metadata.get("help", "")
+        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"{text} [default: {shown_default(f)}]"}
         typ = _flag_type(f)
         if typ is _parse_bool:
             kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
