@@ -17,15 +17,39 @@ from fastdpo.parallel.launch import launch
 
 
 def _console():
+    """The rich console on stdout. Off a terminal (nohup, CI, `> train.log`) rich would hard-wrap every line at 80
+    columns: there, printed text is never wrapped (soft_wrap), so a log keeps one line per step at any width."""
     from rich.console import Console
 
-    return Console(stderr=False)
+    console = Console(stderr=False)
+    if not console.is_terminal:
+        console.soft_wrap = True
+    return console
+
+
+class _PlainHandler(logging.Handler):
+    """Log records as `LEVEL    message` lines through the console, unwrapped: RichHandler's layout off a terminal
+    is a table as wide as the console, wrapped and padded to it."""
+
+    def __init__(self, console):
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(f"{record.levelname:<8} {self.format(record)}", markup=False, highlight=False,
+                               soft_wrap=True)
+        except Exception:  # a log line must never stop the run
+            self.handleError(record)
 
 
 def _setup_logging(console) -> None:
     from rich.logging import RichHandler
 
-    handler = RichHandler(console=console, show_path=False, show_time=False)
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, show_time=False)
+    else:
+        handler = _PlainHandler(console)
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[handler], force=True)
     for noisy in ("transformers", "torch", "peft", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

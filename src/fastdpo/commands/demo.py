@@ -125,6 +125,19 @@ def command_line(cfg) -> str:
     return f"fastdpo train --model {cfg.model} --dataset {cfg.dataset[0]} --output_dir {cfg.output_dir} {flags}"
 
 
+def _demo_dir(out: Path) -> bool:
+    """Whether `out` holds only what an earlier demo wrote (or nothing): the demo may then replace it."""
+    import yaml
+
+    if (out / "demo_result.json").is_file():
+        return True
+    try:
+        saved = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return not (out / "metrics.jsonl").exists()
+    return isinstance(saved, dict) and Path(str(saved.get("model", ""))).parts[-3:] == ("assets", "demo", "model")
+
+
 def run_demo(output_dir: str, console=None, quick: bool = False, assets: Path = ASSETS, **overrides) -> dict:
     """Measure the bundled base model, train it with DPO through `fastdpo.training.loop.train`, measure again, report.
     `overrides` replace TRAIN_SETTINGS entries (e.g. max_steps). Returns the numbers and every held-out answer."""
@@ -142,17 +155,18 @@ def _run(output_dir: str, console, quick: bool, assets: Path, overrides: dict) -
     from fastdpo.config import TrainConfig
     from fastdpo.training.loop import train
 
-    def say(text: str) -> None:
+    def say(text: str, **kw) -> None:
         if console is not None:
-            console.print(text, highlight=False)
+            console.print(text, highlight=False, **kw)
 
     t0 = time.perf_counter()
     check_assets(assets)
     out = Path(output_dir)
     heldout = load_heldout(QUICK_HELDOUT if quick else HELDOUT, assets)
     settings = {**TRAIN_SETTINGS, **(QUICK_SETTINGS if quick else {}), **overrides}
+    # a rerun replaces the demo's earlier outputs; a dir holding anything else is refused by training as usual
     cfg = TrainConfig(model=str(assets / "model"), dataset=[str(assets / "pairs.jsonl")], output_dir=str(out),
-                      disable_progress=True, **settings)
+                      disable_progress=True, overwrite_output_dir=_demo_dir(out), **settings)
     n_pairs = sum(1 for line in (assets / "pairs.jsonl").open(encoding="utf-8") if line.strip())
     say("[bold]fastdpo demo[/]: DPO on a tiny built-in model, on this CPU, no download")
     say("  task      add two 3-digit numbers; a verifier checks every answer")
@@ -161,7 +175,7 @@ def _run(output_dir: str, console, quick: bool, assets: Path, overrides: dict) -
     say(f"  pairs     {n_pairs}: chosen = the correct sum, rejected = the base model's")
     say("            own wrong answer (a typical slip where it has none)")
     say(f"  held-out  {len(heldout)} questions no training saw; greedy answers")
-    say(f"  command   {command_line(cfg)}")
+    say(f"  command   {command_line(cfg)}", markup=False, soft_wrap=True)  # one line, to paste as it is
 
     base_answers = greedy_eval(assets / "model", heldout)
     say(f"base model: {100 * accuracy(heldout, base_answers):.1f}% of held-out answers right; training with DPO")

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from fastdpo.config import check_installed, report_targets
+from fastdpo.observe.progress import clock
 
 log = logging.getLogger("fastdpo")
 
@@ -42,17 +43,24 @@ class JsonlSink:
 
 
 class ConsoleSink:
-    """A compact line per logged step on the rich console (alerts go through the `fastdpo` logger)."""
+    """One line per logged step on the rich console, never wrapped (a log file keeps one line per step at any
+    width), ending with the time left once the run's progress is known (`Sinks.follow`); alerts go through the
+    `fastdpo` logger."""
 
     KEYS = ("loss", "rewards/margins", "rewards/accuracies", "kl", "grad_norm", "learning_rate", "pairs_per_second",
             "eval_loss", "eval_rewards/margins", "eval_rewards/accuracies")
 
     def __init__(self, console):
         self.console = console
+        self.progress = None  # a RunProgress: the total steps and the time left
 
     def log(self, record: dict) -> None:
         shown = "  ".join(f"{_label(k)}={_fmt(record[k])}" for k in self.KEYS if k in record)
-        self.console.print(f"step {record['step']:>5}  {shown}", highlight=False)
+        step = f"{record['step']:>5}"
+        if self.progress is not None:
+            step += f"/{self.progress.total}"
+            shown += f"  eta={clock(self.progress.eta(record['step']))}"
+        self.console.print(f"step {step}  {shown}", highlight=False, markup=False, soft_wrap=True)
 
     def alert(self, alert) -> None:
         pass
@@ -129,6 +137,12 @@ class Sinks:
         log.warning("%s", alert.text())
         for s in self.sinks:
             s.alert(alert)
+
+    def follow(self, progress) -> None:
+        """Hand the run's progress (`observe.progress.RunProgress`) to the sinks that show it."""
+        for s in self.sinks:
+            if hasattr(s, "progress"):
+                s.progress = progress
 
     def close(self) -> None:
         for s in self.sinks:

@@ -21,6 +21,7 @@ from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
 from fastdpo.observe.profile import StepProfiler
+from fastdpo.observe.progress import RunProgress, run_summary, save_summary, summary_line
 from fastdpo.optim.optimizer import (
     follow_schedule,
     schedule_changes,
@@ -71,7 +72,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
 
     monitor = Monitor(cfg, out, console, trainer.optimizer, start, write=d.is_main, world_size=d.world_size)
     logger = StepLog(trainer)
-    bar = _progress_bar(console, s.total_steps, start) if progress and console is not None else None
+    bar = _progress_bar(console if progress else None, s.total_steps, start)
+    monitor.sinks.follow(bar)  # step lines end with the time left
     last: dict = {}
     stop = GracefulStop().install()  # SIGTERM/SIGINT from here on: finish the step, checkpoint, exit
     stopped_at: Path | None = None
@@ -97,8 +99,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             if evaluator.due(done, s.total_steps):  # every rank evaluates (the forwards are collective)
                 hb.beat(done, "eval")
                 monitor.write(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
-            if bar is not None:
-                bar[0].update(bar[1], advance=1, rate=f"{last.get('pairs_per_second', 0):.2f} pairs/s")
+            bar.advance(done, len(result.pairs), result.tokens)
             periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
             stopping = any_rank(stop.requested, d, s.device)  # all ranks stop after the same step
             if (periodic or stopping) and done < s.total_steps:
@@ -114,8 +115,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         hb.stop()
         profiler.close()
         stop.restore()
-        if bar is not None:
-            bar[0].stop()
+        bar.stop()
         monitor.close()
         if s.stream is not None:
             s.stream.close()
@@ -126,9 +126,10 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     if stopped_at is not None:
         log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
                     stop.name or "a signal to another rank", trainer.global_step, stopped_at)
+        run = report_run(bar, last, s, out, stopped=stop.name or "SIGTERM", **evaluator.summary())
         return {"final_dir": None, "stopped": stop.name or "SIGTERM", "checkpoint": str(stopped_at),
                 "exit_code": stop.exit_code() if stop.requested else 128 + signal.SIGTERM,
-                "last": last, **summary, **evaluator.summary()}
+                "last": last, "run_summary": run, **summary, **evaluator.summary()}
     weights = full_state_dict(s.model, d)  # FSDP2: every rank sends its shards to rank 0
     final = out / "final"
     if d.is_main:
@@ -140,7 +141,20 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         from fastdpo.observe.plot import write_dashboard  # matplotlib loads only when asked for
 
         log.info("Dashboard: %s", write_dashboard(out))
-    return {"final_dir": str(final), "last": last, **summary, **evaluator.summary()}
+    run = report_run(bar, last, s, out, final_dir=str(final), **evaluator.summary())
+    return {"final_dir": str(final), "last": last, "run_summary": run, **summary, **evaluator.summary()}
+
+
+def report_run(progress: RunProgress, last: dict, s, out: Path, **extra) -> dict:
+    """The end-of-run summary (runtime, the run's pairs/s and tokens/s, peak memory over ranks, the last metrics):
+    logged in one line and saved as output_dir/summary.json by rank 0."""
+    d = s.dist
+    peak = max_over_ranks([peak_memory_gib(s.device)], d, s.device)[0] if s.device.type == "cuda" else None
+    run = run_summary(progress, last, peak, world_size=d.world_size, **extra)
+    if d.is_main:
+        save_summary(run, out / "summary.json")
+        log.info("%s (%s)", summary_line(run), out / "summary.json")
+    return run
 
 
 def warm_up_logged(trainer: Trainer) -> None:
@@ -277,11 +291,7 @@ def follow_changed_schedule(resume: Path, cfg: TrainConfig, scheduler, total_ste
                     "continue the saved schedule instead.", resume, named, scheduler.last_epoch)
 
 
-def _progress_bar(console, total: int, start: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-                   TimeRemainingColumn(), console=console, transient=False)
-    task = bar.add_task("train", total=total, completed=start, rate="")
-    bar.start()
-    return bar, task
+def _progress_bar(console, total: int, start: int) -> RunProgress:
+    """The run's progress: a bar on a terminal `console` (its rate is the run's, not the last window's); without
+    one, only the counts behind the step lines' time left and the end-of-run summary."""
+    return RunProgress(total, start, console)
