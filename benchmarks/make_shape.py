@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from fastdpo.commands.bench import shape_config  # noqa: E402
-from fastdpo.data.anchor import anchor_pairs, anchor_tokenizer
+from fastdpo.data.anchor import anchor_pairs, anchor_tokenizer  # noqa: E402
+from fastdpo.model.shapes import shape_config  # noqa: E402
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
-ATTN_IMPLS = ("auto", "flex", "dense", "padded", "flash_attn", "flash_attention_2", "sdpa", "eager")
+ATTN_IMPLS = ("auto", "varlen", "flex", "dense", "padded", "flash_attn", "flash_attention_2", "sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 MAX_LR = 1e6  # far past any useful rate, far below where AdamW's step size overflows float32
 FULL_LEARNING_RATE, LORA_LEARNING_RATE = 5e-7, 5e-6  # --learning_rate left out (TRL's LoRA DPO example uses 5e-6)
@@ -169,6 +169,8 @@ class TrainConfig:
     dataset_num_proc: int = _f(1, "Processes that tokenise the dataset.")
     load_from_cache_file: bool = _f(True, "Reuse tokenised data cached under a fingerprint of data, tokenizer, settings.")
     dataset_cache_dir: str = _f("", "Tokenisation cache dir (default: $FASTDPO_CACHE_DIR, else ~/.cache/fastdpo).")
+    max_row_mb: float = _f(16.0, "Largest row read from a data file, in MiB (a JSONL line, a JSON array element, a CSV "
+                           "record): a larger one is an error naming its line, found before it is held in memory.")
     streaming: bool = _f(False, "Read and tokenise lazily, for data larger than memory; needs --max_steps.")
     shuffle: bool = _f(True, "Shuffle the pairs each epoch (seeded by --seed); false keeps the dataset order.")
     shuffle_buffer_size: int = _f(10000, "Pairs in the seeded shuffle buffer when streaming.")
@@ -182,7 +184,8 @@ class TrainConfig:
                                    "per_device_train_batch_size pairs of the data's tokens, logged; otherwise "
                                    "per_device_train_batch_size pairs).")
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
-    attn_impl: str = _f("auto", "auto|flex|dense|padded. auto: flex on CUDA, dense on CPU.")
+    attn_impl: str = _f("auto", "auto|varlen|flex|dense|padded. auto: varlen on CUDA for bf16/fp16 models (flex for "
+                        "float32), dense on CPU.")
     gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true or no "
                                      "value = full).", bare="true")
     max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing auto` / `fastdpo tune` (0: 90% of the GPU).")
@@ -249,7 +252,18 @@ class TrainConfig:
     logging_steps: int = _f(1, "Log metrics every N optimizer steps.")
     save_steps: int = _f(0, "Checkpoint every N optimizer steps (0: only the final model).")
     save_total_limit: int = _f(0, "Keep at most N checkpoints (0: keep all).")
-    resume_from_checkpoint: str = _f("", "Checkpoint dir, or `latest` for the newest complete one in output_dir.")
+    resume_from_checkpoint: str = _f("", "Checkpoint dir, or `latest` for the newest one in output_dir whose content "
+                                     "matches its manifest (each one skipped is named, with why).")
+    resume_ignore_changes: bool = _f(False, "Resume even when the checkpoint was trained with another model, other "
+                                     "data, or other settings that change the objective or the data order (loss, "
+                                     "beta, seed, max_length, ...): each difference is logged. Off: such a resume is "
+                                     "refused, naming them. Learning-rate flags may always change.")
+    start_over_if_unusable: bool = _f(False, "With --resume_from_checkpoint latest: when output_dir holds checkpoints "
+                                      "but none can be resumed (corrupt, incomplete), train from step 0 instead of "
+                                      "stopping.")
+    overwrite_output_dir: bool = _f(False, "A new run (no --resume_from_checkpoint) into an output_dir that holds an "
+                                    "earlier run's checkpoints, final/ or metrics.jsonl is refused; true removes "
+                                    "those outputs first (logged).")
     device: str = _f("auto", "auto|cpu|cuda|cuda:N.")
     disable_progress: bool = _f(False, "No progress bar (logs only).")
     profile_steps: str = _f("", "Profile these optimizer steps, e.g. 6-8: a torch.profiler trace per rank in "
@@ -475,6 +489,8 @@ class TrainConfig:
         for name in ("max_length", "dataset_num_proc", "shuffle_buffer_size"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if not self.max_row_mb > 0:
+            raise FastDPOError(f"--max_row_mb must be > 0, got {self.max_row_mb}.")
         for name in ("max_prompt_length", "max_completion_length", "dataloader_num_workers", "max_samples"):
             if getattr(self, name) < 0:
                 raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")

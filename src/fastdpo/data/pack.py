@@ -31,6 +31,8 @@ class PairBatch:
     Both layouts: src (N,) long indexes the flattened hidden states that predict the N completion targets `tgt` (N,);
       seq (N,) long maps each target to a sequence: chosen of pair i -> i, rejected -> B + i;
       lengths (2B,) long completion tokens per sequence; index (B,) long dataset row of each pair.
+    Packed layout only: pair_lengths, on the host, (prompt, chosen, rejected) tokens of each pair in packed order
+      (the attention backends that take sequence offsets build them from it without reading the device).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +45,7 @@ class PairBatch:
     pair_ids: torch.Tensor | None = None
     segments: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
+    pair_lengths: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -144,6 +147,7 @@ def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int
         index=torch.tensor([p.index for p in pairs], dtype=torch.long),
         pair_ids=torch.tensor(pid, dtype=torch.int32),
         segments=torch.tensor(seg, dtype=torch.int8),
+        pair_lengths=tuple((len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs),
     )
 
 

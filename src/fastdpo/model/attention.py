@@ -3,14 +3,24 @@
 Rule for query q and key k: same pair, k <= q in packed order, and k is a prompt token or in q's own segment
 (rejected never sees chosen). An optional sliding window is folded in through the position ids.
 
-Backends: `dense` (boolean mask through SDPA; CPU and tests), `flex` (FlexAttention BlockMask, built once per
-micro-batch and shared by all layers; CUDA). Both plug into transformers models as the attention function
-"fastdpo", with the mask passed as a ready 4-D `attention_mask` that transformers forwards untouched.
+Backends:
+- `varlen` (CUDA, bf16/fp16; the default there): FlashAttention's variable-length kernel, whose separate query and
+  key offsets express the rule exactly: each pair is two causal sequences, queries `[prompt | chosen]` over keys
+  `[prompt | chosen]`, and queries `rejected` over keys `[prompt | rejected]` with the causal mask aligned to the
+  end. Its kernels do not depend on the sequence length, so nothing is built per micro-batch length.
+- `flex` (CUDA): a FlexAttention BlockMask, built once per micro-batch and shared by all layers; its kernels are
+  compiled per static length (fp32 models, or a torch without varlen).
+- `dense` (boolean mask through SDPA): CPU and tests.
+`flex` and `dense` plug into transformers models as the attention function "fastdpo", with the mask passed as a
+ready 4-D `attention_mask` that transformers forwards untouched; `varlen` as "fastdpo_varlen", with its sequence
+offsets passed as keyword arguments that transformers hands to the attention function.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +28,7 @@ import torch.nn.functional as F
 from fastdpo.data.pack import PROMPT, PairBatch
 
 ATTN_NAME = "fastdpo"
+VARLEN_NAME = "fastdpo_varlen"
 FLEX_BLOCK = 128
 
 
@@ -124,11 +135,119 @@ def fastdpo_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
+# ---------------------------------------------------------------- varlen
+
+
+@dataclass
+class VarlenMask:
+    """Sequence offsets of one micro-batch, shared by all layers. Queries are the packed tokens in packed order;
+    `key_index` (K,) long names the packed token of each key, sequence after sequence (a prompt's keys appear in
+    both of its pair's sequences). cu_q / cu_k (S+1,) int32 are the sequences' offsets into queries and keys."""
+
+    key_index: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    def kwargs(self) -> dict:
+        """What the decoder forward passes on to every layer's attention function."""
+        return {"fastdpo_key_index": self.key_index, "fastdpo_cu_q": self.cu_q, "fastdpo_cu_k": self.cu_k,
+                "fastdpo_max_q": self.max_q, "fastdpo_max_k": self.max_k}
+
+
+def varlen_layout(pair_lengths, total: int) -> tuple[list[int], list[int], list[int], int, int]:
+    """(key_index, cu_q, cu_k, max_q, max_k) for pairs laid out as [prompt | chosen | rejected] runs, in order, in a
+    row of `total` tokens; trailing filler is one more causal sequence over itself. Host lists, no device work."""
+    key_index: list[int] = []
+    cu_q, cu_k = [0], [0]
+    max_q = max_k = 0
+    off = 0
+
+    def add(n_q: int, keys: list[int]) -> None:
+        nonlocal max_q, max_k
+        if n_q == 0:
+            return
+        key_index.extend(keys)
+        cu_q.append(cu_q[-1] + n_q)
+        cu_k.append(cu_k[-1] + len(keys))
+        max_q, max_k = max(max_q, n_q), max(max_k, len(keys))
+
+    for n_p, n_c, n_r in pair_lengths:
+        add(n_p + n_c, list(range(off, off + n_p + n_c)))
+        add(n_r, list(range(off, off + n_p)) + list(range(off + n_p + n_c, off + n_p + n_c + n_r)))
+        off += n_p + n_c + n_r
+    assert off <= total, (off, total)
+    add(total - off, list(range(off, total)))
+    return key_index, cu_q, cu_k, max_q, max_k
+
+
+def varlen_mask(batch: PairBatch) -> VarlenMask:
+    """The micro-batch's VarlenMask on the batch's device (copied from pinned host memory without a sync)."""
+    assert batch.pair_lengths is not None, "varlen needs the packed layout"
+    key_index, cu_q, cu_k, max_q, max_k = varlen_layout(batch.pair_lengths, batch.num_tokens)
+    device = batch.input_ids.device
+    pin = device.type == "cuda"
+
+    def put(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
+    return VarlenMask(put(key_index, torch.long), put(cu_q, torch.int32), put(cu_k, torch.int32), max_q, max_k)
+
+
+def varlen_available() -> bool:
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _varlen_api() -> tuple:
+    """torch's varlen_attn and its keyword names, read once outside any compiled region (Dynamo cannot trace
+    `inspect`). torch 2.11 takes fewer key/value heads as they are; later releases ask for `enable_gqa=True`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_kernel(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None, window: int | None):
+    """q (Tq, H, D), k/v (Tk, Hkv, D) -> (Tq, H, D): causal within each sequence, aligned to its end. The rule's
+    window (q_pos - k_pos < W) is the kernel's (W - 1, 0): W - 1 keys to the left and the token itself."""
+    fn, params = _varlen_api()
+    kw = {"window_size": (-1, 0) if window is None else (window - 1, 0)}  # a tuple: (-1, 0) is how it knows causal
+    if scale is not None:
+        kw["scale"] = scale
+    if q.shape[1] != k.shape[1] and "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: query (1, H, T, D), key/value (1, Hkv, T, D) -> ((1, T, H, D), None)."""
+    window = getattr(module, "_fastdpo_window", None)
+    _check_window(kwargs, window)
+    if "fastdpo_key_index" not in kwargs:
+        raise RuntimeError("fastdpo varlen attention needs the micro-batch's offsets; call through "
+                           "fastdpo.model.core.target_hidden")
+    index = kwargs["fastdpo_key_index"]
+    q = query[0].transpose(0, 1)  # (T, H, D), packed order: the output comes back in it
+    k = key[0].transpose(0, 1).index_select(0, index)  # keys sequence by sequence; the backward sums a prompt's two
+    v = value[0].transpose(0, 1).index_select(0, index)
+    out = _varlen_kernel(q, k, v, kwargs["fastdpo_cu_q"], kwargs["fastdpo_cu_k"], kwargs["fastdpo_max_q"],
+                         kwargs["fastdpo_max_k"], scaling, window)
+    return out.unsqueeze(0), None
+
+
 def register() -> None:
     """Make "fastdpo" a valid attn_implementation for transformers models (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, fastdpo_attention)
+    # no mask function for varlen: transformers then builds no mask, and the offsets come as keyword arguments
+    AttentionInterface.register(VARLEN_NAME, varlen_attention)
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 

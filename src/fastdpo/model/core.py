@@ -240,14 +240,14 @@ def sliding_window(config) -> tuple[bool, int | None, str]:
 
 @dataclass
 class Backend:
-    name: str  # flex | dense | padded
+    name: str  # varlen | flex | dense | padded
     window: int | None = None
     lengths: int = SHAPE_BUCKETS  # flex: static micro-batch lengths per token budget (`flex_length`)
 
 
 # Names users bring from ms-swift / transformers scripts, and why the packed backend serves them instead.
-_VARLEN = ("Variable-length kernels (flash-attn) cannot express the prefix-shared rule, where rejected tokens see the "
-           "prompt but not chosen; FlexAttention runs that rule directly, with the prompt computed once.")
+_VARLEN = ("fastdpo's varlen backend runs FlashAttention's variable-length kernel with separate query and key offsets, "
+           "so rejected tokens see the prompt but not chosen, with the prompt computed once.")
 FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
                 "sdpa": "The packed layout needs its own mask; SDPA is what the dense and padded paths use.",
                 "eager": "The packed layout needs its own mask; the padded path uses the model's own attention."}
@@ -269,10 +269,35 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
     if not ok:
         log.warning("Using the padded path: %s.", reason)
         return Backend("padded")
-    name = attn_impl if attn_impl != "auto" else ("flex" if device.type == "cuda" else "dense")
-    if name == "flex" and device.type != "cuda":
-        raise FastDPOError("--attn_impl flex needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
+    name = attn_impl if attn_impl != "auto" else auto_backend(model, device)
+    if name in ("flex", "varlen") and device.type != "cuda":
+        raise FastDPOError(f"--attn_impl {name} needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
+    if name == "varlen":
+        why = varlen_unsupported(model)
+        if why:
+            raise FastDPOError(f"--attn_impl varlen: {why}. Use --attn_impl flex (or auto).")
     return Backend(name, window, lengths)
+
+
+def varlen_unsupported(model) -> str:
+    """Why the varlen kernel cannot run this model ("" when it can)."""
+    if not attention.varlen_available():
+        return "this torch has no torch.nn.attention.varlen (torch 2.10 or later has it)"
+    dtype = base_causal_lm(model).dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FlashAttention's kernel runs in bfloat16 or float16, and the model is in {str(dtype).split('.')[-1]}"
+    return ""
+
+
+def auto_backend(model, device: torch.device) -> str:
+    """varlen on CUDA where it can run (no kernel is built per micro-batch length), else flex; dense on CPU."""
+    if device.type != "cuda":
+        return "dense"
+    why = varlen_unsupported(model)
+    if why:
+        log.info("Attention: FlexAttention (its kernels are built per micro-batch length), because %s.", why)
+        return "flex"
+    return "varlen"
 
 
 def _set_attn(model, name: str) -> None:
@@ -341,6 +366,10 @@ def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device,
 
 
 def build_mask(batch: PairBatch, backend: Backend):
+    """What the attention of every layer needs for this micro-batch, built once: varlen offsets, a FlexAttention
+    BlockMask, a dense boolean mask, or the padded rows' mask."""
+    if backend.name == "varlen":
+        return attention.varlen_mask(batch)
     if backend.name == "flex":
         return attention.flex_block_mask(batch, backend.window)
     if backend.name == "dense":
@@ -352,10 +381,15 @@ def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch
     """(N, H) final hidden states at the positions that predict the N completion targets."""
     if mask is None:
         mask = build_mask(batch, backend)
-    _set_attn(model, "sdpa" if backend.name == "padded" else attention.ATTN_NAME)
-    hidden = decoder(model)(
-        input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
-    ).last_hidden_state
+    if backend.name == "varlen":  # no mask: the offsets reach every layer's attention as keyword arguments
+        _set_attn(model, attention.VARLEN_NAME)
+        hidden = decoder(model)(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                                **mask.kwargs()).last_hidden_state
+    else:
+        _set_attn(model, "sdpa" if backend.name == "padded" else attention.ATTN_NAME)
+        hidden = decoder(model)(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
+        ).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
 
 

@@ -57,9 +57,10 @@ def apply_checkpointing(model, policy: str) -> list[str]:
     return wrapped
 
 
-def compile_layers(model, backend="inductor", lengths: int | None = None) -> None:
+def compile_layers(model, backend="inductor", lengths: int | None = None, dynamic: bool = False) -> None:
     """Regional compilation: each decoder layer through torch.compile (one compiled graph reused by all layers).
-    `lengths`: static micro-batch lengths per token budget (--length_buckets; default SHAPE_BUCKETS)."""
+    `dynamic`: one graph for every micro-batch length (varlen attention, whose kernel takes any length); else
+    static shapes, one graph per static micro-batch length (`lengths` per token budget: --length_buckets)."""
     import torch._dynamo
     import torch._inductor.config
 
@@ -83,8 +84,28 @@ def compile_layers(model, backend="inductor", lengths: int | None = None) -> Non
     if not lm.get_input_embeddings().weight.requires_grad:
         # frozen embeddings (LoRA): the first layer's input would not require grad and get a graph of its own
         lm.enable_input_require_grads()
+    if dynamic:
+        dynamic_shape_settings()
     for layer in decoder_layers(model):
-        layer.compile(dynamic=False, backend=backend)  # static shapes: no dynamic-shape graphs
+        layer.compile(dynamic=dynamic, backend=backend)
+
+
+def dynamic_shape_settings() -> None:
+    """Settings under which a dynamic-shape layer graph stays one graph for every length: Inductor's mix-order
+    reduction fusion guards on ranges of the length (four graphs for six lengths, each rebuilt in seconds), and
+    duck shapes would tie the length to an equal dimension of the first batch (e.g. 128 = head_dim) and recompile
+    at the next length. Neither changes what is computed."""
+    import torch._inductor.config as inductor
+
+    if hasattr(inductor, "triton") and hasattr(inductor.triton, "mix_order_reduction"):
+        inductor.triton.mix_order_reduction = False
+    try:
+        import torch.fx.experimental._config as fx_config
+
+        if hasattr(fx_config, "use_duck_shape"):
+            fx_config.use_duck_shape = False
+    except ImportError:  # pragma: no cover - older torch
+        pass
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):

@@ -161,7 +161,7 @@ FSDP_MIN_BUDGET = 8192  # tokens per micro-batch below which FSDP2's per-micro-b
 def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str = "single") -> str | None:
     """The settings behind the measured speed-ups, named once when a GPU run trains without them. `mode`: single,
     ddp, fsdp (full_shard: weights gathered for every micro-batch) or fsdp_zero2 (gathered once per step)."""
-    if device.type != "cuda" or backend != "flex":
+    if device.type != "cuda" or backend not in ("flex", "varlen"):
         return None
     hints = []
     budget = cfg.max_tokens_per_batch
@@ -177,7 +177,7 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     missing = []
     if not cfg.torch_compile:
         missing.append("--torch_compile")
-    if not cfg.max_tokens_per_batch:
+    if not cfg.max_tokens_per_batch and backend == "flex":
         missing.append("--max_tokens_per_batch 4096 (about a few pairs' tokens)")
     if cfg.gradient_checkpointing in ("none", "false"):
         missing.append("--gradient_checkpointing ffn")

@@ -70,6 +70,8 @@ def warm_up_lengths(s: Setup) -> int:
     the online reference's forward and the policy's forward and backward on a filler pair of each length.
     Gradients are discarded and the random state restored, so training continues exactly as without it. Returns
     the number of lengths."""
+    if s.backend.name != "flex":  # the other backends build nothing per micro-batch length
+        return 0
     budget = s.cfg.max_tokens_per_batch
     cuda = s.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state(s.device) if cuda else None

@@ -1,0 +1,134 @@
+"""The varlen attention backend against the plain computation, on the CPU.
+
+The CUDA kernel (FlashAttention's variable-length kernel) does not run here, so two things are checked apart:
+1. the sequence offsets (`varlen_layout`) allow exactly what the attention rule allows: the (query, key) pairs they
+   admit are compared with `dense_mask`, the rule written elementwise, for random pairs and windows;
+2. everything around the kernel (keys gathered per sequence, the offsets reaching every layer through transformers,
+   the output back in packed order, GQA, gradients) through a float32 stand-in for the kernel: per-sequence causal
+   SDPA aligned to the end, which is the kernel's contract. Completion log-probs and gradients of a tiny model
+   equal those of the dense backend.
+The kernel itself is checked against a float32 reference on the GPU (tests/test_gpu_varlen.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_pairs
+
+from fastdpo.data.pack import pack_pairs
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.model import attention
+from fastdpo.model.attention import dense_mask, varlen_layout
+
+
+def admitted(pair_lengths, total: int, window: int | None) -> torch.Tensor:
+    """(T, T) bool: query token q may see key token k under the offsets, as the kernel reads them."""
+    key_index, cu_q, cu_k, _, _ = varlen_layout(pair_lengths, total)
+    m = torch.zeros(total, total, dtype=torch.bool)
+    for s in range(len(cu_q) - 1):
+        n_q, n_k = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]
+        for i in range(n_q):
+            for j in range(n_k):
+                shift = i + n_k - n_q  # causal aligned to the end of the sequence
+                if j <= shift and (window is None or shift - j < window):
+                    m[cu_q[s] + i, key_index[cu_k[s] + j]] = True
+    return m
+
+
+CASES = [
+    [(3, 2, 4)],
+    [(0, 3, 2), (4, 1, 1)],  # an unprompted pair: no prompt keys
+    [(5, 4, 6), (2, 7, 3), (1, 1, 1)],
+]
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("lens", CASES)
+def test_offsets_admit_exactly_the_attention_rule(lens, window):
+    pairs = [TokenizedPair(prompt=[5] * p, chosen=[6] * c, rejected=[7] * r, index=i) for i, (p, c, r) in enumerate(lens)]
+    for pad in (1, 16):  # and with trailing filler, which attends only to itself
+        batch = pack_pairs(pairs, pad)
+        got = admitted(batch.pair_lengths, batch.num_tokens, window)
+        want = dense_mask(batch, window)[0, 0]
+        real = batch.pair_ids >= 0
+        assert torch.equal(got[real][:, real], want[real][:, real])
+        assert not got[real][:, ~real].any() and not got[~real][:, real].any()
+
+
+def test_random_pairs_are_admitted_exactly():
+    pairs = random_pairs(20, 50, seed=3, max_prompt=9, max_comp=7)
+    batch = pack_pairs(pairs, 1)
+    assert torch.equal(admitted(batch.pair_lengths, batch.num_tokens, None), dense_mask(batch)[0, 0])
+
+
+def test_a_broken_layout_is_caught():
+    """The comparison can fail: rejected queries over [prompt | chosen | rejected] keys differ from the rule."""
+    batch = pack_pairs([TokenizedPair(prompt=[5] * 2, chosen=[6] * 2, rejected=[7] * 2, index=0)], 1)
+    leaky = torch.tril(torch.ones(6, 6, dtype=torch.bool))  # one causal sequence: rejected sees chosen
+    assert not torch.equal(leaky, dense_mask(batch)[0, 0])
+
+
+def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+    """The kernel's contract in float32: each sequence causal, aligned to its end, GQA by shared key heads."""
+    out = torch.zeros_like(q)
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    assert max_q == max(b - a for a, b in zip(cu_q, cu_q[1:])) and max_k == max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[s]:cu_q[s + 1]], k[cu_k[s]:cu_k[s + 1]], v[cu_k[s]:cu_k[s + 1]]
+        i = torch.arange(len(qs))[:, None] + len(ks) - len(qs)
+        j = torch.arange(len(ks))[None]
+        allow = (j <= i) if window is None else (j <= i) & (i - j < window)
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                           attn_mask=allow, scale=scale, enable_gqa=True)
+        out[cu_q[s]:cu_q[s + 1]] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_varlen_path_equals_the_dense_path_in_float32(model_dirs, monkeypatch, family):
+    from fastdpo.model.core import Backend, load_model, prepare_packed, sequence_logps
+
+    monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
+    model = load_model(str(model_dirs(family)), torch.float32, torch.device("cpu"))
+    cfg = model.config
+    assert cfg.num_attention_heads != cfg.num_key_value_heads  # GQA is exercised
+    pairs = random_pairs(5, cfg.vocab_size, seed=1, max_prompt=8, max_comp=6)
+    pairs.append(TokenizedPair(prompt=[], chosen=[9, 10], rejected=[11], index=5))  # unprompted
+    results = {}
+    for name in ("varlen", "dense"):
+        backend = Backend(name)
+        prepare_packed(model, backend)
+        model.zero_grad()
+        seq, tok = sequence_logps(model, pack_pairs(pairs, 1), backend)
+        (seq * torch.linspace(0.5, 1.5, seq.numel())).sum().backward()
+        results[name] = seq.detach(), tok.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    (s_v, t_v, g_v), (s_d, t_d, g_d) = results["varlen"], results["dense"]
+    torch.testing.assert_close(s_v, s_d, rtol=0, atol=1e-5)
+    torch.testing.assert_close(t_v, t_d, rtol=0, atol=1e-5)
+    for n in g_d:  # float32 rounding of sums taken in another order (keys gathered per sequence): ~1e-7 relative
+        assert (g_v[n] - g_d[n]).norm() <= 1e-5 * g_d[n].norm() + 1e-8, n
+
+
+def test_the_varlen_call_takes_the_offsets_and_the_window(monkeypatch):
+    """The wrapper hands the kernel fastdpo's window as (W - 1, 0) and causal as the tuple (-1, 0)."""
+    seen = []
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        seen.append(kw)
+        return q
+
+    monkeypatch.setattr(attention, "_varlen_api", lambda: (fake, frozenset({"window_size", "scale", "enable_gqa"})))
+    q, k = torch.zeros(4, 4, 2), torch.zeros(4, 2, 2)
+    attention._varlen_kernel(q, k, k, None, None, 4, 4, 0.5, None)
+    attention._varlen_kernel(q, k, k, None, None, 4, 4, None, 64)
+    assert seen == [{"window_size": (-1, 0), "scale": 0.5, "enable_gqa": True},
+                    {"window_size": (63, 0), "enable_gqa": True}]
+
+
+def test_auto_picks_dense_on_cpu_and_varlen_needs_cuda(model_dirs):
+    from fastdpo.errors import FastDPOError
+    from fastdpo.model.core import choose_backend, load_model
+
+    model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
+    assert choose_backend(model, "auto", True, torch.device("cpu")).name == "dense"
+    with pytest.raises(FastDPOError, match="varlen needs a CUDA device"):
+        choose_backend(model, "varlen", True, torch.device("cpu"))
