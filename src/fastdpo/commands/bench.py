@@ -75,7 +75,7 @@ def run_longest(cfg: TrainConfig, shape: str | None, lengths: list[int], out_jso
             table.add_column(col)
         for r in results:
             table.add_row(str(r["pair_tokens"]), "yes" if r["fits"] else "no (out of memory)",
-                          str(r.get("step_s", "")), str(r.get("peak_gib", "")))
+                          str(r.get("step_s", "")), gib(r.get("peak_gib")) if r["fits"] else "")
         console.print(table)
     return results
 
@@ -156,6 +156,11 @@ def environment() -> dict:
     return env
 
 
+def gib(value: float | None) -> str:
+    """A peak in GiB for the tables; n/a where none is measured (off CUDA)."""
+    return "n/a" if value is None else str(value)
+
+
 def print_table(console, results: list[dict]) -> None:
     from rich.table import Table
 
@@ -169,7 +174,7 @@ def print_table(console, results: list[dict]) -> None:
             continue
         ratio = f"{ours['pairs_per_s'] / r['pairs_per_s']:.2f}x" if ours and r is not ours else ""
         table.add_row(r["impl"], f"{r['pairs_per_s']:.2f}", str(r.get("tokens_per_s", "")),
-                      f"{r['mfu']:.1%}" if r.get("mfu") else "", str(r.get("peak_gib", "")), ratio)
+                      f"{r['mfu']:.1%}" if r.get("mfu") else "", gib(r.get("peak_gib")), ratio)
     console.print(table)
 
 

@@ -22,9 +22,15 @@ from fastdpo.training.evaluate import pair_logps, per_token_logps, preference_me
 log = logging.getLogger("fastdpo")
 
 
+# flags of a training run that say how it read its rows and prompts, and scored pairs: eval takes them from the run
+RUN_READING = ("apply_chat_template", "input_template", "template", "system", "columns", "max_length",
+               "truncation_strategy", "max_prompt_length", "max_completion_length", "beta")
+
+
 @dataclass
 class EvalConfig(ModelArgs, GenerationArgs):
-    dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train.", nargs="+")
+    dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train (not needed "
+                           "for --lm_eval_tasks alone).", nargs="+")
     split: str = _f("train", "Split to read from HF datasets in --dataset (e.g. test: TRL's --dataset_test_split).")
     ref_model: str = _f("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
     max_length: int = _f(2048, "Max tokens of prompt+completion per sequence, as in training.")
@@ -87,8 +93,11 @@ class EvalConfig(ModelArgs, GenerationArgs):
         if self.num_gpus > 1:
             raise FastDPOError(f"--num_gpus {self.num_gpus}: fastdpo eval runs on one device (--device cuda:N); "
                                "drop the flag. To score several checkpoints at once, run one eval per GPU.")
-        if not self.dataset:
-            raise FastDPOError("--dataset is required: held-out JSONL/JSON files with prompt/chosen/rejected.")
+        if not self.dataset and (self.reward_fn or not self.lm_eval_tasks):
+            need = "--reward_fn answers the prompts of --dataset" if self.reward_fn else "--dataset is required"
+            raise FastDPOError(f"{need}: held-out JSONL/JSON files with prompt/chosen/rejected (or give only "
+                               "--lm_eval_tasks to run benchmarks without preference data).")
+        self._adopt_run_reading()
         from fastdpo.data.columns import check_row_flags
         from fastdpo.data.template import resolve_template
 
@@ -108,6 +117,32 @@ class EvalConfig(ModelArgs, GenerationArgs):
         if self.eval_limit < 0 or self.lm_eval_limit < 0:
             raise FastDPOError("--eval_limit and --lm_eval_limit must be >= 0 (0: all).")
 
+
+    def _adopt_run_reading(self) -> None:
+        """Under --adapters / --checkpoint from a fastdpo run, read rows and prompts as that run read them: its
+        chat-template handling, template, system prompt, column mapping, length limits and beta, for each
+        of these flags left at its default here (once: `_run_read` marks it done)."""
+        import dataclasses
+
+        from fastdpo.training.saved_run import run_config
+
+        tuned = self.adapters or self.checkpoint
+        if not tuned or getattr(self, "_run_read", False):
+            return
+        self._run_read = True
+        trained, run = run_config(tuned)
+        if trained is None:
+            return
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(self)}
+        adopted = []
+        for name in RUN_READING:
+            value = getattr(trained, name)
+            if getattr(self, name) == defaults[name] and value != defaults[name]:
+                setattr(self, name, value)
+                adopted.append(f"--{name} {value}")
+        if adopted:
+            log.info("Read as the run in %s read its data (flags given here win): %s.", run, ", ".join(adopted))
 
     def _resolve_dataset_names(self) -> None:
         """--dataset_dir: the names in --dataset become their specs, their readings go to --dataset_info and a hub
@@ -148,8 +183,12 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
-    loaded = load_for_generation(cfg, need_base=True)
+    loaded = load_for_generation(cfg, need_base=bool(cfg.dataset))
     model, tok = loaded.model, loaded.tokenizer
+    if not cfg.dataset:  # benchmarks only (--lm_eval_tasks without preference data)
+        report = {"model": cfg.model, "adapters": cfg.adapters, "checkpoint": cfg.checkpoint,
+                  "lm_eval": run_lm_eval(model, tok, cfg)}
+        return _write_report(report, out, console)
     ref_model = load_model(cfg.ref_model, resolve_dtype(cfg.torch_dtype, device), device, cfg.trust_remote_code,
                            flag="ref_model").eval() if cfg.ref_model else loaded.base
     if ref_model is not None:
@@ -182,6 +221,10 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
         report["generation"] = generation_metrics(cfg, loaded, base, rows, reward_fn, out / "generations.jsonl")
     if cfg.lm_eval_tasks:
         report["lm_eval"] = run_lm_eval(model, tok, cfg)
+    return _write_report(report, out, console)
+
+
+def _write_report(report: dict, out: Path, console) -> dict:
     (out / "eval_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
     if console is not None:
         show_report(console, report)
@@ -194,25 +237,50 @@ def generation_metrics(cfg: EvalConfig, loaded, base, rows: list[Row], reward_fn
     `base`), each prompt going in as training read it (`answer_as_read`), score every answer with the reward
     function, and compare."""
     from fastdpo.dpo.rewards import score, win_rate
-    from fastdpo.model.generate import answer_as_read
+    from fastdpo.model.generate import answers_as_read
 
     rows = rows[: cfg.eval_limit] if cfg.eval_limit else rows
     prompts = [r.prompt for r in rows]
     columns = row_columns(rows)
-    tuned_text = answer_as_read(loaded.model, loaded.tokenizer, prompts, cfg)
+    tuned_answers = answers_as_read(loaded.model, loaded.tokenizer, prompts, cfg)
+    tuned_text = tuned_answers.texts
     tuned = score(reward_fn, cfg.reward_fn, prompts, tuned_text, columns)
-    result = {"prompts": len(prompts), "reward/tuned": sum(tuned) / len(tuned)}
+    result = {"prompts": len(prompts), "reward/tuned": sum(tuned) / len(tuned), **answer_counts("tuned", tuned_answers)}
     records = [{"prompt": p, "response": t, "reward": s} for p, t, s in zip(prompts, tuned_text, tuned)]
+    problems = [tuned_answers.problems("tuned", cfg)]
     if loaded.tuned or base is not None:
         with loaded.base_model() if loaded.tuned else contextlib.nullcontext(base) as base_model:
-            base_text = answer_as_read(base_model, loaded.tokenizer, prompts, cfg)
+            base_answers = answers_as_read(base_model, loaded.tokenizer, prompts, cfg)
+        base_text = base_answers.texts
+        result.update(answer_counts("base", base_answers))
+        problems.append(base_answers.problems("base", cfg))
         base_scores = score(reward_fn, cfg.reward_fn, prompts, base_text, columns)
         result["reward/base"] = sum(base_scores) / len(base_scores)
         result.update(win_rate(base_scores, tuned))
         for r, t, s in zip(records, base_text, base_scores):
             r.update(base_response=t, base_reward=s)
+    warn_answers([p for p in problems if p], prompts, cfg, loaded.tokenizer, path)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return result
+
+
+def answer_counts(who: str, answers) -> dict:
+    return {f"empty/{who}": answers.empty, f"truncated/{who}": sum(answers.truncated)}
+
+
+def warn_answers(problems: list[str], prompts: list, cfg: EvalConfig, tokenizer, path: Path) -> None:
+    """A loud warning when answers are empty or cut off: their rewards (and a win rate of 0.5 between two sets of
+    empty answers) say nothing of the models."""
+    if not problems:
+        return
+    plain = sum(isinstance(p, str) for p in prompts)
+    hint = ""
+    if plain and getattr(tokenizer, "chat_template", None):
+        hint = (f" {plain} prompts are plain text and went in as training reads plain text, without the chat template; "
+                "a chat model may answer nothing to them: if the run was trained through the template, pass "
+                "--apply_chat_template true (as `fastdpo infer --prompts` formats prompts).")
+    log.warning("GENERATIONS: %s. The rewards and win rate of such answers are not a measure of the models "
+                "(answers in %s).%s Raise --max_new_tokens for cut answers.", "; ".join(problems), path, hint)
 
 
 def row_columns(rows: list[Row]) -> dict[str, list]:
@@ -273,10 +341,12 @@ def _task_manager(include_path: str):
 def show_report(console, report: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"held-out pairs: {report['pairs']} (reference: {report['reference']})")
+    title = f"held-out pairs: {report['pairs']} (reference: {report['reference']})" if "pairs" in report else \
+        "benchmarks (no preference data)"
+    table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for k, v in report["metrics"].items():
+    for k, v in report.get("metrics", {}).items():
         table.add_row(k, f"{v:.4f}")
     for k, v in report.get("generation", {}).items():
         table.add_row(f"generation {k}", f"{v:.4f}" if isinstance(v, float) else str(v))

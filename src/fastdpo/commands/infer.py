@@ -17,6 +17,7 @@ from pathlib import Path
 from fastdpo.config.schema import _f
 from fastdpo.errors import FastDPOError
 from fastdpo.model.generate import GenerationArgs, ModelArgs, Prompt, answer_as_read, generate_texts, load_for_generation
+from fastdpo.training.saved_run import run_config
 
 log = logging.getLogger("fastdpo")
 
@@ -112,23 +113,6 @@ def conversation(text: str) -> list[dict]:
             for m in messages)):
         raise FastDPOError("--messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects.")
     return messages
-
-
-def run_config(tuned: str):
-    """The TrainConfig of the fastdpo run that wrote `tuned` (its final/ or a checkpoint-N/), or None where there is
-    no saved one; and the run's output_dir."""
-    import dataclasses
-
-    from fastdpo.config import TrainConfig
-    from fastdpo.training.checkpoint import read_config, saved_config
-
-    here = Path(tuned).expanduser()
-    run = here.parent
-    saved = saved_config(here) or read_config(run / "config.yaml")
-    if not saved.get("dataset"):
-        return None, run
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in saved.items() if k in names}), run
 
 
 def val_rows(cfg: InferConfig) -> list[dict]:
@@ -239,6 +223,18 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     return results
 
 
+def conversation_text(messages: list[dict]) -> str:
+    """A conversation as readable lines, one turn each: `user: ...`, `assistant: ...` (tool calls by name)."""
+    lines = []
+    for m in messages:
+        text = m.get("content") or ""
+        calls = [c.get("function", {}).get("name", "?") for c in m.get("tool_calls") or () if isinstance(c, dict)]
+        if calls:
+            text = (text + " " if text else "") + " ".join(f"[calls {name}]" for name in calls)
+        lines.append(f"{m.get('role', '?')}: {text}")
+    return "\n".join(lines)
+
+
 def show_answers(console, results: list[dict], compare: bool, limit: int = 20) -> None:
     """A readable table: prompt | answer, or prompt | base | tuned side by side."""
     from rich.table import Table
@@ -251,7 +247,7 @@ def show_answers(console, results: list[dict], compare: bool, limit: int = 20) -
     else:
         table.add_column("answer", ratio=2)
     for r in results[:limit]:
-        prompt = r["prompt"] if isinstance(r.get("prompt"), str) else json.dumps(r.get("messages"), ensure_ascii=False)
+        prompt = r["prompt"] if isinstance(r.get("prompt"), str) else conversation_text(r.get("messages") or [])
         cells = [r.get("base_response", ""), r["response"]] if compare else [r["response"]]
         table.add_row(prompt, *cells)
     console.print(table)

@@ -281,15 +281,43 @@ def generate_texts(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs 
             generate_ids(model, tokenizer, prompts, gen, streamer)]
 
 
-def answer_as_read(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs) -> list[str]:
+@dataclass
+class Answers:
+    """Generated answers in prompt order, and which of them ran out of --max_new_tokens before a stop token."""
+
+    texts: list[str]
+    truncated: list[bool]
+
+    @property
+    def empty(self) -> int:
+        return sum(not t for t in self.texts)
+
+    def problems(self, who: str, gen: GenerationArgs) -> str | None:
+        """A warning naming how many answers are empty or cut at --max_new_tokens, or None."""
+        n, cut = len(self.texts), sum(self.truncated)
+        parts = ([f"{self.empty} of {n} {who} answers are empty"] if self.empty else []) + (
+            [f"{cut} of {n} stopped at --max_new_tokens {gen.max_new_tokens} before a stop token"] if cut else [])
+        return "; ".join(parts) or None
+
+
+def answers_as_read(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs) -> Answers:
     """Answers to prompts of preference data, in order, each going in as training read it: plain text as it is
     (training tokenises plain-text rows without a chat template), message lists through the template."""
-    answers: list[str] = [""] * len(prompts)
+    texts: list[str] = [""] * len(prompts)
+    truncated = [False] * len(prompts)
     for plain in (True, False):
         idx = [i for i, p in enumerate(prompts) if isinstance(p, str) == plain]
         if idx:
             part = copy.copy(gen)
             part.use_chat_template = gen.use_chat_template and not plain
-            for i, a in zip(idx, generate_texts(model, tokenizer, [prompts[i] for i in idx], part)):
-                answers[i] = a
-    return answers
+            stops = generation_config(model, tokenizer, part).eos_token_id
+            stops = set(stops if isinstance(stops, list) else [stops])
+            for i, ids in zip(idx, generate_ids(model, tokenizer, [prompts[i] for i in idx], part)):
+                texts[i] = tokenizer.decode(ids, skip_special_tokens=True).strip()
+                truncated[i] = len(ids) >= part.max_new_tokens and not (ids and ids[-1] in stops)
+    return Answers(texts, truncated)
+
+
+def answer_as_read(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs) -> list[str]:
+    """The texts of `answers_as_read`."""
+    return answers_as_read(model, tokenizer, prompts, gen).texts
