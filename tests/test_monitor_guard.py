@@ -13,6 +13,7 @@ import fastdpo.training.trainer as step_mod
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.training import checkpoint as ckpt
+from fastdpo.training import restore
 from fastdpo.training.monitor import NonFiniteStop
 
 
@@ -83,8 +84,19 @@ def test_nan_in_a_row_stops_and_keeps_last_good_checkpoint(tmp_path, model_dirs,
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))
-    ckpt.load_weights(model, out / "checkpoint-4")
+    restore.load_weights(model, out / "checkpoint-4")
     assert torch.equal(model.state_dict()["model.norm.weight"], weights["model.norm.weight"])
+
+
+def test_a_run_with_no_finite_step_is_not_blamed_on_the_learning_rate(tmp_path, model_dirs, monkeypatch):
+    """The weights are checked finite before training; if no step of the run was finite, the cause came in with the
+    run (reference, data), and lowering the learning rate would not help."""
+    poison(monkeypatch, set(range(1, 100)))
+    with pytest.raises(NonFiniteStop) as e:
+        run(tmp_path, model_dirs("qwen3"), "none", easy_rows(16, 1), max_nonfinite_steps=2)
+    msg = str(e.value)
+    assert "no step of this run had a finite loss, so the learning rate is not the cause" in msg, msg
+    assert "Lower --learning_rate" not in msg
 
 
 OOM_TEXT = ("CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which "

@@ -291,6 +291,19 @@ def test_resume_trims_the_metrics_log(tmp_path):
 # ---------------------------------------------------------------- safe loading
 
 
+def reseal(c: Path) -> None:
+    """Make trainer_state.json's sizes and the content manifest agree with the files as they are now."""
+    from fastdpo.training import manifest
+
+    done = c / ckpt.STATE / ckpt.DONE
+    state = json.loads(done.read_text())
+    skip = {f"{ckpt.STATE}/{ckpt.DONE}", ckpt.MANIFEST}
+    state["files"] = {str(p.relative_to(c)): p.stat().st_size for p in sorted(c.rglob("*"))
+                      if p.is_file() and str(p.relative_to(c)) not in skip}
+    done.write_text(json.dumps(state))
+    manifest.write_manifest(c, ckpt.MANIFEST)
+
+
 class _RunsCode:
     """Unpickling this runs code: creates the file named by `marker`."""
 
@@ -307,9 +320,7 @@ def test_tampered_training_state_is_refused_without_running_code(trained, tmp_pa
     marker = tmp_path / "code-ran"
     state = out / "checkpoint-2" / "state"
     (state / "optimizer.pt").write_bytes(pickle.dumps({"state": _RunsCode(str(marker))}))
-    done = json.loads((state / ckpt.DONE).read_text())
-    done["files"]["state/optimizer.pt"] = (state / "optimizer.pt").stat().st_size  # a consistent manifest, too
-    (state / ckpt.DONE).write_text(json.dumps(done))
+    reseal(out / "checkpoint-2")  # a consistent manifest, too: what loads must be safe by itself
     cfg.resume_from_checkpoint = "latest"
     with pytest.raises(FastDPOError, match="optimizer.pt: not a loadable training state"):
         train(cfg, progress=False)
@@ -319,7 +330,8 @@ def test_tampered_training_state_is_refused_without_running_code(trained, tmp_pa
 def test_corrupt_checkpoint_weights_are_a_clear_error(trained, tmp_path):
     cfg = copy_run(trained, tmp_path)
     weights = Path(cfg.output_dir) / "checkpoint-2" / "model.safetensors"
-    weights.write_bytes(b"\0" * weights.stat().st_size)  # same size: passes the manifest, fails to parse
+    weights.write_bytes(b"\0" * weights.stat().st_size)
+    reseal(weights.parent)  # a consistent manifest (the content check is tested in test_checkpoint_verify.py)
     cfg.resume_from_checkpoint = "latest"
     with pytest.raises(FastDPOError, match="model.safetensors: unreadable weights"):
         train(cfg, progress=False)

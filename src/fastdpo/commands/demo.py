@@ -125,6 +125,19 @@ def command_line(cfg) -> str:
     return f"fastdpo train --model {cfg.model} --dataset {cfg.dataset[0]} --output_dir {cfg.output_dir} {flags}"
 
 
+def _demo_dir(out: Path) -> bool:
+    """Whether `out` holds only what an earlier demo wrote (or nothing): the demo may then replace it."""
+    import yaml
+
+    if (out / "demo_result.json").is_file():
+        return True
+    try:
+        saved = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return not (out / "metrics.jsonl").exists()
+    return isinstance(saved, dict) and Path(str(saved.get("model", ""))).parts[-3:] == ("assets", "demo", "model")
+
+
 def run_demo(output_dir: str, console=None, quick: bool = False, assets: Path = ASSETS, **overrides) -> dict:
     """Measure the bundled base model, train it with DPO through `fastdpo.training.loop.train`, measure again, report.
     `overrides` replace TRAIN_SETTINGS entries (e.g. max_steps). Returns the numbers and every held-out answer."""
@@ -151,8 +164,9 @@ def _run(output_dir: str, console, quick: bool, assets: Path, overrides: dict) -
     out = Path(output_dir)
     heldout = load_heldout(QUICK_HELDOUT if quick else HELDOUT, assets)
     settings = {**TRAIN_SETTINGS, **(QUICK_SETTINGS if quick else {}), **overrides}
+    # a rerun replaces the demo's earlier outputs; a dir holding anything else is refused by training as usual
     cfg = TrainConfig(model=str(assets / "model"), dataset=[str(assets / "pairs.jsonl")], output_dir=str(out),
-                      disable_progress=True, **settings)
+                      disable_progress=True, overwrite_output_dir=_demo_dir(out), **settings)
     n_pairs = sum(1 for line in (assets / "pairs.jsonl").open(encoding="utf-8") if line.strip())
     say("[bold]fastdpo demo[/]: DPO on a tiny built-in model, on this CPU, no download")
     say("  task      add two 3-digit numbers; a verifier checks every answer")

@@ -1,11 +1,13 @@
 """Checkpoints (DESIGN §9): `checkpoint-N/` = model (HF safetensors dir or PEFT adapter) + `state/` (optimizer,
-scheduler, RNG, progress, resolved config).
+scheduler, RNG, progress, resolved config, content manifest).
 
 Crash safety: every directory we publish (`checkpoint-N/`, `final/`) is written under a hidden temporary name,
-fsynced file by file, then renamed into place, and the parent directory is fsynced. A kill at any instant therefore
-leaves either the old or the new directory complete, never a half-written one under a public name. Deletions
-(rotation) rename first, then remove. `trainer_state.json` lists every file with its size, so `latest` can verify
-a checkpoint before trusting it. Loading uses safetensors and `torch.load(weights_only=True)`."""
+fsynced file by file, then renamed into place, and the parent directory is fsynced. Rewriting a published directory
+takes three renames (temporary -> `.NAME.new`, the old one -> `.NAME.old`, `.NAME.new` -> NAME), so at every instant
+the old or the new copy is complete under a name `clean_partial` knows, and the next start puts it back in place.
+Deletions (rotation) rename first, then remove. `trainer_state.json` lists every file with its size (`latest`
+skips a checkpoint whose sizes do not match), and `state/manifest.json`, written last, holds a content hash of every
+file, checked before resuming. Loading uses safetensors and `torch.load(weights_only=True)`."""
 
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ import torch
 from fastdpo.config import save_config
 from fastdpo.errors import FastDPOError
 from fastdpo.model.core import save_model
+from fastdpo.training import manifest
 
 log = logging.getLogger("fastdpo")
 
 STATE = "state"
 DONE = "trainer_state.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
-_PARTIAL = re.compile(r"^\.(checkpoint-\d+|final)\.(tmp|old|del)$")  # leftovers of an interrupted write or delete
+_PARTIAL = re.compile(r"^\.(checkpoint-\d+|final)\.(tmp|new|old|del)$")  # leftovers of an interrupted write or delete
+MANIFEST = f"{STATE}/{manifest.MANIFEST}"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
@@ -52,54 +56,100 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def _hidden(dest: Path, kind: str) -> Path:
+    return dest.with_name(f".{dest.name}.{kind}")
+
+
 def _publish(tmp: Path, dest: Path) -> None:
-    """Make the fully written `tmp` visible as `dest`, durably. An existing `dest` is moved aside first (os.replace
-    cannot overwrite a non-empty directory) and removed only once the new one is in place."""
+    """Make the fully written `tmp` visible as `dest`, durably. An existing `dest` (os.replace cannot overwrite a
+    non-empty directory) is replaced in three renames: tmp -> .dest.new, dest -> .dest.old, .dest.new -> dest. A kill
+    between any two leaves a complete copy under a name `recover` puts back (the new one if it is there)."""
     _fsync_tree(tmp)
-    old = dest.with_name(f".{dest.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if dest.exists():
-        os.replace(dest, old)
-    try:
+    if not dest.exists():
         os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+        return
+    new, old = _hidden(dest, "new"), _hidden(dest, "old")
+    for leftover in (new, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    try:
+        os.replace(tmp, new)
+        os.replace(dest, old)
+        os.replace(new, dest)
     except OSError:
-        if old.exists() and not dest.exists():
-            os.replace(old, dest)  # put the previous one back under its public name
+        recover(dest)
         raise
     _fsync_dir(dest.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove(path: Path) -> None:
+def recover(dest: Path) -> None:
+    """After an interrupted `_publish` of `dest`: put the complete copy back under its public name (the new one,
+    else the old one) and remove the other leftovers of that write."""
+    new, old = _hidden(dest, "new"), _hidden(dest, "old")
+    for copy in (new, old):
+        if not dest.exists() and copy.exists():
+            try:
+                os.replace(copy, dest)
+                _fsync_dir(dest.parent)
+                log.info("%s: an interrupted write had left it under %s; put back.", dest, copy.name)
+            except OSError as e:
+                log.warning("%s: could not put back %s (%s).", dest, copy, e.strerror or e)
+    for leftover in (new, old, _hidden(dest, "tmp")):
+        if leftover.exists() and dest.exists():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def remove_published(path: Path) -> None:
     """Delete a published directory: rename it to a hidden name first, so a kill mid-delete leaves no
     half-deleted checkpoint under a public name."""
-    trash = path.with_name(f".{path.name}.del")
+    trash = _hidden(path, "del")
     os.replace(path, trash)
     _fsync_dir(path.parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
 def clean_partial(out_dir: Path) -> None:
-    """Remove what interrupted writes and deletes left behind (hidden `.checkpoint-N.tmp` etc.)."""
-    if out_dir.is_dir():
-        for p in out_dir.iterdir():
-            if _PARTIAL.match(p.name):
-                shutil.rmtree(p, ignore_errors=True)
+    """Put back what an interrupted rewrite left under a hidden name, then remove the other leftovers of interrupted
+    writes and deletes (hidden `.checkpoint-N.tmp` etc.)."""
+    if not out_dir.is_dir():
+        return
+    for name in sorted({m.group(1) for p in out_dir.iterdir() if (m := _PARTIAL.match(p.name))}):
+        recover(out_dir / name)
+    for p in out_dir.iterdir():
+        if _PARTIAL.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
 
 
-def _manifest(root: Path) -> dict[str, int]:
+def _sizes(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _write_failed(what: str, out_dir: Path, err: BaseException) -> FastDPOError:
+def _reason(err: BaseException, out_dir: Path) -> str:
+    """What went wrong with a write, in words: the OS's reason, or for torch's and safetensors' writers (whose
+    messages read like " . unexpected pos 6419008 vs 6418896") what the disk says."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    try:
+        full = shutil.disk_usage(out_dir).free < 64 << 20
+    except OSError:
+        full = False
+    if full:
+        return "no space left on device"
+    text = str(err).strip()
+    first = text.splitlines()[0].strip(" .") if text else ""
+    return f"the file was cut short: {first}" if "unexpected pos" in first or not first else first
+
+
+def write_failed(what: str, out_dir: Path, err: BaseException) -> FastDPOError:
+    """The error for a write in `out_dir` that failed (disk full, permissions): what failed, why, and the last good
+    checkpoint to resume from."""
     found = complete_checkpoints(out_dir)
     last = f"the last good checkpoint is {found[-1]}" if found else "no complete checkpoint exists yet"
-    text = str(err).strip()
-    reason = getattr(err, "strerror", None) or (text.splitlines()[0] if text else type(err).__name__)
     return FastDPOError(
-        f"Writing {what} in {out_dir} failed ({reason}); training stopped and {last}. Free disk space (or fix the "
-        f"directory's permissions), then rerun with --resume_from_checkpoint latest."
+        f"Writing {what} in {out_dir} failed ({_reason(err, out_dir)}); training stopped and {last}. Free disk space "
+        f"(or fix the directory's permissions), then rerun with --resume_from_checkpoint latest."
     )
 
 
@@ -127,6 +177,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _write_done(tmp: Path, step: int, progress: dict, known: dict[str, str] | None = None) -> None:
+    """The last two files of a checkpoint: trainer_state.json (progress, and the size of every other file: a
+    checkpoint is complete only if all of them match), then the manifest of every file's content hash."""
+    state = {"step": step, **progress, "files": _sizes(tmp), "manifest": MANIFEST}
+    (tmp / STATE / DONE).write_text(json.dumps(state, indent=1))
+    manifest.write_manifest(tmp, MANIFEST, known)
+
+
 def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
                     extra_modules: dict | None = None) -> Path:
     """Write checkpoint-{step} atomically and return its path. `extra_modules` (name -> module) are saved as
@@ -149,12 +207,11 @@ def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, sched
             from safetensors.torch import save_model as save_module
 
             save_module(module, str(st / f"{name}.safetensors"))
-        # written last, with the size of every other file: a checkpoint is complete only if all of them match
-        (st / DONE).write_text(json.dumps({"step": step, **progress, "files": _manifest(tmp)}, indent=1))
+        _write_done(tmp, step, progress)
         _publish(tmp, final)
     except _write_errors() as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed(final.name, out_dir, e) from e
+        raise write_failed(final.name, out_dir, e) from None
     return final
 
 
@@ -170,23 +227,56 @@ def save_final(out_dir: Path, model, tokenizer, state_dict: dict | None = None) 
         _publish(tmp, final)
     except _write_errors() as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed("the final model", out_dir, e) from e
+        raise write_failed("the final model", out_dir, e) from None
     return final
 
 
-def is_complete(ckpt: Path) -> bool:
-    """All files listed in the checkpoint's trainer_state.json are present with their recorded sizes."""
+def _size_problem(ckpt: Path) -> str | None:
+    """None when every file trainer_state.json lists (and the manifest it names) is there with its recorded size."""
     try:
         state = json.loads((ckpt / STATE / DONE).read_text())
     except (OSError, ValueError):
-        return False
+        return f"{STATE}/{DONE} is missing or unreadable"
     files = state.get("files") if isinstance(state, dict) else None
     if not isinstance(files, dict):
-        return isinstance(state, dict) and "step" in state  # written before manifests existed
-    try:
-        return all((ckpt / rel).stat().st_size == size for rel, size in files.items())
-    except OSError:
-        return False
+        return None if isinstance(state, dict) and "step" in state else f"{STATE}/{DONE} is unreadable"
+    for rel, size in files.items():
+        try:
+            actual = (ckpt / rel).stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if actual != size:
+            return f"{rel} has {actual} bytes, {size} when written"
+    if state.get("manifest") and not (ckpt / state["manifest"]).is_file():
+        return f"{state['manifest']} is missing"
+    return None
+
+
+def is_complete(ckpt: Path) -> bool:
+    """All files listed in the checkpoint's trainer_state.json are present with their recorded sizes (a cheap check;
+    `checkpoint_problem` also checks their content)."""
+    return _size_problem(ckpt) is None
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why `ckpt` cannot be resumed, in words, or None: files missing or of another size, content that differs from
+    its manifest (a flipped bit, a swapped file), or a step counter that is not a step of this checkpoint."""
+    if not ckpt.is_dir():
+        return "no such directory"
+    problem = _size_problem(ckpt)
+    if problem:
+        return problem
+    state = json.loads((ckpt / STATE / DONE).read_text())
+    step, m = state.get("step"), _NAME.match(ckpt.name)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1 or (m and int(m.group(1)) != step):
+        return f"its step counter ({step!r} in {STATE}/{DONE}) is not the step {ckpt.name} was written at"
+    for key in ("pairs_per_step", "epoch", "world_size"):
+        value = state.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < (key != "epoch")):
+            return f"its {key} ({value!r} in {STATE}/{DONE}) is not a count"
+    if state.get("manifest") or (ckpt / MANIFEST).exists():
+        return manifest.check_manifest(ckpt, MANIFEST)
+    return None
 
 
 def complete_checkpoints(out_dir: Path) -> list[Path]:
@@ -212,7 +302,7 @@ def rotate(out_dir: Path, limit: int, best: str | Path | None = None, keep: Path
     excess = len(found) - max(limit, len(protected))
     for p in [p for p in found if p.name not in protected][: max(0, excess)]:
         try:
-            _remove(p)
+            remove_published(p)
         except OSError as e:  # a checkpoint we could not delete costs disk space, not the run
             log.warning("--save_total_limit: could not delete %s (%s).", p, e.strerror or e)
 
@@ -270,22 +360,57 @@ def check_disk_space(out_dir: Path, model, cfg, steps: int, extra_modules: list 
 # ---------------------------------------------------------------- resuming
 
 
-def resolve_resume(spec: str, out_dir: Path) -> Path | None:
+def numbered_checkpoints(out_dir: Path) -> list[Path]:
+    """Every checkpoint-N dir in `out_dir`, complete or not, newest first."""
+    found = [(int(m.group(1)), p) for p in out_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()] \
+        if out_dir.is_dir() else []
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def resolve_resume(spec: str, out_dir: Path, start_over: bool = False) -> Path | None:
+    """The checkpoint --resume_from_checkpoint names, its content verified. `latest`: the newest one that passes
+    `checkpoint_problem`, naming each one skipped and why; None when `out_dir` holds no checkpoint (a run that starts
+    from step 0). When checkpoints exist but none is usable, a FastDPOError, unless `start_over` (then None)."""
     if not spec:
         return None
-    if spec == "latest":
-        found = complete_checkpoints(out_dir)
-        if not found:
-            log.info("--resume_from_checkpoint latest: no complete checkpoint in %s; starting from step 0.", out_dir)
-        return found[-1] if found else None
-    p = Path(spec)
-    if not is_complete(p):
-        raise FastDPOError(
-            f"--resume_from_checkpoint {spec}: not a complete fastdpo checkpoint (missing or mismatched files listed "
-            f"in {STATE}/{DONE}). Use `latest` or one of: "
-            f"{', '.join(c.name for c in complete_checkpoints(out_dir)) or 'none found'}."
-        )
-    return p
+    if spec != "latest":
+        p = Path(spec)
+        problem = checkpoint_problem(p)
+        if problem:
+            raise FastDPOError(
+                f"--resume_from_checkpoint {spec}: not a complete fastdpo checkpoint ({problem}). Use `latest` or one "
+                f"of: {', '.join(c.name for c in complete_checkpoints(out_dir)) or 'none found'}."
+            )
+        return p
+    candidates = numbered_checkpoints(out_dir)
+    if not candidates:
+        log.info("--resume_from_checkpoint latest: no checkpoint in %s yet; starting from step 0.", out_dir)
+        return None
+    skipped = []
+    for p in candidates:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            if skipped:
+                log.warning("--resume_from_checkpoint latest: skipped %s; resuming from %s.", "; ".join(skipped), p)
+            return p
+        skipped.append(f"{p.name} ({problem})")
+    text = (f"--resume_from_checkpoint latest: none of the {len(candidates)} checkpoints in {out_dir} can be "
+            f"resumed: {'; '.join(skipped)}.")
+    if start_over:
+        log.warning("%s --start_over_if_unusable: training from step 0.", text)
+        return None
+    raise FastDPOError(f"{text} Resume one you trust by its path, remove the broken ones, or pass "
+                       "--start_over_if_unusable true to train from step 0.")
+
+
+def check_resume_step(resume: Path, total_steps: int) -> int:
+    """The step `resume` continues from; a FastDPOError when it lies past the end of this run."""
+    step = load_progress(resume)["step"]
+    if step > total_steps:
+        raise FastDPOError(f"{resume} was written at step {step}, past the {total_steps} steps this run trains "
+                           "(--max_steps / --num_train_epochs). Raise them to continue it, or resume an earlier "
+                           "checkpoint by its path.")
+    return step
 
 
 def warn_later_checkpoints(out_dir: Path, start: int) -> None:
@@ -320,68 +445,6 @@ def read_config(path: Path) -> dict:
     except (OSError, yaml.YAMLError):
         return {}
     return config if isinstance(config, dict) else {}
-
-
-def load_weights(model, ckpt: Path) -> None:
-    """Load checkpoint weights into `model` in place (full model or PEFT adapter)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    def read(f: Path) -> dict:
-        try:
-            return load_file(str(f))
-        except (OSError, SafetensorError) as e:
-            raise FastDPOError(f"{f}: unreadable weights ({e}). Resume from another checkpoint.") from None
-
-    if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, read(ckpt / "adapter_model.safetensors"))
-        return
-    files = sorted(ckpt.glob("*.safetensors"))
-    if not files:
-        raise FastDPOError(f"{ckpt} holds no .safetensors weights.")
-    state = {}
-    for f in files:
-        state.update(read(f))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if "lm_head" in k or "embed_tokens" in k}
-    if set(missing) - tied or unexpected:
-        raise FastDPOError(f"{ckpt}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]}).")
-
-
-def _load_state(path: Path, **kw):
-    """torch.load restricted to tensors and plain containers: a tampered file cannot run code."""
-    import pickle
-
-    try:
-        return torch.load(path, weights_only=True, **kw)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        text = str(e).strip()
-        first = text.splitlines()[0] if text else type(e).__name__
-        raise FastDPOError(f"{path}: not a loadable training state ({first}). Resume from another checkpoint.") from None
-
-
-def load_training_state(ckpt: Path, optimizer, scheduler) -> None:
-    st = ckpt / STATE
-    optimizer.load_state_dict(_load_state(st / "optimizer.pt", map_location="cpu"))
-    scheduler.load_state_dict(_load_state(st / "scheduler.pt"))
-    set_rng_state(_load_state(st / "rng.pt"))
-
-
-def load_extra_module(ckpt: Path, name: str, module) -> None:
-    """Load state/{name}.safetensors written by `save_checkpoint(extra_modules=...)` into `module`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_model as load_module
-
-    path = ckpt / STATE / f"{name}.safetensors"
-    if not path.is_file():
-        raise FastDPOError(f"{ckpt} has no saved {name} ({path.name}); it was written without the settings that "
-                           "need it. Resume with the settings it was trained with.")
-    try:
-        load_module(module, str(path))
-    except (OSError, SafetensorError) as e:
-        raise FastDPOError(f"{path}: unreadable weights ({e}). Resume from another checkpoint.") from None
 
 
 def _step_record(line: str) -> dict | None:
@@ -441,7 +504,7 @@ def is_sharded(ckpt: Path) -> bool:
     return (ckpt / SHARDED).is_dir()
 
 
-def _train_state(model, optimizer, extra_modules: dict | None) -> dict:
+def sharded_state(model, optimizer, extra_modules: dict | None) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     # frozen weights (a LoRA base) come from --model on resume: only what trains is saved
@@ -465,83 +528,26 @@ def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimize
                 shutil.rmtree(tmp)
             (tmp / STATE).mkdir(parents=True)
         dist.barrier()
-        dcp.save(_train_state(model, optimizer, extra_modules), checkpoint_id=str(tmp / SHARDED))
+        dcp.save(sharded_state(model, optimizer, extra_modules), checkpoint_id=str(tmp / SHARDED))
         torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
-        dist.barrier()
+        # each rank hashes the files it wrote (torch.distributed.checkpoint names them __RANK_N.distcp); rank 0
+        # hashes the rest when it writes the manifest
+        mine = [tmp / STATE / f"rng-{rank}.pt", *sorted((tmp / SHARDED).glob(f"__{rank}_*.distcp"))]
+        digests = {str(f.relative_to(tmp)): d for f, d in manifest.file_digests(mine).items()}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, digests)
+        known = {k: v for part in every for k, v in part.items()}
         if rank == 0:
             st = tmp / STATE
             torch.save(scheduler.state_dict(), st / "scheduler.pt")
             save_config(config, st / "config.yaml")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            # written last, with the size of every other file: a checkpoint is complete only if all of them match
-            (st / DONE).write_text(json.dumps({"step": step, **progress, "files": _manifest(tmp)}, indent=1))
+            _write_done(tmp, step, progress, known)
             _publish(tmp, final)
     except _write_errors() as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed(final.name, out_dir, e) from e
+        raise write_failed(final.name, out_dir, e) from None
     dist.barrier()
     return final
-
-
-def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int, extra_modules: dict | None = None) -> None:
-    """Load a sharded checkpoint into `model` and `optimizer` as they are now laid out (plain, DDP or FSDP2 on any
-    number of ranks), then the scheduler and this rank's RNG state (rank 0's when the checkpoint had fewer ranks)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-    state = _train_state(model, optimizer, extra_modules)
-    with warnings.catch_warnings():  # one process reading shards of many is what we mean
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(state, checkpoint_id=str(ckpt / SHARDED))
-        except (OSError, RuntimeError, ValueError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise FastDPOError(f"{ckpt / SHARDED}: not loadable into this model ({first}). Resume with the --model "
-                               "and --train_type it was trained with, or from another checkpoint.") from None
-    # strict=False: frozen weights are absent by design; dcp.load has already failed on any trainable key missing
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    for name, module in (extra_modules or {}).items():
-        set_model_state_dict(module, state["extra"][name])
-    st = ckpt / STATE
-    scheduler.load_state_dict(_load_state(st / "scheduler.pt"))
-    rng = st / f"rng-{rank}.pt"
-    set_rng_state(_load_state(rng if rng.is_file() else st / "rng-0.pt"))
-
-
-def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler, extra_modules: dict | None = None) -> None:
-    """Load a checkpoint written by one process (HF weights or PEFT adapter + optimizer.pt) into a model laid out
-    over several ranks (DDP or FSDP2): every rank reads the full tensors and keeps its shard."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-    saved = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        saved.update(load_file(str(f)))
-    adapter = f".{model.active_adapter}." if hasattr(model, "peft_config") else None
-    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
-    weights = {}
-    for name in names.values():
-        key = name.replace(adapter, ".") if adapter else name  # PEFT files drop the adapter name
-        if key not in saved:
-            raise FastDPOError(f"{ckpt}: no weight {key!r} for this model. Resume with the --model and --train_type "
-                               "the checkpoint was trained with.")
-        weights[name] = saved[key]
-    # optimizer.pt numbers parameters in param-group order; the distributed loader wants their names
-    order = [names[p] for g in optimizer.param_groups for p in g["params"]]
-    raw = _load_state(ckpt / STATE / "optimizer.pt", map_location="cpu")
-    optim = {"state": {order[i]: v for i, v in raw["state"].items()},
-             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in raw["param_groups"]]}
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
-                   options=StateDictOptions(full_state_dict=True, strict=False))
-    for name, module in (extra_modules or {}).items():
-        path = ckpt / STATE / f"{name}.safetensors"
-        if not path.is_file():
-            raise FastDPOError(f"{ckpt} has no saved {name} ({path.name}). Resume with the settings it was trained with.")
-        set_model_state_dict(module, load_file(str(path)), options=StateDictOptions(full_state_dict=True, strict=False))
-    scheduler.load_state_dict(_load_state(ckpt / STATE / "scheduler.pt"))
-    set_rng_state(_load_state(ckpt / STATE / "rng.pt"))

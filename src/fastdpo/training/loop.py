@@ -17,6 +17,7 @@ from fastdpo.model.core import (
     base_causal_lm,
     model_summary,
 )
+from fastdpo.model.upload import hub_repo, push_folder
 from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
@@ -30,9 +31,12 @@ from fastdpo.parallel.collectives import any_rank, max_over_ranks
 from fastdpo.parallel.distributed import Dist, barrier, heartbeat, init_distributed, shutdown
 from fastdpo.parallel.wrap import full_state_dict
 from fastdpo.training import checkpoint as ckpt
+from fastdpo.training import restore
 from fastdpo.training.evaluate import TrainingEval
+from fastdpo.training.identity import RunIdentity, check_resume_identity
 from fastdpo.training.measure import auto_policy
 from fastdpo.training.monitor import Monitor
+from fastdpo.training.ownership import decide_on_main, own_output_dir
 from fastdpo.training.setup import build_setup, speed_hint
 from fastdpo.training.signals import GracefulStop
 from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
@@ -46,7 +50,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     cfg.validate_training()
     d = init_distributed(cfg, timeout_s=cfg.ddp_timeout)
     try:
-        return run_training(cfg, d, console if d.is_main else None, progress and d.is_main)
+        with own_output_dir(cfg, d):  # one run per --output_dir, released on any exit
+            return run_training(cfg, d, console if d.is_main else None, progress and d.is_main)
     finally:
         shutdown(d)
 
@@ -54,7 +59,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
 def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     trainer = Trainer(cfg, build_setup(cfg, d, choose_policy=auto_policy), d)
     s, out = trainer.s, Path(cfg.output_dir)
-    start, resume = resume_training(trainer, out)
+    identity = RunIdentity(cfg, s.pairs)  # recorded in every checkpoint, compared on resume
+    start, resume = resume_training(trainer, out, identity)
     ckpt.warn_later_checkpoints(out, start)
     ckpt.check_disk_space(out, s.model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
@@ -104,7 +110,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             stopping = any_rank(stop.requested, d, s.device)  # all ranks stop after the same step
             if (periodic or stopping) and done < s.total_steps:
                 hb.beat(done, "save")
-                saved = save_checkpoint(trainer, evaluator, out, done, step // s.steps_per_epoch)
+                saved = save_checkpoint(trainer, evaluator, out, done, step // s.steps_per_epoch, identity)
                 if stopping:
                     stopped_at = saved
                     break
@@ -142,6 +148,10 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
 
         log.info("Dashboard: %s", write_dashboard(out))
     run = report_run(bar, last, s, out, final_dir=str(final), **evaluator.summary())
+    if cfg.push_to_hub and d.is_main:
+        what = "LoRA adapter" if cfg.uses_lora else "model"
+        url = push_folder(final, hub_repo(cfg.hub_model_id, cfg.output_dir), cfg.hub_private_repo, what)
+        log.info("--push_to_hub: uploaded the %s in %s to %s.", what, final, url)
     return {"final_dir": str(final), "last": last, "run_summary": run, **summary, **evaluator.summary()}
 
 
@@ -202,13 +212,16 @@ class StepLog:
         return record
 
 
-def save_checkpoint(trainer: Trainer, evaluator: TrainingEval, out: Path, done: int, epoch: int) -> Path:
+def save_checkpoint(trainer: Trainer, evaluator: TrainingEval, out: Path, done: int, epoch: int,
+                    identity: RunIdentity) -> Path:
     """checkpoint-N/ of this step (every rank writes its shards under FSDP2); rank 0 rotates the old ones."""
     s, cfg, d = trainer.s, trainer.cfg, trainer.s.dist
     extra = {"reference": s.reference.model} if cfg.sync_ref_model else None
     evaluator.best.saved(done, out / f"checkpoint-{done}")
     state = {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress(),
              "pairs_per_step": trainer.pairs_per_step, "world_size": d.world_size, "drop_last": cfg.dataloader_drop_last}
+    if d.is_main:  # rank 0 writes trainer_state.json
+        state["run"] = identity.record()
     if d.sharded:
         saved = ckpt.save_sharded_checkpoint(out, done, s.model, s.tokenizer, trainer.optimizer, trainer.scheduler,
                                              state, cfg, d.rank, extra)
@@ -220,27 +233,40 @@ def save_checkpoint(trainer: Trainer, evaluator: TrainingEval, out: Path, done: 
     return saved
 
 
-def resume_training(trainer: Trainer, out: Path) -> tuple[int, Path | None]:
+def resume_training(trainer: Trainer, out: Path, identity: RunIdentity) -> tuple[int, Path | None]:
     """Clean what a kill left behind, then load --resume_from_checkpoint (weights, optimizer, schedules, beta, the
-    data position) into the trainer; returns the step it continues from and the checkpoint (0, None: a fresh run)."""
+    data position) into the trainer; returns the step it continues from and the checkpoint (0, None: a fresh run).
+    Rank 0 picks the checkpoint (its content verified) and checks it was trained on this model, data and objective;
+    every rank then loads it, and no run starts from NaN/Inf weights."""
     s, cfg, d = trainer.s, trainer.cfg, trainer.s.dist
-    if d.is_main:
+
+    def choose() -> Path | None:
         ckpt.clean_partial(out)  # leftovers of a write or delete a kill interrupted
-    resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, out)
+        chosen = ckpt.resolve_resume(cfg.resume_from_checkpoint, out, cfg.start_over_if_unusable)
+        if chosen is not None:
+            ckpt.check_resume_step(chosen, s.total_steps)
+            check_resume_identity(chosen, ckpt.load_progress(chosen).get("run"), ckpt.saved_config(chosen), identity)
+        return chosen
+
+    resume = decide_on_main(choose, d)
     if resume is None:
+        check_finite(trainer, f"--model {cfg.model}", "before any training step. Check or re-download the model: "
+                     "this is not a learning-rate problem")
         return 0, None
     model, optimizer, scheduler = s.model, trainer.optimizer, trainer.scheduler
     extra = {"reference": s.reference.model} if cfg.sync_ref_model else None
     check_resume_step_size(resume, cfg, d)
     if ckpt.is_sharded(resume):
-        ckpt.load_sharded_checkpoint(resume, model, optimizer, scheduler, d.rank, extra)
+        restore.load_sharded_checkpoint(resume, model, optimizer, scheduler, d.rank, extra)
     elif d.sharded:
-        ckpt.load_unsharded_into_ranks(resume, model, optimizer, scheduler, extra)
+        restore.load_unsharded_into_ranks(resume, model, optimizer, scheduler, extra)
     else:
-        ckpt.load_weights(model, resume)
-        ckpt.load_training_state(resume, optimizer, scheduler)
+        restore.load_weights(model, resume)
+        restore.load_training_state(resume, optimizer, scheduler)
         if cfg.sync_ref_model:
-            ckpt.load_extra_module(resume, "reference", s.reference.model)
+            restore.load_extra_module(resume, "reference", s.reference.model)
+    check_finite(trainer, str(resume), "as loaded (written that way, or edited since). Resume from an earlier "
+                 "checkpoint by its path")
     follow_changed_schedule(resume, cfg, scheduler, s.total_steps, d)
     state = ckpt.load_progress(resume)
     start = state["step"]
@@ -252,6 +278,18 @@ def resume_training(trainer: Trainer, out: Path) -> tuple[int, Path | None]:
         s.stream.skip(start * trainer.pairs_per_step)
     trainer.global_step = start
     return start, resume
+
+
+def check_finite(trainer: Trainer, source: str, advice: str) -> None:
+    """Stop before training when the policy, its reference or the optimizer state hold NaN/Inf (on any rank)."""
+    s = trainer.s
+    modules = {"": s.model}
+    if s.reference.model is not None and s.reference.model is not s.model:
+        modules["reference "] = s.reference.model
+    bad = restore.nonfinite_tensors(modules, trainer.optimizer)
+    if any_rank(bool(bad), s.dist, s.device):
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") if bad else "on another rank"
+        raise FastDPOError(f"{source}: NaN/Inf values in {shown}, {advice}.")
 
 
 def check_resume_step_size(resume: Path, cfg: TrainConfig, d: Dist) -> None:

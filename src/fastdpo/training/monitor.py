@@ -4,8 +4,10 @@ the update, count it, stop after N in a row), the vital signs added to each logg
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -46,7 +48,8 @@ class Monitor:
         self.sinks = open_sinks(cfg, out_dir, console, start_step) if write else Sinks([])
         self.skipped = 0
         self.in_a_row = 0
-        self.last_good_step = start_step
+        self.failed = False  # a sink's write failed
+        self.last_good_step = self.start_step = start_step
         self._reset_window()
         # count real optimizer.step() calls, so a wrapper that skips or repeats them shows up in update_gap
         self._hook = optimizer.register_step_post_hook(self._count_update)
@@ -84,10 +87,15 @@ class Monitor:
         kept = (f"The last good checkpoint is {found[-1]} (resume with --resume_from_checkpoint latest)."
                 if found else "No checkpoint was saved before this (set --save_steps to keep one).")
         shown = ", ".join(str(i) for i in sorted(rows)[:16]) + (" ..." if len(rows) > 16 else "")
+        # no step of this run was finite: the cause came in with it (the weights were checked finite at the start)
+        advice = ADVICE["nonfinite"] if self.last_good_step > self.start_step else (
+            "no step of this run had a finite loss, so the learning rate is not the cause: check the reference "
+            "(--ref_model, or its precomputed log-probs: --precompute_ref_log_probs rebuilds them when --ref_cache_dir "
+            "is cleared) and the rows named.")
         return (f"Training stopped at step {step}: {self.in_a_row} steps in a row had a NaN/Inf loss or gradient "
                 f"(--max_nonfinite_steps {self.max_in_a_row}). Their updates were skipped, so the weights are those "
                 f"after step {self.last_good_step}. {kept} Dataset rows of the last bad step: {shown}. "
-                f"Advice: {ADVICE['nonfinite']}")
+                f"Advice: {advice}")
 
     def log(self, record: dict) -> None:
         """Add the vital signs of the window since the last log, check the alerts, write every sink."""
@@ -97,18 +105,36 @@ class Monitor:
         expected_updates = self.w_steps - self.w_skipped
         expected = micro / expected_updates if expected_updates else None
         alerts = self.engine.check(record, expected) if self.writer else []
-        self.sinks.log(record)
-        for a in alerts:
-            self.sinks.alert(a)
+        with self._writing():
+            self.sinks.log(record)
+            for a in alerts:
+                self.sinks.alert(a)
         self._reset_window()
 
     def write(self, record: dict) -> None:
         """Write a record that is not a training step (e.g. evaluation) to every sink, without alerts."""
-        self.sinks.log(record)
+        with self._writing():
+            self.sinks.log(record)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A failed write of the metrics log (disk full) stops training with one message naming the last good
+        checkpoint; closing the sinks then does not fail a second time on the same full disk."""
+        try:
+            yield
+        except OSError as e:
+            self.failed = True
+            raise ckpt.write_failed("metrics.jsonl", self.out_dir, e) from None
 
     def close(self) -> None:
         self._hook.remove()
-        self.sinks.close()
+        try:
+            self.sinks.close()
+        except OSError as e:  # flushing what the sinks buffered
+            if self.failed or sys.exc_info()[0] is not None:  # closed while another error stops the run: that one
+                log.warning("Closing the metrics log failed too (%s).", e.strerror or e)
+            else:
+                raise ckpt.write_failed("metrics.jsonl", self.out_dir, e) from None
         raised = self.engine.summary()
         if raised:
             log.info("Alerts raised: %s (details in %s).", ", ".join(f"{k} x{v}" for k, v in raised.items()),

@@ -187,9 +187,6 @@ FLAGS: dict[str, Foreign] = {
     "overwrite_cache": Foreign("LLaMA-Factory: true = --load_from_cache_file false.", _overwrite_cache, bare=True),
     "plot_loss": Foreign("LLaMA-Factory: = --plot.", maps_to("plot", bool), bare=True),
     "do_train": Foreign("HF/LLaMA-Factory: true (false is refused).", _do_train, bare=True),
-    "overwrite_output_dir": Foreign("HF/LLaMA-Factory: ignored (see --resume_from_checkpoint).", note(
-        "ignored; fastdpo writes into --output_dir as it is, and resumes only with --resume_from_checkpoint."),
-        bare=True),
     "per_device_eval_batch_size": Foreign("HF/LLaMA-Factory: ignored (it does not change the scores).",
                                           note("ignored; held-out pairs are scored in batches like training's.")),
     "flash_attn": Foreign("LLaMA-Factory auto|fa2|fa3|sdpa|disabled, OpenRLHF bare: = --attn_impl.", _flash_attn,
