@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from fastdpo.config import DTYPES
-from fastdpo.config.schema import _choice, _f
+from fastdpo.config.schema import _choice, _f, check_push
 from fastdpo.errors import FastDPOError
+from fastdpo.model.upload import hub_repo, push_folder
 
 
 @dataclass
@@ -25,6 +26,11 @@ class ExportConfig:
                              "ms-swift names it).")
     torch_dtype: str = _f("auto", "dtype of the merged weights: auto (the base's stored dtype)|float32|bfloat16|float16.")
     trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
+    push_to_hub: bool = _f(False, "Upload the merged model to a Hugging Face Hub model repo, created if missing "
+                                  "(huggingface_hub; log in with `hf auth login` or HF_TOKEN).")
+    hub_model_id: str = _f("", "The repo --push_to_hub uploads to: NAME or OWNER/NAME (default: the --output_dir "
+                                "name).")
+    hub_private_repo: bool = _f(False, "Create the --push_to_hub repo as a private one.")
 
     def validate(self) -> None:
         if not self.adapters:
@@ -44,6 +50,7 @@ class ExportConfig:
                 raise FastDPOError(f"--output_dir is the same directory as {name}; choose a new one.")
         if out.exists() and any(out.iterdir()):
             raise FastDPOError(f"--output_dir {self.output_dir} exists and is not empty; choose a new directory.")
+        check_push(self.push_to_hub, self.hub_model_id)
 
 
 def merge_lora(cfg: ExportConfig, console=None) -> Path:
@@ -79,6 +86,10 @@ def merge_lora(cfg: ExportConfig, console=None) -> Path:
     if console is not None:
         console.print(f"wrote {out}: a copy of {cfg.model} with the adapter {cfg.adapters} merged into its weights "
                       f"({cfg.model} is unchanged).", markup=False, highlight=False, soft_wrap=True)
+    if cfg.push_to_hub:
+        url = push_folder(out, hub_repo(cfg.hub_model_id, cfg.output_dir), cfg.hub_private_repo, "merged model")
+        if console is not None:
+            console.print(f"uploaded {out} to {url}", markup=False, highlight=False, soft_wrap=True)
     return out
 
 

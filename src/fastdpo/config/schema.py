@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +249,10 @@ class TrainConfig:
     greater_is_better: bool | None = _f(None, "Whether larger metric_for_best_model is better (default: no for losses).")
     # run
     output_dir: str = _f("output", "Where checkpoints, metrics and the final model go.")
+    push_to_hub: bool = _f(False, "At the end, upload final/ (the model, or the LoRA adapter) to a Hugging Face Hub model "
+                           "repo, created if missing (huggingface_hub; log in with `hf auth login` or HF_TOKEN).")
+    hub_model_id: str = _f("", "The repo --push_to_hub uploads to: NAME or OWNER/NAME (default: the --output_dir name).")
+    hub_private_repo: bool = _f(False, "Create the --push_to_hub repo as a private one.")
     seed: int = _f(42, "Seed for data order, init and dropout.")
     logging_steps: int = _f(1, "Log metrics every N optimizer steps.")
     save_steps: int = _f(0, "Checkpoint every N optimizer steps (0: only the final model).")
@@ -318,6 +323,7 @@ class TrainConfig:
     def validate_training(self) -> None:
         """`validate`, plus what only training (not scoring or generating) cannot do."""
         self.validate()
+        check_push(self.push_to_hub, self.hub_model_id)
         if self.uses_lora and self.learning_rate < LORA_LEARNING_RATE / 5:
             log.warning("--learning_rate %g with --train_type %s: LoRA adapters start at zero, and at a full fine-tune's "
                         "rate they barely move (LoRA DPO usually trains at 5e-6 to 1e-4; leave the flag out for %g).",
@@ -521,6 +527,20 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_push(push_to_hub: bool, hub_model_id: str) -> None:
+    """--push_to_hub / --hub_model_id, before any work: a push that cannot happen is refused now, not after hours
+    of training."""
+    if hub_model_id and not push_to_hub:
+        log.warning("--hub_model_id %s without --push_to_hub: nothing is uploaded (add --push_to_hub).", hub_model_id)
+    if not push_to_hub:
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise FastDPOError("--push_to_hub with HF_HUB_OFFLINE=1: nothing can be uploaded. Drop --push_to_hub and "
+                           "upload the saved model later with `hf upload REPO DIR`, or unset HF_HUB_OFFLINE.")
+    if hub_model_id.count("/") > 1 or hub_model_id.strip() != hub_model_id:
+        raise FastDPOError(f"--hub_model_id {hub_model_id!r}: give a repo name, or OWNER/NAME.")
 
 
 def _choice(name: str, value: str, choices: tuple) -> None:

@@ -17,6 +17,7 @@ from fastdpo.model.core import (
     base_causal_lm,
     model_summary,
 )
+from fastdpo.model.upload import hub_repo, push_folder
 from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
@@ -147,6 +148,10 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
 
         log.info("Dashboard: %s", write_dashboard(out))
     run = report_run(bar, last, s, out, final_dir=str(final), **evaluator.summary())
+    if cfg.push_to_hub and d.is_main:
+        what = "LoRA adapter" if cfg.uses_lora else "model"
+        url = push_folder(final, hub_repo(cfg.hub_model_id, cfg.output_dir), cfg.hub_private_repo, what)
+        log.info("--push_to_hub: uploaded the %s in %s to %s.", what, final, url)
     return {"final_dir": str(final), "last": last, "run_summary": run, **summary, **evaluator.summary()}
 
 

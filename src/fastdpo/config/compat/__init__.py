@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import logging
 
-from fastdpo.config.compat.base import Foreign, Source, Unnamed
+from fastdpo.config.compat.base import Foreign, Source, Unnamed, tool_template
 from fastdpo.config.compat.llamafactory import LLAMAFACTORY
 from fastdpo.config.compat.openrlhf import COLUMN_FLAGS, OPENRLHF
 from fastdpo.config.compat.swift import RLHF_TYPES, SEQUENCE_PARALLEL, SWIFT
@@ -70,6 +70,9 @@ def apply_foreign(given: dict, values: dict, yaml_keys: dict | None = None) -> N
         if source.finish and source.given_in(given):
             for text in source.finish(given, values):
                 log.info("%s", text)
+    text = tool_template(values)  # after LLaMA-Factory's `template` key: the same meaning however it came
+    if text:
+        log.info("%s", text)
 
 
 def _where(name: str, yaml_keys: dict | None) -> str:

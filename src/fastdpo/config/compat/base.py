@@ -3,10 +3,13 @@ here) and the small helpers those functions share."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from fastdpo.data.template import BUILTIN_TEMPLATES
 from fastdpo.errors import FastDPOError
 
 NLL_PER_ANSWER = ("is the mean over pairs of each chosen answer's per-token NLL; fastdpo's NLL term (--rpo_alpha, "
@@ -129,6 +132,22 @@ def refuse_on(text: str) -> Apply:
             return None
         raise FastDPOError(text.format(value=value))
     return apply
+
+
+def tool_template(values: dict) -> str | None:
+    """--template NAME of another tool (ms-swift's and LLaMA-Factory's `qwen3`, `qwen2_5`, `glm4`, ...; names the
+    tool maps to a model family's chat format): conversations render with the tokenizer's own chat template, the
+    same on the command line and in YAML; the note says so. A near miss of a built-in (`chatlm`) and a missing
+    file are left for the template check to refuse."""
+    name = values.get("template")
+    if not isinstance(name, str) or not name or name in BUILTIN_TEMPLATES or Path(name).expanduser().is_file():
+        return None
+    if "/" in name or "." in name or difflib.get_close_matches(name, list(BUILTIN_TEMPLATES), n=1, cutoff=0.8):
+        return None
+    values["template"] = ""
+    return (f"--template {name}: ms-swift's and LLaMA-Factory's template names are not known here; conversations "
+            "render with the tokenizer's own chat_template (the model's own format). For another layout pass "
+            f"--template {'|'.join(sorted(BUILTIN_TEMPLATES))} or a Jinja file.")
 
 
 def adopt(values: dict, defaults: dict) -> list[str]:

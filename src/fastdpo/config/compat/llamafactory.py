@@ -4,7 +4,6 @@ lora_alpha, lora_dropout, simpo_gamma, ld_alpha, report_to, ...) keep their own 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from fastdpo.config.compat.base import (
@@ -149,17 +148,13 @@ def _lora(given: dict, values: dict) -> list[str]:
 
 
 def _template(values: dict) -> list[str]:
-    from fastdpo.data.template import BUILTIN_TEMPLATES
-
+    """LLaMA-Factory's template names that are built-ins here too; its other names (qwen, ...) mean what they mean
+    on the command line (`compat.base.tool_template`)."""
     name = values.get("template")
     if name in ("llama3", "chatml"):
         return [f"template {name}: fastdpo's built-in {name} template renders conversations (its own layout, which "
                 "can differ from LLaMA-Factory's in whitespace and in the default system prompt)."]
-    if not name or name in BUILTIN_TEMPLATES or Path(str(name)).expanduser().is_file():
-        return []
-    values["template"] = ""
-    return [f"template {name}: LLaMA-Factory's template names are not known here; conversations render with the "
-            "tokenizer's own chat_template. For another layout pass --template chatml|llama3|FILE.jinja."]
+    return []
 
 
 def finish(given: dict, values: dict) -> list[str]:

@@ -6,7 +6,18 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from fastdpo.config.compat.base import Foreign, Source, Unnamed, adopt, is_off, maps_to, note, number, to_bool
+from fastdpo.config.compat.base import (
+    Foreign,
+    Source,
+    Unnamed,
+    adopt,
+    is_off,
+    maps_to,
+    note,
+    number,
+    refuse_on,
+    to_bool,
+)
 from fastdpo.config.parallel import LESS_MEMORY
 from fastdpo.errors import FastDPOError
 
@@ -170,6 +181,11 @@ FLAGS: dict[str, Foreign] = {
                            note("ignored; --output_dir is used as given.")),
     "check_model": Foreign("ms-swift: ignored.", note("ignored.")),
     "drop_last": Foreign("= --dataloader_drop_last.", maps_to("dataloader_drop_last", bool)),
+    "hub_strategy": Foreign("HF: fastdpo pushes final/ once, at the end (--push_to_hub).", note(
+        "fastdpo uploads final/ once, at the end of training (--push_to_hub); checkpoints stay local.")),
+    "hub_token": Foreign("HF: refused (a token on the command line lands in config files and shell history).", refuse_on(
+        "--hub_token: give the token as HF_TOKEN or log in once with `hf auth login`; a token on the command line "
+        "lands in shell history and saved configs.")),
     "master_port": Foreign("DeepSpeed / torchrun: the port of the workers' rendezvous (= MASTER_PORT) when "
                            "NPROC_PER_NODE=N starts them.", _master_port),
 }
