@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
+from test_checkpoint_verify import reseal
 
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
@@ -289,19 +290,6 @@ def test_resume_trims_the_metrics_log(tmp_path):
 
 
 # ---------------------------------------------------------------- safe loading
-
-
-def reseal(c: Path) -> None:
-    """Make trainer_state.json's sizes and the content manifest agree with the files as they are now."""
-    from fastdpo.training import manifest
-
-    done = c / ckpt.STATE / ckpt.DONE
-    state = json.loads(done.read_text())
-    skip = {f"{ckpt.STATE}/{ckpt.DONE}", ckpt.MANIFEST}
-    state["files"] = {str(p.relative_to(c)): p.stat().st_size for p in sorted(c.rglob("*"))
-                      if p.is_file() and str(p.relative_to(c)) not in skip}
-    done.write_text(json.dumps(state))
-    manifest.write_manifest(c, ckpt.MANIFEST)
 
 
 class _RunsCode:

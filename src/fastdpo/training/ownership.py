@@ -118,13 +118,16 @@ class OutputDirLock:
         self.me = Holder.this_process()
 
     def acquire(self) -> None:
-        import fcntl
-
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: the record alone decides
+            fcntl = None
         for _ in range(20):  # a holder releasing between our open and our flock: lock the file it leaves, again
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            flocked = True
+            flocked = fcntl is not None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = Holder.parse(_read(fd))
                 os.close(fd)
