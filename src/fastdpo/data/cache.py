@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from fastdpo.data.formats import Row
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats
 from fastdpo.version import __version__
 
+log = logging.getLogger("fastdpo")
 CACHE_FORMAT = 1
 
 
@@ -62,8 +64,10 @@ def rows_fingerprint(rows: list[Row]) -> str:
 
 
 def data_key(rows: list[Row], tokenizer, options: TokenizeOptions, read: RowOptions = AS_GIVEN) -> str:
+    read_key = dataclasses.asdict(read)
+    del read_key["max_row_bytes"]  # the limit changes no row it lets through
     parts = {
-        "read": dataclasses.asdict(read),
+        "read": read_key,
         "format": CACHE_FORMAT,
         "version": __version__,
         "rows": rows_fingerprint(rows),
@@ -74,17 +78,39 @@ def data_key(rows: list[Row], tokenizer, options: TokenizeOptions, read: RowOpti
 
 
 def load_cached(root: Path, key: str) -> tuple[list[TokenizedPair], TokenizeStats] | None:
+    """The cached pairs of `key`, or None when there are none, or when the entry cannot be read (cut short by a full
+    disk or a kill, or edited): it is then removed with a warning, so that this run writes it again."""
     entry = root / "tokenized" / key
     if not (entry / "stats.json").exists():
         return None
-    with np.load(entry / "pairs.npz") as z:
-        tokens, lens, index = z["tokens"].tolist(), z["lens"].tolist(), z["index"].tolist()
+    try:
+        with np.load(entry / "pairs.npz") as z:
+            tokens, lens, index = z["tokens"], z["lens"], z["index"]
+        stats = TokenizeStats(**json.loads((entry / "stats.json").read_text()))
+        if lens.shape != (len(index), 3) or int(lens.sum()) != len(tokens) or stats.pairs != len(index):
+            raise ValueError(f"{len(index)} pairs, {len(tokens)} tokens and stats of {stats.pairs} pairs disagree")
+    except Exception as e:  # noqa: BLE001 - numpy, zipfile and json raise many types for a damaged file
+        log.warning("Tokenisation cache %s cannot be read (%s: %s); tokenising again and rewriting it.", entry,
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        discard(entry)
+        return None
+    tokens, lens, index = tokens.tolist(), lens.tolist(), index.tolist()
     pairs = []
     at = 0
     for (p, c, r), i in zip(lens, index):
         pairs.append(TokenizedPair(tokens[at: at + p], tokens[at + p: at + p + c], tokens[at + p + c: at + p + c + r], i))
         at += p + c + r
-    return pairs, TokenizeStats(**json.loads((entry / "stats.json").read_text()))
+    return pairs, stats
+
+
+def discard(entry: Path) -> None:
+    """Remove a cache entry: renamed aside first, so no reader sees it half removed."""
+    aside = entry.with_name(f".{entry.name}.discarded.{os.getpid()}")
+    try:
+        entry.rename(aside)
+    except OSError:  # gone already (another process), or not ours to move: leave it
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def save_cached(root: Path, key: str, pairs: list[TokenizedPair], stats: TokenizeStats) -> Path:

@@ -17,6 +17,7 @@ from fastdpo.errors import FastDPOError
 COLUMN_NAMES = ("prompt", "chosen", "rejected", "system", "tools", "messages", "rejected_response", "rejected_messages",
                 "instruction", "input", "history", "conversations")
 KEY_FLAGS = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected"}  # OpenRLHF
+MAX_ROW_BYTES = 16 << 20  # --max_row_mb's default: far above any row that fits a context window
 
 
 def column_mapping(columns: object) -> tuple[tuple[str, str], ...]:
@@ -83,13 +84,15 @@ def check_row_flags(cfg) -> None:
 
 @dataclass(frozen=True)
 class RowOptions:
-    """How records become rows. Part of the tokenisation cache key."""
+    """How records become rows. Part of the tokenisation cache key (but `max_row_bytes`: a row it lets through is
+    read the same whatever the limit)."""
 
     columns: tuple[tuple[str, str], ...] = ()  # (dataset column, fastdpo column)
     input_template: str = ""
     apply_chat_template: bool = False
     datasets: tuple[tuple[str, DatasetRead], ...] = ()  # (dataset spec, its own reading): --dataset_info
     max_samples: int = 0  # the first N rows of each dataset, after `#N` (0: all)
+    max_row_bytes: int = MAX_ROW_BYTES  # a larger row (line, array element, CSV record) is refused as it is read
 
     @classmethod
     def from_config(cls, cfg) -> RowOptions:
@@ -97,7 +100,7 @@ class RowOptions:
         return cls(column_mapping(getattr(cfg, "columns", None) or {}), getattr(cfg, "input_template", ""),
                    getattr(cfg, "apply_chat_template", False),
                    tuple(sorted((spec, DatasetRead.from_dict(spec, d)) for spec, d in own.items())),
-                   getattr(cfg, "max_samples", 0))
+                   getattr(cfg, "max_samples", 0), int(getattr(cfg, "max_row_mb", MAX_ROW_BYTES / 2**20) * 2**20))
 
     def reading(self, dataset: str) -> DatasetRead | None:
         """The reading of dataset spec `dataset` when --dataset_info gives it one (it replaces --columns there)."""

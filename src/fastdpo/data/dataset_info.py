@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,7 +163,13 @@ def _source(name: str, entry: dict, dataset_dir: str) -> tuple[str, bool]:
                                "file_name (a file or directory under dataset_dir) or hf_hub_url.")
     if not entry.get("file_name"):
         raise FastDPOError(f"dataset {name}: the entry names no file_name or hf_hub_url.")
-    path = Path(dataset_dir) / str(entry["file_name"])
+    file_name = str(entry["file_name"])
+    if os.path.isabs(file_name) or os.path.normpath(file_name).split(os.sep)[0] == os.pardir:
+        raise FastDPOError(f"dataset {name}: file_name {file_name!r} points outside dataset_dir {dataset_dir}, and a "
+                           f"{INFO_FILE} may only name files under its own dir (as LLaMA-Factory documents it). Copy "
+                           "or link the file into the dir and name it relative to it, or drop dataset_dir and list "
+                           "the file under dataset.")
+    path = Path(dataset_dir) / file_name
     if not path.expanduser().exists():
         raise FastDPOError(f"dataset {name}: its file_name {entry['file_name']!r} is not in {dataset_dir} ({path} "
                            f"does not exist). Fix file_name in {Path(dataset_dir) / INFO_FILE}, or add the file.")

@@ -41,7 +41,7 @@ def load_file(path_str: str, read: RowOptions = AS_GIVEN) -> list[Row]:
     spec = Spec(path_str, path_str)
     if source_kind(spec) not in ("file", "dir"):
         raise FastDPOError(f"Dataset {path_str} not found. Check the path given to --dataset.")
-    return [r.row(read) for r in iter_records(spec)]
+    return [r.row(read) for r in iter_records(spec, limit=read.max_row_bytes)]
 
 
 def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
@@ -51,7 +51,7 @@ def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
 
 def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions = AS_GIVEN) -> list[Row]:
     """Every row of one spec, validated (the first bad row raises), then `#N`-sampled."""
-    rows = read_rows(iter_records(spec, split), read, spec.label)
+    rows = read_rows(iter_records(spec, split, limit=read.max_row_bytes), read, spec.label)
     if not rows:
         raise FastDPOError(f"Dataset {spec.label} has no rows.")
     return select(rows, spec, seed, first=read.max_samples)

@@ -132,6 +132,8 @@ def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions) -> tuple[list[
     if key is not None:
         try:
             save_cached(root, key, pairs, stats)
-        except OSError as e:  # a read-only cache dir must not stop training
-            log.warning("Could not write the tokenisation cache under %s (%s).", root, e.strerror)
+        except OSError as e:  # a read-only or full cache dir must not stop training
+            log.warning("Could not write the tokenisation cache under %s (%s); going on without it (the next run "
+                        "tokenises again). Free space there or choose another dir with --dataset_cache_dir.", root,
+                        e.strerror or e)
     return pairs, DataSummary(stats, opts.tokenize)

@@ -41,7 +41,7 @@ class PairStream:
 
     def _limited(self, spec: Spec) -> Iterator[Record]:
         def read() -> Iterator[Record]:
-            return iter_records(spec, self.opts.split, streaming=True)
+            return iter_records(spec, self.opts.split, streaming=True, limit=self.opts.read.max_row_bytes)
 
         if spec.count is None:
             return read()

@@ -93,8 +93,11 @@ def model_fingerprint(paths: list[str], cache_dir: Path) -> str:
             raise FastDPOError(f"{path} holds no weights or config to fingerprint for the reference cache.")
         for f in files:
             h.update(f"{f.name}:{file_digest(f, memo)};".encode())
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(memo_path, json.dumps(memo).encode())
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(memo_path, json.dumps(memo).encode())
+    except OSError:  # the memo only saves hashing again: a full or read-only dir costs that, nothing more
+        pass
     return h.hexdigest()
 
 
@@ -170,17 +173,27 @@ def compute_table(model, pairs: list[TokenizedPair], backend: Backend, pad_id: i
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+        raise
 
 
 def save_table(path: Path, table: RefTable, meta: dict) -> None:
+    """Write the table; a full or read-only cache dir is logged, not raised (the table is in memory already)."""
     from safetensors.torch import save
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     blob = save({"index": table.index.contiguous(), "logps": table.values.contiguous()},
                 metadata={k: str(v) for k, v in meta.items()})
-    _write_atomic(path, blob)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, blob)
+    except OSError as e:
+        log.warning("Could not write the reference cache %s (%s); going on without it (the next run computes the "
+                    "reference log-probs again). Free space there or choose another dir with --ref_cache_dir.", path,
+                    e.strerror or e)
 
 
 def load_table(path: Path, device: torch.device | str) -> RefTable | None:
