@@ -14,6 +14,7 @@ from fastdpo.data.pack import PairBatch, pack_pairs, pad_pairs
 from fastdpo.errors import FastDPOError
 from fastdpo.model import attention
 from fastdpo.model.logprobs import sequence_sums, token_logps
+from fastdpo.model.source import check_source, check_weight_files, custom_code_error, hub_snapshot, tokenizer_auto_map
 
 log = logging.getLogger("fastdpo")
 
@@ -67,13 +68,16 @@ def adapter_given_as_model(path: str, flag: str = "model") -> FastDPOError | Non
                         f"full model. {fix}")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "model"):
+    """The tokenizer of a local HF dir or a hub id (a pad token set to eos when it has none); `flag` names the
+    option `path` came from. Tokenizer code named in the model's auto_map runs only with `trust_remote_code`."""
     from transformers import AutoTokenizer
 
     if _is_local(path):
         p = Path(path).expanduser()
         if not p.is_dir():
-            raise FastDPOError(f"Model dir {path} not found. Check --model.")
+            check_source(path, flag)  # a misspelt dir: says so, with a close match
+            raise FastDPOError(f"--{flag} {path} is a file, not a model dir. Check --{flag}.")
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if not any((p / n).exists() for n in names):
             if adapter := adapter_given_as_model(path):
@@ -82,13 +86,31 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
                 f"{path} has no tokenizer files ({', '.join(names)}). Save the tokenizer into the model dir "
                 "(tokenizer.save_pretrained(dir))."
             )
+    else:
+        check_source(path, flag)
+    _refuse_tokenizer_code(path, trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise FastDPOError(f"Cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # the model's own tokenizer code (trust_remote_code) may raise anything
+        if not trust_remote_code:
+            raise
+        raise FastDPOError(f"The tokenizer code of {path} (run by --trust_remote_code) failed: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}. Check that code and what it needs installed."
+                           ) from None
+    _refuse_tokenizer_code(path, trust_remote_code)  # a hub tokenizer's config is local only now
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _refuse_tokenizer_code(path: str, trust_remote_code: bool) -> None:
+    local = Path(path).expanduser()
+    where = local if local.is_dir() else hub_snapshot(path)
+    named = tokenizer_auto_map(str(where)) if where is not None and not trust_remote_code else None
+    if named:
+        raise custom_code_error(path, named[0], named[1], "tokenizer", "a generic tokenizer built from its files")
 
 
 def quantization_config(bits: int, device: torch.device, dtype: torch.dtype):
@@ -121,22 +143,34 @@ def _raised_from(e: BaseException | None, cls: type) -> bool:
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
                model_type: str = "", quant_bits: int = 0, flag: str = "model"):
     """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
-    `quant_bits` 4 or 8 loads a quantised base for QLoRA. `flag` names the option `path` came from."""
+    `quant_bits` 4 or 8 loads a quantised base for QLoRA. `flag` names the option `path` came from. Model code named
+    in config.json's auto_map runs only with `trust_remote_code` (without it the load is refused)."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     quant = quantization_config(quant_bits, device, dtype) if quant_bits else None
 
     if _is_local(path):
         p = Path(path).expanduser()
+        check_source(path, flag)
         if adapter := adapter_given_as_model(path, flag):
             raise adapter
         if not (p / "config.json").is_file():
             raise FastDPOError(f"{path} is not a model dir: config.json is missing. Check --{flag}.")
+        check_weight_files(p)
+    else:
+        check_source(path, flag)
+        if (snapshot := hub_snapshot(path)) is not None:
+            check_weight_files(snapshot, path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         hint = " Pass --trust_remote_code true only if you trust that code." if "custom code" in str(e) else ""
         raise FastDPOError(f"Cannot read the model config of {path}: {str(e).splitlines()[0]}{hint}") from None
+    auto_map = getattr(config, "auto_map", None)
+    if auto_map and not trust_remote_code:
+        raise custom_code_error(path, "config.json", dict(auto_map), "model",
+                                f"the built-in {config.model_type} classes")
     if model_type and model_type != config.model_type:
         raise FastDPOError(
             f"--model_type {model_type!r} does not match {path}, whose config.json says {config.model_type!r}. "
@@ -147,6 +181,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **extra
         )
+    except SafetensorError as e:  # a hub download cut short (local dirs are checked above)
+        if (snapshot := hub_snapshot(path)) is not None:
+            check_weight_files(snapshot, path)
+        raise FastDPOError(f"{path}: a safetensors weight file is damaged ({str(e).splitlines()[0]}). Copy or "
+                           "download the model again.") from None
     except (OSError, ValueError, pickle.UnpicklingError) as e:
         # a .bin file holding more than tensors: torch.load(weights_only=True) refused it (transformers 4.x wraps
         # that refusal in an OSError)
@@ -156,6 +195,15 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
                 "code). Use a model saved as safetensors."
             ) from None
         raise FastDPOError(f"Cannot load model weights from {path}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # the model's own code (trust_remote_code), or torch on a damaged .bin file
+        if trust_remote_code and not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+            raise FastDPOError(f"The model code of {path} (run by --trust_remote_code) failed: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}. Check that code and what it needs "
+                               "installed.") from None
+        if isinstance(e, RuntimeError) and "zip archive" in str(e):
+            raise FastDPOError(f"{path}: a PyTorch weight file is damaged or incomplete ({str(e).splitlines()[0]}). "
+                               "Copy or download the model again.") from None
+        raise
     return model if quant else model.to(device)
 
 
