@@ -8,8 +8,9 @@ Every row a file holds is read, or reading fails naming the line. JSON files may
 - one object that holds the rows: a list of rows under one key (`{"data": [...]}`, or any one key), rows keyed by an
   id (`{"0": {...}, "1": {...}}`, pandas' `orient="index"`), columns (`{"prompt": [...], "chosen": [...], ...}`,
   or pandas' default `{"prompt": {"0": ...}, ...}`) or pandas' `orient="split"`.
-A row (a line, an array element, a CSV record) larger than `max_row_bytes` is rejected as soon as its size is known,
+A row (a line, an array element, a CSV record) larger than `limit` bytes is rejected as soon as its size is known,
 without holding more of it than the limit: tokenising a row costs about 200 bytes of memory per byte of text.
+`fastdpo.data.records` turns the records into rows.
 """
 
 from __future__ import annotations
@@ -23,13 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastdpo.data.columns import AS_GIVEN, COLUMN_NAMES, MAX_ROW_BYTES, RowOptions
-from fastdpo.data.formats import Row, RowError, to_row
-from fastdpo.data.unsupported import refuse_unsupported
+from fastdpo.data.columns import COLUMN_NAMES, MAX_ROW_BYTES
+from fastdpo.data.records import Record, is_turn, too_large
 from fastdpo.errors import FastDPOError
 
-# CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
-CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools", "conversations", "history")
 _WS = re.compile(r"\s*")
 _BYTES_WS = re.compile(rb"\s*")
 # outside a string: what changes the nesting depth, and the quote that opens a string
@@ -38,55 +36,6 @@ _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)  # up to (not i
 _OPENS = re.compile(r"[\[{,:]\s*$")  # a line that opens a value continued on the next lines
 _DECODE = json.JSONDecoder().decode
 _MAY_HOLD_ROWS = re.compile(rb'\s*(?:\xef\xbb\xbf)?\s*\{\s*"(?:[^"\\]|\\.)*"\s*:\s*[\[{]')
-
-
-@dataclass
-class Record:
-    """One raw row: its location and decoded value, or the problem found while reading it. CSV cells are text
-    (`text_cells`): those of message and tool columns are decoded once the columns have their fastdpo names."""
-
-    where: str
-    value: object = None
-    error: str | None = None
-    text_cells: bool = False
-    dataset: str = ""  # the spec it was read from
-
-    def row(self, read: RowOptions = AS_GIVEN) -> Row:
-        """The record as a Row, read as its dataset's own reading says (--dataset_info), else as `read` says."""
-        if self.error is not None:
-            raise FastDPOError(f"{self.where}: {self.error}")
-        own = read.reading(self.dataset)
-        where = f"{self.where} (dataset {own.name})" if own else self.where
-        value = own.project(self.value, where) if own else read.rename(self.value, where)
-        if self.text_cells:
-            value = {k: _csv_value(k, v) for k, v in value.items()}
-        refuse_unsupported(value, where)  # multimodal and unpaired rows would otherwise be misread
-        row = to_row(value, where, own.formatting if own else None)
-        size = size_over(row, read.max_row_bytes)
-        if size:  # from a source read whole (Parquet, HF datasets, a JSON object of rows)
-            raise RowError(where, None, too_large(size, read.max_row_bytes))
-        return read.adapt(row)
-
-
-def size_over(row: Row, limit: int) -> int:
-    """The bytes of a row's texts (messages: their contents) when they are over `limit`, else 0."""
-    parts = [m.get("content") or "" for part in (row.prompt, row.chosen, row.rejected) if isinstance(part, list)
-             for m in part] + [part for part in (row.prompt, row.chosen, row.rejected) if isinstance(part, str)]
-    chars = sum(map(len, parts))
-    if chars * 4 <= limit:  # a character is at most 4 bytes: counting them is not needed
-        return 0
-    size = sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
-    return size if size > limit else 0
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB" if n >= 2**10 else f"{n} bytes"
-
-
-def too_large(size: int | None, limit: int, what: str = "row") -> str:
-    """The message for a row over the limit: its size (None: not known), the limit and how to raise it."""
-    return (f"this {what} is {f'{_mib(size)}, ' if size else ''}over the limit of {_mib(limit)} per row (tokenising "
-            "a row needs about 200 bytes of memory per byte of text). Shorten or drop it, or raise --max_row_mb.")
 
 
 def _unparsable(e: Exception) -> str:
@@ -310,12 +259,8 @@ def _utf8_error(data: bytes, e: UnicodeDecodeError) -> str:
     return f"not valid UTF-8 (byte 0x{data[e.start]:02x}). Re-save the file as UTF-8."
 
 
-def _is_turn(m: object) -> bool:
-    return isinstance(m, dict) and ("role" in m or "from" in m)
-
-
 def _is_messages(v: object) -> bool:
-    return isinstance(v, list) and bool(v) and all(_is_turn(m) for m in v)
+    return isinstance(v, list) and bool(v) and all(is_turn(m) for m in v)
 
 
 def _rows_of_lists(path: Path, value: dict) -> list[tuple[str, object]] | None:
@@ -352,7 +297,7 @@ def _rows_of_object(path: Path, value: object) -> list[tuple[str, object]] | Non
     if rows is not None:
         return rows
     inner = list(value.values())
-    if not all(isinstance(v, dict) and not _is_turn(v) for v in inner):
+    if not all(isinstance(v, dict) and not is_turn(v) for v in inner):
         return None
     if not any(k in COLUMN_NAMES for k in value):  # rows keyed by an id (orient="index")
         return [(f"{path} key {k!r}", v) for k, v in value.items()]
@@ -436,24 +381,6 @@ def _json_records(path: Path, limit: int) -> Iterator[Record]:
 
 
 # ---------------------------------------------------------------- CSV
-
-
-def _csv_value(name: str, cell: str | None) -> object:
-    """A cell of a message or tool column holding JSON (a message list, an alpaca history, a ShareGPT reply
-    object) -> its value; any other cell stays text."""
-    if cell is None or name not in CSV_JSON_COLUMNS or not cell.lstrip().startswith(("[", "{")):
-        return cell
-    try:
-        value = json.loads(cell)
-    except (ValueError, RecursionError):
-        return cell
-    if name == "tools":
-        return value
-    if name == "history":
-        return value if isinstance(value, list) and all(isinstance(p, list) for p in value) else cell
-    if isinstance(value, list) and value and all(_is_turn(m) for m in value):
-        return value
-    return value if name in ("chosen", "rejected") and _is_turn(value) else cell
 
 
 class _LineTooLong(Exception):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastdpo.data.columns import MAX_ROW_BYTES
-from fastdpo.data.files import Record, file_records
+from fastdpo.data.files import file_records
+from fastdpo.data.records import Record
 from fastdpo.errors import FastDPOError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
