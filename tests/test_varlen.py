@@ -71,7 +71,8 @@ def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
     """The kernel's contract in float32: each sequence causal, aligned to its end, GQA by shared key heads."""
     out = torch.zeros_like(q)
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-    assert max_q == max(b - a for a, b in zip(cu_q, cu_q[1:])) and max_k == max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    for bound, cu in ((max_q, cu_q), (max_k, cu_k)):  # a power-of-two bound on the longest sequence
+        assert bound >= max(b - a for a, b in zip(cu, cu[1:])) and bound & (bound - 1) == 0
     for s in range(len(cu_q) - 1):
         qs, ks, vs = q[cu_q[s]:cu_q[s + 1]], k[cu_k[s]:cu_k[s + 1]], v[cu_k[s]:cu_k[s + 1]]
         i = torch.arange(len(qs))[:, None] + len(ks) - len(qs)
@@ -116,7 +117,7 @@ def test_the_varlen_call_takes_the_offsets_and_the_window(monkeypatch):
         seen.append(kw)
         return q
 
-    monkeypatch.setattr(attention, "_varlen_api", lambda: (fake, frozenset({"window_size", "scale", "enable_gqa"})))
+    monkeypatch.setattr(attention, "_VARLEN_API", (fake, frozenset({"window_size", "scale", "enable_gqa"})))
     q, k = torch.zeros(4, 4, 2), torch.zeros(4, 2, 2)
     attention._varlen_kernel(q, k, k, None, None, 4, 4, 0.5, None)
     attention._varlen_kernel(q, k, k, None, None, 4, 4, None, 64)
@@ -132,3 +133,9 @@ def test_auto_picks_dense_on_cpu_and_varlen_needs_cuda(model_dirs):
     assert choose_backend(model, "auto", True, torch.device("cpu")).name == "dense"
     with pytest.raises(FastDPOError, match="varlen needs a CUDA device"):
         choose_backend(model, "varlen", True, torch.device("cpu"))
+
+
+def test_length_bounds_are_few():
+    from fastdpo.model.attention import length_bound
+
+    assert [length_bound(n) for n in (1, 128, 129, 1000, 1024, 1025, 5000)] == [128, 128, 256, 1024, 1024, 2048, 8192]

@@ -193,7 +193,15 @@ def varlen_mask(batch: PairBatch) -> VarlenMask:
         t = torch.tensor(values, dtype=dtype)
         return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
-    return VarlenMask(put(key_index, torch.long), put(cu_q, torch.int32), put(cu_k, torch.int32), max_q, max_k)
+    return VarlenMask(put(key_index, torch.long), put(cu_q, torch.int32), put(cu_k, torch.int32), length_bound(max_q),
+                      length_bound(max_k))
+
+
+def length_bound(n: int) -> int:
+    """The longest sequence as the kernel is told it: the next power of two (at least 128). The kernel sizes its grid
+    by it and skips what lies past each sequence's end, so a bound gives the same result; a few distinct values keep
+    a compiled layer from being specialised to every micro-batch's own maximum."""
+    return max(128, 1 << (max(n, 1) - 1).bit_length())
 
 
 def varlen_available() -> bool:
@@ -204,19 +212,25 @@ def varlen_available() -> bool:
     return True
 
 
-@functools.cache
-def _varlen_api() -> tuple:
-    """torch's varlen_attn and its keyword names, read once outside any compiled region (Dynamo cannot trace
-    `inspect`). torch 2.11 takes fewer key/value heads as they are; later releases ask for `enable_gqa=True`."""
-    from torch.nn.attention.varlen import varlen_attn
+_VARLEN_API: tuple | None = None  # (varlen_attn, its keyword names), read by `register` before anything compiles
 
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+def _varlen_api() -> tuple:
+    """torch's varlen_attn and its keyword names. Read once, outside any compiled region (`register` does it before
+    the first forward): Dynamo would trace `inspect` otherwise. torch 2.11 takes fewer key/value heads as they are;
+    later releases ask for `enable_gqa=True`."""
+    global _VARLEN_API
+    if _VARLEN_API is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_API = (varlen_attn, frozenset(inspect.signature(varlen_attn).parameters))
+    return _VARLEN_API
 
 
 def _varlen_kernel(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None, window: int | None):
     """q (Tq, H, D), k/v (Tk, Hkv, D) -> (Tq, H, D): causal within each sequence, aligned to its end. The rule's
     window (q_pos - k_pos < W) is the kernel's (W - 1, 0): W - 1 keys to the left and the token itself."""
-    fn, params = _varlen_api()
+    fn, params = _VARLEN_API if _VARLEN_API is not None else _varlen_api()
     kw = {"window_size": (-1, 0) if window is None else (window - 1, 0)}  # a tuple: (-1, 0) is how it knows causal
     if scale is not None:
         kw["scale"] = scale
@@ -248,6 +262,8 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, fastdpo_attention)
     # no mask function for varlen: transformers then builds no mask, and the offsets come as keyword arguments
     AttentionInterface.register(VARLEN_NAME, varlen_attention)
+    if varlen_available():
+        _varlen_api()
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
