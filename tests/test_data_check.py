@@ -243,3 +243,17 @@ def test_training_logs_the_plain_text_note(tmp_path, caplog):
     cfg = TrainConfig(model=str(chat), dataset=[str(raw)], output_dir=str(tmp_path / "o"), apply_chat_template=True)
     load_splits(cfg, load_tokenizer(str(chat)))
     assert "plain-text rows" not in caplog.text
+
+
+def test_check_data_reads_rows_up_to_the_raised_row_limit(tmp_path, capsys):
+    """A row over the default 16 MiB is refused by name, and read once --max_row_mb allows it."""
+    import json
+
+    from conftest import run_cli
+
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"prompt": "q " * (9 << 20), "chosen": "a", "rejected": "b"}) + "\n")  # ~18 MiB
+    rc, out = run_cli(capsys, "check-data", "--dataset", big)
+    assert rc != 0 and "--max_row_mb" in out
+    rc, out = run_cli(capsys, "check-data", "--dataset", big, "--max_row_mb", "32")
+    assert "--max_row_mb" not in out, out[-500:]

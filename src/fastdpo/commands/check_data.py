@@ -109,7 +109,7 @@ def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, R
     items: list[tuple[int, Row | None]] = []
     unsupported, first = UnsupportedCount(spec.label), 0  # rows of a kind fastdpo does not train: one message
     try:
-        for rec in iter_records(spec, opts.split):
+        for rec in iter_records(spec, opts.split, limit=opts.read.max_row_bytes):
             checker.ordinal += 1
             try:
                 items.append((checker.ordinal, rec.row(opts.read)))
