@@ -97,7 +97,10 @@ def test_prefilled_reply_and_hh_rows():
     round_trip(tok, hh, b)
     row = rows_of([prefill])[0]
     full = tok.apply_chat_template(row.prompt + row.chosen, tokenize=False)
-    assert a.prompt + a.chosen == ids(tok, full) and tok.decode(a.prompt).endswith("assistant w2")
+    # the reply is a turn of its own, as TRL renders it: only its tokens are scored
+    assert a.prompt + a.chosen == ids(tok, full)
+    assert tok.decode(a.prompt).endswith("assistant w2 <|im_end|> <|im_start|> assistant")
+    assert tok.decode(a.chosen) == "w5 <|im_end|>" and tok.decode(a.rejected) == "w7 <|im_end|>"
     (h,), _ = tok_pairs(tok, [hh], template=BUILTIN_TEMPLATES["hh"])
     assert tok.decode(h.chosen) == "w5 <eos>" and tok.decode(h.rejected) == "w7 <eos>"
 

@@ -18,6 +18,7 @@ from fastdpo.config.schema import (
     check_installed,
     check_metric_name,
     checkpoint_policy,
+    mean_logp_rewards,
     parse_steps,
     report_targets,
     require_matplotlib,
@@ -27,6 +28,6 @@ __all__ = [
     "ADAPTER_FLAGS", "ATTN_IMPLS", "CHECKPOINT_POLICIES", "DEEPSPEED_ALIASES", "DTYPES", "FSDP_MODES",
     "F_DIVERGENCE_TYPES", "LESS_MEMORY", "LOSS_TRAITS", "LR_SCHEDULERS", "PAIR_METRICS", "REPORT_TARGETS",
     "LossTraits", "Plan", "TrainConfig", "add_config_flags", "build_config", "check_installed", "check_metric_name",
-    "checkpoint_policy", "load_yaml", "parallel_plan", "parse_steps", "report_targets", "require_matplotlib",
+    "checkpoint_policy", "load_yaml", "mean_logp_rewards", "parallel_plan", "parse_steps", "report_targets", "require_matplotlib",
     "save_config",
 ]

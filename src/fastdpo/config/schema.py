@@ -42,6 +42,7 @@ class LossTraits:
     needs_reference: bool = True
     f_divergence: bool = False  # defined for every --f_divergence_type (built on the reward difference h)
     sorts_step: bool = False  # couples the pairs of a step: needs the step's log-probs before the backward
+    mean_logps: bool = False  # its implicit reward is beta x the per-token mean log-prob: logged so, as TRL logs it
 
 
 LOSS_TRAITS: dict[str, LossTraits] = {
@@ -60,10 +61,18 @@ LOSS_TRAITS: dict[str, LossTraits] = {
     "discopop": LossTraits(f_divergence=True),
     "sigmoid_norm": LossTraits(f_divergence=True),
     "sft": LossTraits(needs_reference=False, f_divergence=True),
-    "simpo": LossTraits(needs_reference=False),
+    "simpo": LossTraits(needs_reference=False, mean_logps=True),
     "cpo": LossTraits(needs_reference=False),
-    "orpo": LossTraits(needs_reference=False),
+    "orpo": LossTraits(needs_reference=False, mean_logps=True),
 }
+def mean_logp_rewards(names) -> bool:
+    """Whether the losses `names` log their log-probs and rewards as per-token means (beta x mean log-prob), as TRL's
+    CPOTrainer logs SimPO and its ORPOTrainer logs ORPO; losses with a reference (and CPO) log sums, as TRL's
+    trainers do."""
+    traits = [LOSS_TRAITS[n] for n in names]
+    return any(t.mean_logps for t in traits) and not any(t.needs_reference for t in traits)
+
+
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 
 # Metrics of held-out pairs that can rank checkpoints (`--metric_for_best_model`, with or without `eval_`).
@@ -216,7 +225,8 @@ class TrainConfig:
     loss_type: str = _f("sigmoid", "Preference loss, or several comma-separated (sigmoid,sft); see the README's table.")
     loss_weights: str = _f("", "Comma-separated weights of the --loss_type terms (default 1 each), e.g. 1,0.1.")
     beta: float = _f(0.1, "DPO beta (strength of the KL constraint; IPO's tau; SimPO/CPO's temperature).")
-    label_smoothing: float = _f(0.0, "Label smoothing eps in [0, 0.5): cDPO (sigmoid), robust, exo_pair, aot, simpo, cpo.")
+    label_smoothing: float = _f(0.0, "Label smoothing eps in [0, 0.5): cDPO (sigmoid; TRL 1.16's sigmoid ignores it), "
+                                "robust, exo_pair, aot, simpo, cpo.")
     rpo_alpha: float = _f(0.0, "Weight of the NLL(chosen) term (RPO); 0 disables.")
     ld_alpha: float = _f(1.0, "LD-DPO: weight of completion tokens past the length both completions share (1 = off).")
     f_divergence_type: str = _f("reverse_kl", "f-DPO divergence: reverse_kl|forward_kl|js_divergence|alpha_divergence.")
@@ -225,7 +235,8 @@ class TrainConfig:
     discopop_tau: float = _f(0.05, "DiscoPOP temperature tau.")
     simpo_gamma: float = _f(0.5, "SimPO target reward margin gamma.")
     cpo_alpha: float = _f(1.0, "CPO: weight of the NLL(chosen) term.")
-    orpo_alpha: float = _f(0.1, "ORPO: weight lambda of the odds-ratio term.")
+    orpo_alpha: float = _f(0.1, "ORPO: weight lambda of the odds-ratio term. Its NLL term is the token mean over the "
+                           "step's chosen completions (TRL's ORPOTrainer counts the prompt's tokens too).")
     beta_schedule: str = _f("constant", "constant|kl_adaptive: lower beta while the policy drifts far from the reference.")
     beta_kl_target: float = _f(0.5, "kl_adaptive: drift (mean |log-ratio| per token, nats) above which beta is lowered.")
     beta_kl_window: int = _f(100, "kl_adaptive: optimizer steps in the running mean of the drift.")

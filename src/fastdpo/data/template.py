@@ -1,9 +1,11 @@
 """Chat templates for conversational rows: the tokenizer's `chat_template`, or `--template` (a built-in name or a
 Jinja file), plus `--system`.
 
-The prompt is rendered with the generation prompt (or continuing a final assistant turn, as TRL does); each
-completion is what the full conversation's rendering adds after it. A template that renders the prompt differently
-alone than inside the conversation is reported with the row: the completion is never silently shifted.
+The prompt is rendered with the generation prompt, also after a final assistant turn (a prefilled reply): as TRL's
+DPOTrainer renders it, the reply is then a turn of its own and only its tokens are scored, never the end of the
+prefilled turn or the next turn's header. Each completion is what the full conversation's rendering adds after it.
+A template that renders the prompt differently alone than inside the conversation is reported with the row: the
+completion is never silently shifted.
 """
 
 from __future__ import annotations
@@ -145,12 +147,7 @@ class ChatRenderer:
         prompt = list(row.prompt)
         if self.system and not (prompt and prompt[0]["role"] == "system"):
             prompt.insert(0, {"role": "system", "content": self.system})
-        if not prompt:
-            text = ""
-        elif prompt[-1]["role"] == "assistant":  # a prefilled reply is continued, as TRL does
-            text = self._apply(prompt, row, continue_final_message=True)
-        else:
-            text = self._apply(prompt, row, add_generation_prompt=True)
+        text = self._apply(prompt, row, add_generation_prompt=True) if prompt else ""
         full = [self._apply(prompt + row.chosen, row), self._apply(prompt + row.rejected, row)]
         for name, f in zip(("chosen", "rejected"), full):
             if not f.startswith(text):

@@ -311,6 +311,7 @@ class LossSpec:
     needs_reference: bool = True
     f_divergence: bool = False  # defined for every --f_divergence_type (built on the reward difference h)
     sorts_step: bool = False  # couples the pairs of a step: needs the step's log-probs before the backward
+    mean_logps: bool = False  # logged as per-token means (see `config.mean_logp_rewards`)
 
 
 LOSS_FUNCTIONS: dict[str, Callable[[LossInputs, LossParams], torch.Tensor]] = {

@@ -10,15 +10,19 @@ import torch
 # Per-pair sums accumulated over the micro-batches of one step, divided once by the step's pair count.
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected")
-# Per-token sums (log-ratio to the reference, completion tokens), divided once by the step's completion tokens.
-TOKEN_SUMS = ("logratio/chosen", "logratio/rejected", "tokens/chosen", "tokens/rejected")
+# Per-token sums (log-ratio to the reference, log-probs, completion tokens), divided once by the step's completion
+# tokens.
+TOKEN_SUMS = ("logratio/chosen", "logratio/rejected", "logp/chosen", "logp/rejected", "tokens/chosen", "tokens/rejected")
 KL_RATIO_FLOOR = 1e-2  # |rewards/chosen| below this counts as this (sign kept): no blow-up while rewards are ~0
 
 
 class StepMetrics:
-    """Sums on the device during a step (no host sync); `finish` divides and reads them once."""
+    """Sums on the device during a step (no host sync); `finish` divides and reads them once. With `mean_logps`
+    (SimPO, ORPO: `config.mean_logp_rewards`), `logps/*` are each completion's per-token mean and the rewards beta x
+    that mean, as TRL logs them; otherwise log-prob sums."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, mean_logps: bool = False):
+        self.mean_logps = mean_logps
         self.sums = torch.zeros(1 + len(PAIR_METRICS) + len(TOKEN_SUMS), dtype=torch.float64, device=device)
         self.pairs = 0
         self.tokens = 0
@@ -35,16 +39,19 @@ class StepMetrics:
     def add(self, loss_sum: torch.Tensor, beta: float, pol_c, pol_r, ref_c, ref_r, num_tokens: int,
             len_c: torch.Tensor | None = None, len_r: torch.Tensor | None = None) -> None:
         """Per-pair log-prob sums (B,) of one micro-batch; len_c/len_r (B,) are completion tokens per sequence."""
-        rc = beta * (pol_c - ref_c) if ref_c is not None else beta * pol_c
-        rr = beta * (pol_r - ref_r) if ref_r is not None else beta * pol_r
         zero = pol_c.new_zeros(())
         len_c = pol_c.new_zeros(pol_c.shape) if len_c is None else len_c
         len_r = pol_r.new_zeros(pol_r.shape) if len_r is None else len_r
+        lp_c, lp_r = pol_c, pol_r  # what `logps/*` and the reference-free rewards are made of
+        if self.mean_logps:
+            lp_c, lp_r = pol_c / len_c.clamp(min=1), pol_r / len_r.clamp(min=1)
+        rc = beta * (pol_c - ref_c) if ref_c is not None else beta * lp_c
+        rr = beta * (pol_r - ref_r) if ref_r is not None else beta * lp_r
         vals = torch.stack([
             loss_sum.detach().float(), rc.sum(), rr.sum(), (rc - rr).sum(), (rc > rr).float().sum(),
-            pol_c.sum(), pol_r.sum(),
+            lp_c.sum(), lp_r.sum(),
             (pol_c - ref_c).sum() if ref_c is not None else zero, (pol_r - ref_r).sum() if ref_r is not None else zero,
-            len_c.sum().to(pol_c.dtype), len_r.sum().to(pol_r.dtype),
+            pol_c.sum(), pol_r.sum(), len_c.sum().to(pol_c.dtype), len_r.sum().to(pol_r.dtype),
         ])
         self.sums += vals.double()
         self.pairs += int(pol_c.numel())
@@ -61,10 +68,10 @@ class StepMetrics:
         out = {"loss": v[0]}
         for name, s in zip(PAIR_METRICS, v[1:]):
             out[name] = s / max(1, self.pairs)
-        lr_c, lr_r, n_c, n_r = v[1 + len(PAIR_METRICS):]
+        lr_c, lr_r, s_c, s_r, n_c, n_r = v[1 + len(PAIR_METRICS):]
         if n_c and n_r:
-            out["logps/chosen_per_token"] = out["logps/chosen"] * self.pairs / n_c
-            out["logps/rejected_per_token"] = out["logps/rejected"] * self.pairs / n_r
+            out["logps/chosen_per_token"] = s_c / n_c
+            out["logps/rejected_per_token"] = s_r / n_r
             if self.has_reference:
                 out["kl/chosen"] = lr_c / n_c
                 out["kl/rejected"] = lr_r / n_r

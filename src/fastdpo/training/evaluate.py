@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fastdpo.config import mean_logp_rewards
 from fastdpo.data.load import Row
 from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
@@ -94,11 +95,16 @@ def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str,
     """Held-out metrics from per-pair log-probs (TRL names). Implicit rewards are beta x (policy - reference)
     log-prob sums (beta x policy without a reference); accuracy counts pairs whose chosen reward is strictly larger.
     `loss` is the training loss over the set (`total_loss` of the weighted terms, plus RPO, averaged over pairs);
-    it is left out when a term needs a reference and there is none."""
+    it is left out when a term needs a reference and there is none. SimPO and ORPO (`mean_logp_rewards`) report
+    per-token mean log-probs and beta x those means, reference-free, as TRL does."""
     beta = float(params.beta)
     has_ref = x.ref_chosen is not None
-    rc = beta * (x.policy_chosen - x.ref_chosen) if has_ref else beta * x.policy_chosen
-    rr = beta * (x.policy_rejected - x.ref_rejected) if has_ref else beta * x.policy_rejected
+    lp_c, lp_r = x.policy_chosen, x.policy_rejected
+    if mean_logp_rewards(name for name, _ in terms):
+        lp_c, lp_r = lp_c / x.chosen_tokens.clamp(min=1), lp_r / x.rejected_tokens.clamp(min=1)
+        has_ref = False
+    rc = beta * (x.policy_chosen - x.ref_chosen) if has_ref else beta * lp_c
+    rr = beta * (x.policy_rejected - x.ref_rejected) if has_ref else beta * lp_r
     out = {}
     if has_ref or not any(LOSSES[name].needs_reference for name, _ in terms):
         out["loss"] = float(total_loss(x, params, terms, rpo_alpha).mean())
@@ -107,8 +113,8 @@ def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str,
         "rewards/rejected": float(rr.mean()),
         "rewards/margins": float((rc - rr).mean()),
         "rewards/accuracies": float((rc > rr).float().mean()),
-        "logps/chosen": float(x.policy_chosen.mean()),
-        "logps/rejected": float(x.policy_rejected.mean()),
+        "logps/chosen": float(lp_c.mean()),
+        "logps/rejected": float(lp_r.mean()),
     })
     return out
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function as phase  # names the loop's phases in --profile_steps traces
 
-from fastdpo.config import TrainConfig
+from fastdpo.config import TrainConfig, mean_logp_rewards
 from fastdpo.data.pack import step_order
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.dpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
@@ -185,7 +185,7 @@ class Trainer:
         s, cfg = self.s, self.cfg
         step_pairs = self.next_pairs() if pairs is None else pairs
         self.current_pairs = step_pairs
-        metrics = StepMetrics(s.device)
+        metrics = StepMetrics(s.device, mean_logp_rewards(name for name, _ in s.loss_terms))
         beta = s.beta.value()
         run_step(s, step_pairs, metrics)
         tokens = sum(p.num_tokens for p in step_pairs)

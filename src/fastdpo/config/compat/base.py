@@ -12,9 +12,9 @@ from typing import Any
 from fastdpo.data.template import BUILTIN_TEMPLATES
 from fastdpo.errors import FastDPOError
 
-NLL_PER_ANSWER = ("is the mean over pairs of each chosen answer's per-token NLL; fastdpo's NLL term (--rpo_alpha, "
-                  "and ORPO's) is TRL's: the per-token NLL over all chosen tokens of the step, which weighs long "
-                  "answers more.")
+NLL_PER_ANSWER = ("is the mean over pairs of each chosen answer's per-token NLL; fastdpo's NLL term (--rpo_alpha, as "
+                  "TRL's, and ORPO's) is the per-token NLL over all chosen completion tokens of the step, which "
+                  "weighs long answers more.")
 
 Apply = Callable[[Any, dict], "str | None"]
 

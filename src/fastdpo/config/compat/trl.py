@@ -115,8 +115,39 @@ def _defaults(given: dict, values: dict) -> list[str]:
     return ["TRL's defaults for what the command leaves out: " + ", ".join(adopted) + "."] if adopted else []
 
 
+def _label_smoothing(given: dict, values: dict) -> list[str]:
+    """TRL 1.16's sigmoid loss ignores label_smoothing (only robust, exo_pair, bco_pair, aot... read it); fastdpo's
+    applies it (cDPO). The flag given wins, so a TRL command with both trains cDPO here: said once."""
+    raw = values.get("loss_type", "sigmoid")
+    losses = [str(n).strip() for n in (raw if isinstance(raw, list) else str(raw).split(","))]
+    smoothing = number(values.get("label_smoothing", 0.0))
+    if not SCRIPT_FLAGS & set(given) or "sigmoid" not in losses or smoothing <= 0:
+        return []
+    return [f"--label_smoothing {smoothing:g} with --loss_type sigmoid: fastdpo trains conservative DPO (cDPO, "
+            f"-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)); TRL 1.16's sigmoid loss ignores "
+            "label_smoothing, so this command trained plain DPO there. Drop the flag for TRL's result."]
+
+
+def _truncation_mode(value: Any, values: dict) -> str | None:
+    """DPOConfig's truncation_mode: keep_start is --truncation_strategy right; keep_end (deprecated in TRL) is
+    nearest to left."""
+    v = str(value).lower()
+    if v == "keep_start":
+        assign(values, "truncation_strategy", "right", "truncation_mode", value)
+        return None
+    if v == "keep_end":
+        assign(values, "truncation_strategy", "left", "truncation_mode", value)
+        return ("= --truncation_strategy left: the prompt loses tokens from the left until prompt + the longer "
+                "completion fit --max_length, completions whole. TRL keeps the last max_length tokens of each "
+                "sequence on its own, so its shorter completion keeps more of the prompt and a completion longer "
+                "than max_length loses its start; here such a pair is dropped.")
+    raise FastDPOError(f"--truncation_mode {value}: TRL's keep_start (= --truncation_strategy right) or keep_end "
+                       "(= left); fastdpo also has --truncation_strategy delete.")
+
+
 def finish(given: dict, values: dict) -> list[str]:
-    return _dataset(given, values) + _peft(given, values) + _defaults(given, values)
+    return (_dataset(given, values) + _peft(given, values) + _defaults(given, values)
+            + _label_smoothing(given, values))
 
 
 FLAGS: dict[str, Foreign] = {
@@ -145,7 +176,9 @@ FLAGS: dict[str, Foreign] = {
         "Drop the flag, or train every weight with --train_type full."), nargs="+"),
     "attn_implementation": Foreign("TRL/HF: = --attn_impl.", _attn_implementation),
     "dtype": Foreign("TRL/HF (newer name of --torch_dtype): = --torch_dtype.", maps_to("torch_dtype")),
+    "truncation_mode": Foreign("TRL DPOConfig: keep_start (= --truncation_strategy right) or keep_end (= left, "
+                               "noted).", _truncation_mode),
 }
 
 TRL = Source("accepted from TRL scripts (trl dpo)", FLAGS, finish,
-             markers=frozenset(FLAGS) - {"model_name_or_path", "attn_implementation", "dtype"})
+             markers=frozenset(FLAGS) - {"model_name_or_path", "attn_implementation", "dtype", "truncation_mode"})
