@@ -84,3 +84,15 @@ def test_seed_rows_are_read_through_the_chat_template(tmp_path):
     opts = DataOptions.from_config(cfg)
     pairs, _ = tokenize_pairs(load_rows(cfg.dataset, read=opts.read), t, opts)
     assert t.decode(pairs[0].prompt).startswith("<|im_start|> user w1 w2 <|im_end|>")
+
+
+def test_without_a_chat_template_the_error_names_the_plain_reading(tmp_path):
+    from data_helpers import chat_tokenizer
+
+    from fastdpo.data.columns import RowOptions
+    from fastdpo.data.formats import RowError, to_row
+    from fastdpo.data.tokenize import TokenizeOptions, tokenize_rows
+
+    row = RowOptions(apply_chat_template=True).adapt(to_row({"prompt": "w1", "chosen": "w5", "rejected": "w7"}, "d:1"))
+    with pytest.raises(RowError, match="no chat_template. Pass --template .* --apply_chat_template false"):
+        tokenize_rows(chat_tokenizer(None), [row], options=TokenizeOptions())

@@ -142,8 +142,10 @@ class ChatRenderer:
 
     def render(self, row: Row) -> tuple[str, str, str]:
         if not self.available:
-            raise RowError(row.source, None, "is conversational but the tokenizer has no chat_template.",
-                           f"Pass --template ({', '.join(sorted(BUILTIN_TEMPLATES))}) or a Jinja file.")
+            fix = f"Pass --template ({', '.join(sorted(BUILTIN_TEMPLATES))}) or a Jinja file."
+            if row.format == "standard":  # a plain-text row made a user turn (--apply_chat_template, ms-swift's reading)
+                fix += " Or read plain-text rows as they are: --apply_chat_template false."
+            raise RowError(row.source, None, "is conversational but the tokenizer has no chat_template.", fix)
         prompt = list(row.prompt)
         if self.system and not (prompt and prompt[0]["role"] == "system"):
             prompt.insert(0, {"role": "system", "content": self.system})
