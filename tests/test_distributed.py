@@ -18,8 +18,9 @@ from fastdpo.cli import main
 from fastdpo.config import TrainConfig
 from fastdpo.config.launch import wants_launch
 from fastdpo.errors import FastDPOError
-from fastdpo.parallel.distributed import parallel_plan, rank_micro_batches, split_ranks
+from fastdpo.parallel.distributed import parallel_plan
 from fastdpo.parallel.launch import failure_message, torchrun_args
+from fastdpo.parallel.split import rank_micro_batches, split_ranks
 from fastdpo.training.loop import train
 
 # ---------------------------------------------------------------- pure pieces
@@ -293,7 +294,8 @@ def _gradients_in_buckets(model_dir: str) -> None:
 
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.parallel.distributed import Dist, wrap_models
+    from fastdpo.parallel.distributed import Dist
+    from fastdpo.parallel.wrap import wrap_models
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     backend = Backend("dense")
@@ -327,7 +329,8 @@ def _one_graph_per_layer(split: bool, model_dir: str) -> None:
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.model.memory import compile_layers
-    from fastdpo.parallel.distributed import Dist, wrap_models
+    from fastdpo.parallel.distributed import Dist
+    from fastdpo.parallel.wrap import wrap_models
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     backend = Backend("dense")

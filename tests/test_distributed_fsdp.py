@@ -146,7 +146,8 @@ def test_zero2_keeps_weights_gathered_through_a_step(model_dirs):
 
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.parallel.distributed import Dist, grad_sync, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import grad_sync, wrap_models
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))
     backend = Backend("dense")
@@ -183,7 +184,8 @@ def test_full_shard_keeps_last_unit_and_root_gathered_into_backward(model_dirs, 
 
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import build_mask, make_batch
-    from fastdpo.parallel.distributed import Dist, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     ref = Reference(reference, AutoModelForCausalLM.from_config(config) if reference == "copy" else None)
@@ -224,7 +226,8 @@ def test_each_forward_gathers_the_next_unit_as_it_opens(mode, model_dirs):
 
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import build_mask, make_batch
-    from fastdpo.parallel.distributed import Dist, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     ref = Reference("copy", AutoModelForCausalLM.from_config(config)) if mode == "reference" else Reference("precompute")
@@ -272,7 +275,8 @@ def test_full_shard_keeps_the_first_unit_and_root_gathered_between_micro_steps(m
 
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import build_mask, make_batch
-    from fastdpo.parallel.distributed import Dist, grad_sync, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import grad_sync, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     plan = parallel_plan("full_shard", "")
@@ -315,7 +319,8 @@ def test_full_shard_gathers_the_step_start_after_the_update(model_dirs):
 
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import build_mask, make_batch
-    from fastdpo.parallel.distributed import Dist, gather_step_start, grad_sync, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import gather_step_start, grad_sync, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     twin = copy.deepcopy(model)
@@ -364,7 +369,8 @@ def test_step_start_gathers_nothing_outside_full_shard(model_dirs):
     import torch.distributed as dist
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.parallel.distributed import Dist, gather_step_start, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import gather_step_start, wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     plan = parallel_plan("shard_grad_op", "")
@@ -390,7 +396,8 @@ def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
 
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.parallel.distributed import Dist, LogpsModule, grad_sync, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import LogpsModule, grad_sync, wrap_models
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"), torch_dtype=torch.bfloat16)
     backend = Backend("dense")
@@ -432,7 +439,8 @@ def test_fsdp_units_hold_the_requested_decoder_layers(model_dirs, requested, gro
     import torch.distributed as dist
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.parallel.distributed import Dist, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import wrap_models
 
     config, model, backend = five_layer_qwen3(model_dirs)
     plan = parallel_plan("full_shard", "")
@@ -452,7 +460,7 @@ def test_auto_units_follow_the_layers_weights():
     UNIT_MIB is a unit of its own; a model smaller than that is one unit."""
     import torch
 
-    from fastdpo.parallel.distributed import UNIT_MIB, unit_sizes
+    from fastdpo.parallel.wrap import UNIT_MIB, unit_sizes
 
     class Layer(torch.nn.Module):
         def __init__(self, params):

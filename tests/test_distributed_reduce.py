@@ -77,7 +77,8 @@ def _collective_dtypes(mode: str, wide: bool, model_dir: str) -> None:
 
     from fastdpo.dpo.reference import Reference
     from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
-    from fastdpo.parallel.distributed import Dist, parallel_plan, wrap_models
+    from fastdpo.parallel.distributed import Dist, parallel_plan
+    from fastdpo.parallel.wrap import wrap_models
 
     seen = []  # a child process of its own: the wrappers below need no undoing
     for name in ("all_reduce", "reduce_scatter_tensor"):
@@ -141,7 +142,7 @@ def _clip_on_shards(rank: int, world: int, dtype: torch.dtype) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fastdpo.parallel.distributed import _sharded_on_one_mesh, clip_grad_norm
+    from fastdpo.parallel.collectives import _sharded_on_one_mesh, clip_grad_norm
 
     mesh = init_device_mesh("cpu", (world,))
     shapes = [(7, 3), (5,), (1,), (9, 4), (2, 2)]

@@ -241,7 +241,7 @@ class TrainingEval:
         cfg = self.cfg
         t0 = time.perf_counter()
         pad_id = s.tokenizer.pad_token_id or 0
-        from fastdpo.parallel.distributed import policy_logps
+        from fastdpo.parallel.wrap import policy_logps
 
         x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
                        cfg.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
