@@ -37,7 +37,7 @@ def test_a_bench_step_and_a_train_step_give_the_same_weights(tmp_path, model_dir
     """The measuring path (a Trainer around an assembled setup, fed explicit pairs, as bench/tune/auto do) and the
     training loop reach bit-identical weights from the same state: there is one step, not two."""
     from fastdpo import Trainer, train
-    from fastdpo.model.core import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from fastdpo.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
     from fastdpo.training.setup import assemble, load_data, seed_all
 
     m = model_dirs("qwen3")

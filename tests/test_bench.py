@@ -10,7 +10,7 @@ from conftest import easy_rows
 
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import FLEX_PAD, SHAPE_BUCKETS, flex_length
+from fastdpo.model.backend import FLEX_PAD, SHAPE_BUCKETS, flex_length
 
 
 def test_flex_length_uses_few_static_shapes():
@@ -31,7 +31,7 @@ def test_flex_length_uses_few_static_shapes():
 def test_length_buckets_set_the_static_lengths(n):
     """--length_buckets N: a budget's micro-batches take N static lengths, each padded by less than budget / N."""
     from fastdpo.data.tokenize import TokenizedPair
-    from fastdpo.model.core import Backend, make_batch
+    from fastdpo.model.backend import Backend, make_batch
 
     budget = 8192
     lengths = {flex_length(t, budget, n) for t in range(1, budget + 1)}
@@ -87,7 +87,7 @@ def test_qlora_bench_on_cpu_is_a_clear_error(tmp_path, model_dirs):
 
 
 def test_activation_offloading_keeps_gradients(model_dirs):
-    from fastdpo.model.core import load_model
+    from fastdpo.model.load import load_model
     from fastdpo.model.memory import OffloadActivations
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
@@ -112,7 +112,7 @@ def test_activation_offloading_keeps_gradients(model_dirs):
 
 
 def test_activation_offloading_skips_parameters(model_dirs):
-    from fastdpo.model.core import load_model
+    from fastdpo.model.load import load_model
     from fastdpo.model.memory import OffloadActivations
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
@@ -166,7 +166,7 @@ def test_training_with_offloading_matches(tmp_path, model_dirs, monkeypatch):
 
 
 def test_warm_up_lengths_leaves_no_gradients(tmp_path, model_dirs):
-    from fastdpo.model.core import load_model, load_tokenizer
+    from fastdpo.model.load import load_model, load_tokenizer
     from fastdpo.training.setup import assemble
     from fastdpo.training.trainer import warm_up_lengths
 
@@ -183,7 +183,7 @@ def test_warm_up_lengths_leaves_no_gradients(tmp_path, model_dirs):
 
 
 def test_compile_layers_makes_frozen_embeddings_output_require_grad(model_dirs):
-    from fastdpo.model.core import add_lora, load_model
+    from fastdpo.model.load import add_lora, load_model
     from fastdpo.model.memory import compile_layers
 
     model = add_lora(load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu")), 4, 8, 0.0, "all-linear")
@@ -201,7 +201,7 @@ def test_compile_layers_refuses_cuda_graphs(model_dirs):
     """CUDA graphs replay one graph for every layer, overwriting the outputs the backward still needs: a clear error."""
     import torch._inductor.config
 
-    from fastdpo.model.core import load_model
+    from fastdpo.model.load import load_model
     from fastdpo.model.memory import compile_layers
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
@@ -216,7 +216,7 @@ def test_compiled_lengths_stay_compiled(model_dirs):
     import torch._dynamo
 
     from fastdpo.model import attention
-    from fastdpo.model.core import load_model
+    from fastdpo.model.load import load_model
     from fastdpo.model.memory import compile_layers
 
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
@@ -239,7 +239,8 @@ def test_flex_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, caplo
     """FlexAttention builds kernels per micro-batch length: a run without --max_tokens_per_batch gets a budget
     (logged), compiled layers or not, so its micro-batches take a few static lengths."""
     from fastdpo.data.tokenize import TokenizedPair
-    from fastdpo.model.core import Backend, flex_budget, load_model, load_tokenizer
+    from fastdpo.model.backend import Backend, flex_budget
+    from fastdpo.model.load import load_model, load_tokenizer
     from fastdpo.training import setup as train_mod
 
     pairs = [TokenizedPair(prompt=[5] * 300, chosen=[6] * 100, rejected=[7] * 100, index=i) for i in range(6)]

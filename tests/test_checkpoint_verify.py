@@ -302,7 +302,7 @@ class Killed(BaseException):
 def test_rewriting_a_checkpoint_keeps_the_old_or_the_new_copy_at_every_kill_point(trained, tmp_path, monkeypatch):
     import os
 
-    from fastdpo.model.core import load_model, load_tokenizer
+    from fastdpo.model.load import load_model, load_tokenizer
     from fastdpo.optim.optimizer import build_optimizer, build_scheduler
 
     src = Path(trained.output_dir)

@@ -230,7 +230,7 @@ def test_training_logs_the_plain_text_note(tmp_path, caplog):
     import logging
 
     from fastdpo.config import TrainConfig
-    from fastdpo.model.core import load_tokenizer
+    from fastdpo.model.load import load_tokenizer
     from fastdpo.training.setup import load_splits
 
     caplog.set_level(logging.WARNING, logger="fastdpo")

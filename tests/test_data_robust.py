@@ -228,7 +228,7 @@ def test_a_damaged_parquet_page_is_a_clear_error_naming_the_file(tmp_path, capsy
 @pytest.fixture
 def cached(tmp_path, model_dirs):
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
-    from fastdpo.model.core import load_tokenizer
+    from fastdpo.model.load import load_tokenizer
 
     tok = load_tokenizer(str(model_dirs("qwen3")))
     rows = load_rows([str(write_jsonl(tmp_path / "d.jsonl", easy_rows(40)))])

@@ -247,7 +247,8 @@ def _environ(pid: int) -> dict:
 def test_each_rank_precomputes_its_share(tmp_path, model_dirs, monkeypatch):
     from fastdpo.data.tokenize import TokenizedPair
     from fastdpo.dpo import reference
-    from fastdpo.model.core import choose_backend, load_model, load_tokenizer
+    from fastdpo.model.backend import choose_backend
+    from fastdpo.model.load import load_model, load_tokenizer
     from fastdpo.parallel.distributed import Dist
 
     path = str(model_dirs("qwen3"))
@@ -293,7 +294,7 @@ def _gradients_in_buckets(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.model.backend import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.parallel.distributed import Dist
     from fastdpo.parallel.wrap import wrap_models
 
@@ -327,7 +328,7 @@ def _one_graph_per_layer(split: bool, model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.model.backend import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.model.memory import compile_layers
     from fastdpo.parallel.distributed import Dist
     from fastdpo.parallel.wrap import wrap_models

@@ -145,7 +145,7 @@ def test_zero2_keeps_weights_gathered_through_a_step(model_dirs):
     from transformers import AutoModelForCausalLM
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.model.backend import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.parallel.distributed import Dist, parallel_plan
     from fastdpo.parallel.wrap import grad_sync, wrap_models
 
@@ -183,7 +183,7 @@ def test_full_shard_keeps_last_unit_and_root_gathered_into_backward(model_dirs, 
     from transformers import AutoModelForCausalLM
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.model.backend import build_mask, make_batch
     from fastdpo.parallel.distributed import Dist, parallel_plan
     from fastdpo.parallel.wrap import wrap_models
 
@@ -225,7 +225,7 @@ def test_each_forward_gathers_the_next_unit_as_it_opens(mode, model_dirs):
     from transformers import AutoModelForCausalLM
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.model.backend import build_mask, make_batch
     from fastdpo.parallel.distributed import Dist, parallel_plan
     from fastdpo.parallel.wrap import wrap_models
 
@@ -274,7 +274,7 @@ def test_full_shard_keeps_the_first_unit_and_root_gathered_between_micro_steps(m
     from torch.distributed.tensor import DTensor
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.model.backend import build_mask, make_batch
     from fastdpo.parallel.distributed import Dist, parallel_plan
     from fastdpo.parallel.wrap import grad_sync, wrap_models
 
@@ -318,7 +318,7 @@ def test_full_shard_gathers_the_step_start_after_the_update(model_dirs):
     from torch.distributed.tensor import DTensor
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.model.backend import build_mask, make_batch
     from fastdpo.parallel.distributed import Dist, parallel_plan
     from fastdpo.parallel.wrap import gather_step_start, grad_sync, wrap_models
 
@@ -395,7 +395,7 @@ def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
     from transformers import AutoModelForCausalLM
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.model.backend import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.parallel.distributed import Dist, parallel_plan
     from fastdpo.parallel.wrap import LogpsModule, grad_sync, wrap_models
 
@@ -503,7 +503,7 @@ def five_layer_qwen3(model_dirs):
     """The tiny Qwen3 with five decoder layers, on the packed dense path: (config, model, backend)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fastdpo.model.core import Backend, prepare_packed
+    from fastdpo.model.backend import Backend, prepare_packed
 
     config = AutoConfig.from_pretrained(model_dirs("qwen3"))
     config.num_hidden_layers = 5

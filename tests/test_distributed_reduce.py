@@ -76,7 +76,7 @@ def _collective_dtypes(mode: str, wide: bool, model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from fastdpo.dpo.reference import Reference
-    from fastdpo.model.core import Backend, build_mask, make_batch, prepare_packed
+    from fastdpo.model.backend import Backend, build_mask, make_batch, prepare_packed
     from fastdpo.parallel.distributed import Dist, parallel_plan
     from fastdpo.parallel.wrap import wrap_models
 

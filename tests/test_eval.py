@@ -19,7 +19,8 @@ from fastdpo.dpo.losses import LossInputs, LossParams
 from fastdpo.dpo.reference import Reference
 from fastdpo.dpo.rewards import load_reward_fn, score, win_rate
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import Backend, load_tokenizer, prepare_packed
+from fastdpo.model.backend import Backend, prepare_packed
+from fastdpo.model.load import load_tokenizer
 from fastdpo.model.tiny import build_tiny_model
 from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.evaluate import BestTracker, TrainingEval, preference_metrics, token_kl
@@ -501,7 +502,7 @@ def test_eval_on_flex_without_a_budget_gets_one(tmp_path, heldout, model_dirs, m
     """FlexAttention builds kernels per micro-batch length: `fastdpo eval` without --max_tokens_per_batch scores in
     micro-batches under a budget of about --per_device_eval_batch_size pairs, so they take a few static lengths."""
     import fastdpo.commands.evaluate as ev
-    import fastdpo.model.core as model_mod
+    import fastdpo.model.backend as model_mod
 
     seen = {}
 

@@ -40,7 +40,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def word_tok(model_dirs):
-    from fastdpo.model.core import load_tokenizer
+    from fastdpo.model.load import load_tokenizer
 
     return load_tokenizer(str(model_dirs("qwen3")))
 

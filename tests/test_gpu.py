@@ -8,7 +8,7 @@ from conftest import random_pairs
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
-from fastdpo.model.core import Backend, prepare_packed, sequence_logps
+from fastdpo.model.backend import Backend, prepare_packed, sequence_logps
 from fastdpo.model.memory import compile_layers
 
 pytestmark = pytest.mark.gpu
@@ -346,7 +346,7 @@ def test_policy_forward_and_backward_never_wait_for_the_device():
     """The host must be able to run ahead of the GPU through a whole micro-batch (forward, per-sequence sums, and
     backward): any op that reads a device value back (bincount, .item(), boolean indexing) stalls the queue and, under
     FSDP2, its prefetching. The first pass builds the kernels; the second runs with syncs made errors."""
-    from fastdpo.model.core import build_mask, make_batch
+    from fastdpo.model.backend import build_mask, make_batch
     from fastdpo.model.seqlogps import completion_logps
 
     model = qwen3_model(torch.bfloat16, layers=2)

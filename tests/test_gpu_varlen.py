@@ -7,7 +7,7 @@ from conftest import easy_rows, random_pairs, write_jsonl
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
-from fastdpo.model.core import Backend, choose_backend, prepare_packed, sequence_logps
+from fastdpo.model.backend import Backend, choose_backend, prepare_packed, sequence_logps
 from fastdpo.model.memory import compile_layers
 
 pytestmark = pytest.mark.gpu

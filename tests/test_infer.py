@@ -171,7 +171,7 @@ def test_a_model_trained_with_a_template_generates_from_the_prompts_it_trained_o
     from fastdpo.config import TrainConfig
     from fastdpo.data.load import load_rows
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
-    from fastdpo.model.core import load_tokenizer
+    from fastdpo.model.load import load_tokenizer
     from fastdpo.training.loop import train
 
     words = WORDS[4:40]

@@ -11,7 +11,7 @@ import torch
 from conftest import easy_rows, run_cli, write_jsonl
 
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import load_model, load_tokenizer
+from fastdpo.model.load import load_model, load_tokenizer
 
 CPU = torch.device("cpu")
 

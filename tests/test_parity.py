@@ -6,7 +6,7 @@ from conftest import random_pairs
 from transformers import AutoModelForCausalLM
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
-from fastdpo.model.core import Backend, choose_backend, prepare_packed, sequence_logps
+from fastdpo.model.backend import Backend, choose_backend, prepare_packed, sequence_logps
 
 FAMILIES = [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}), ("mistral", {"sliding_window": 6}),
             ("gemma", {})]

@@ -18,7 +18,7 @@ from fastdpo.commands.precompute import precompute_ref
 from fastdpo.config import TrainConfig
 from fastdpo.data.pack import pack_pairs
 from fastdpo.dpo.reference import Reference
-from fastdpo.model.core import Backend, prepare_packed
+from fastdpo.model.backend import Backend, prepare_packed
 from fastdpo.model.seqlogps import completion_logps
 from fastdpo.training.loop import train
 from fastdpo.training.setup import build_setup
@@ -354,7 +354,7 @@ def test_continue_an_adapter_against_itself(tmp_path, model_dirs, adapter):
 
 def test_in_memory_model_precomputes_without_cache(tmp_path, model_dirs):
     """`assemble` without rows (a model built in memory, as `fastdpo bench` does): computed, never cached."""
-    from fastdpo.model.core import load_tokenizer
+    from fastdpo.model.load import load_tokenizer
     from fastdpo.training.setup import assemble, load_data
 
     m = model_dirs("qwen3")
@@ -374,7 +374,7 @@ def test_precompute_on_flex_without_a_budget_sizes_one_as_training_does(tmp_path
     """`fastdpo precompute` without --max_tokens_per_batch on FlexAttention cuts its (no-grad) micro-batches under
     four times the budget training would pick, so its kernels see a few static lengths, not one per batch."""
     import fastdpo.commands.precompute
-    from fastdpo.model.core import Backend, flex_budget
+    from fastdpo.model.backend import Backend, flex_budget
 
     seen = {}
 

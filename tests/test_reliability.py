@@ -208,7 +208,7 @@ def test_unwritable_output_dir_is_refused(tmp_path, model_dirs):
 
 @pytest.mark.parametrize("train_type", ["full", "lora"])
 def test_checkpoint_size_estimate_is_close(tmp_path, model_dirs, train_type):
-    from fastdpo.model.core import add_lora, load_model
+    from fastdpo.model.load import add_lora, load_model
 
     m = model_dirs("llama")
     cfg = config(tmp_path, m, "run", max_steps=2, save_steps=1, train_type=train_type, lora_rank=4)
@@ -267,7 +267,7 @@ def test_leftovers_of_interrupted_writes_are_cleaned_and_never_resumed(trained, 
 
 
 def test_rewriting_a_checkpoint_replaces_it_whole(trained, tmp_path):
-    from fastdpo.model.core import load_model, load_tokenizer
+    from fastdpo.model.load import load_model, load_tokenizer
     from fastdpo.optim.optimizer import build_optimizer, build_scheduler
 
     cfg = copy_run(trained, tmp_path)
@@ -326,7 +326,7 @@ def test_corrupt_checkpoint_weights_are_a_clear_error(trained, tmp_path):
 
 
 def test_pickled_model_weights_are_refused_without_running_code(tmp_path, model_dirs):
-    from fastdpo.model.core import load_model
+    from fastdpo.model.load import load_model
 
     m = tmp_path / "m"
     shutil.copytree(model_dirs("qwen3"), m)
@@ -339,7 +339,7 @@ def test_pickled_model_weights_are_refused_without_running_code(tmp_path, model_
 
 
 def test_custom_model_code_needs_trust_remote_code(tmp_path, model_dirs):
-    from fastdpo.model.core import load_model
+    from fastdpo.model.load import load_model
 
     m = tmp_path / "m"
     shutil.copytree(model_dirs("qwen3"), m)

@@ -86,7 +86,8 @@ def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_varlen_path_equals_the_dense_path_in_float32(model_dirs, monkeypatch, family):
-    from fastdpo.model.core import Backend, load_model, prepare_packed, sequence_logps
+    from fastdpo.model.backend import Backend, prepare_packed, sequence_logps
+    from fastdpo.model.load import load_model
 
     monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
     model = load_model(str(model_dirs(family)), torch.float32, torch.device("cpu"))
@@ -127,7 +128,8 @@ def test_the_varlen_call_takes_the_offsets_and_the_window(monkeypatch):
 
 def test_auto_picks_dense_on_cpu_and_varlen_needs_cuda(model_dirs):
     from fastdpo.errors import FastDPOError
-    from fastdpo.model.core import choose_backend, load_model
+    from fastdpo.model.backend import choose_backend
+    from fastdpo.model.load import load_model
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
     assert choose_backend(model, "auto", True, torch.device("cpu")).name == "dense"

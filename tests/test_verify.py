@@ -20,7 +20,8 @@ from fastdpo.commands.verify import (
     run_verify,
     tolerance_for,
 )
-from fastdpo.model.core import Backend, load_model, prepare_packed
+from fastdpo.model.backend import Backend, prepare_packed
+from fastdpo.model.load import load_model
 from fastdpo.model.memory import apply_checkpointing
 
 
@@ -265,7 +266,7 @@ def test_eval_mode_is_named_when_checkpointing_saves_nothing(model_dirs):
     from conftest import random_pairs
 
     from fastdpo.data.pack import pack_pairs
-    from fastdpo.model.core import sequence_logps
+    from fastdpo.model.backend import sequence_logps
 
     model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
     prepare_packed(model, Backend("dense"))

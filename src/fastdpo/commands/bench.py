@@ -23,7 +23,7 @@ from fastdpo.data.anchor import anchor_pairs, long_pair_rows
 from fastdpo.data.load import Row
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import resolve_device, resolve_dtype
+from fastdpo.model.load import resolve_device, resolve_dtype
 from fastdpo.model.shapes import bench_model
 from fastdpo.observe.profile import synchronize
 from fastdpo.training.measure import run_fastdpo

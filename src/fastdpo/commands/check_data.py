@@ -205,7 +205,7 @@ def run_check_data(cfg, console) -> int:
     cfg.validate_data()
     tokenizer = None
     if cfg.model:
-        from fastdpo.model.core import load_tokenizer
+        from fastdpo.model.load import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     opts = DataOptions.from_config(cfg)

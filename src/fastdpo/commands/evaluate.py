@@ -168,15 +168,9 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     output_dir/eval_report.json (and generations.jsonl) and prints a table."""
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
     from fastdpo.dpo.rewards import load_reward_fn
-    from fastdpo.model.core import (
-        choose_backend,
-        load_model,
-        micro_batch_budget,
-        prepare_packed,
-        resolve_device,
-        resolve_dtype,
-    )
+    from fastdpo.model.backend import choose_backend, micro_batch_budget, prepare_packed
     from fastdpo.model.generate import load_for_generation
+    from fastdpo.model.load import load_model, resolve_device, resolve_dtype
 
     cfg.validate()
     reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None  # fail fast, before loading models
@@ -312,7 +306,7 @@ def run_lm_eval(model, tokenizer, cfg: EvalConfig) -> dict:
         from lm_eval.models.huggingface import HFLM
     except ImportError:
         raise FastDPOError("--lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval") from None
-    from fastdpo.model.core import use_model_attention
+    from fastdpo.model.backend import use_model_attention
 
     use_model_attention(model)
     model.eval()

@@ -55,8 +55,8 @@ class ExportConfig:
 
 def merge_lora(cfg: ExportConfig, console=None) -> Path:
     """Load base + adapter on the CPU, merge, save atomically into cfg.output_dir; returns the directory."""
-    from fastdpo.model.core import load_model, load_tokenizer
     from fastdpo.model.generate import has_tokenizer, load_adapter
+    from fastdpo.model.load import load_model, load_tokenizer
 
     cfg.validate()
     tokenizer = load_tokenizer(cfg.adapters if has_tokenizer(cfg.adapters) else cfg.model, cfg.trust_remote_code)

@@ -7,7 +7,8 @@ import dataclasses
 from fastdpo.config import TrainConfig
 from fastdpo.dpo.reference import cache_path, precomputed_table
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import choose_backend, load_model, load_tokenizer, resolve_device, resolve_dtype
+from fastdpo.model.backend import choose_backend
+from fastdpo.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.training.setup import load_data, pad_id, seed_all
 
 

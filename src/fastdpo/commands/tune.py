@@ -37,7 +37,7 @@ def print_table(console, results: list[dict], best: dict | None, limit: float | 
 
 def run_tune(cfg: TrainConfig, rows: list[dict], policies: list[str], budgets: list[int], steps: int, warmup: int,
              max_memory_gib: float, out_json: str | None, console, shape: str | None = None) -> dict | None:
-    from fastdpo.model.core import resolve_device
+    from fastdpo.model.load import resolve_device
 
     for policy in policies:
         checkpoint_policy(policy, "policies")  # raises on a bad value before anything runs

@@ -26,7 +26,7 @@ from fastdpo.data.load import Row
 from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import Backend, make_batch
+from fastdpo.model.backend import Backend, make_batch
 from fastdpo.model.seqlogps import SeqLogps, completion_logps
 
 log = logging.getLogger("fastdpo")

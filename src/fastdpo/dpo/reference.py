@@ -39,16 +39,8 @@ from fastdpo.dpo.refcache import (
     tokens_fingerprint,
 )
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import (
-    Backend,
-    base_causal_lm,
-    check_adapter_dir,
-    load_model,
-    micro_batch_budget,
-    prepare_packed,
-    resolve_device,
-    resolve_dtype,
-)
+from fastdpo.model.backend import Backend, micro_batch_budget, prepare_packed
+from fastdpo.model.load import base_causal_lm, check_adapter_dir, load_model, resolve_device, resolve_dtype
 from fastdpo.model.seqlogps import SeqLogps, completion_logps
 
 log = logging.getLogger("fastdpo")

@@ -123,7 +123,7 @@ def fastdpo_attention(module, query, key, value, attention_mask, scaling=None, d
     """transformers attention function. query (B, H, T, D), key/value (B, Hkv, T, D) -> ((B, T, H, D), None)."""
     _check_window(kwargs, getattr(module, "_fastdpo_window", None))
     if attention_mask is None:
-        raise RuntimeError("fastdpo attention needs the packed-layout mask; call through fastdpo.model.core.forward_hidden")
+        raise RuntimeError("fastdpo attention needs the packed-layout mask; call through fastdpo.model.load.forward_hidden")
     gqa = query.shape[1] != key.shape[1]
     if isinstance(attention_mask, torch.Tensor):
         out = F.scaled_dot_product_attention(
@@ -245,7 +245,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     _check_window(kwargs, window)
     if "fastdpo_key_index" not in kwargs:
         raise RuntimeError("fastdpo varlen attention needs the micro-batch's offsets; call through "
-                           "fastdpo.model.core.target_hidden")
+                           "fastdpo.model.backend.target_hidden")
     index = kwargs["fastdpo_key_index"]
     q = query[0].transpose(0, 1)  # (T, H, D), packed order: the output comes back in it
     k = key[0].transpose(0, 1).index_select(0, index)  # keys sequence by sequence; the backward sums a prompt's two

@@ -16,7 +16,8 @@ import torch
 from fastdpo.config.schema import _f
 from fastdpo.data.template import keep_template, special_prefix, turn_end
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import load_model, load_tokenizer, resolve_device, resolve_dtype, use_model_attention
+from fastdpo.model.backend import use_model_attention
+from fastdpo.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
 
 log = logging.getLogger("fastdpo")
 

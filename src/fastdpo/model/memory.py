@@ -31,7 +31,7 @@ def _unwrap(module: torch.nn.Module) -> None:
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
-    from fastdpo.model.core import decoder
+    from fastdpo.model.backend import decoder
 
     return list(decoder(model).layers)
 
@@ -65,7 +65,8 @@ def compile_layers(model, backend="inductor", lengths: int | None = None, dynami
     import torch._inductor.config
 
     from fastdpo.model.attention import allow_recompiles
-    from fastdpo.model.core import SHAPE_BUCKETS, base_causal_lm
+    from fastdpo.model.backend import SHAPE_BUCKETS
+    from fastdpo.model.load import base_causal_lm
 
     lengths = lengths or SHAPE_BUCKETS
 

@@ -45,7 +45,7 @@ def bench_model(cfg: TrainConfig, shape: str | None, device: torch.device, dtype
     loading, from weights on disk: a random-init shape is saved to a temporary dir first and loaded like a user's."""
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.model.core import load_model, load_tokenizer
+    from fastdpo.model.load import load_model, load_tokenizer
 
     bits = cfg.quant_bits if cfg.train_type == "qlora" else 0
     if not shape:

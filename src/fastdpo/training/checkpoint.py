@@ -23,7 +23,7 @@ import torch
 
 from fastdpo.config import save_config
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import save_model
+from fastdpo.model.load import save_model
 from fastdpo.training import manifest
 
 log = logging.getLogger("fastdpo")

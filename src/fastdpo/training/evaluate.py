@@ -23,7 +23,7 @@ from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.dpo.losses import LOSSES, LossInputs, LossParams, loss_inputs, loss_params, total_loss
 from fastdpo.dpo.reference import REF_ADAPTER, Reference, active_adapter, precomputed_table
-from fastdpo.model.core import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
+from fastdpo.model.backend import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
 from fastdpo.model.logprobs import _chunk_logits
 from fastdpo.model.seqlogps import completion_logps
 

@@ -13,7 +13,7 @@ import torch
 
 from fastdpo.config import TrainConfig, save_config
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import (
+from fastdpo.model.load import (
     base_causal_lm,
     model_summary,
 )

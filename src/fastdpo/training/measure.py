@@ -18,7 +18,7 @@ from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import base_causal_lm, resolve_device, resolve_dtype
+from fastdpo.model.load import base_causal_lm, resolve_device, resolve_dtype
 from fastdpo.model.shapes import bench_model
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import StepMetrics, device_peak_flops, model_flops_per_token, padding, step_flops

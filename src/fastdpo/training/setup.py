@@ -23,17 +23,8 @@ from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.dpo.beta import BetaSchedule
 from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
-from fastdpo.model.core import (
-    Backend,
-    add_lora,
-    choose_backend,
-    load_model,
-    load_tokenizer,
-    micro_batch_budget,
-    prepare_packed,
-    resolve_device,
-    resolve_dtype,
-)
+from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
+from fastdpo.model.load import add_lora, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.parallel.distributed import (
     Dist,
 )

@@ -15,12 +15,7 @@ from fastdpo.config import TrainConfig, mean_logp_rewards
 from fastdpo.data.pack import step_order
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.dpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
-from fastdpo.model.core import (
-    FLEX_PAD,
-    build_mask,
-    flex_length,
-    make_batch,
-)
+from fastdpo.model.backend import FLEX_PAD, build_mask, flex_length, make_batch
 from fastdpo.model.memory import offloading
 from fastdpo.observe.metrics import StepMetrics
 from fastdpo.optim.optimizer import (
@@ -70,7 +65,7 @@ def warm_up_lengths(s: Setup) -> int:
     the online reference's forward and the policy's forward and backward on a filler pair of each length.
     Gradients are discarded and the random state restored, so training continues exactly as without it. Returns
     the number of lengths."""
-    if s.backend.name != "flex":  # the other backends build nothing per micro-batch length
+    if s.backend.name == "varlen":  # its kernels take any length: nothing to build ahead
         return 0
     budget = s.cfg.max_tokens_per_batch
     cuda = s.device.type == "cuda"
