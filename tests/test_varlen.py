@@ -141,3 +141,88 @@ def test_length_bounds_are_few():
     from fastdpo.model.attention import length_bound
 
     assert [length_bound(n) for n in (1, 128, 129, 1000, 1024, 1025, 5000)] == [128, 128, 256, 1024, 1024, 2048, 8192]
+
+
+def _window_of(window_size, is_causal):
+    """The stand-in's window from the custom op's (left, right) window_size."""
+    left = -1 if not window_size else window_size[0]
+    return None if left < 0 else left + 1
+
+
+@pytest.fixture
+def varlen_on_cpu():
+    """CPU kernels for torch's varlen custom ops (forward: the float32 stand-in; backward: autograd through it), so
+    torch's own `varlen_attn`, its custom op and torch.compile around it run here as they run on CUDA."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+
+    def fwd(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None,
+            enable_gqa=False, *rest, **kw):
+        out = stand_in(query.float(), key.float(), value.float(), cu_seq_q, cu_seq_k, max_q, max_k, scale,
+                       _window_of(window_size, is_causal)).to(query.dtype)
+        return out, torch.zeros(query.shape[1], query.shape[0]), torch.zeros(2, dtype=torch.uint64)
+
+    def bwd(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state,
+            scale=None, window_size=None, *rest, **kw):
+        # kernels run below autograd, so the stand-in's backward is written out: softmax attention's gradients
+        window = _window_of(window_size, is_causal)
+        q, k, v, do = query.float(), key.float(), value.float(), grad_out.float()
+        g = q.shape[1] // k.shape[1]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        cq, ck = cu_seq_q.tolist(), cu_seq_k.tolist()
+        for a, b, c, e in zip(cq, cq[1:], ck, ck[1:]):
+            qs, dos = q[a:b].transpose(0, 1), do[a:b].transpose(0, 1)  # (H, Lq, D)
+            ks = k[c:e].repeat_interleave(g, 1).transpose(0, 1)
+            vs = v[c:e].repeat_interleave(g, 1).transpose(0, 1)
+            i = torch.arange(b - a)[:, None] + (e - c) - (b - a)
+            j = torch.arange(e - c)[None]
+            allow = (j <= i) if window is None else (j <= i) & (i - j < window)
+            prob = (qs @ ks.transpose(1, 2) * scale).masked_fill(~allow, float("-inf")).softmax(-1)
+            dp = dos @ vs.transpose(1, 2)
+            ds = prob * (dp - (dp * prob).sum(-1, keepdim=True)) * scale
+            dq[a:b] = (ds @ ks).transpose(0, 1)
+            dk[c:e] = (ds.transpose(1, 2) @ qs).transpose(0, 1).reshape(e - c, -1, g, q.shape[-1]).sum(2)
+            dv[c:e] = (prob.transpose(1, 2) @ dos).transpose(0, 1).reshape(e - c, -1, g, q.shape[-1]).sum(2)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+    ops = (varlen._varlen_attn, varlen._varlen_attn_backward)
+    for op, kernel in zip(ops, (fwd, bwd)):
+        op.register_kernel("cpu")(kernel)
+    yield
+    for op in ops:  # the CPU kernels go again: no other test sees them
+        op._backend_fns.pop("cpu", None)
+
+
+def test_compiled_layers_take_every_length_through_trainer_step(tmp_path, model_dirs, monkeypatch, varlen_on_cpu):
+    """--torch_compile around varlen: one graph per layer function for every micro-batch length, through the real
+    training step (parallelize -> compile_layers). Dynamo's guards are what is checked, so the eager backend (no
+    code generation) is enough; the kernels are torch's varlen_attn with CPU stand-ins."""
+    import functools
+
+    import torch._dynamo
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.model import backend as backend_mod
+    from fastdpo.model.load import load_model, load_tokenizer
+    from fastdpo.model.memory import compile_layers
+    from fastdpo.parallel import parallelize
+    from fastdpo.training import setup
+    from fastdpo.training.trainer import Trainer
+
+    monkeypatch.setattr(setup, "choose_backend", lambda *a, **k: backend_mod.Backend("varlen"))
+    monkeypatch.setattr(parallelize, "compile_layers", functools.partial(compile_layers, backend="eager"))
+    path = str(model_dirs("qwen3"))
+    model = load_model(path, torch.bfloat16, torch.device("cpu"))
+    pairs = random_pairs(20, model.config.vocab_size, seed=4, max_prompt=40, max_comp=30)
+    cfg = TrainConfig(model=path, dataset=["x"], output_dir=str(tmp_path / "o"), torch_compile=True, max_steps=5,
+                      per_device_train_batch_size=4, device="cpu", torch_dtype="bfloat16")
+    torch._dynamo.reset()
+    trainer = Trainer(cfg, setup.assemble(cfg, torch.device("cpu"), model, load_tokenizer(path), pairs))
+    graphs = []
+    for i in range(5):
+        result = trainer.step(pairs[4 * i:4 * i + 4])
+        assert result.finite
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    lengths = {sum(p.num_tokens for p in pairs[4 * i:4 * i + 4]) for i in range(5)}
+    assert len(lengths) == 5  # five different micro-batch lengths
+    assert graphs[-1] == graphs[0] > 0, graphs  # built once, at the first step

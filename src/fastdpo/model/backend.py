@@ -83,7 +83,7 @@ FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
 
 
 def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device,
-                   lengths: int = SHAPE_BUCKETS, compiled: bool = False) -> Backend:
+                   lengths: int = SHAPE_BUCKETS) -> Backend:
     """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
     cfg = base_causal_lm(model).config
     if attn_impl in FOREIGN_ATTN:
@@ -98,17 +98,13 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
     if not ok:
         log.warning("Using the padded path: %s.", reason)
         return Backend("padded")
-    name = attn_impl if attn_impl != "auto" else auto_backend(model, device, compiled)
+    name = attn_impl if attn_impl != "auto" else auto_backend(model, device)
     if name in ("flex", "varlen") and device.type != "cuda":
         raise FastDPOError(f"--attn_impl {name} needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
     if name == "varlen":
         why = varlen_unsupported(model)
         if why:
             raise FastDPOError(f"--attn_impl varlen: {why}. Use --attn_impl flex (or auto).")
-        if compiled:
-            log.warning("--attn_impl varlen with --torch_compile: the compiled layers are rebuilt for every new "
-                        "micro-batch length (a guard on the key offsets' length), which is slower than no compile. "
-                        "Drop --torch_compile, or use --attn_impl auto (FlexAttention with static lengths).")
     return Backend(name, window, lengths)
 
 
@@ -122,13 +118,12 @@ def varlen_unsupported(model) -> str:
     return ""
 
 
-def auto_backend(model, device: torch.device, compiled: bool = False) -> str:
-    """varlen on CUDA where it can run (no kernel is built per micro-batch length), else flex; dense on CPU. With
-    --torch_compile, flex: its static micro-batch lengths compile once each, while compiled layers around varlen are
-    still rebuilt for every length."""
+def auto_backend(model, device: torch.device) -> str:
+    """varlen on CUDA where it can run (no kernel is built per micro-batch length; with --torch_compile, one
+    dynamic-shape graph serves every length), else flex; dense on CPU."""
     if device.type != "cuda":
         return "dense"
-    why = "--torch_compile compiles layers for static micro-batch lengths" if compiled else varlen_unsupported(model)
+    why = varlen_unsupported(model)
     if why:
         log.info("Attention: FlexAttention (its kernels are built per micro-batch length), because %s.", why)
         return "flex"

@@ -27,7 +27,7 @@ def parallelize(model: torch.nn.Module, reference, backend, cfg: TrainConfig, d:
     log-probs (the model itself on one process without sharding)."""
     apply_checkpointing(model, cfg.gradient_checkpointing)
     if cfg.torch_compile:
-        compile_layers(model, lengths=cfg.length_buckets)
+        compile_layers(model, lengths=cfg.length_buckets, dynamic=backend.name == "varlen")
         settings = compile_vars()  # they change compile time and speed (e.g. TORCHINDUCTOR_CPP_WRAPPER=1): say so
         if settings:
             log.info("torch.compile settings from the environment: %s", as_assignments(settings))

@@ -196,7 +196,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     d = d or Dist()
-    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets, cfg.torch_compile)
+    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
     given = cfg.max_tokens_per_batch
     cfg.max_tokens_per_batch = micro_batch_budget(backend, given, pairs, cfg.per_device_train_batch_size)
     if cfg.max_tokens_per_batch != given:
