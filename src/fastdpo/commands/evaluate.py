@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastdpo.config import DataReading
 from fastdpo.config.schema import _f
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.load import Row, load_rows
@@ -28,26 +29,15 @@ RUN_READING = ("apply_chat_template", "input_template", "template", "system", "c
 
 
 @dataclass
-class EvalConfig(ModelArgs, GenerationArgs):
+class EvalConfig(DataReading, ModelArgs, GenerationArgs):
+    """`fastdpo eval`: the model to score (ModelArgs), how answers are generated (GenerationArgs), how rows are read
+    (DataReading, the same section as training's), and what is measured."""
+
     dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train (not needed "
                            "for --lm_eval_tasks alone).", nargs="+")
-    split: str = _f("train", "Split to read from HF datasets in --dataset (e.g. test: TRL's --dataset_test_split).")
     ref_model: str = _f("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
-    max_length: int = _f(2048, "Max tokens of prompt+completion per sequence, as in training.")
-    truncation_strategy: str = _f("right", "right|left|delete, as in training.")
-    max_prompt_length: int = _f(0, "Max prompt tokens (0: no separate limit), as in training.")
-    max_completion_length: int = _f(0, "Max tokens per completion (0: no separate limit), as in training.")
-    template: str = _f("", "Chat template for conversational rows, as in training: chatml|llama3|identity|hh or a "
-                           "Jinja file (default: the tokenizer's chat_template).")
-    columns: dict = _f({}, "Dataset columns renamed to fastdpo's, as in training: a JSON object {dataset column: "
-                           "fastdpo column}.")
     dataset_dir: str = _f("", "LLaMA-Factory: names in --dataset are entries of DIR/dataset_info.json, each read with "
                               "its own columns, format and tags, as training's dataset_dir and eval_dataset read them.")
-    dataset_info: dict = _f({}, "Datasets read with their own columns, row format and sharegpt tags, keyed by the "
-                                "--dataset entry, as in training (a run's config.yaml holds it); --dataset_dir fills "
-                                "it.")
-    input_template: str = _f("", "Text around plain-text prompts ({} is the prompt), as in training.")
-    apply_chat_template: bool = _f(False, "Plain-text rows become a user turn and assistant replies, as in training.")
     loss_type: str = _f("sigmoid", "Preference loss reported as `loss`.")
     beta: float = _f(0.1, "DPO beta of the implicit rewards (use the training value).")
     label_smoothing: float = _f(0.0, "Label smoothing of the reported loss.")
@@ -98,15 +88,10 @@ class EvalConfig(ModelArgs, GenerationArgs):
             raise FastDPOError(f"{need}: held-out JSONL/JSON files with prompt/chosen/rejected (or give only "
                                "--lm_eval_tasks to run benchmarks without preference data).")
         self._adopt_run_reading()
-        from fastdpo.data.columns import check_row_flags
-        from fastdpo.data.template import resolve_template
-
         self._resolve_dataset_names()
-        check_row_flags(self)
+        self.validate_reading()
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
-        _choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
-        resolve_template(self.template)  # raises on an unknown name or a missing file
-        for name in ("per_device_eval_batch_size", "max_length"):
+        for name in ("per_device_eval_batch_size",):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.beta <= 0:

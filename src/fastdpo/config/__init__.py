@@ -13,7 +13,9 @@ from fastdpo.config.schema import (
     LR_SCHEDULERS,
     PAIR_METRICS,
     REPORT_TARGETS,
+    DataReading,
     LossTraits,
+    ModelSection,
     TrainConfig,
     check_installed,
     check_metric_name,
@@ -25,9 +27,9 @@ from fastdpo.config.schema import (
 )
 
 __all__ = [
-    "ADAPTER_FLAGS", "ATTN_IMPLS", "CHECKPOINT_POLICIES", "DEEPSPEED_ALIASES", "DTYPES", "FSDP_MODES",
-    "F_DIVERGENCE_TYPES", "LESS_MEMORY", "LOSS_TRAITS", "LR_SCHEDULERS", "PAIR_METRICS", "REPORT_TARGETS",
-    "LossTraits", "Plan", "TrainConfig", "add_config_flags", "build_config", "check_installed", "check_metric_name",
-    "checkpoint_policy", "load_yaml", "mean_logp_rewards", "parallel_plan", "parse_steps", "report_targets", "require_matplotlib",
-    "save_config",
+    "ADAPTER_FLAGS", "ATTN_IMPLS", "CHECKPOINT_POLICIES", "DEEPSPEED_ALIASES", "DTYPES", "DataReading",
+    "FSDP_MODES", "F_DIVERGENCE_TYPES", "LESS_MEMORY", "LOSS_TRAITS", "LR_SCHEDULERS", "LossTraits",
+    "ModelSection", "PAIR_METRICS", "Plan", "REPORT_TARGETS", "TrainConfig", "add_config_flags", "build_config",
+    "check_installed", "check_metric_name", "checkpoint_policy", "load_yaml", "mean_logp_rewards",
+    "parallel_plan", "parse_steps", "report_targets", "require_matplotlib", "save_config",
 ]

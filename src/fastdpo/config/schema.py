@@ -133,8 +133,9 @@ def require_matplotlib(what: str) -> None:
 
 
 @dataclass
-class TrainConfig:
-    # model
+class ModelSection:
+    """Which model trains, in what precision, and with which adapters."""
+
     model: str = _f("", "Local HF model dir or hub id of the policy.")
     ref_model: str = _f("", "Reference model (dir or hub id). Default: a frozen copy of --model (or adapters off).")
     model_type: str = _f("", "Expected model_type (e.g. qwen3, llama); checked against the model's config.")
@@ -149,9 +150,13 @@ class TrainConfig:
                              "e.g. q_proj,v_proj) or module names (comma-separated or several values).", nargs="+")
     adapters: str = _f("", "LoRA: start the trained adapter from this PEFT adapter dir instead of a fresh one.")
     ref_adapters: str = _f("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
-    # data
-    dataset: list = _f([], "Datasets: JSONL/JSON/Parquet/CSV files or dirs, HF dataset ids or saved dirs "
-                       "(`name:subset`); `path#N` takes N rows. Row formats: see the README.", nargs="+")
+
+
+@dataclass
+class DataReading:
+    """How rows are read and cut to length: one section for training and `fastdpo eval`, so both read a dataset the
+    same way (and a run's saved reading can be adopted by eval)."""
+
     split: str = _f("train", "Split to read from HF datasets (hub ids, dataset repos, save_to_disk dirs).")
     max_length: int = _f(2048, "Max tokens of prompt+completion per sequence (see --truncation_strategy).")
     truncation_strategy: str = _f("right", "Over --max_length: right = cut completions, dropping pairs whose prompt "
@@ -161,12 +166,9 @@ class TrainConfig:
     max_completion_length: int = _f(0, "Keep the first N completion tokens (0: off; with delete, longer pairs are dropped).")
     template: str = _f("", "Chat template for conversational rows: chatml|llama3|identity|hh or a Jinja file "
                        "(default: the tokenizer's chat_template).")
-    system: str = _f("", "System prompt for conversational rows that have none.")
     columns: dict = _f({}, "Dataset columns renamed to fastdpo's before rows are read (as ms-swift): a JSON object "
                        "{dataset column: fastdpo column}, e.g. '{\"question\": \"prompt\", \"good\": \"chosen\", "
                        "\"bad\": \"rejected\"}' (a mapping in YAML). Applies to every dataset, --val_dataset too.")
-    max_samples: int = _f(0, "Keep the first N rows of each dataset, --val_dataset's too, after `#N` sampling (0: all), "
-                          "as LLaMA-Factory's and OpenRLHF's max_samples (OpenRLHF also caps several datasets' sum).")
     dataset_info: dict = _f({}, "Datasets read with their own columns, row format and sharegpt tags, keyed by the "
                             "--dataset / --val_dataset entry: {ENTRY: {name, formatting: alpaca|sharegpt, columns: "
                             "{dataset column: fastdpo column}, tags: {role_tag, content_tag, user_tag, ...}}}; only "
@@ -176,11 +178,39 @@ class TrainConfig:
                              "$'User: {}\\nAssistant: ' (message-list rows use the chat template instead).")
     apply_chat_template: bool = _f(False, "OpenRLHF: plain-text rows become a user turn and assistant replies, so the "
                                    "chat template applies to them too (message-list rows always go through it).")
+    max_row_mb: float = _f(16.0, "Largest row read from a data file, in MiB (a JSONL line, a JSON array element, a CSV "
+                           "record): a larger one is an error naming its line, found before it is held in memory.")
+
+    def validate_reading(self) -> None:
+        """The reading flags: choices and bounds, the chat template, columns and per-dataset readings."""
+        from fastdpo.data.columns import check_row_flags
+        from fastdpo.data.template import resolve_template
+
+        _choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
+        if self.max_length < 1:
+            raise FastDPOError(f"--max_length must be >= 1, got {self.max_length}.")
+        for name in ("max_prompt_length", "max_completion_length"):
+            if getattr(self, name) < 0:
+                raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
+        if not self.max_row_mb > 0:
+            raise FastDPOError(f"--max_row_mb must be > 0, got {self.max_row_mb}.")
+        resolve_template(self.template)  # raises on an unknown name or a missing file
+        check_row_flags(self)
+
+
+@dataclass
+class TrainConfig(DataReading, ModelSection):
+    """Everything a training run is: the model and reading sections above, then the rest by concern."""
+
+    # data
+    dataset: list = _f([], "Datasets: JSONL/JSON/Parquet/CSV files or dirs, HF dataset ids or saved dirs "
+                       "(`name:subset`); `path#N` takes N rows. Row formats: see the README.", nargs="+")
+    system: str = _f("", "System prompt for conversational rows that have none.")
+    max_samples: int = _f(0, "Keep the first N rows of each dataset, --val_dataset's too, after `#N` sampling (0: all), "
+                          "as LLaMA-Factory's and OpenRLHF's max_samples (OpenRLHF also caps several datasets' sum).")
     dataset_num_proc: int = _f(1, "Processes that tokenise the dataset.")
     load_from_cache_file: bool = _f(True, "Reuse tokenised data cached under a fingerprint of data, tokenizer, settings.")
     dataset_cache_dir: str = _f("", "Tokenisation cache dir (default: $FASTDPO_CACHE_DIR, else ~/.cache/fastdpo).")
-    max_row_mb: float = _f(16.0, "Largest row read from a data file, in MiB (a JSONL line, a JSON array element, a CSV "
-                           "record): a larger one is an error naming its line, found before it is held in memory.")
     streaming: bool = _f(False, "Read and tokenise lazily, for data larger than memory; needs --max_steps.")
     shuffle: bool = _f(True, "Shuffle the pairs each epoch (seeded by --seed); false keeps the dataset order.")
     shuffle_buffer_size: int = _f(10000, "Pairs in the seeded shuffle buffer when streaming.")
@@ -502,13 +532,10 @@ class TrainConfig:
         """The data flags alone (also used by `fastdpo check-data`)."""
         if not self.dataset:
             raise FastDPOError("--dataset is required: one or more dataset files, dirs or HF dataset ids.")
-        _choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
-        for name in ("max_length", "dataset_num_proc", "shuffle_buffer_size"):
+        for name in ("dataset_num_proc", "shuffle_buffer_size"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
-        if not self.max_row_mb > 0:
-            raise FastDPOError(f"--max_row_mb must be > 0, got {self.max_row_mb}.")
-        for name in ("max_prompt_length", "max_completion_length", "dataloader_num_workers", "max_samples"):
+        for name in ("dataloader_num_workers", "max_samples"):
             if getattr(self, name) < 0:
                 raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
         if self.streaming:  # the data is read once, lazily: nothing may need all of it ahead
@@ -525,11 +552,7 @@ class TrainConfig:
             if str(self.gradient_checkpointing) == "auto":
                 raise FastDPOError("--gradient_checkpointing auto measures on data in memory. With --streaming, name a "
                                    "policy: none, full, ffn, attn or every:K.")
-        from fastdpo.data.columns import check_row_flags
-        from fastdpo.data.template import resolve_template
-
-        resolve_template(self.template)  # raises on an unknown name or a missing file
-        check_row_flags(self)
+        self.validate_reading()
 
     @property
     def pairs_per_step(self) -> int:
