@@ -320,9 +320,9 @@ class TrainConfig(DataReading, ModelSection):
                               "discarded): steps run at full speed from the first, and on several GPUs no rank waits "
                               "for another's compilation.")
     length_buckets: int = _f(16, "Static lengths a packed micro-batch is padded to under a --max_tokens_per_batch "
-                             "budget (FlexAttention on CUDA): the next multiple of budget / N (and of 128 tokens). More pad less "
-                             "(batch/padding in the metrics) and build kernels for more lengths (each once; up "
-                             "front with --compile_warmup).")
+                             "budget (FlexAttention; varlen needs no padding): the next multiple of budget / N (and "
+                             "of 128 tokens). More pad less (batch/padding in the metrics) and build kernels for "
+                             "more lengths (each once; up front with --compile_warmup).")
     gc_steps: int = _f(0, "Python's garbage collection in training: what exists when training starts is frozen "
                        "(never walked again) either way; 0 leaves the schedule to Python; N turns automatic "
                        "collection off and collects the young generations at every N-th step on every rank at once "

@@ -156,8 +156,9 @@ FLAGS: dict[str, Foreign] = {
     "offload_optimizer": Foreign("DeepSpeed optimizer offload: not available (false = off).",
                                  offload("offload_optimizer")),
     "offload_param": Foreign("DeepSpeed parameter offload: not available (false = off).", offload("offload_param")),
-    "flash_attn_version": Foreign("ms-swift: ignored (--attn_impl flash_attn runs the flex backend).",
-                                  note("ignored; --attn_impl flash_attn runs the flex backend.")),
+    "flash_attn_version": Foreign("ms-swift: ignored (on CUDA, attention runs FlashAttention's varlen kernel).",
+                                  note("ignored; on CUDA, attention runs FlashAttention's variable-length kernel "
+                                       "through torch (--attn_impl varlen).")),
     "use_liger_kernel": Foreign("HF/ms-swift/OpenRLHF: ignored (log-probs are always chunked and fused here).",
                                 LIGER, bare=True),
     "packing": Foreign("ms-swift: ignored (pairs are always packed; see --padding_free).",
