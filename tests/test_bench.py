@@ -494,3 +494,59 @@ def test_bench_environment_records_compile_variables(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_PLEASE", "")  # set, even if empty
     monkeypatch.setenv("TORCH_LOGS", "recompiles")  # not a compile setting of Inductor or Dynamo
     assert environment()["compile_env"] == {"TORCHINDUCTOR_CPP_WRAPPER": "1", "TORCHINDUCTOR_MAX_AUTOTUNE_PLEASE": ""}
+
+
+def test_workloads_keep_the_anchor_and_bound_the_long_ones():
+    """The anchor rows stay the reference benchmark's; the long workloads have the lengths they are named for, and
+    every pair fits in 4096 tokens."""
+    import statistics
+
+    from fastdpo.data.anchor import anchor_pairs, workload_max_length, workload_pairs
+
+    assert workload_pairs("anchor", 40) == anchor_pairs(40)
+    for name, prompt_at_least, completion_at_least in (("long-prompt", 1400, 150), ("long-answer", 50, 800)):
+        rows = workload_pairs(name, 300)
+        lengths = [{k: len(r[k].split()) for k in ("prompt", "chosen", "rejected")} for r in rows]
+        assert max(sum(x.values()) for x in lengths) <= workload_max_length(name) == 4096
+        assert statistics.mean(x["prompt"] for x in lengths) >= prompt_at_least
+        assert statistics.mean(x["chosen"] for x in lengths) >= completion_at_least
+    assert statistics.mean(len(r["prompt"].split()) for r in workload_pairs("long-answer", 300)) < 120
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload_pairs("huge", 1)
+
+
+def test_compare_must_be_like_for_like():
+    from fastdpo.commands.bench import trl_variant
+
+    lora = TrainConfig(model="m", dataset=["d"], train_type="lora")
+    with pytest.raises(FastDPOError, match="compare with trl-lora-liger"):
+        trl_variant("trl-liger", lora)
+    assert trl_variant("trl-lora-liger", lora) == "lora_liger"
+    with pytest.raises(FastDPOError, match="choose trl, trl-liger"):
+        trl_variant("deepspeed", TrainConfig(model="m", dataset=["d"]))
+
+
+def test_bench_job_times_whole_jobs_from_process_start(tmp_path, capsys):
+    """`fastdpo bench --job`: fastdpo train and TRL's DPOTrainer each run as a whole job in a fresh process (empty
+    compile caches), on one model dir and rows; both save a model, and fastdpo's timeline says where its time went."""
+    pytest.importorskip("trl")
+    from fastdpo.cli import main
+
+    out, work = tmp_path / "job.json", tmp_path / "job"
+    rc = main(["bench", "--shape", "tiny", "--job", "--rows", "2", "--per_device_train_batch_size", "2",
+               "--device", "cpu", "--compare", "trl", "--json", str(out), "--job_dir", str(work)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    record = json.loads(out.read_text())
+    ours, trl = record["jobs"]
+    assert ours["rc"] == 0 and ours["saved"] and trl["rc"] == 0 and trl["saved"], record
+    assert record["reference"] == "online" and trl["impl"] == "trl-default"
+    marks = ours["timeline_s"]
+    assert list(marks) == ["started", "ready", "first_step", "last_step", "saved"]
+    assert 0 < marks["started"] <= marks["ready"] <= marks["first_step"] <= marks["saved"] <= ours["wall_s"]
+    assert trl["fastdpo_wall_ratio"] == pytest.approx(ours["wall_s"] / trl["wall_s"], abs=1e-3)
+    assert (work / "inductor-fastdpo").parent == work and (work / "fastdpo.log").exists()
+    assert "process start to saved model" in text
+    # a second job never reuses outputs or warm caches
+    assert main(["bench", "--shape", "tiny", "--job", "--rows", "2", "--device", "cpu", "--job_dir", str(work)]) != 0
+    assert "is not empty" in capsys.readouterr().out

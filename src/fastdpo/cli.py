@@ -12,6 +12,7 @@ from fastdpo.config import TrainConfig, add_config_flags, build_config
 from fastdpo.config.flags import _Parser
 from fastdpo.config.launch import wants_launch
 from fastdpo.config.schema import _parse_bool
+from fastdpo.data.anchor import WORKLOADS
 from fastdpo.errors import FastDPOError
 from fastdpo.parallel.launch import launch
 
@@ -180,8 +181,16 @@ def cmd_bench(args: argparse.Namespace, console) -> int:
             raise FastDPOError("--pair_tokens probes the longest pair on fastdpo alone; drop --compare.")
         run_longest(cfg, args.shape, args.pair_tokens, args.json, console)
         return 0
+    if args.job:
+        from fastdpo.commands.bench import run_jobs
+
+        if getattr(args, "dataset", None) or args.profile:
+            raise FastDPOError("--job writes its own model dir and rows (--shape, --workload, --rows); drop "
+                               "--dataset and --profile.")
+        results = run_jobs(cfg, args.shape, args.rows, args.compare, args.workload, args.json, console, args.job_dir)
+        return 0 if all(r.get("rc") == 0 for r in results) else 1
     run_bench(cfg, args.shape, args.steps, args.warmup, args.compare, getattr(args, "dataset", None) or [], args.json,
-              console, args.profile)
+              console, args.profile, args.workload)
     return 0
 
 
@@ -233,7 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", help="Random-init shape: qwen3-0.6b, qwen3-1.7b, qwen3-8b, llama3-8b.")
     b.add_argument("--steps", type=int, default=20, help="Measured optimizer steps.")
     b.add_argument("--warmup", type=int, default=5, help="Warm-up steps (compilation, allocator).")
-    b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger.")
+    b.add_argument("--compare", nargs="*", default=[], help="trl, trl-liger, trl-lora, trl-lora-liger: TRL's DPOTrainer "
+                   "on the same rows, with the same reference strategy (precomputed when --precompute_ref_log_probs).")
+    b.add_argument("--workload", default="anchor", choices=sorted(WORKLOADS),
+                   help="Built-in rows (no --dataset): anchor (prompt ~317 tokens, completions ~380), long-prompt "
+                        "(~1,680 / ~210, pairs <= 4096), long-answer (~77 / ~960, pairs <= 4096).")
+    b.add_argument("--job", action="store_true", help="Time to result: time whole jobs, from process start to saved "
+                   "model, each in a fresh process with empty compile caches (fastdpo train with these flags, then "
+                   "each --compare side), on a model dir of --shape and --rows rows of --workload.")
+    b.add_argument("--rows", type=int, default=600, help="--job: rows the jobs train on (one epoch).")
+    b.add_argument("--job_dir", help="--job: an empty directory for the model dir, rows and logs (kept); default: a "
+                   "temporary one whose logs are kept.")
     b.add_argument("--json", help="Write the results and environment to this JSON file.")
     b.add_argument("--profile", metavar="DIR", help="After the measured steps, profile two more steps: a Chrome trace "
                    "(DIR/trace.json), the operators and kernels that took the most time (DIR/top.txt) and how the "

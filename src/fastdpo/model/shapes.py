@@ -15,7 +15,7 @@ from fastdpo.errors import FastDPOError
 SHAPES = {
     # a few-layer model to try the commands and scripts on a CPU in seconds
     "tiny": dict(family="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=4096),
     "qwen3-0.6b": dict(family="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-1.7b": dict(family="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,

@@ -12,6 +12,35 @@ import math
 import time
 from pathlib import Path
 
+_IMPORTED = time.monotonic()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere: since this module was imported, which
+    leaves out the interpreter's start and the first imports)."""
+    try:
+        import os
+
+        ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/self/stat", encoding="ascii") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / ticks  # field 22: start time since boot
+        with open("/proc/uptime", encoding="ascii") as f:
+            return max(float(f.read().split()[0]) - started, 0.0)
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+class Timeline:
+    """When the run reached each milestone, in seconds since the process started: where the time to a saved model
+    went (`summary.json`'s `timeline_s`)."""
+
+    def __init__(self):
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, round(process_age(), 2))
+
+
 # the final metrics the summary line names (all of the last logged step go to summary.json)
 SHOWN = ("loss", "rewards/margins", "rewards/accuracies", "kl")
 

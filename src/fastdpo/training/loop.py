@@ -22,7 +22,7 @@ from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
 from fastdpo.observe.profile import StepProfiler
-from fastdpo.observe.progress import RunProgress, run_summary, save_summary, summary_line
+from fastdpo.observe.progress import RunProgress, Timeline, run_summary, save_summary, summary_line
 from fastdpo.optim.optimizer import (
     follow_schedule,
     schedule_changes,
@@ -57,7 +57,10 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
 
 
 def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
+    timeline = Timeline()  # seconds since the process started: model ready, first and last step, model saved
+    timeline.mark("started")
     trainer = Trainer(cfg, build_setup(cfg, d, choose_policy=auto_policy), d)
+    timeline.mark("ready")
     s, out = trainer.s, Path(cfg.output_dir)
     identity = RunIdentity(cfg, s.pairs)  # recorded in every checkpoint, compared on resume
     start, resume = resume_training(trainer, out, identity)
@@ -95,6 +98,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             profiler.begin(step + 1)
             result = trainer.step()
             done = trainer.global_step
+            if done == start + 1:
+                timeline.mark("first_step")
             monitor.finite_update(result.finite, done, [p.index for p in result.pairs], result.stepped)
             pauses.step_end(done)  # --gc_steps: every rank collects at the same step
             profiler.end(done)
@@ -136,18 +141,20 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         return {"final_dir": None, "stopped": stop.name or "SIGTERM", "checkpoint": str(stopped_at),
                 "exit_code": stop.exit_code() if stop.requested else 128 + signal.SIGTERM,
                 "last": last, "run_summary": run, **summary, **evaluator.summary()}
+    timeline.mark("last_step")
     weights = full_state_dict(s.model, d)  # FSDP2: every rank sends its shards to rank 0
     final = out / "final"
     if d.is_main:
         with stop:  # a signal now lets the final write finish
             final = ckpt.save_final(out, s.model, s.tokenizer, weights)
     barrier(d)
+    timeline.mark("saved")
     evaluator.best.saved(s.total_steps, final)
     if cfg.plot and d.is_main:
         from fastdpo.observe.plot import write_dashboard  # matplotlib loads only when asked for
 
         log.info("Dashboard: %s", write_dashboard(out))
-    run = report_run(bar, last, s, out, final_dir=str(final), **evaluator.summary())
+    run = report_run(bar, last, s, out, final_dir=str(final), timeline_s=timeline.marks, **evaluator.summary())
     if cfg.push_to_hub and d.is_main:
         what = "LoRA adapter" if cfg.uses_lora else "model"
         url = push_folder(final, hub_repo(cfg.hub_model_id, cfg.output_dir), cfg.hub_private_repo, what)
