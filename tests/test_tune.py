@@ -56,7 +56,7 @@ def test_auto_policy_on_cpu_is_none():
 
 
 def test_a_bad_value_names_its_flag_and_auto_where_it_is_accepted():
-    with pytest.raises(FastDPOError, match=r"--gradient_checkpointing 'bogus' is not one of: .*every:K, auto\."):
+    with pytest.raises(FastDPOError, match=r"--gradient_checkpointing 'bogus' is not one of: .*every:K, fit, auto\."):
         TrainConfig(model="m", dataset=["d"], gradient_checkpointing="bogus").validate()
     cfg = TrainConfig(model="m", dataset=["d"])
     with pytest.raises(FastDPOError, match=r"--policies 'auto' is not one of: .*every:K\.$"):

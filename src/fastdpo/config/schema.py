@@ -226,9 +226,13 @@ class TrainConfig(DataReading, ModelSection):
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
     attn_impl: str = _f("auto", "auto|varlen|flex|dense|padded. auto: varlen on CUDA for bf16/fp16 models (flex for "
                         "float32), dense on CPU.")
-    gradient_checkpointing: str = _f("none", "Activation checkpointing: none|full|ffn|attn|every:K|auto (true or no "
-                                     "value = full).", bare="true")
-    max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing auto` / `fastdpo tune` (0: 90% of the GPU).")
+    gradient_checkpointing: str = _f("fit", "Activation checkpointing: fit|none|full|ffn|attn|every:K|auto (true or no "
+                                     "value = full). fit: the fastest of none, ffn and full whose peak memory, "
+                                     "estimated from one probe forward of the model, fits the GPU at the data's "
+                                     "largest micro-batch (with a token budget if even full does not); none off "
+                                     "CUDA. auto: measure training steps of each instead.", bare="true")
+    max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing fit|auto` / `fastdpo tune` (0: 90% "
+                               "of the GPU).")
     activation_offloading: bool = _f(False, "Move activations saved for backward to pinned CPU memory (slower; pair "
                                             "with --gradient_checkpointing none or ffn).")
     torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")
@@ -392,7 +396,7 @@ class TrainConfig(DataReading, ModelSection):
         parse_steps(self.profile_steps)  # raises on a bad value
         if self.profile_memory and not self.profile_steps:
             raise FastDPOError("--profile_memory records the steps of --profile_steps: add e.g. --profile_steps 6-7.")
-        if self.gradient_checkpointing != "auto":
+        if self.gradient_checkpointing not in ("auto", "fit"):
             checkpoint_policy(self.gradient_checkpointing)  # raises on a bad value
         if self.activation_offloading and (self.deepspeed or self.fsdp not in ("", "no_shard")):
             raise FastDPOError("--activation_offloading works with one GPU or DDP, not with FSDP2 sharding (it would "
@@ -602,7 +606,7 @@ def checkpoint_policy(value: str, flag: str = "gradient_checkpointing") -> tuple
     if v not in CHECKPOINT_POLICIES:
         accepted = f"true, false, {', '.join(CHECKPOINT_POLICIES)}, every:K"
         if flag == "gradient_checkpointing":
-            accepted += ", auto"
+            accepted += ", fit, auto"
         raise FastDPOError(f"--{flag} {value!r} is not one of: {accepted}.")
     return v, 1
 

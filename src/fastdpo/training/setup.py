@@ -29,6 +29,7 @@ from fastdpo.parallel.distributed import (
     Dist,
 )
 from fastdpo.parallel.parallelize import parallelize
+from fastdpo.training.fit import fit_checkpointing
 from fastdpo.training.evaluate import held_out_reference
 
 log = logging.getLogger("fastdpo")
@@ -214,6 +215,9 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
             load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":
         prepare_packed(model, backend)
+    if cfg.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
+        fit_checkpointing(cfg, model, backend, pairs, device, pad_id(tokenizer),
+                          cfg.max_memory_gib / (d.world_size if d.mode == "fsdp" else 1) or None)
     policy = parallelize(model, reference, backend, cfg, d)  # checkpointing -> compile -> DDP/FSDP2
 
     # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps

@@ -1,0 +1,188 @@
+"""`--gradient_checkpointing fit` (the default): the fastest of no checkpointing, FFN-only and full checkpointing
+whose estimated peak memory fits the GPU, chosen before the first step without timing anything.
+
+The estimate is measured, not guessed: one forward with grad of a short filler pair through the model as it will
+train (its attention backend, LoRA, dtype) records what autograd keeps for the backward, per token, in three parts:
+inside the MLPs, elsewhere inside the decoder layers, and outside them (embeddings, final norm, the log-prob head).
+Each policy keeps a known share of those parts:
+
+    none   everything
+    ffn    everything but the MLPs' own tensors, plus each MLP's input
+    full   each layer's input, what is outside the layers, and one layer's tensors while it is recomputed
+
+The peak is then the memory held now (weights, the reference), the gradients and AdamW's two moments of the
+trainable weights, the largest micro-batch's activations under the policy, and the log-prob head's float32 chunk,
+with a margin for the allocator. When not even full checkpointing fits the largest micro-batch of
+--per_device_train_batch_size pairs, a token budget (--max_tokens_per_batch) is set that does."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.errors import FastDPOError
+from fastdpo.model.backend import build_mask, make_batch
+from fastdpo.model.load import base_causal_lm
+from fastdpo.model.logprobs import DEFAULT_CHUNK
+from fastdpo.model.memory import decoder_layers
+from fastdpo.model.seqlogps import completion_logps
+
+log = logging.getLogger("fastdpo")
+
+CANDIDATES = ("none", "ffn", "full")  # fastest first
+PROBE_TOKENS = 512
+MARGIN = 1.10  # the caching allocator's fragmentation and kernels' workspaces
+HEADROOM_GIB = 1.0
+
+
+@dataclass
+class ActivationBytes:
+    """Bytes autograd keeps per token of a micro-batch, by where they are kept."""
+
+    mlp: float
+    layer: float  # inside decoder layers, outside their MLPs
+    outside: float
+    layer_input: float  # one layer's input (hidden size x dtype), what full checkpointing keeps per layer
+    layers: int
+
+    def per_token(self, policy: str) -> float:
+        if policy == "none":
+            return self.mlp + self.layer + self.outside
+        if policy == "ffn":
+            return self.layer + self.outside + self.layers * self.layer_input
+        if policy == "full":
+            return self.outside + self.layers * self.layer_input + (self.mlp + self.layer) / max(self.layers, 1)
+        raise ValueError(policy)
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage: count its own bytes
+        return id(t), t.numel() * t.element_size()
+
+
+def measure_activations(model, backend, pad_id: int, device: torch.device, tokens: int = PROBE_TOKENS) -> ActivationBytes:
+    """One forward with grad of a filler pair of `tokens` tokens; what autograd saves, per token, by region. Weights
+    (and views of them) are not counted; a storage saved twice is counted once. The graph is dropped unused."""
+    lm = base_causal_lm(model)
+    weights = {_storage_key(p)[0] for p in model.parameters()}
+    region = ["outside"]
+    seen: dict[int, tuple[str, int]] = {}
+
+    def pack(t: torch.Tensor):
+        key, nbytes = _storage_key(t)
+        if key not in weights and key not in seen:
+            seen[key] = (region[-1], nbytes)
+        return t
+
+    handles = []
+    for layer in decoder_layers(model):
+        for module, name in ((layer, "layer"), (getattr(layer, "mlp", None), "mlp")):
+            if module is None:
+                continue
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: region.append(n) and None))
+            handles.append(module.register_forward_hook(lambda m, a, o: region.pop() and None))
+    n = max(tokens, 4)
+    pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
+    batch = make_batch([pair], backend, pad_id, device)
+    was_training = model.training
+    model.train()
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = completion_logps(model, batch, backend, build_mask(batch, backend))
+            del out
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    total = {"mlp": 0, "layer": 0, "outside": 0}
+    for where, nbytes in seen.values():
+        total[where] += nbytes
+    t = batch.num_tokens
+    hidden = lm.config.hidden_size * next(lm.parameters()).element_size()
+    return ActivationBytes(total["mlp"] / t, total["layer"] / t, total["outside"] / t, hidden,
+                           len(decoder_layers(model)))
+
+
+def largest_micro_batch(pairs: list[TokenizedPair], per_micro: int, budget: int) -> int:
+    """Tokens of the largest micro-batch the run can meet: under a budget, the budget (or the longest pair);
+    without one, the `per_micro` longest pairs together."""
+    lengths = sorted((p.num_tokens for p in pairs), reverse=True)
+    if not lengths:
+        return 0
+    if budget > 0:
+        return max(budget, lengths[0])
+    return sum(lengths[:per_micro])
+
+
+def static_bytes(model, device: torch.device) -> int:
+    """Held through training: what is allocated now, plus the gradients and AdamW's two moments (kept in the
+    weights' dtype) of the trainable weights."""
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return torch.cuda.memory_allocated(device) + 3 * trainable
+
+
+def head_bytes(model) -> int:
+    """The log-prob head's float32 logits chunk and its gradient."""
+    return 2 * DEFAULT_CHUNK * base_causal_lm(model).config.vocab_size * 4
+
+
+@dataclass
+class Fit:
+    policy: str
+    budget: int  # the token budget to use (the given one, or one set so the run fits)
+    estimates_gib: dict  # policy -> estimated peak GiB at the largest micro-batch
+
+
+def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest: int, budget: int,
+               longest: int) -> Fit:
+    """The fastest candidate whose estimated peak fits `limit` bytes at the largest micro-batch; else full
+    checkpointing under a token budget that fits (never below the longest pair: that one is an error)."""
+
+    def peak(policy: str, tokens: int) -> float:
+        return (static + head + act.per_token(policy) * tokens) * MARGIN + HEADROOM_GIB * 2**30
+
+    estimates = {p: round(peak(p, largest) / 2**30, 1) for p in CANDIDATES}
+    for policy in CANDIDATES:
+        if peak(policy, largest) <= limit:
+            return Fit(policy, budget, estimates)
+    room = (limit - HEADROOM_GIB * 2**30) / MARGIN - static - head
+    fits = int(room // act.per_token("full")) // 256 * 256 if room > 0 else 0
+    if fits < longest:
+        raise FastDPOError(
+            f"Out of memory before the first step: the longest pair ({longest} tokens) needs about "
+            f"{peak('full', longest) / 2**30:.1f} GiB with full checkpointing, and {limit / 2**30:.1f} GiB are "
+            "available. Use --train_type lora (or qlora), a lower --max_length, --precompute_ref_log_probs, or "
+            "shard the model over several GPUs (--fsdp / --deepspeed zero3, --sequence_parallel_size).")
+    return Fit("full", fits if budget <= 0 else min(budget, fits), estimates)
+
+
+def fit_checkpointing(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int,
+                      limit_gib: float | None) -> None:
+    """Resolve `--gradient_checkpointing fit` in `cfg` (and set --max_tokens_per_batch when a budget is needed);
+    off CUDA memory is not the constraint: no checkpointing."""
+    if device.type != "cuda" or not pairs:
+        cfg.gradient_checkpointing = "none"
+        return
+    act = measure_activations(model, backend, pad_id, device)
+    budget = cfg.max_tokens_per_batch
+    largest = largest_micro_batch(pairs, cfg.per_device_train_batch_size, budget)
+    longest = max(p.num_tokens for p in pairs)
+    limit = int((limit_gib or torch.cuda.get_device_properties(device).total_memory / 2**30 * 0.9) * 2**30)
+    fit = choose_fit(act, static_bytes(model, device), head_bytes(model), limit, largest, budget, longest)
+    cfg.gradient_checkpointing = fit.policy
+    shown = ", ".join(f"{p} ~{g} GiB" for p, g in fit.estimates_gib.items())
+    if fit.budget != budget:
+        cfg.max_tokens_per_batch = fit.budget
+        log.info("Memory: micro-batches of %d tokens would not fit in %.0f GiB even with full checkpointing (%s): "
+                 "training with --gradient_checkpointing full --max_tokens_per_batch %d.", largest, limit / 2**30,
+                 shown, fit.budget)
+    else:
+        log.info("Memory: --gradient_checkpointing %s, the fastest that fits %.0f GiB at the largest micro-batch "
+                 "(%d tokens; estimated peaks: %s). Name a policy to choose another.", fit.policy, limit / 2**30,
+                 largest, shown)

@@ -1,0 +1,140 @@
+"""`--gradient_checkpointing fit`, the default: activation bytes measured by region from one probe forward, each
+policy's share of them, and the choice of the fastest policy (or a token budget) that fits a memory limit."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.errors import FastDPOError
+from fastdpo.model.backend import Backend, build_mask, make_batch, prepare_packed
+from fastdpo.model.memory import apply_checkpointing
+from fastdpo.model.seqlogps import completion_logps
+from fastdpo.training.fit import ActivationBytes, choose_fit, fit_checkpointing, largest_micro_batch, measure_activations
+
+GIB = 2**30
+
+
+def tiny(layers=3):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    prepare_packed(model, Backend("dense"))
+    return model
+
+
+def saved_bytes(model, backend, tokens):
+    """All bytes autograd keeps for one forward with grad under the model's current checkpointing (weights not
+    counted, storages once)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    n = tokens
+    pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
+    batch = make_batch([pair], backend, 0, torch.device("cpu"))
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = completion_logps(model, batch, backend, build_mask(batch, backend))
+    del out
+    return sum(seen.values())
+
+
+def test_regions_add_up_to_what_autograd_keeps_and_policies_keep_less():
+    model, backend = tiny(), Backend("dense")
+    act = measure_activations(model, backend, 0, torch.device("cpu"), tokens=256)
+    assert act.mlp > 0 and act.layer > 0 and act.outside > 0 and act.layers == 3
+    assert act.layer_input == 64 * 4  # hidden size x float32
+    total = saved_bytes(model, backend, 256)
+    assert act.per_token("none") * 256 == pytest.approx(total, rel=1e-6)
+    assert act.per_token("none") > act.per_token("ffn") > act.per_token("full")
+
+
+@pytest.mark.parametrize("policy", ["ffn", "full"])
+def test_a_policy_estimate_bounds_what_autograd_keeps_under_it(policy):
+    """What the checkpointed model really keeps (outer saves only: checkpointing keeps its inputs by reference) is
+    below the estimate, and the estimate is not loose by more than the per-layer inputs and one layer's tensors."""
+    model, backend = tiny(), Backend("dense")
+    act = measure_activations(model, backend, 0, torch.device("cpu"), tokens=256)
+    apply_checkpointing(model, policy)
+    kept = saved_bytes(model, backend, 256) / 256
+    slack = act.layers * act.layer_input + (act.mlp + act.layer) / act.layers
+    assert kept <= act.per_token(policy) * 1.001
+    assert kept >= act.per_token(policy) - slack
+
+
+def pairs(*lengths):
+    return [TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=i)
+            for i, n in enumerate(lengths)]
+
+
+def test_largest_micro_batch():
+    ps = pairs(100, 900, 300, 700, 500)
+    assert largest_micro_batch(ps, 2, 0) == 1600  # the two longest together
+    assert largest_micro_batch(ps, 8, 0) == 2500
+    assert largest_micro_batch(ps, 2, 4096) == 4096 and largest_micro_batch(ps, 2, 512) == 900
+
+
+def test_choose_fit_picks_the_fastest_that_fits_then_a_budget_then_a_clear_error():
+    act = ActivationBytes(mlp=480_000, layer=800_000, outside=2_000, layer_input=4_000, layers=20)
+    per = {p: act.per_token(p) for p in ("none", "ffn", "full")}
+    static, head, tokens = 10 * GIB, GIB, 100_000
+
+    def limit_for(policy):  # just enough for `policy` at `tokens`
+        return int((static + head + per[policy] * tokens) * 1.10 + GIB) + 1
+
+    assert choose_fit(act, static, head, limit_for("none"), tokens, 0, 2000).policy == "none"
+    assert choose_fit(act, static, head, limit_for("none") - 2, tokens, 0, 2000).policy == "ffn"
+    assert choose_fit(act, static, head, limit_for("full"), tokens, 0, 2000).policy == "full"
+    fit = choose_fit(act, static, head, limit_for("full") - GIB, tokens, 0, 2000)
+    assert fit.policy == "full" and 2000 <= fit.budget < tokens and fit.budget % 256 == 0
+    assert (static + head + per["full"] * fit.budget) * 1.10 + GIB <= limit_for("full") - GIB
+    with pytest.raises(FastDPOError, match=r"longest pair \(90000 tokens\).*--train_type lora"):
+        choose_fit(act, static, head, int(static * 1.2), tokens, 0, 90_000)
+
+
+def test_fit_is_no_checkpointing_off_cuda():
+    from fastdpo.config import TrainConfig
+
+    cfg = TrainConfig(model="m", dataset=["d"])
+    assert cfg.gradient_checkpointing == "fit"
+    cfg.validate()
+    fit_checkpointing(cfg, tiny(), Backend("dense"), pairs(100), torch.device("cpu"), 0, None)
+    assert cfg.gradient_checkpointing == "none"
+
+
+@pytest.mark.gpu
+def test_fit_estimate_bounds_the_measured_peak_on_cuda():
+    """On CUDA the chosen policy's estimated peak is above the step's measured peak, and not by more than half."""
+    from conftest import easy_rows  # noqa: F401  (the shared helpers' import path)
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.data.anchor import anchor_pairs, anchor_tokenizer
+    from fastdpo.data.load import Row
+    from fastdpo.data.prepare import DataOptions, tokenize_pairs
+    from fastdpo.training.setup import assemble
+    from fastdpo.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    cfg_model = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg_model, dtype=torch.bfloat16, attn_implementation="sdpa")
+    tok = anchor_tokenizer()
+    rows = anchor_pairs(16)
+    cfg = TrainConfig(model="m", dataset=["d"], per_device_train_batch_size=8, max_steps=2, max_memory_gib=6.0)
+    ps, _ = tokenize_pairs([Row(r["prompt"], r["chosen"], r["rejected"], str(i)) for i, r in enumerate(rows)], tok,
+                           DataOptions.for_scoring(cfg))
+    torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(cfg, assemble(cfg, torch.device("cuda"), model, tok, ps))
+    assert trainer.cfg.gradient_checkpointing in ("none", "ffn", "full")
+    trainer.step(ps[:8])
+    trainer.step(ps[8:16])
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() <= 6.0 * GIB
