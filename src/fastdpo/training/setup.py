@@ -29,8 +29,8 @@ from fastdpo.parallel.distributed import (
     Dist,
 )
 from fastdpo.parallel.parallelize import parallelize
-from fastdpo.training.fit import fit_checkpointing
 from fastdpo.training.evaluate import held_out_reference
+from fastdpo.training.fit import fit_checkpointing
 
 log = logging.getLogger("fastdpo")
 
