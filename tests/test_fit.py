@@ -87,14 +87,14 @@ def test_choose_fit_picks_the_fastest_that_fits_then_a_budget_then_a_clear_error
     static, head, tokens = 10 * GIB, GIB, 100_000
 
     def limit_for(policy):  # just enough for `policy` at `tokens`
-        return int((static + head + per[policy] * tokens) * 1.10 + GIB) + 1
+        return int(static + head + per[policy] * tokens * 1.10 + GIB / 2) + 1
 
     assert choose_fit(act, static, head, limit_for("none"), tokens, 0, 2000).policy == "none"
     assert choose_fit(act, static, head, limit_for("none") - 2, tokens, 0, 2000).policy == "ffn"
     assert choose_fit(act, static, head, limit_for("full"), tokens, 0, 2000).policy == "full"
     fit = choose_fit(act, static, head, limit_for("full") - GIB, tokens, 0, 2000)
     assert fit.policy == "full" and 2000 <= fit.budget < tokens and fit.budget % 256 == 0
-    assert (static + head + per["full"] * fit.budget) * 1.10 + GIB <= limit_for("full") - GIB
+    assert static + head + per["full"] * fit.budget * 1.10 + GIB / 2 <= limit_for("full") - GIB
     with pytest.raises(FastDPOError, match=r"longest pair \(90000 tokens\).*--train_type lora"):
         choose_fit(act, static, head, int(static * 1.2), tokens, 0, 90_000)
 

@@ -11,8 +11,8 @@ Each policy keeps a known share of those parts:
     full   each layer's input, what is outside the layers, and one layer's tensors while it is recomputed
 
 The peak is then the memory held now (weights, the reference), the gradients and AdamW's two moments of the
-trainable weights, the largest micro-batch's activations under the policy, and the log-prob head's float32 chunk,
-with a margin for the allocator. When not even full checkpointing fits the largest micro-batch of
+trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
+with a 10 % margin for the allocator, plus 0.5 GiB. When not even full checkpointing fits the largest micro-batch of
 --per_device_train_batch_size pairs, a token budget (--max_tokens_per_batch) is set that does."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ log = logging.getLogger("fastdpo")
 
 CANDIDATES = ("none", "ffn", "full")  # fastest first
 PROBE_TOKENS = 512
-MARGIN = 1.10  # the caching allocator's fragmentation and kernels' workspaces
-HEADROOM_GIB = 1.0
+MARGIN = 1.10  # on activations: the caching allocator's fragmentation and kernels' workspaces
+HEADROOM_GIB = 0.5
 
 
 @dataclass
@@ -145,13 +145,13 @@ def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest
     checkpointing under a token budget that fits (never below the longest pair: that one is an error)."""
 
     def peak(policy: str, tokens: int) -> float:
-        return (static + head + act.per_token(policy) * tokens) * MARGIN + HEADROOM_GIB * 2**30
+        return static + head + act.per_token(policy) * tokens * MARGIN + HEADROOM_GIB * 2**30
 
     estimates = {p: round(peak(p, largest) / 2**30, 1) for p in CANDIDATES}
     for policy in CANDIDATES:
         if peak(policy, largest) <= limit:
             return Fit(policy, budget, estimates)
-    room = (limit - HEADROOM_GIB * 2**30) / MARGIN - static - head
+    room = (limit - HEADROOM_GIB * 2**30 - static - head) / MARGIN
     fits = int(room // act.per_token("full")) // 256 * 256 if room > 0 else 0
     if fits < longest:
         raise FastDPOError(
