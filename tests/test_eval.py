@@ -439,7 +439,7 @@ def test_eval_tokenises_like_training(tmp_path, model_dirs, monkeypatch):
     model = model_dirs("qwen3")
     seen = {}
 
-    def capture(model, reference, pairs, *args):
+    def capture(model, reference, pairs, *args, **kw):
         seen["pairs"] = pairs
         raise SystemExit  # the tokenisation is what is checked
 
@@ -472,7 +472,7 @@ def test_eval_reads_the_split_it_is_given(tmp_path, model_dirs, monkeypatch):
         str(tmp_path / "ds"))
     seen = {}
 
-    def capture(model, reference, pairs, *args):
+    def capture(model, reference, pairs, *args, **kw):
         seen["pairs"] = pairs
         raise SystemExit
 

@@ -70,6 +70,23 @@ def test_flex_matches_fp32_reference():
     assert rel(fast, slow) < 1e-5
 
 
+def test_flex_prompt_targets_match_fp32_padded():
+    """ORPO's prompt targets on the flex path (rows padded to the flex block) against the padded path, float32."""
+    from fastdpo.model.seqlogps import completion_logps
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = qwen3_model(torch.float32, layers=2).eval()
+    pairs = random_pairs(6, 151936, seed=2, max_prompt=200, max_comp=100)
+    prepare_packed(model, Backend("flex"))
+    fast, slow = [], []
+    with torch.no_grad():
+        for g in split_micro_batches(pairs, 1024, 0):
+            fast.append(completion_logps(model, pack_pairs(g, 128, prompt_targets=True).to("cuda"), Backend("flex")))
+            slow.append(completion_logps(model, pad_pairs(g, prompt_targets=True).to("cuda"), Backend("padded")))
+    for name in ("prompt", "sums"):
+        assert rel(torch.cat([getattr(o, name) for o in fast]), torch.cat([getattr(o, name) for o in slow])) < 1e-5
+
+
 def test_flex_kernel_stays_compiled_across_many_lengths():
     """Without --torch_compile the flex kernel is compiled on its own, one graph per micro-batch length. Past Dynamo's
     default limit of 8 it would run uncompiled (the whole score matrix); every length must keep its compiled graph."""

@@ -19,11 +19,12 @@ needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="
 
 # ---------------------------------------------------------------- hand math
 
-# three pairs: policy / reference log-prob sums and completion token counts
+# three pairs: policy / reference log-prob sums and completion token counts; the policy's log-prob of the prompt's
+# tokens after its first and their count (ORPO's NLL)
 PAIRS = [
-    dict(pc=-5.0, pr=-7.0, rc=-6.0, rr=-6.5, nc=4, nr=5),
-    dict(pc=-8.0, pr=-6.0, rc=-7.5, rr=-6.2, nc=6, nr=3),
-    dict(pc=-3.0, pr=-9.0, rc=-4.0, rr=-8.0, nc=2, nr=7),
+    dict(pc=-5.0, pr=-7.0, rc=-6.0, rr=-6.5, nc=4, nr=5, pp=-9.0, np=3),
+    dict(pc=-8.0, pr=-6.0, rc=-7.5, rr=-6.2, nc=6, nr=3, pp=0.0, np=0),
+    dict(pc=-3.0, pr=-9.0, rc=-4.0, rr=-8.0, nc=2, nr=7, pp=-14.0, np=5),
 ]
 BETA, EPS = 0.5, 0.1
 
@@ -39,7 +40,8 @@ def sig(z):
 def inputs(pairs=PAIRS, ref=True):
     t = lambda k: torch.tensor([p[k] for p in pairs], dtype=torch.float32)
     n = lambda k: torch.tensor([p[k] for p in pairs])
-    return LossInputs(t("pc"), t("pr"), t("rc") if ref else None, t("rr") if ref else None, n("nc"), n("nr"))
+    return LossInputs(t("pc"), t("pr"), t("rc") if ref else None, t("rr") if ref else None, n("nc"), n("nr"),
+                      prompt_logps=t("pp"), prompt_tokens=n("np"))
 
 
 def h(p):
@@ -51,6 +53,7 @@ def lr(p):
 
 
 MEAN_NC = sum(p["nc"] for p in PAIRS) / len(PAIRS)
+MEAN_NP = sum(p["np"] for p in PAIRS) / len(PAIRS)
 
 
 def log1mexp(t):
@@ -86,7 +89,7 @@ HAND = {
                         - EPS * ls(-(BETA * (p["pc"] / p["nc"] - p["pr"] / p["nr"]) - 0.7))),
     "cpo": lambda p: (-(1 - EPS) * ls(BETA * (p["pc"] - p["pr"])) - EPS * ls(-BETA * (p["pc"] - p["pr"]))
                       + 0.3 * -p["pc"] / MEAN_NC),
-    "orpo": lambda p: (-p["pc"] / MEAN_NC - 0.2 * ls(
+    "orpo": lambda p: (-(p["pp"] + p["pc"]) / (MEAN_NC + MEAN_NP) - 0.2 * ls(
         (p["pc"] / p["nc"] - p["pr"] / p["nr"]) - (log1mexp(p["pc"] / p["nc"]) - log1mexp(p["pr"] / p["nr"])))),
 }
 PARAMS = LossParams(beta=BETA, label_smoothing=EPS, simpo_gamma=0.7, cpo_alpha=0.3, orpo_alpha=0.2)
@@ -370,11 +373,16 @@ def test_equals_trl_orpo_trainer():
     from trl.experimental.orpo import ORPOTrainer
 
     _, o = random_layout(seed=5)
-    x = loss_inputs(summarise(o["pol"], o["seq"], o["lengths"]), None, o["lengths"])
-    b = x.policy_chosen.numel()
+    seqs = summarise(o["pol"], o["seq"], o["lengths"])
+    b = o["lengths"].numel() // 2
+    g = torch.Generator().manual_seed(5)
+    n_p = torch.randint(0, 6, (b,), generator=g)
+    seqs.prompt = -torch.rand(b, generator=g) * n_p * 3  # a prompt's log-prob, 0 without prompt targets
+    x = loss_inputs(seqs, None, o["lengths"], prompt_lengths=n_p)
     n_c, n_r = o["lengths"][:b], o["lengths"][b:]
     fake = SimpleNamespace(beta=0.25, accelerator=SimpleNamespace(device=torch.device("cpu")))
     losses = ORPOTrainer.odds_ratio_loss(fake, x.policy_chosen / n_c, x.policy_rejected / n_r)[0]
-    want = -x.policy_chosen.sum() / n_c.sum() - losses.mean()  # ORPOTrainer: nll - mean(beta * ls(log odds))
+    # ORPOTrainer: the NLL's token mean over the chosen sequences' prompt and completion - mean(lambda * ls(log odds))
+    want = -(seqs.prompt.sum() + x.policy_chosen.sum()) / (n_p.sum() + n_c.sum()) - losses.mean()
     got = LOSSES["orpo"].fn(x, LossParams(orpo_alpha=0.25)).mean()
     assert float(got) == pytest.approx(float(want), rel=1e-5)

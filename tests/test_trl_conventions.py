@@ -1,8 +1,8 @@
 """Conventions a user coming from TRL meets, each compared with TRL 1.16's own code (skipped without TRL; the test
 extra installs it): SimPO/ORPO log per-token mean log-probs and beta x mean rewards (CPO sums, as TRL); TRL's
 sigmoid ignores --label_smoothing, which a TRL command is told; a prefilled assistant turn is rendered as TRL renders
-it, scoring only the reply; --truncation_mode keep_start/keep_end with TRL's meaning; ORPO's NLL covers the chosen
-completion, where TRL's ORPOTrainer also counts the prompt (the documented difference, measured)."""
+it, scoring only the reply; --truncation_mode keep_start/keep_end with TRL's meaning; ORPO equals TRL's ORPOTrainer
+step for step (its NLL over the chosen sequences' prompt and completion, its metrics and its gradients)."""
 
 import importlib.util
 import logging
@@ -14,10 +14,10 @@ from data_helpers import assistant, chat_tokenizer, user
 
 from fastdpo.cli import build_parser
 from fastdpo.config import TrainConfig, build_config, mean_logp_rewards
-from fastdpo.dpo.losses import LOSSES, LossParams, loss_inputs
-from fastdpo.model.seqlogps import summarise
+from fastdpo.dpo.losses import LossParams, loss_inputs, sequence_nll
+from fastdpo.model.seqlogps import SeqLogps, summarise
 from fastdpo.observe.metrics import StepMetrics
-from fastdpo.training.evaluate import preference_metrics
+from fastdpo.training.evaluate import TrainingEval, preference_metrics
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
 CPU = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x)
@@ -39,13 +39,17 @@ def padded_logits(b=6, seed=0, vocab=11):
 
 
 def our_inputs(logits, labels):
-    """Our per-token log-probs of the same targets, summarised per sequence."""
+    """Our per-token log-probs of the same targets, summarised per sequence (the prompts' tokens carry no targets
+    here: no prompt log-probs, for ORPO's NLL)."""
     lab, lg = labels[:, 1:], logits[:, :-1]
     mask = lab != -100
     tok = torch.log_softmax(lg, -1).gather(-1, lab.clamp(min=0)[..., None])[..., 0]
     rows, cols = mask.nonzero(as_tuple=True)
     lengths = mask.sum(1)
-    return loss_inputs(summarise(tok[rows, cols].float(), rows, lengths), None, lengths)
+    seqs = summarise(tok[rows, cols].float(), rows, lengths)
+    b = lengths.numel() // 2
+    seqs.prompt = torch.zeros(b)
+    return loss_inputs(seqs, None, lengths, prompt_lengths=torch.zeros(b, dtype=torch.long))
 
 
 @pytest.mark.parametrize("loss", ["simpo", "cpo", "orpo"])
@@ -143,39 +147,107 @@ def test_truncation_mode_keeps_what_trl_keeps():
         parse("--truncation_mode", "keep_middle")
 
 
-def test_orpo_nll_is_the_chosen_completions_where_trl_counts_the_prompt_too(model_dirs):
-    """The documented difference, measured on a real forward: TRL's ORPOTrainer's NLL is the token mean over the
-    chosen sequence's prompt (after its first token) and completion; fastdpo's is over the completion only. The
-    log-probs of the completions (and so the odds-ratio term) agree."""
-    from transformers import AutoModelForCausalLM
+# prompts of 1 (<bos> alone), 2, 3 and 6 tokens; completions of 2 to 4 tokens (<eos> included)
+ORPO_ROWS = [{"prompt": "", "chosen": "w5 w6", "rejected": "w7 w8 w9"},
+             {"prompt": "w1", "chosen": " w5 w6", "rejected": " w7 w8 w9"},
+             {"prompt": "w1 w2 w3 w4 w10", "chosen": " w5", "rejected": " w7 w8"},
+             {"prompt": "w11 w12", "chosen": " w13 w14 w15", "rejected": " w16"}]
+
+
+def trl_orpo_step(model_dir, rows, lam, out):
+    """TRL's ORPOTrainer on `rows` as one batch: its tokenised rows, loss, logged metrics and gradients."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = ORPOConfig(output_dir=str(out), report_to=[], beta=lam, use_cpu=True, remove_unused_columns=False)
+    trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    data = list(trainer.train_dataset)
+    loss, logged = trainer.get_batch_loss_metrics(trainer.model, trainer.data_collator(data))
+    loss.backward()
+    tokens = [(r["prompt_input_ids"], r["chosen_input_ids"], r["rejected_input_ids"]) for r in data]
+    return tokens, float(loss.detach()), logged, {n: q.grad.clone() for n, q in model.named_parameters()}
+
+
+@pytest.mark.parametrize("layout,budget", [("packed", 0), ("padded", 0), ("packed", 24)])
+def test_orpo_equals_trl_orpo_trainer(tmp_path, model_dirs, one_thread, layout, budget):
+    """One fastdpo ORPO step against TRL's ORPOTrainer on the same weights and rows: the loss (NLL over the chosen
+    sequences' prompt and completion, token mean; minus lambda x mean ls(log odds)), the metrics TRL logs
+    (nll_loss, log_odds_ratio, log_odds_chosen, rewards/*, logps/*) and every gradient, in float32; in the packed
+    and the padded layout, and with the step cut into micro-batches (the NLL stays the step's token mean)."""
+    from fastdpo.data.formats import to_row
+    from fastdpo.data.tokenize import TokenizeOptions, tokenize_rows
+    from fastdpo.model.load import load_model, load_tokenizer
+    from fastdpo.training.setup import assemble
+    from fastdpo.training.trainer import Trainer
+
+    m, lam = model_dirs("qwen3"), 0.25
+    trl_tokens, trl_loss, trl_logged, trl_grads = trl_orpo_step(m, ORPO_ROWS, lam, tmp_path / "trl")
+    tok = load_tokenizer(str(m))
+    pairs, _ = tokenize_rows(tok, [to_row(r, f"d:{i}") for i, r in enumerate(ORPO_ROWS)], options=TokenizeOptions())
+    # fastdpo tokenises these rows as TRL's ORPOTrainer does: <bos> opens the prompt, <eos> closes each completion
+    assert [(p.prompt, p.prompt + p.chosen, p.prompt + p.rejected) for p in pairs] == trl_tokens
+    assert sorted(len(p.prompt) for p in pairs) == [1, 2, 3, 6]
+
+    cfg = TrainConfig(model=str(m), dataset=["unused"], output_dir=str(tmp_path / "ours"), loss_type="orpo",
+                      orpo_alpha=lam, beta=lam, per_device_train_batch_size=len(pairs), max_grad_norm=0.0,
+                      padding_free=layout == "packed", max_tokens_per_batch=budget)
+    model = load_model(str(m), torch.float32, torch.device("cpu"))
+    trainer = Trainer(cfg, assemble(cfg, torch.device("cpu"), model, tok, pairs))
+    assert trainer.s.backend.name == ("dense" if layout == "packed" else "padded")
+    held_out = TrainingEval(cfg, pairs).run(trainer.s, 0, 0.0)  # before the step: the same weights as TRL's
+    grads = {}
+    for name, q in trainer.s.model.named_parameters():  # the accumulated gradient, before the update clears it
+        q.register_post_accumulate_grad_hook(lambda q, name=name: grads.__setitem__(name, q.grad.clone()))
+    result = trainer.step(pairs)
+    assert result.metrics.micro_batches == (1 if not budget else 2)
+    logged = result.metrics.finish()
+    for name in ("loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/rejected",
+                 "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"):
+        want = trl_loss if name == "loss" else trl_logged[name]
+        assert logged[name] == pytest.approx(want, rel=1e-5, abs=1e-6), name
+        assert held_out[f"eval_{name}"] == pytest.approx(want, rel=1e-5, abs=1e-6), name
+    assert trl_grads.keys() == grads.keys()
+    for name, g in trl_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_orpo_nll_counts_the_prompt_as_trl_does():
+    """The NLL term against TRL's `ORPOTrainer.concatenated_forward` on given logits: a token mean over the batch's
+    chosen rows, [prompt | chosen] after each row's first token (not a mean of per-sequence means), and the
+    completions' mean log-probs of the odds ratio."""
     from trl.experimental.orpo import ORPOTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"), dtype=torch.float32).eval()
-    prompt, chosen, rejected = [5, 9, 12, 7], [20, 21, 22], [30, 31]
+    g = torch.Generator().manual_seed(3)
+    vocab, plen, clen, rlen = 13, [1, 4, 2], [3, 1, 5], [2, 2, 2]
+    b, width = len(plen), max(p + n for p, n in zip(plen * 2, clen + rlen))
+    ids = torch.randint(0, vocab, (2 * b, width), generator=g)
+    ids[b:, : max(plen)] = ids[:b, : max(plen)]  # one prompt per pair
+    logits = torch.randn(2 * b, width, vocab, generator=g, dtype=torch.float64)
     batch = {}
-    for name, comp in (("chosen", chosen), ("rejected", rejected)):
-        ids = torch.tensor([prompt + comp])
-        batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"] = ids, torch.ones_like(ids)
-        batch[f"{name}_labels"] = torch.tensor([[-100] * len(prompt) + comp])
+    for name, rows, lens in (("chosen", slice(0, b), clen), ("rejected", slice(b, 2 * b), rlen)):
+        mask = torch.zeros(b, width, dtype=torch.long)
+        for i, (p, n) in enumerate(zip(plen, lens)):
+            mask[i, : p + n] = 1
+        labels = torch.where(mask == 1, ids[rows], -100)
+        for i, p in enumerate(plen):
+            labels[i, :p] = -100
+        batch.update({f"{name}_input_ids": ids[rows], f"{name}_attention_mask": mask, f"{name}_labels": labels})
     fake = SimpleNamespace(is_encoder_decoder=False, padding_value=0, aux_loss_enabled=False, accelerator=CPU,
                            concatenated_inputs=ORPOTrainer.concatenated_inputs,
                            get_batch_logps=ORPOTrainer.get_batch_logps)
-    with torch.no_grad():
-        trl_c, trl_r, _, _, trl_nll = ORPOTrainer.concatenated_forward(fake, model, batch)
-        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + chosen])).logits[0].double(), -1)
-        rlogp = torch.log_softmax(model(input_ids=torch.tensor([prompt + rejected])).logits[0].double(), -1)
-    seq, rseq = prompt + chosen, prompt + rejected
-    token = [float(logp[t - 1, seq[t]]) for t in range(1, len(seq))]  # every token after the first
-    rtoken = [float(rlogp[t - 1, rseq[t]]) for t in range(len(prompt), len(rseq))]
-    comp_c, comp_r = sum(token[len(prompt) - 1:]), sum(rtoken)
-    assert float(trl_c[0]) == pytest.approx(comp_c / len(chosen), rel=1e-5)
-    assert float(trl_r[0]) == pytest.approx(comp_r / len(rejected), rel=1e-5)
-    assert float(trl_nll) == pytest.approx(-sum(token) / len(token), rel=1e-5)  # prompt + completion
-    lengths = torch.tensor([len(chosen), len(rejected)])
-    per_token = torch.tensor(token[len(prompt) - 1:] + rtoken)  # our completion log-probs: chosen, then rejected
-    x = loss_inputs(summarise(per_token, torch.tensor([0] * len(chosen) + [1] * len(rejected)), lengths), None, lengths)
-    lam = 0.25
-    ours = float(LOSSES["orpo"].fn(x, LossParams(orpo_alpha=lam))[0])
-    ratio = ORPOTrainer.odds_ratio_loss(SimpleNamespace(beta=lam, accelerator=CPU), trl_c.double(), trl_r.double())[0]
-    assert ours == pytest.approx(-comp_c / len(chosen) - float(ratio[0]), rel=1e-5)  # completion-only NLL
-    assert ours != pytest.approx(float(trl_nll) - float(ratio[0]), rel=1e-3)  # TRL's total differs by the prompt
+    model = lambda input_ids, **kw: SimpleNamespace(logits=logits)  # noqa: E731
+    trl_c, trl_r, _, _, trl_nll = ORPOTrainer.concatenated_forward(fake, model, batch)
+
+    tok = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    prompt = torch.stack([tok[i, : p - 1].sum() for i, p in enumerate(plen)]).float()
+    comp = torch.stack([tok[i, p - 1: p + n - 1].sum() for i, (p, n) in enumerate(zip(plen * 2, clen + rlen))]).float()
+    x = loss_inputs(SeqLogps(comp, comp, prompt=prompt), None, torch.tensor(clen + rlen),
+                    prompt_lengths=torch.tensor([p - 1 for p in plen]))
+    assert float(sequence_nll(x).mean()) == pytest.approx(float(trl_nll), rel=1e-6)
+    torch.testing.assert_close(x.policy_chosen / x.chosen_tokens, trl_c.float())
+    torch.testing.assert_close(x.policy_rejected / x.rejected_tokens, trl_r.float())
+    per_sequence = (-(prompt + comp[:b]) / (torch.tensor(plen) - 1 + torch.tensor(clen))).mean()
+    assert float(per_sequence) != pytest.approx(float(trl_nll), rel=1e-3)  # TRL's is not a mean of sequence means

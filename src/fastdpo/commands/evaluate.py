@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastdpo.config import DataReading
+from fastdpo.config import DataReading, needs_prompt_targets
 from fastdpo.config.schema import _f
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.load import Row, load_rows
@@ -187,8 +187,8 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     pad_id = tok.pad_token_id or 0
     budget = micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_eval_batch_size)
     args = (backend, pad_id, device, budget, cfg.per_device_eval_batch_size)
-    x = pair_logps(model, reference, pairs, *args)
     terms = [(name, 1.0) for name in cfg.loss_type.split(",")]
+    x = pair_logps(model, reference, pairs, *args, prompt_targets=needs_prompt_targets(name for name, _ in terms))
     metrics = {**preference_metrics(x, LossParams(cfg.beta, cfg.label_smoothing), terms), **per_token_logps(x)}
     if cfg.kl and reference.strategy != "none":
         metrics["kl"] = token_kl(model, reference, pairs, *args)

@@ -21,6 +21,7 @@ from fastdpo.config.schema import (
     check_metric_name,
     checkpoint_policy,
     mean_logp_rewards,
+    needs_prompt_targets,
     parse_steps,
     report_targets,
     require_matplotlib,
@@ -31,5 +32,5 @@ __all__ = [
     "FSDP_MODES", "F_DIVERGENCE_TYPES", "LESS_MEMORY", "LOSS_TRAITS", "LR_SCHEDULERS", "LossTraits",
     "ModelSection", "PAIR_METRICS", "Plan", "REPORT_TARGETS", "TrainConfig", "add_config_flags", "build_config",
     "check_installed", "check_metric_name", "checkpoint_policy", "load_yaml", "mean_logp_rewards",
-    "parallel_plan", "parse_steps", "report_targets", "require_matplotlib", "save_config",
+    "needs_prompt_targets", "parallel_plan", "parse_steps", "report_targets", "require_matplotlib", "save_config",
 ]

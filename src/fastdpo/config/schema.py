@@ -43,6 +43,7 @@ class LossTraits:
     f_divergence: bool = False  # defined for every --f_divergence_type (built on the reward difference h)
     sorts_step: bool = False  # couples the pairs of a step: needs the step's log-probs before the backward
     mean_logps: bool = False  # its implicit reward is beta x the per-token mean log-prob: logged so, as TRL logs it
+    prompt_nll: bool = False  # its NLL term covers the chosen sequence's prompt too: batches carry prompt targets
 
 
 LOSS_TRAITS: dict[str, LossTraits] = {
@@ -63,7 +64,7 @@ LOSS_TRAITS: dict[str, LossTraits] = {
     "sft": LossTraits(needs_reference=False, f_divergence=True),
     "simpo": LossTraits(needs_reference=False, mean_logps=True),
     "cpo": LossTraits(needs_reference=False),
-    "orpo": LossTraits(needs_reference=False, mean_logps=True),
+    "orpo": LossTraits(needs_reference=False, mean_logps=True, prompt_nll=True),
 }
 def mean_logp_rewards(names) -> bool:
     """Whether the losses `names` log their log-probs and rewards as per-token means (beta x mean log-prob), as TRL's
@@ -71,6 +72,12 @@ def mean_logp_rewards(names) -> bool:
     trainers do."""
     traits = [LOSS_TRAITS[n] for n in names]
     return any(t.mean_logps for t in traits) and not any(t.needs_reference for t in traits)
+
+
+def needs_prompt_targets(names) -> bool:
+    """Whether the losses `names` need the prompt tokens' log-probs (ORPO's NLL, over prompt + chosen as in TRL's
+    ORPOTrainer). Without such a loss the batches carry no prompt targets and the output head sees none."""
+    return any(LOSS_TRAITS[n].prompt_nll for n in names)
 
 
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
@@ -269,8 +276,8 @@ class TrainConfig(DataReading, ModelSection):
     discopop_tau: float = _f(0.05, "DiscoPOP temperature tau.")
     simpo_gamma: float = _f(0.5, "SimPO target reward margin gamma.")
     cpo_alpha: float = _f(1.0, "CPO: weight of the NLL(chosen) term.")
-    orpo_alpha: float = _f(0.1, "ORPO: weight lambda of the odds-ratio term. Its NLL term is the token mean over the "
-                           "step's chosen completions (TRL's ORPOTrainer counts the prompt's tokens too).")
+    orpo_alpha: float = _f(0.1, "ORPO: weight lambda of the odds-ratio term. Its NLL term is TRL's ORPOTrainer's: the "
+                           "token mean over the step's chosen sequences, prompt and completion.")
     beta_schedule: str = _f("constant", "constant|kl_adaptive: lower beta while the policy drifts far from the reference.")
     beta_kl_target: float = _f(0.5, "kl_adaptive: drift (mean |log-ratio| per token, nats) above which beta is lowered.")
     beta_kl_window: int = _f(100, "kl_adaptive: optimizer steps in the running mean of the drift.")

@@ -7,6 +7,9 @@ The packed layout of one pair (DESIGN §1):
     segment   0          | 1            | 2
 
 Targets: c0 and r0 are predicted by the hidden state of p(P-1); c_i by c_(i-1); r_i by r_(i-1).
+Prompt targets, only when asked for (`prompt_targets`: a loss whose NLL covers the prompt, ORPO): p_i (i >= 1) by
+p_(i-1), once per pair (the prompt is shared by both sequences). p0, the first token of the sequence, is never
+predicted.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ class PairBatch:
       lengths (2B,) long completion tokens per sequence; index (B,) long dataset row of each pair.
     Packed layout only: pair_lengths, on the host, (prompt, chosen, rejected) tokens of each pair in packed order
       (the attention backends that take sequence offsets build them from it without reading the device).
+    Prompt targets (both layouts, None unless the batch was built with `prompt_targets`): prompt_src (M,) long
+      indexes the flattened hidden states that predict the M prompt tokens `prompt_tgt` (M,) (p_i by p_(i-1),
+      i >= 1; in the padded layout from the chosen rows); prompt_pair (M,) long maps each to its pair;
+      prompt_lengths (B,) long counts them per pair (prompt tokens - 1, or 0 without a prompt).
     """
 
     input_ids: torch.Tensor
@@ -46,6 +53,10 @@ class PairBatch:
     segments: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     pair_lengths: tuple[tuple[int, int, int], ...] | None = None
+    prompt_src: torch.Tensor | None = None
+    prompt_tgt: torch.Tensor | None = None
+    prompt_pair: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -108,8 +119,32 @@ def _targets(start: int, plen: int, clen: int, c_start: int, first_src: int) -> 
     return src[1:], list(range(1, clen))  # no state predicts the first token of an unprompted completion
 
 
-def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int = 0) -> PairBatch:
-    """Lay out pairs as [prompt | chosen | rejected] runs in one row, padded with filler up to a multiple."""
+class _PromptTargets:
+    """Prompt targets collected pair by pair: p_i predicted by the state at flattened index start + i - 1."""
+
+    def __init__(self, num_pairs: int):
+        self.src: list[int] = []
+        self.tgt: list[int] = []
+        self.pair: list[int] = []
+        self.lengths = [0] * num_pairs
+
+    def add(self, i: int, prompt: list[int], start: int) -> None:
+        n = max(len(prompt) - 1, 0)
+        self.src += range(start, start + n)
+        self.tgt += prompt[1:]
+        self.pair += [i] * n
+        self.lengths[i] = n
+
+    def fields(self) -> dict:
+        t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        return dict(prompt_src=t(self.src), prompt_tgt=t(self.tgt), prompt_pair=t(self.pair),
+                    prompt_lengths=t(self.lengths))
+
+
+def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int = 0,
+               prompt_targets: bool = False) -> PairBatch:
+    """Lay out pairs as [prompt | chosen | rejected] runs in one row, padded with filler up to a multiple; with
+    `prompt_targets`, the prompt tokens' targets too."""
     ids: list[int] = []
     pos: list[int] = []
     pid: list[int] = []
@@ -119,8 +154,11 @@ def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int
     seq: list[int] = []
     b = len(pairs)
     lengths = [0] * (2 * b)
+    prompt = _PromptTargets(b) if prompt_targets else None
     for i, p in enumerate(pairs):
         start, plen, clen, rlen = len(ids), len(p.prompt), len(p.chosen), len(p.rejected)
+        if prompt is not None:
+            prompt.add(i, p.prompt, start)
         ids += p.prompt + p.chosen + p.rejected
         pos += list(range(plen + clen)) + list(range(plen, plen + rlen))
         pid += [i] * (plen + clen + rlen)
@@ -148,11 +186,13 @@ def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int
         pair_ids=torch.tensor(pid, dtype=torch.int32),
         segments=torch.tensor(seg, dtype=torch.int8),
         pair_lengths=tuple((len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs),
+        **(prompt.fields() if prompt is not None else {}),
     )
 
 
-def pad_pairs(pairs: list[TokenizedPair], pad_id: int = 0) -> PairBatch:
-    """The conventional layout: 2B right-padded rows, prompt+chosen then prompt+rejected. The reference path."""
+def pad_pairs(pairs: list[TokenizedPair], pad_id: int = 0, prompt_targets: bool = False) -> PairBatch:
+    """The conventional layout: 2B right-padded rows, prompt+chosen then prompt+rejected. The reference path. With
+    `prompt_targets`, the prompt tokens' targets too (from the chosen rows)."""
     b = len(pairs)
     rows = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     width = max(len(r) for r in rows)
@@ -162,10 +202,13 @@ def pad_pairs(pairs: list[TokenizedPair], pad_id: int = 0) -> PairBatch:
     tgt: list[int] = []
     seq: list[int] = []
     lengths = [0] * (2 * b)
+    prompt = _PromptTargets(b) if prompt_targets else None
     for r, row in enumerate(rows):
         ids[r, : len(row)] = torch.tensor(row)
         mask[r, : len(row)] = 1
         p = pairs[r % b]
+        if prompt is not None and r < b:
+            prompt.add(r, p.prompt, r * width)
         comp = p.chosen if r < b else p.rejected
         plen = len(p.prompt)
         first = max(plen, 1)  # the first token of a row is never predicted
@@ -184,4 +227,5 @@ def pad_pairs(pairs: list[TokenizedPair], pad_id: int = 0) -> PairBatch:
         lengths=torch.tensor(lengths, dtype=torch.long),
         index=torch.tensor([p.index for p in pairs], dtype=torch.long),
         attention_mask=mask,
+        **(prompt.fields() if prompt is not None else {}),
     )

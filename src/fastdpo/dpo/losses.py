@@ -3,13 +3,16 @@
 Every loss takes `LossInputs` (per-pair log-probs of policy and reference) and `LossParams` and returns a per-pair
 loss (B,). The training step sums these and divides by the number of pairs in the whole optimizer step. Terms that
 are token means over the step (the NLL of `sft`, `cpo`, `orpo` and `--rpo_alpha`) are therefore written per pair as
--log p(chosen) / tokens_per_pair, with tokens_per_pair the step's chosen tokens divided by its pairs.
+-log p(chosen) / tokens_per_pair, with tokens_per_pair the step's chosen tokens divided by its pairs. ORPO's NLL, as
+TRL's ORPOTrainer takes it, also covers each chosen sequence's prompt (every token after the sequence's first):
+-(log p(prompt) + log p(chosen)) / (tokens_per_pair + prompt_tokens_per_pair).
 
 Notation of the docstrings: pi_c, pi_r are the policy log-probs of chosen and rejected (sums over completion
 tokens; LD-DPO weighted when --ld_alpha < 1); ref_c, ref_r the same under the reference; n_c, n_r the completion
 token counts; lr_c = pi_c - ref_c and lr_r = pi_r - ref_r the log-ratios; s_c = f(lr_c), s_r = f(lr_r) the
 f-divergence scores (f is the identity for the default reverse KL); h = s_c - s_r; ls = log sigmoid; eps the label
-smoothing; beta the KL strength; nll = -pi_c / tokens_per_pair.
+smoothing; beta the KL strength; nll = -pi_c / tokens_per_pair; pi_p the log-prob of the prompt's tokens after its
+first, n_p their count.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class LossInputs:
 
     chosen_nll_logps: plain log-prob sums of chosen (no LD-DPO weighting) for NLL terms; default `policy_chosen`.
     tokens_per_pair: the step's chosen tokens / the step's pairs; default this batch's mean chosen length.
+    prompt_logps, prompt_tokens: each pair's prompt log-prob pi_p and its n_p targets (the prompt's tokens after its
+      first), for NLL terms over prompt + chosen (ORPO); None unless the batch carried prompt targets.
+    prompt_tokens_per_pair: the step's prompt targets / the step's pairs; default this batch's mean n_p.
     pair_weights: WPO weights (detached), multiplying each loss term; None without --use_weighting.
     step: the whole step's log-probs, for losses that sort over it; None means this batch is the whole step.
     """
@@ -58,6 +64,9 @@ class LossInputs:
     tokens_per_pair: float | torch.Tensor | None = None
     pair_weights: torch.Tensor | None = None
     step: StepView | None = None
+    prompt_logps: torch.Tensor | None = None
+    prompt_tokens: torch.Tensor | None = None
+    prompt_tokens_per_pair: float | torch.Tensor | None = None
 
 
 @dataclass
@@ -122,6 +131,21 @@ def chosen_nll(x: LossInputs) -> torch.Tensor:
     if per_pair is None:
         per_pair = x.chosen_tokens.sum() / x.chosen_tokens.numel()
     return -logp / per_pair
+
+
+def sequence_nll(x: LossInputs) -> torch.Tensor:
+    """-(pi_p + log p(chosen)) / (tokens_per_pair + prompt_tokens_per_pair): summed over the step and divided by its
+    pairs, the token-mean NLL of the step's chosen sequences, prompt and completion, every token after a sequence's
+    first (TRL's ORPOTrainer: cross-entropy over the chosen rows' [prompt | chosen] tokens)."""
+    assert x.prompt_logps is not None and x.prompt_tokens is not None, "the batch carries no prompt targets"
+    logp = x.chosen_nll_logps if x.chosen_nll_logps is not None else x.policy_chosen
+    per_pair = x.tokens_per_pair
+    if per_pair is None:
+        per_pair = x.chosen_tokens.sum() / x.chosen_tokens.numel()
+    prompt_per_pair = x.prompt_tokens_per_pair
+    if prompt_per_pair is None:
+        prompt_per_pair = x.prompt_tokens.sum() / x.prompt_tokens.numel()
+    return -(x.prompt_logps + logp) / (per_pair + prompt_per_pair)
 
 
 def _mean_logps(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,13 +320,24 @@ def log1mexp(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t < -math.log(2), torch.log1p(-torch.exp(t)), torch.log(-torch.expm1(t)))
 
 
-def orpo_loss(x: LossInputs, p: LossParams) -> torch.Tensor:
-    """ORPO (Hong et al. 2024), reference-free, lambda = --orpo_alpha: with mean log-probs a_c = pi_c / n_c,
-    a_r = pi_r / n_r and the log odds ratio o = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)),
-    loss = nll - lambda ls(o)."""
+def orpo_log_odds(x: LossInputs) -> torch.Tensor:
+    """ORPO's log odds ratio o = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)), a_c = pi_c / n_c, a_r = pi_r / n_r."""
     a_c, a_r = _mean_logps(x)
-    log_odds = (a_c - a_r) - (log1mexp(a_c) - log1mexp(a_r))
-    return chosen_nll(x) - p.orpo_alpha * F.logsigmoid(log_odds)
+    return (a_c - a_r) - (log1mexp(a_c) - log1mexp(a_r))
+
+
+def orpo_loss(x: LossInputs, p: LossParams) -> torch.Tensor:
+    """ORPO (Hong et al. 2024), reference-free, lambda = --orpo_alpha: with the log odds ratio o (`orpo_log_odds`)
+    and TRL's NLL over prompt + chosen (`sequence_nll`), loss = -(pi_p + pi_c) / (tokens_per_pair +
+    prompt_tokens_per_pair) - lambda ls(o)."""
+    return sequence_nll(x) - p.orpo_alpha * F.logsigmoid(orpo_log_odds(x))
+
+
+def orpo_metrics(x: LossInputs, p: LossParams) -> dict[str, torch.Tensor]:
+    """TRL's ORPOTrainer's own metrics, per pair (B,): summed over the step and divided by its pairs, TRL's values.
+    nll_loss: the NLL term; log_odds_ratio: ls(o); log_odds_chosen: o (TRL's names)."""
+    o = orpo_log_odds(x)
+    return {"nll_loss": sequence_nll(x), "log_odds_ratio": F.logsigmoid(o), "log_odds_chosen": o}
 
 
 @dataclass(frozen=True)
@@ -312,6 +347,7 @@ class LossSpec:
     f_divergence: bool = False  # defined for every --f_divergence_type (built on the reward difference h)
     sorts_step: bool = False  # couples the pairs of a step: needs the step's log-probs before the backward
     mean_logps: bool = False  # logged as per-token means (see `config.mean_logp_rewards`)
+    prompt_nll: bool = False  # its NLL covers the prompt too: needs prompt targets (`config.needs_prompt_targets`)
 
 
 LOSS_FUNCTIONS: dict[str, Callable[[LossInputs, LossParams], torch.Tensor]] = {
@@ -338,10 +374,33 @@ assert LOSS_FUNCTIONS.keys() == LOSS_TRAITS.keys(), "every loss type of the conf
 LOSSES: dict[str, LossSpec] = {name: LossSpec(fn, **dataclasses.asdict(LOSS_TRAITS[name]))
                                for name, fn in LOSS_FUNCTIONS.items()}
 
+# Metrics a loss logs besides the shared ones, under TRL's names: (names, per-pair values (B,) of each).
+LOSS_METRICS: dict[str, tuple[tuple[str, ...], Callable[[LossInputs, LossParams], dict[str, torch.Tensor]]]] = {
+    "orpo": (("nll_loss", "log_odds_ratio", "log_odds_chosen"), orpo_metrics),
+}
+
+
+def loss_metric_names(terms: list[tuple[str, float]]) -> tuple[str, ...]:
+    """The names `loss_metrics` gives for these loss terms, in order."""
+    return tuple(n for name, _ in terms if name in LOSS_METRICS for n in LOSS_METRICS[name][0])
+
+
+def loss_metrics(x: LossInputs, p: LossParams, terms: list[tuple[str, float]]) -> dict[str, torch.Tensor]:
+    """The loss-specific metrics of these terms (unweighted), per pair (B,), detached."""
+    out = {}
+    for name, _ in terms:
+        if name in LOSS_METRICS:
+            with torch.no_grad():
+                out.update(LOSS_METRICS[name][1](x, p))
+    return out
+
 
 def loss_inputs(pol: SeqLogps, ref: SeqLogps | None, lengths: torch.Tensor, ld_alpha: float = 1.0,
-                tokens_per_pair: float | torch.Tensor | None = None, step: StepView | None = None) -> LossInputs:
-    """Per-pair inputs from per-sequence summaries (chosen then rejected, (2B,) each).
+                tokens_per_pair: float | torch.Tensor | None = None, step: StepView | None = None,
+                prompt_lengths: torch.Tensor | None = None,
+                prompt_tokens_per_pair: float | torch.Tensor | None = None) -> LossInputs:
+    """Per-pair inputs from per-sequence summaries (chosen then rejected, (2B,) each). `prompt_lengths` (B,): the
+    prompt targets behind `pol.prompt` (`PairBatch.prompt_lengths`), when the batch carried them.
 
     LD-DPO (Liu et al. 2024): a completion's log-prob counts its first min(n_c, n_r) tokens fully and the rest with
     weight ld_alpha: logp = shared + ld_alpha (sum - shared); ld_alpha = 1 is plain DPO. WPO (Zhou et al. 2024,
@@ -357,7 +416,8 @@ def loss_inputs(pol: SeqLogps, ref: SeqLogps | None, lengths: torch.Tensor, ld_a
     return LossInputs(
         pol_lp[:b], pol_lp[b:], ref_lp[:b] if ref_lp is not None else None, ref_lp[b:] if ref_lp is not None else None,
         lengths[:b], lengths[b:], chosen_nll_logps=pol.sums[:b], tokens_per_pair=tokens_per_pair,
-        pair_weights=weights, step=step,
+        pair_weights=weights, step=step, prompt_logps=pol.prompt,
+        prompt_tokens=prompt_lengths if pol.prompt is not None else None, prompt_tokens_per_pair=prompt_tokens_per_pair,
     )
 
 

@@ -72,7 +72,8 @@ class Reference:
 
     @torch.no_grad()
     def logps(self, policy, batch: PairBatch, backend: Backend, mask=None) -> SeqLogps | None:
-        """Reference `SeqLogps` of the batch's sequences, or None when reference-free."""
+        """Reference `SeqLogps` of the batch's sequences, or None when reference-free. The reference's log-probs
+        are those of the completions only: a batch's prompt targets (ORPO's NLL) are left out."""
         if self.strategy == "none":
             return None
         if self.strategy == "precompute":
@@ -81,11 +82,11 @@ class Reference:
             return self.runner(batch, mask)
         if self.strategy == "adapter_off":
             with policy.disable_adapter():
-                return completion_logps(policy, batch, backend, mask)
+                return completion_logps(policy, batch, backend, mask, prompt=False)
         if self.strategy == "ref_adapter":
             with active_adapter(policy, REF_ADAPTER):
-                return completion_logps(policy, batch, backend, mask)
-        return completion_logps(self.model, batch, backend, mask)
+                return completion_logps(policy, batch, backend, mask, prompt=False)
+        return completion_logps(self.model, batch, backend, mask, prompt=False)
 
     @torch.no_grad()
     def sync(self, policy, alpha: float) -> None:

@@ -183,15 +183,18 @@ def micro_batch_budget(backend: Backend, budget: int, pairs: list, pairs_per_mic
     return flex_budget(pairs, pairs_per_micro)
 
 
-def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0) -> PairBatch:
+def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device, budget: int = 0,
+               prompt_targets: bool = False) -> PairBatch:
     """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
-    padded to one of a few static lengths (`flex_length`)."""
+    padded to one of a few static lengths (`flex_length`). `prompt_targets`: with the prompt tokens' targets (a loss
+    whose NLL covers the prompt, `config.needs_prompt_targets`)."""
     if backend.name == "padded":
-        batch = pad_pairs(pairs, pad_id)
+        batch = pad_pairs(pairs, pad_id, prompt_targets)
     elif backend.name == "flex":
-        batch = pack_pairs(pairs, flex_length(sum(p.num_tokens for p in pairs), budget, backend.lengths), pad_id)
+        batch = pack_pairs(pairs, flex_length(sum(p.num_tokens for p in pairs), budget, backend.lengths), pad_id,
+                           prompt_targets)
     else:
-        batch = pack_pairs(pairs, 1, pad_id)
+        batch = pack_pairs(pairs, 1, pad_id, prompt_targets)
     return batch.to(device)
 
 
@@ -207,8 +210,9 @@ def build_mask(batch: PairBatch, backend: Backend):
     return batch.attention_mask
 
 
-def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch.Tensor:
-    """(N, H) final hidden states at the positions that predict the N completion targets."""
+def target_hidden(model, batch: PairBatch, backend: Backend, mask=None, src: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, H) final hidden states at the positions that predict the N completion targets (or at the flattened
+    positions `src`)."""
     if mask is None:
         mask = build_mask(batch, backend)
     if backend.name == "varlen":  # no mask: the offsets reach every layer's attention as keyword arguments
@@ -220,7 +224,7 @@ def target_hidden(model, batch: PairBatch, backend: Backend, mask=None) -> torch
         hidden = decoder(model)(
             input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False
         ).last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src if src is None else src)
 
 
 def use_model_attention(model) -> None:

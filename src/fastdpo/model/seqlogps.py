@@ -5,6 +5,8 @@ For each sequence (chosen of pairs 0..B-1, then rejected of pairs 0..B-1, as `Pa
   shared  the sum over its first min(C, R) tokens, the length both completions of its pair share (LD-DPO);
   wpo     mean over its tokens of log p(token) - log sum_v p_v^2 (WPO's aligned, length-normalised log-weight);
           without grad, and only when asked for.
+And per pair (B,), only when the batch carries prompt targets (`PairBatch.prompt_src`, for ORPO's NLL):
+  prompt  log-prob of the prompt's tokens after its first (the prompt shared by both sequences, counted once).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from fastdpo.model.logprobs import sequence_sums, token_log_sum_sq_probs, token_
 
 @dataclass
 class SeqLogps:
-    """(2B,) float32 each; see the module docstring."""
+    """(2B,) float32 each, `prompt` (B,); see the module docstring."""
 
     sums: torch.Tensor
     shared: torch.Tensor
     wpo: torch.Tensor | None = None
+    prompt: torch.Tensor | None = None
 
 
 def token_offsets(seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -53,12 +56,22 @@ def summarise(tok: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
     return SeqLogps(sums, shared, wpo)
 
 
-def completion_logps(model, batch: PairBatch, backend: Backend, mask=None, wpo: bool = False) -> SeqLogps:
-    """One forward of `model` over the batch; `wpo` adds the WPO log-weights (one more no-grad pass over lm_head)."""
-    hidden = target_hidden(model, batch, backend, mask)
+def completion_logps(model, batch: PairBatch, backend: Backend, mask=None, wpo: bool = False,
+                     prompt: bool = True) -> SeqLogps:
+    """One forward of `model` over the batch; `wpo` adds the WPO log-weights (one more no-grad pass over lm_head).
+    The batch's prompt targets, when it carries them and `prompt` is on, go through lm_head in the same pass as the
+    completion targets (`SeqLogps.prompt`); a batch without them costs nothing more."""
+    with_prompt = prompt and batch.prompt_src is not None
+    src = torch.cat([batch.src, batch.prompt_src]) if with_prompt else batch.src
+    tgt = torch.cat([batch.tgt, batch.prompt_tgt]) if with_prompt else batch.tgt
+    hidden = target_hidden(model, batch, backend, mask, src)
     head = output_head(model)
-    tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap)
+    tok = token_logps(hidden, head.weight, tgt, scale=head.scale, softcap=head.softcap)
+    n = batch.tgt.numel()
     sq = None
     if wpo:
-        sq = token_log_sum_sq_probs(hidden.detach(), head.weight.detach(), scale=head.scale, softcap=head.softcap)
-    return summarise(tok, batch.seq, batch.lengths, sq)
+        sq = token_log_sum_sq_probs(hidden[:n].detach(), head.weight.detach(), scale=head.scale, softcap=head.softcap)
+    out = summarise(tok[:n], batch.seq, batch.lengths, sq)
+    if with_prompt:
+        out.prompt = sequence_sums(tok[n:], batch.prompt_pair, batch.num_pairs)
+    return out

@@ -19,11 +19,15 @@ KL_RATIO_FLOOR = 1e-2  # |rewards/chosen| below this counts as this (sign kept):
 class StepMetrics:
     """Sums on the device during a step (no host sync); `finish` divides and reads them once. With `mean_logps`
     (SimPO, ORPO: `config.mean_logp_rewards`), `logps/*` are each completion's per-token mean and the rewards beta x
-    that mean, as TRL logs them; otherwise log-prob sums."""
+    that mean, as TRL logs them; otherwise log-prob sums. `extra` names the loss-specific metrics (ORPO's
+    `nll_loss`, `log_odds_ratio`, `log_odds_chosen`): per-pair values (`add_pair_values`), logged as their mean over
+    the step's pairs."""
 
-    def __init__(self, device: torch.device, mean_logps: bool = False):
+    def __init__(self, device: torch.device, mean_logps: bool = False, extra: tuple[str, ...] = ()):
         self.mean_logps = mean_logps
-        self.sums = torch.zeros(1 + len(PAIR_METRICS) + len(TOKEN_SUMS), dtype=torch.float64, device=device)
+        self.extra = tuple(extra)
+        self.sums = torch.zeros(1 + len(PAIR_METRICS) + len(TOKEN_SUMS) + len(self.extra), dtype=torch.float64,
+                                device=device)
         self.pairs = 0
         self.tokens = 0
         self.has_reference = False
@@ -53,10 +57,18 @@ class StepMetrics:
             (pol_c - ref_c).sum() if ref_c is not None else zero, (pol_r - ref_r).sum() if ref_r is not None else zero,
             pol_c.sum(), pol_r.sum(), len_c.sum().to(pol_c.dtype), len_r.sum().to(pol_r.dtype),
         ])
-        self.sums += vals.double()
+        self.sums[: vals.numel()] += vals.double()
         self.pairs += int(pol_c.numel())
         self.tokens += num_tokens
         self.has_reference = self.has_reference or ref_c is not None
+
+    @torch.no_grad()
+    def add_pair_values(self, values: dict[str, torch.Tensor]) -> None:
+        """Per-pair values (B,) of the `extra` metrics for one micro-batch (its pairs are counted by `add`)."""
+        assert set(values) == set(self.extra), (sorted(values), self.extra)
+        if values:
+            base = 1 + len(PAIR_METRICS) + len(TOKEN_SUMS)
+            self.sums[base:] += torch.stack([values[name].sum() for name in self.extra]).double()
 
     def count_batch(self, batch) -> None:
         """One micro-batch run by this rank (zero-weight ones too: they cost the same)."""
@@ -68,7 +80,9 @@ class StepMetrics:
         out = {"loss": v[0]}
         for name, s in zip(PAIR_METRICS, v[1:]):
             out[name] = s / max(1, self.pairs)
-        lr_c, lr_r, s_c, s_r, n_c, n_r = v[1 + len(PAIR_METRICS):]
+        lr_c, lr_r, s_c, s_r, n_c, n_r = v[1 + len(PAIR_METRICS): 1 + len(PAIR_METRICS) + len(TOKEN_SUMS)]
+        for name, s in zip(self.extra, v[1 + len(PAIR_METRICS) + len(TOKEN_SUMS):]):
+            out[name] = s / max(1, self.pairs)
         if n_c and n_r:
             out["logps/chosen_per_token"] = s_c / n_c
             out["logps/rejected_per_token"] = s_r / n_r

@@ -24,32 +24,34 @@ class LogpsModule(torch.nn.Module):
     """`completion_logps` as one module forward: DDP and FSDP2 attach their hooks to module calls, and our forward
     runs the decoder and then reads the output head's weight directly (chunked log-probs), so the whole
     computation must sit inside one call. Parameters are the wrapped model's (FQNs gain a `model.` prefix).
-    Returns a tuple (the wrappers find tensors in tuples, not in our dataclass); `policy_logps` rebuilds SeqLogps.
-    `reference` runs the LoRA reference on this same module without grad: `adapter_off` or `ref_adapter`."""
+    Returns a tuple of the SeqLogps fields in order (the wrappers find tensors in tuples, not in our dataclass);
+    `policy_logps` rebuilds SeqLogps. `reference` runs the LoRA reference on this same module without grad:
+    `adapter_off` or `ref_adapter` (the reference needs no prompt targets: no NLL is taken of it)."""
 
     def __init__(self, model: torch.nn.Module, backend):
         super().__init__()
         self.model = model
         self.backend = backend
 
-    def forward(self, batch, mask, wpo: bool = False, reference: str = ""):
+    def forward(self, batch, mask, wpo: bool = False, reference: str = "", prompt: bool = True):
         from fastdpo.dpo.reference import REF_ADAPTER, active_adapter
         from fastdpo.model.seqlogps import completion_logps
 
         if not reference:
-            out = completion_logps(self.model, batch, self.backend, mask, wpo)
+            out = completion_logps(self.model, batch, self.backend, mask, wpo, prompt)
         else:
             off = reference == "adapter_off"
             with torch.no_grad(), (self.model.disable_adapter() if off else active_adapter(self.model, REF_ADAPTER)):
-                out = completion_logps(self.model, batch, self.backend, mask, wpo)
-        return out.sums, out.shared, out.wpo
+                out = completion_logps(self.model, batch, self.backend, mask, wpo, prompt=False)
+        return out.sums, out.shared, out.wpo, out.prompt
 
 
-def policy_logps(module: torch.nn.Module, batch, mask, wpo: bool = False, reference: str = ""):
-    """SeqLogps of a batch through a LogpsModule, plain or wrapped in DDP / FSDP2."""
+def policy_logps(module: torch.nn.Module, batch, mask, wpo: bool = False, reference: str = "", prompt: bool = True):
+    """SeqLogps of a batch through a LogpsModule, plain or wrapped in DDP / FSDP2 (`prompt`: with the batch's prompt
+    targets, when it carries them)."""
     from fastdpo.model.seqlogps import SeqLogps
 
-    return SeqLogps(*module(batch, mask, wpo, reference))
+    return SeqLogps(*module(batch, mask, wpo, reference, prompt))
 
 
 def _sum_across_ranks(widen: bool, bucket):
@@ -156,7 +158,7 @@ def wrap_models(model: torch.nn.Module, reference, backend, d: Dist) -> torch.nn
     if reference.strategy in ("copy", "separate"):
         ref = LogpsModule(reference.model, backend)
         _shard(ref, d, reshard=True, training=False)
-        reference.runner = functools.partial(policy_logps, ref)
+        reference.runner = functools.partial(policy_logps, ref, prompt=False)
     elif reference.strategy in ("adapter_off", "ref_adapter"):
         reference.runner = functools.partial(policy_logps, policy, reference=reference.strategy)
     return policy

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from fastdpo.config import mean_logp_rewards
+from fastdpo.config import mean_logp_rewards, needs_prompt_targets
 from fastdpo.data.load import Row
 from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
-from fastdpo.dpo.losses import LOSSES, LossInputs, LossParams, loss_inputs, loss_params, total_loss
+from fastdpo.dpo.losses import LOSSES, LossInputs, LossParams, loss_inputs, loss_metrics, loss_params, total_loss
 from fastdpo.dpo.reference import REF_ADAPTER, Reference, active_adapter, precomputed_table
 from fastdpo.model.backend import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
 from fastdpo.model.logprobs import _chunk_logits
@@ -45,33 +45,35 @@ def held_out_reference(cfg, policy, device, pairs: list[TokenizedPair], rows: li
     return Reference("precompute", table=precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id))
 
 
-def _batches(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device, max_tokens: int, batch_size: int):
+def _batches(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device, max_tokens: int, batch_size: int,
+             prompt_targets: bool = False):
     for group in split_micro_batches(pairs, max_tokens, batch_size):
-        batch = make_batch(group, backend, pad_id, device, max_tokens)
+        batch = make_batch(group, backend, pad_id, device, max_tokens, prompt_targets)
         yield batch, build_mask(batch, backend)
 
 
 LOSS_INPUT_FIELDS = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected", "chosen_tokens",
-                     "rejected_tokens", "chosen_nll_logps", "pair_weights")
+                     "rejected_tokens", "chosen_nll_logps", "pair_weights", "prompt_logps", "prompt_tokens")
 
 
 @torch.no_grad()
 def pair_logps(model, reference: Reference, pairs: list[TokenizedPair], backend: Backend, pad_id: int, device,
                max_tokens: int = 0, batch_size: int = 8, ld_alpha: float = 1.0, wpo: bool = False,
-               policy_forward=None) -> LossInputs:
+               policy_forward=None, prompt_targets: bool = False) -> LossInputs:
     """The loss inputs of every pair, policy and reference (None when there is none), through the training forward
     (`completion_logps`, `Reference.logps`) in eval mode: one `LossInputs` over all pairs (micro-batch order, on the
     CPU), so losses that rank pairs see the whole set. `policy_forward(batch, mask, wpo)`: the training module's
-    forward instead of `model`'s own (under DDP/FSDP2 the forward must go through the wrapped module)."""
+    forward instead of `model`'s own (under DDP/FSDP2 the forward must go through the wrapped module).
+    `prompt_targets`: with the prompt tokens' log-probs, for a loss whose NLL covers the prompt (ORPO)."""
     parts = []
     with _eval_mode(model):
-        for batch, mask in _batches(pairs, backend, pad_id, device, max_tokens, batch_size):
+        for batch, mask in _batches(pairs, backend, pad_id, device, max_tokens, batch_size, prompt_targets):
             if policy_forward is not None:
                 pol = policy_forward(batch, mask, wpo)
             else:
                 pol = completion_logps(model, batch, backend, mask, wpo=wpo)
             ref = reference.logps(model, batch, backend, mask)
-            parts.append(loss_inputs(pol, ref, batch.lengths, ld_alpha))
+            parts.append(loss_inputs(pol, ref, batch.lengths, ld_alpha, prompt_lengths=batch.prompt_lengths))
 
     def cat(name: str):
         values = [getattr(x, name) for x in parts]
@@ -96,7 +98,8 @@ def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str,
     log-prob sums (beta x policy without a reference); accuracy counts pairs whose chosen reward is strictly larger.
     `loss` is the training loss over the set (`total_loss` of the weighted terms, plus RPO, averaged over pairs);
     it is left out when a term needs a reference and there is none. SimPO and ORPO (`mean_logp_rewards`) report
-    per-token mean log-probs and beta x those means, reference-free, as TRL does."""
+    per-token mean log-probs and beta x those means, reference-free, as TRL does; ORPO adds TRL's `nll_loss`,
+    `log_odds_ratio` and `log_odds_chosen` (means over the set: the NLL a token mean over its chosen sequences)."""
     beta = float(params.beta)
     has_ref = x.ref_chosen is not None
     lp_c, lp_r = x.policy_chosen, x.policy_rejected
@@ -116,6 +119,7 @@ def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str,
         "logps/chosen": float(lp_c.mean()),
         "logps/rejected": float(lp_r.mean()),
     })
+    out.update({name: float(v.mean()) for name, v in loss_metrics(x, params, terms).items()})
     return out
 
 
@@ -245,7 +249,7 @@ class TrainingEval:
 
         x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
                        cfg.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
-                       functools.partial(policy_logps, s.policy))
+                       functools.partial(policy_logps, s.policy), needs_prompt_targets(n for n, _ in s.loss_terms))
         metrics = preference_metrics(x, loss_params(cfg, s.beta.value()), s.loss_terms, cfg.rpo_alpha)
         dt = time.perf_counter() - t0
         record = {"step": step, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()},

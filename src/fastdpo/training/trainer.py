@@ -11,10 +11,20 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function as phase  # names the loop's phases in --profile_steps traces
 
-from fastdpo.config import TrainConfig, mean_logp_rewards
+from fastdpo.config import TrainConfig, mean_logp_rewards, needs_prompt_targets
 from fastdpo.data.pack import step_order
 from fastdpo.data.tokenize import TokenizedPair
-from fastdpo.dpo.losses import LOSSES, StepView, at, loss_inputs, loss_params, step_view, total_loss
+from fastdpo.dpo.losses import (
+    LOSSES,
+    StepView,
+    at,
+    loss_inputs,
+    loss_metric_names,
+    loss_metrics,
+    loss_params,
+    step_view,
+    total_loss,
+)
 from fastdpo.model.backend import FLEX_PAD, build_mask, flex_length, make_batch
 from fastdpo.model.memory import offloading
 from fastdpo.observe.metrics import StepMetrics
@@ -41,6 +51,16 @@ def attended_pairs(p: TokenizedPair) -> int:
 def chosen_targets(p: TokenizedPair) -> int:
     """Predicted chosen tokens: no state predicts the first token of an unprompted completion."""
     return len(p.chosen) - (len(p.prompt) == 0)
+
+
+def prompt_targets(p: TokenizedPair) -> int:
+    """Predicted prompt tokens (for an NLL over prompt + chosen): every one after the first."""
+    return max(len(p.prompt) - 1, 0)
+
+
+def with_prompt_targets(s: Setup) -> bool:
+    """Whether this run's loss needs the prompt tokens' log-probs (ORPO); otherwise batches carry none."""
+    return needs_prompt_targets(name for name, _ in s.loss_terms)
 
 
 @torch.no_grad()
@@ -74,7 +94,7 @@ def warm_up_lengths(s: Setup) -> int:
     for length in lengths:
         n = length - FLEX_PAD // 2
         pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
-        batch = make_batch([pair], s.backend, pad_id(s.tokenizer), s.device, budget)
+        batch = make_batch([pair], s.backend, pad_id(s.tokenizer), s.device, budget, with_prompt_targets(s))
         mask = build_mask(batch, s.backend)
         if s.reference.online:  # its no-grad forward compiles graphs of its own
             s.reference.logps(s.model, batch, s.backend, mask)
@@ -96,8 +116,11 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
     n_pairs = len(step_pairs)  # the whole step, all ranks
     beta = s.beta.value()
     params = loss_params(cfg, beta)
-    # NLL terms are token means over the step's chosen tokens, written per pair like every other term
+    # NLL terms are token means over the step's chosen tokens, written per pair like every other term; ORPO's also
+    # counts the prompt targets (TRL's ORPOTrainer takes its NLL over prompt + chosen)
     tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
+    prompt = with_prompt_targets(s)
+    prompt_per_pair = sum(prompt_targets(p) for p in step_pairs) / n_pairs if prompt else None
     groups = rank_micro_batches(step_pairs, d.rank, d.world_size, cfg.max_tokens_per_batch,
                                 cfg.per_device_train_batch_size)
     view, refs, offset = None, None, 0
@@ -107,7 +130,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
         real = bool(group)  # an empty share still runs (zero-weighted) so every rank joins the same collectives
         with phase("fastdpo.pack"):
             batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device,
-                               cfg.max_tokens_per_batch)
+                               cfg.max_tokens_per_batch, prompt)
             b = batch.num_pairs
             mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
             metrics.count_batch(batch)
@@ -117,7 +140,8 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
             with phase("fastdpo.loss"):
                 ref = refs[i] if refs is not None else s.reference.logps(s.model, batch, s.backend, mask)
                 in_step = at(view, offset if real else 0, b) if view is not None else None
-                x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step)
+                x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step, batch.prompt_lengths,
+                                prompt_per_pair)
                 # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
                 loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
                 if not real:
@@ -128,6 +152,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
             s.beta.observe(x)
             metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
                         x.ref_rejected, sum(p.num_tokens for p in group), x.chosen_tokens, x.rejected_tokens)
+            metrics.add_pair_values(loss_metrics(x, params, s.loss_terms))
             offset += b
 
 
@@ -180,7 +205,8 @@ class Trainer:
         s, cfg = self.s, self.cfg
         step_pairs = self.next_pairs() if pairs is None else pairs
         self.current_pairs = step_pairs
-        metrics = StepMetrics(s.device, mean_logp_rewards(name for name, _ in s.loss_terms))
+        metrics = StepMetrics(s.device, mean_logp_rewards(name for name, _ in s.loss_terms),
+                              loss_metric_names(s.loss_terms))
         beta = s.beta.value()
         run_step(s, step_pairs, metrics)
         tokens = sum(p.num_tokens for p in step_pairs)

@@ -13,8 +13,8 @@ from fastdpo.data.template import BUILTIN_TEMPLATES
 from fastdpo.errors import FastDPOError
 
 NLL_PER_ANSWER = ("is the mean over pairs of each chosen answer's per-token NLL; fastdpo's NLL term (--rpo_alpha, as "
-                  "TRL's, and ORPO's) is the per-token NLL over all chosen completion tokens of the step, which "
-                  "weighs long answers more.")
+                  "TRL's) is the per-token NLL over all chosen completion tokens of the step, which weighs long "
+                  "answers more (ORPO's, as TRL's ORPOTrainer, also counts the chosen sequences' prompt tokens).")
 
 Apply = Callable[[Any, dict], "str | None"]
 
