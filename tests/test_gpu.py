@@ -348,7 +348,7 @@ def test_training_without_a_budget_builds_few_flex_lengths(tmp_path, model_dirs)
     attention._compiled_flex.cache_clear()
     cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
                       max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=4, max_length=4096,
-                      disable_progress=True, device="cuda", save_steps=0)
+                      disable_progress=True, device="cuda", save_steps=0, attn_impl="flex")
     train(cfg, progress=False)
     assert cfg.max_tokens_per_batch > 0
     graphs = len(_debug_get_cache_entry_list(flex_attention.__code__))

@@ -13,7 +13,8 @@ Each policy keeps a known share of those parts:
 The peak is then the memory held now (weights, the reference), the gradients and AdamW's two moments of the
 trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
 with a 10 % margin for the allocator, plus 0.5 GiB. When not even full checkpointing fits the largest micro-batch of
---per_device_train_batch_size pairs, a token budget (--max_tokens_per_batch) is set that does."""
+--per_device_train_batch_size pairs, a token budget (--max_tokens_per_batch) is set that does (at least the longest
+pair; a warning when even that is estimated not to fit)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from fastdpo.data.tokenize import TokenizedPair
-from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import build_mask, make_batch
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.logprobs import DEFAULT_CHUNK
@@ -142,7 +142,8 @@ class Fit:
 def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest: int, budget: int,
                longest: int) -> Fit:
     """The fastest candidate whose estimated peak fits `limit` bytes at the largest micro-batch; else full
-    checkpointing under a token budget that fits (never below the longest pair: that one is an error)."""
+    checkpointing under a token budget that fits (never below the longest pair, warned when even that is estimated
+    not to fit)."""
 
     def peak(policy: str, tokens: int) -> float:
         return static + head + act.per_token(policy) * tokens * MARGIN + HEADROOM_GIB * 2**30
@@ -153,12 +154,13 @@ def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest
             return Fit(policy, budget, estimates)
     room = (limit - HEADROOM_GIB * 2**30 - static - head) / MARGIN
     fits = int(room // act.per_token("full")) // 256 * 256 if room > 0 else 0
-    if fits < longest:
-        raise FastDPOError(
-            f"Out of memory before the first step: the longest pair ({longest} tokens) needs about "
-            f"{peak('full', longest) / 2**30:.1f} GiB with full checkpointing, and {limit / 2**30:.1f} GiB are "
-            "available. Use --train_type lora (or qlora), a lower --max_length, --precompute_ref_log_probs, or "
-            "shard the model over several GPUs (--fsdp / --deepspeed zero3, --sequence_parallel_size).")
+    if fits < longest:  # the estimate errs high: try with the least activation memory, and let a real OOM speak
+        log.warning("Memory: the longest pair (%d tokens) is estimated to need about %.1f GiB with full checkpointing, "
+                    "and %.1f GiB are available; training with full checkpointing, one pair per micro-batch at worst. "
+                    "If it runs out of memory: --train_type lora (or qlora), a lower --max_length, "
+                    "--precompute_ref_log_probs, or several GPUs (--deepspeed zero3, --sequence_parallel_size).",
+                    longest, peak("full", longest) / 2**30, limit / 2**30)
+        return Fit("full", -(-longest // 256) * 256, estimates)
     return Fit("full", fits if budget <= 0 else min(budget, fits), estimates)
 
 
