@@ -33,6 +33,8 @@ class PairBatch:
       lengths (2B,) long completion tokens per sequence; index (B,) long dataset row of each pair.
     Packed layout only: pair_lengths, on the host, (prompt, chosen, rejected) tokens of each pair in packed order
       (the attention backends that take sequence offsets build them from it without reading the device).
+    A shard of a packed row (sequence parallelism: some of its tokens, some of its targets) also has offsets (N,)
+      long, each target's position within its sequence in the whole row; lengths stay the whole row's.
     """
 
     input_ids: torch.Tensor
@@ -46,6 +48,7 @@ class PairBatch:
     segments: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     pair_lengths: tuple[tuple[int, int, int], ...] | None = None
+    offsets: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:

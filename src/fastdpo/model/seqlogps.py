@@ -39,12 +39,14 @@ def token_offsets(seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
 
 
 def summarise(tok: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
-              log_sum_sq: torch.Tensor | None = None) -> SeqLogps:
-    """Per-token log-probs (N,) -> per-sequence `SeqLogps`. `lengths` (2B,) counts each sequence's tokens."""
+              log_sum_sq: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> SeqLogps:
+    """Per-token log-probs (N,) -> per-sequence `SeqLogps`. `lengths` (2B,) counts each sequence's tokens;
+    `offsets` (N,), each token's position within its sequence, when the tokens are only some of the sequences'
+    (a shard: the sums are then partial, completed across the shards by their sum)."""
     n = lengths.numel()
     b = n // 2
     shared_len = torch.minimum(lengths[:b], lengths[b:]).repeat(2)
-    in_shared = token_offsets(seq, n) < shared_len[seq]
+    in_shared = (token_offsets(seq, n) if offsets is None else offsets) < shared_len[seq]
     sums = sequence_sums(tok, seq, n)
     shared = sequence_sums(torch.where(in_shared, tok, torch.zeros_like(tok)), seq, n)
     wpo = None
@@ -54,11 +56,15 @@ def summarise(tok: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
 
 
 def completion_logps(model, batch: PairBatch, backend: Backend, mask=None, wpo: bool = False) -> SeqLogps:
-    """One forward of `model` over the batch; `wpo` adds the WPO log-weights (one more no-grad pass over lm_head)."""
+    """One forward of `model` over the batch; `wpo` adds the WPO log-weights (one more no-grad pass over lm_head).
+    A mask with a `complete` method (sequence parallelism: the batch is this rank's shard of a row) turns the
+    shard's partial sums into the whole row's."""
     hidden = target_hidden(model, batch, backend, mask)
     head = output_head(model)
     tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap)
     sq = None
     if wpo:
         sq = token_log_sum_sq_probs(hidden.detach(), head.weight.detach(), scale=head.scale, softcap=head.softcap)
-    return summarise(tok, batch.seq, batch.lengths, sq)
+    out = summarise(tok, batch.seq, batch.lengths, sq, batch.offsets)
+    complete = getattr(mask, "complete", None)
+    return complete(out) if complete is not None else out

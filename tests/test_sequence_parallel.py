@@ -1,0 +1,319 @@
+"""Sequence parallelism: the zig-zag shard and its targets, the ring's block merge against full attention (one
+process, chunks simulated), both attention modes on gloo ranks against the full-row attention (outputs and
+gradients), and training on 2 and 4 CPU ranks (SP 2, SP 4, SP 2 x DP 2; Ulysses and ring) that matches one
+process; LoRA, FFN checkpointing, resume on one process, the launcher, the errors, and the activation memory."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_pairs
+from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_on_ranks, run_ranks, weights
+
+from fastdpo.config import TrainConfig
+from fastdpo.data.pack import pack_pairs
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.errors import FastDPOError
+from fastdpo.model.attention import dense_mask
+from fastdpo.model.seqlogps import summarise, token_offsets
+from fastdpo.parallel import sequence
+from fastdpo.parallel.distributed import check_sequence_parallel_size
+from fastdpo.training.loop import train
+
+
+def lengths_pairs(lengths: list[tuple[int, int, int]], vocab: int = 50, seed: int = 0) -> list[TokenizedPair]:
+    r = random.Random(seed)
+    return [TokenizedPair(*([r.randrange(4, vocab) for _ in range(n)] for n in plc), index=i)
+            for i, plc in enumerate(lengths)]
+
+
+# pair layouts whose prompt/chosen/rejected boundaries fall on chunk borders (multiples of 2, 4) and off them
+LAYOUTS = [
+    [(2, 2, 2), (2, 2, 4)],  # every boundary on an even border
+    [(3, 2, 3), (1, 4, 1), (5, 1, 2)],  # off the borders
+    [(7, 3, 5)],  # one pair across every chunk
+    [(1, 1, 1), (9, 6, 2), (2, 5, 7)],
+]
+
+
+def padded_row(pairs, n: int):
+    return sequence.pad_row(pack_pairs(pairs), 2 * n)
+
+
+# ---------------------------------------------------------------- the shard
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_zigzag_shards_hold_every_token_and_target_once(n):
+    for layout in [*LAYOUTS, None]:
+        pairs = lengths_pairs(layout) if layout else random_pairs(5, 50, seed=n)
+        full = padded_row(pairs, n)
+        t = full.num_tokens
+        assert t % (2 * n) == 0 and t - pack_pairs(pairs).num_tokens < 2 * n
+        held, targets = [], []
+        offsets = token_offsets(full.seq, full.lengths.numel())
+        for r in range(n):
+            idx = sequence.zigzag_index(t, n, r)
+            c = t // (2 * n)
+            assert idx.tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * n - 1 - r) * c, (2 * n - r) * c))
+            part = sequence.shard_batch(full, n, r)
+            assert torch.equal(part.input_ids[0], full.input_ids[0, idx])
+            assert torch.equal(part.position_ids[0], full.position_ids[0, idx])
+            held += idx.tolist()
+            # each kept target, its source mapped back to the row, is a target of the whole row
+            for s, tg, sq, off in zip(idx[part.src].tolist(), part.tgt.tolist(), part.seq.tolist(),
+                                      part.offsets.tolist()):
+                targets.append((s, tg, sq, off))
+        assert sorted(held) == list(range(t))
+        assert sorted(targets) == sorted(zip(full.src.tolist(), full.tgt.tolist(), full.seq.tolist(),
+                                             offsets.tolist()))
+
+
+def test_shard_sums_add_up_to_the_whole_rows():
+    """sums, shared (LD-DPO: the first min(C, R) tokens, which the cuts split) and wpo of the shards, summed, are the
+    whole row's: each target carries its offset within its sequence in the whole row."""
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 4):
+        full = padded_row(lengths_pairs(LAYOUTS[3]), n)
+        tok = torch.randn(full.tgt.numel(), generator=g)
+        sq = torch.randn(full.tgt.numel(), generator=g)
+        whole = summarise(tok, full.seq, full.lengths, sq)
+        parts = []
+        for r in range(n):
+            who, _ = sequence.owner(full.src, full.num_tokens, n)
+            part = sequence.shard_batch(full, n, r)
+            parts.append(summarise(tok[who == r], part.seq, part.lengths, sq[who == r], part.offsets))
+        for name in ("sums", "shared", "wpo"):
+            torch.testing.assert_close(sum(getattr(p, name) for p in parts), getattr(whole, name))
+        assert not torch.equal(whole.sums, whole.shared)  # the shared prefix is a real cut of these pairs
+
+
+def test_kv_replication_is_the_smallest_factor_that_divides():
+    assert sequence.kv_replication(8, 2, 4) == 2  # 2 kv heads on 4 ranks: 4 copies, 1 per rank
+    assert sequence.kv_replication(8, 8, 4) == 1
+    assert sequence.kv_replication(12, 4, 6) == 3  # lcm(4, 6) = 12 = the query heads
+    assert sequence.kv_replication(4, 1, 2) == 2
+
+
+# ---------------------------------------------------------------- attention against the full row
+
+
+def reference_attention(q, k, v, full, window):
+    """Full-row dense attention in float32, (1, H, T, D) -> (1, H, T, D)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(full, window), enable_gqa=q.shape[1] != k.shape[1])
+
+
+def ring_by_hand(q, k, v, full, n, window):
+    """Every rank's ring, one process: rank r's queries against each rank's key/value chunk, merged; the blocks
+    `ring_blocks` skips left out. Returns the (1, H, T, D) output assembled in row order."""
+    t = full.num_tokens
+    order = torch.cat([sequence.zigzag_index(t, n, j) for j in range(n)])
+    meta = torch.stack([full.pair_ids.long(), full.segments.long(), torch.arange(t), full.position_ids[0]])
+    meta = meta[:, order].view(4, n, t // n).transpose(0, 1)
+    out = torch.empty_like(q[0])
+    scale = q.shape[-1] ** -0.5
+    for r in range(n):
+        mine = sequence.zigzag_index(t, n, r)
+        blocks = sequence.ring_blocks(meta, r, window)
+        assert blocks[0]
+        outs, lses = [], []
+        for s in range(n):
+            if not blocks[s]:
+                continue
+            src = sequence.zigzag_index(t, n, (r - s) % n)
+            o, lse = sequence.block_attention(q[0][:, mine], k[0][:, src], v[0][:, src], meta[r], meta[(r - s) % n],
+                                              window, scale)
+            outs.append(o)
+            lses.append(lse)
+        out[:, mine] = sequence.merge_blocks(outs, lses)
+    return out[None]
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (4, 4, None), (8, 2, 5), (4, 1, 3)])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_blocks_merge_to_full_attention(heads, kv_heads, window, n):
+    g = torch.Generator().manual_seed(heads * 10 + n)
+    for layout in [*LAYOUTS, None]:
+        pairs = lengths_pairs(layout) if layout else random_pairs(6, 50, seed=n)
+        full = padded_row(pairs, n)
+        t = full.num_tokens
+        q = torch.randn(1, heads, t, 8, generator=g, requires_grad=True)
+        k = torch.randn(1, kv_heads, t, 8, generator=g, requires_grad=True)
+        v = torch.randn(1, kv_heads, t, 8, generator=g, requires_grad=True)
+        want = reference_attention(q, k, v, full, window)
+        got = ring_by_hand(q, k, v, full, n, window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        w = torch.randn(want.shape, generator=g)
+        grads_want = torch.autograd.grad((want * w).sum(), (q, k, v))
+        grads_got = torch.autograd.grad((got * w).sum(), (q, k, v))
+        for a, b in zip(grads_got, grads_want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_masked_entirely_gives_no_nan():
+    q_meta = torch.tensor([[0, 0], [0, 0], [0, 1], [0, 1]])  # pair 0 at global 0, 1
+    k_meta = torch.tensor([[1, 1], [0, 0], [2, 3], [0, 1]])  # another pair: nothing visible
+    q = torch.randn(2, 2, 4, requires_grad=True)
+    k = torch.randn(1, 2, 4, requires_grad=True)
+    v = torch.randn(1, 2, 4, requires_grad=True)
+    o, lse = sequence.block_attention(q, k, v, q_meta, k_meta, None, 0.5)
+    assert torch.isfinite(o).all() and (lse < -1e29).all()
+    own = sequence.block_attention(q, k, v, q_meta, q_meta, None, 0.5)
+    merged = sequence.merge_blocks([own[0], o], [own[1], lse])
+    torch.testing.assert_close(merged, own[0])
+    merged.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, window=None):
+        super().__init__()
+        self._fastdpo_window = window
+
+
+def _attention_on_ranks(rank, world, n, mode, heads, kv_heads, window):
+    """Each rank runs the SP attention function on its shard; outputs and input gradients equal the full row's."""
+    import torch.distributed as dist
+
+    from fastdpo.model.backend import Backend
+    from fastdpo.parallel.distributed import Dist, sequence_groups
+
+    d = Dist(rank=rank, world_size=world, mode="ddp", sp_size=n)
+    d.sp_group = sequence_groups(d)
+    d.sp_mode = mode
+    torch.manual_seed(0)  # the same row and inputs on every rank
+    full = padded_row(random_pairs(5, 50, seed=1) + lengths_pairs(LAYOUTS[1]), n)
+    t = full.num_tokens
+    q = torch.randn(1, heads, t, 8, requires_grad=True)
+    k = torch.randn(1, kv_heads, t, 8, requires_grad=True)
+    v = torch.randn(1, kv_heads, t, 8, requires_grad=True)
+    w = torch.randn(1, t, heads, 8)
+    want = reference_attention(q, k, v, full, window).transpose(1, 2)
+    grads_want = torch.autograd.grad((want * w).sum(), (q, k, v))
+    _, mask = sequence.split_micro_batch(full, Backend("dense", window), d)
+    idx = sequence.zigzag_index(t, n, d.sp_rank)
+    fn = sequence.ulysses_attention if mode == "ulysses" else sequence.ring_attention
+    got, _ = fn(_Layer(window), q[:, :, idx], k[:, :, idx], v[:, :, idx], None, **mask.kwargs())
+    torch.testing.assert_close(got, want[:, idx], rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad((got * w[:, idx]).sum(), (q, k, v))
+    for a, b in zip(grads, grads_want):  # each rank's gradient is its share: their sum is the full row's
+        dist.all_reduce(a, group=d.sp_group)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_sequence_parallel_attention_on_gloo_ranks_equals_the_full_row(mode):
+    run_on_ranks(2, _attention_on_ranks, 2, mode, 4, 2, None)
+    run_on_ranks(4, _attention_on_ranks, 4, mode, 4, 2, 3)  # ulysses: 2 kv heads replicated to 4
+    run_on_ranks(4, _attention_on_ranks, 2, mode, 4, 1, None)  # two groups of two
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_what_cannot_be_split_is_a_clear_error(model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.model.backend import Backend
+
+    with pytest.raises(FastDPOError, match="--sequence_parallel_size 2 needs a number of processes it divides.*has 3"):
+        check_sequence_parallel_size(2, 3)
+    with pytest.raises(FastDPOError, match="has 1"):
+        check_sequence_parallel_size(2, 1)
+    check_sequence_parallel_size(2, 4)
+    model = AutoModelForCausalLM.from_pretrained(model_dirs("qwen3"))  # 4 query heads
+    assert sequence.resolve_mode(model, "auto", 2, Backend("dense")) == "ulysses"
+    assert sequence.resolve_mode(model, "auto", 3, Backend("dense")) == "ring"
+    assert sequence.resolve_mode(model, "ring", 2, Backend("dense")) == "ring"
+    with pytest.raises(FastDPOError, match="splits the 4 attention heads over --sequence_parallel_size 3"):
+        sequence.resolve_mode(model, "ulysses", 3, Backend("dense"))
+    with pytest.raises(FastDPOError, match="padded path"):
+        sequence.resolve_mode(model, "auto", 2, Backend("padded"))
+    cfg = TrainConfig(model="m", dataset=["d.jsonl"], sequence_parallel_size=2, attn_impl="padded")
+    with pytest.raises(FastDPOError, match="--attn_impl padded does not use"):
+        cfg.validate()
+    with pytest.raises(FastDPOError, match="--sequence_parallel_mode 'stripes' is not one of"):
+        TrainConfig(model="m", dataset=["d.jsonl"], sequence_parallel_mode="stripes").validate()
+    with pytest.raises(FastDPOError, match="--sequence_parallel_size must be >= 1"):
+        TrainConfig(model="m", dataset=["d.jsonl"], sequence_parallel_size=0).validate()
+
+
+def test_one_process_with_a_group_size_is_refused(tmp_path, model_dirs):
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp_path))], output_dir=str(tmp_path / "o"),
+                      sequence_parallel_size=2, **BASE)
+    with pytest.raises(FastDPOError, match="NPROC_PER_NODE=2"):
+        train(cfg, progress=False)
+
+
+# ---------------------------------------------------------------- training on CPU ranks matches one process
+
+
+KEYS = ("loss", "rewards/margins", "rewards/accuracies", "rewards/chosen", "logps/chosen", "logps/rejected",
+        "grad_norm")
+
+
+def assert_same_run(a, b, atol=1e-5):
+    assert_weights_close(weights(a), weights(b), atol=atol)
+    ma, mb = metrics(a), metrics(b)
+    assert len(ma) == len(mb) == BASE["max_steps"]
+    for x, y in zip(ma, mb):
+        for key in KEYS:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-5), (x["step"], key)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, model_dirs):
+    """One process, 4 pairs x 2 micro-steps per step (the step of every run below)."""
+    tmp = tmp_path_factory.mktemp("sp")
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp))], **BASE)
+    cfg = TrainConfig(output_dir=str(tmp / "one"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      save_steps=3, **common)
+    train(cfg, progress=False)
+    return tmp, common
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_sp2_matches_one_process(one_process, mode):
+    tmp, common = one_process
+    out = tmp / f"sp2-{mode}"
+    run_ranks(2, output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+              sequence_parallel_size=2, sequence_parallel_mode=mode, save_steps=3, **common)
+    assert_same_run(out, tmp / "one")
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_sp4_and_sp2_x_dp2_match_one_process(one_process, mode):
+    """Four ranks: one group of four (Ulysses replicates the 2 key/value heads to 4), then two groups of two, each
+    running half of every step's pairs (the last step's single pair leaves one group a zero-weight micro-step)."""
+    tmp, common = one_process
+    run_ranks(4, timeout=240, output_dir=str(tmp / f"sp4-{mode}"), per_device_train_batch_size=4,
+              gradient_accumulation_steps=2, sequence_parallel_size=4, sequence_parallel_mode=mode, **common)
+    assert_same_run(tmp / f"sp4-{mode}", tmp / "one")
+    run_ranks(4, timeout=240, output_dir=str(tmp / f"sp2dp2-{mode}"), per_device_train_batch_size=2,
+              gradient_accumulation_steps=2, sequence_parallel_size=2, sequence_parallel_mode=mode, **common)
+    assert_same_run(tmp / f"sp2dp2-{mode}", tmp / "one")
+
+
+def test_sp2_checkpoint_resumes_on_one_process(one_process):
+    tmp, common = one_process
+    ck = tmp / "sp2-ring" / "checkpoint-3"
+    if not ck.is_dir():  # the SP 2 ring run writes it; run alone, this test makes its own
+        run_ranks(2, output_dir=str(tmp / "sp2-ring"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  sequence_parallel_size=2, sequence_parallel_mode="ring", save_steps=3, **common)
+    cfg = TrainConfig(output_dir=str(tmp / "resumed"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      resume_from_checkpoint=str(ck), **common)
+    train(cfg, progress=False)
+    assert [r["step"] for r in metrics(tmp / "resumed")] == [4, 5, 6]
+    assert_weights_close(weights(tmp / "resumed"), weights(tmp / "one"), atol=1e-5)
+
+
+def test_one_process_checkpoint_resumes_on_sp2(one_process):
+    tmp, common = one_process
+    out = tmp / "resumed-sp2"
+    run_ranks(2, output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+              sequence_parallel_size=2, resume_from_checkpoint=str(tmp / "one" / "checkpoint-3"), **common)
+    assert [r["step"] for r in metrics(out)] == [4, 5, 6]
+    assert_weights_close(weights(out), weights(tmp / "one"), atol=1e-5)
