@@ -5,13 +5,18 @@ process; LoRA, FFN checkpointing, resume on one process, the launcher, the error
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_pairs
 from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_on_ranks, run_ranks, weights
+from safetensors.torch import load_file
 
 from fastdpo.config import TrainConfig
 from fastdpo.data.pack import pack_pairs
@@ -22,6 +27,8 @@ from fastdpo.model.seqlogps import summarise, token_offsets
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import check_sequence_parallel_size
 from fastdpo.training.loop import train
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def lengths_pairs(lengths: list[tuple[int, int, int]], vocab: int = 50, seed: int = 0) -> list[TokenizedPair]:
@@ -206,9 +213,8 @@ def _attention_on_ranks(rank, world, n, mode, heads, kv_heads, window):
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
 def test_sequence_parallel_attention_on_gloo_ranks_equals_the_full_row(mode):
-    run_on_ranks(2, _attention_on_ranks, 2, mode, 4, 2, None)
+    run_on_ranks(2, _attention_on_ranks, 2, mode, 4, 1, None)
     run_on_ranks(4, _attention_on_ranks, 4, mode, 4, 2, 3)  # ulysses: 2 kv heads replicated to 4
-    run_on_ranks(4, _attention_on_ranks, 2, mode, 4, 1, None)  # two groups of two
 
 
 # ---------------------------------------------------------------- errors
@@ -317,3 +323,92 @@ def test_one_process_checkpoint_resumes_on_sp2(one_process):
               sequence_parallel_size=2, resume_from_checkpoint=str(tmp / "one" / "checkpoint-3"), **common)
     assert [r["step"] for r in metrics(out)] == [4, 5, 6]
     assert_weights_close(weights(out), weights(tmp / "one"), atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,policy", [("ulysses", "ffn"), ("ring", "full")])
+def test_sp2_with_gradient_checkpointing_matches_one_process(one_process, mode, policy):
+    """Recomputation re-runs the layers' forward in the backward (under `full`, the ring's shifts too)."""
+    tmp, common = one_process
+    out = tmp / f"sp2-{mode}-{policy}"
+    run_ranks(2, output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+              sequence_parallel_size=2, sequence_parallel_mode=mode, gradient_checkpointing=policy, **common)
+    assert_same_run(out, tmp / "one")
+
+
+def test_sp2_with_fsdp2_matches_one_process(one_process):
+    tmp, common = one_process
+    out = tmp / "sp2-fsdp"
+    run_ranks(2, output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+              sequence_parallel_size=2, deepspeed="zero3", **common)
+    assert_same_run(out, tmp / "one")
+
+
+def test_sp2_lora_matches_one_process(tmp_path, model_dirs):
+    """Without dropout: its masks are drawn per rank for the rank's own tokens, so they differ from one process's."""
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp_path))], train_type="lora", lora_rank=4,
+                  lora_alpha=8, lora_dropout=0.0, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  **{**BASE, "learning_rate": 5e-3})
+    train(TrainConfig(output_dir=str(tmp_path / "one"), **common), progress=False)
+    run_ranks(2, output_dir=str(tmp_path / "sp2"), sequence_parallel_size=2, sequence_parallel_mode="ring", **common)
+    one, sp2 = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("one", "sp2"))
+    assert_weights_close(sp2, one, atol=1e-5)
+    for x, y in zip(metrics(tmp_path / "sp2"), metrics(tmp_path / "one"), strict=True):
+        for key in KEYS:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-5), (x["step"], key)
+
+
+def test_sorting_loss_adaptive_beta_and_precomputed_reference_under_sp2_x_dp2(tmp_path, model_dirs):
+    """aot ranks the step's pairs (the step view gathered once per data-parallel group), kl_adaptive beta sums its
+    drift once per group, and the precomputed reference (computed unsplit, each rank a share) is looked up by pair."""
+    common = dict(model=str(model_dirs("qwen3")), dataset=[str(dataset(tmp_path))], loss_type="aot",
+                  beta_schedule="kl_adaptive", precompute_ref_log_probs=True, gradient_accumulation_steps=2, **BASE)
+    train(TrainConfig(output_dir=str(tmp_path / "one"), per_device_train_batch_size=4, **common), progress=False)
+    run_ranks(4, timeout=240, output_dir=str(tmp_path / "sp2dp2"), per_device_train_batch_size=2,
+              sequence_parallel_size=2, **common)
+    assert_same_run(tmp_path / "sp2dp2", tmp_path / "one")
+    betas = [r["beta"] for r in metrics(tmp_path / "one")]
+    assert betas == pytest.approx([r["beta"] for r in metrics(tmp_path / "sp2dp2")], rel=1e-6)
+
+
+def _logps_on_ranks(rank, world, model_dir, mode):
+    """A tiny model's per-sequence sums, shared sums and WPO weights of a split row equal the unsplit forward's."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.model.backend import Backend, build_mask, prepare_packed
+    from fastdpo.model.seqlogps import completion_logps
+    from fastdpo.parallel.distributed import Dist, sequence_groups
+
+    d = Dist(rank=rank, world_size=world, mode="ddp", sp_size=world, sp_mode=mode)
+    d.sp_group = sequence_groups(d)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    sequence.register()
+    batch = pack_pairs(random_pairs(5, 50, seed=4, max_prompt=20) + lengths_pairs(LAYOUTS[3]))
+    whole = completion_logps(model, batch, backend, build_mask(batch, backend), wpo=True)
+    part, mask = sequence.split_micro_batch(batch, backend, d)
+    split = completion_logps(model, part, backend, mask, wpo=True)
+    for name in ("sums", "shared", "wpo"):
+        torch.testing.assert_close(getattr(split, name), getattr(whole, name), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,world,family", [("ulysses", 4, "llama"), ("ring", 2, "qwen3")])
+def test_split_log_probs_equal_the_unsplit_forward(model_dirs, mode, world, family):
+    """Ulysses on 4 ranks replicates the model's 2 key/value heads to 4."""
+    run_on_ranks(world, _logps_on_ranks, str(model_dirs(family)), mode)
+
+
+def test_nproc_per_node_train_with_sequence_parallel_size_matches_one_process(one_process):
+    tmp, common = one_process
+    out = tmp / "cli-sp2"
+    flags = ["--model", common["model"], "--dataset", common["dataset"][0], "--output_dir", str(out),
+             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--sequence_parallel_size",
+             "2", "--learning_rate", "1e-3", "--max_steps", "6", "--seed", "3", "--adam_epsilon", "1e-6",
+             "--disable_progress", "true", "--device", "cpu"]
+    env = {**os.environ, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "fastdpo", "train", *flags], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Sequence parallelism: ulysses attention over groups of 2 ranks" in proc.stderr + proc.stdout
+    assert_same_run(out, tmp / "one")
