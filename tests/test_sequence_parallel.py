@@ -412,3 +412,54 @@ def test_nproc_per_node_train_with_sequence_parallel_size_matches_one_process(on
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Sequence parallelism: ulysses attention over groups of 2 ranks" in proc.stderr + proc.stdout
     assert_same_run(out, tmp / "one")
+
+
+# ---------------------------------------------------------------- memory
+
+
+def saved_bytes(fn, params, row: int) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward while `fn` runs. Not counted: parameters, and
+    the dense backend's (row x row) mask, which SDPA on the CPU keeps as floats in every layer, split or not (a CPU
+    test artefact: varlen on CUDA has no mask)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and tuple(t.shape[-2:]) != (row, row):
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _memory_on_ranks(rank, world, model_dir, mode, ratios):
+    """A long row of a few pairs: the activations autograd keeps per rank under SP 2 against one unsplit rank."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.model.backend import Backend, build_mask, prepare_packed
+    from fastdpo.model.seqlogps import completion_logps
+    from fastdpo.parallel.distributed import Dist, sequence_groups
+
+    d = Dist(rank=rank, world_size=world, mode="ddp", sp_size=world, sp_mode=mode)
+    d.sp_group = sequence_groups(d)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    backend = Backend("dense")
+    prepare_packed(model, backend)
+    sequence.register()
+    batch = pack_pairs(lengths_pairs([(300, 150, 150), (200, 100, 124)]))
+    params = list(model.parameters())
+    row = batch.num_tokens
+    whole = saved_bytes(lambda: completion_logps(model, batch, backend, build_mask(batch, backend)), params, row)
+    part, mask = sequence.split_micro_batch(batch, backend, d)
+    split = saved_bytes(lambda: completion_logps(model, part, backend, mask), params, row)
+    assert split <= ratios * whole, (mode, split / whole)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_activation_memory_per_rank_falls_with_the_group(model_dirs, mode):
+    """SP 2 keeps at most 0.6 of one process's activations per rank: half the tokens' layer activations, plus (ring)
+    every chunk's keys and values, or (Ulysses) the full row's attention inputs and output for half the heads."""
+    run_on_ranks(2, _memory_on_ranks, str(model_dirs("qwen3")), mode, 0.6)

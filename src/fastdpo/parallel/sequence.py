@@ -188,15 +188,21 @@ def split_micro_batch(batch: PairBatch, backend: Backend, d: Dist, pad_id: int =
     with it, this rank's zig-zag shard and the group's SequenceMask (the full row's mask built once, inside)."""
     if d.sp_size == 1:
         return batch, build_mask(batch, backend)
-    n, r = d.sp_size, d.sp_rank
+    return shard_micro_batch(batch, backend, d.sp_group, d.sp_ranks, d.sp_rank, d.sp_mode, pad_id)
+
+
+def shard_micro_batch(batch: PairBatch, backend: Backend, group, ranks: list[int], r: int, mode: str,
+                      pad_id: int = 0) -> tuple[PairBatch, SequenceMask]:
+    """Rank `r`'s shard of the micro-batch and the SequenceMask of its group (`ranks`, global ranks in order)."""
+    n = len(ranks)
     if batch.attention_mask is not None:
         raise FastDPOError("sequence parallelism splits packed rows; this micro-batch is in the padded layout.")
     multiple = 2 * n if backend.name != "flex" else math.lcm(2 * n, attention.FLEX_BLOCK)
     full = pad_row(batch, multiple, pad_id)
     total = full.num_tokens
     order = torch.cat([zigzag_index(total, n, j) for j in range(n)]).to(full.input_ids.device)
-    ctx = SequenceContext(d.sp_group, d.sp_ranks, r, d.sp_mode, order, torch.argsort(order))
-    if d.sp_mode == "ulysses":
+    ctx = SequenceContext(group, ranks, r, mode, order, torch.argsort(order))
+    if mode == "ulysses":
         ctx.inner = build_mask(full, backend)
     else:
         pos = full.position_ids[0]
@@ -271,18 +277,19 @@ def _exchange(x: torch.Tensor, group, to: int, frm: int) -> torch.Tensor:
 
 def heads_to_tokens(x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
     """(1, h, t, D) this rank's tokens, all heads -> (1, h/n, n*t, D) every token in packed order, this rank's
-    share of the heads (head group r of n)."""
+    share of the heads (head group r of n), laid out as transformers lays out its query (a transposed (T, h/n, D))."""
     n, (_, h, t, dim) = ctx.size, x.shape
     y = _AllToAll.apply(x[0].reshape(n, h // n, t, dim), ctx.group)  # y[j]: rank j's tokens, my heads
-    y = y.transpose(0, 1).reshape(h // n, n * t, dim)
-    return y.index_select(1, ctx.inverse)[None]
+    y = y.transpose(1, 2).reshape(n * t, h // n, dim)  # rank-major tokens
+    return y.index_select(0, ctx.inverse).transpose(0, 1)[None]
 
 
 def tokens_to_heads(y: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
-    """The inverse of `heads_to_tokens`: (1, h/n, T, D) -> (1, h, T/n, D)."""
-    n, (_, hn, total, dim) = ctx.size, y.shape
-    y = y[0].index_select(1, ctx.order).view(hn, n, total // n, dim).transpose(0, 1)
-    return _AllToAll.apply(y.contiguous(), ctx.group).reshape(1, hn * n, total // n, dim)
+    """The inverse of `heads_to_tokens` for an attention output: (1, T, h/n, D) -> (1, T/n, h, D)."""
+    n, (_, total, hn, dim) = ctx.size, y.shape
+    y = y[0].index_select(0, ctx.order).view(n, total // n, hn, dim).transpose(1, 2)  # y[j]: rank j's tokens
+    y = _AllToAll.apply(y.contiguous(), ctx.group)  # y[j]: my tokens, head group j
+    return y.reshape(hn * n, total // n, dim).transpose(0, 1)[None]
 
 
 # ---------------------------------------------------------------- attention functions
@@ -301,7 +308,7 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
         out, _ = attention.varlen_attention(module, q, k, v, None, scaling, dropout, **ctx.inner.kwargs(), **kwargs)
     else:
         out, _ = attention.fastdpo_attention(module, q, k, v, ctx.inner, scaling, dropout, **kwargs)
-    return tokens_to_heads(out.transpose(1, 2), ctx).transpose(1, 2).contiguous(), None
+    return tokens_to_heads(out, ctx).contiguous(), None
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_meta: torch.Tensor, k_meta: torch.Tensor,
