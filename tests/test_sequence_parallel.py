@@ -463,3 +463,24 @@ def test_activation_memory_per_rank_falls_with_the_group(model_dirs, mode):
     """SP 2 keeps at most 0.6 of one process's activations per rank: half the tokens' layer activations, plus (ring)
     every chunk's keys and values, or (Ulysses) the full row's attention inputs and output for half the heads."""
     run_on_ranks(2, _memory_on_ranks, str(model_dirs("qwen3")), mode, 0.6)
+
+
+def test_check_data_says_when_the_longest_pair_needs_sequence_parallelism(tmp_path, capsys, model_dirs):
+    from conftest import easy_rows, run_cli, write_jsonl
+    from transformers import AutoConfig
+
+    from fastdpo.commands.check_data import activation_lines
+    from fastdpo.model.memory import activation_bytes
+
+    model = str(model_dirs("qwen3"))
+    config = AutoConfig.from_pretrained(model)  # 64 hidden, 2 layers, 4 x 16 query and 2 x 16 kv widths, 128 MLP
+    assert activation_bytes(config, 10) == 10 * 2 * 2 * (4 * 64 + 2 * 64 + 2 * 32 + 4 * 128)
+    assert activation_bytes(config, 10, checkpointed=True) == 10 * (2 * 2 * 64 + 2 * (4 * 64 + 2 * 64 + 64 + 512))
+    tokens = 1_000_000
+    ckpt = activation_bytes(config, tokens, checkpointed=True)
+    lines = activation_lines(model, tokens, gpu_bytes=int(ckpt * 2 / 3))  # half of it holds 1/3: 4 ranks
+    assert "the longest pair needs --sequence_parallel_size 4 with --gradient_checkpointing full" in lines[1]
+    assert "fits on one GPU" in activation_lines(model, tokens, gpu_bytes=4 * ckpt)[1]
+    f = write_jsonl(tmp_path / "d.jsonl", easy_rows(5))
+    code, out = run_cli(capsys, "check-data", "--dataset", str(f), "--model", model)
+    assert code == 0 and "activations of the longest pair (" in out, out
