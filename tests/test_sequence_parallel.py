@@ -245,6 +245,14 @@ def test_what_cannot_be_split_is_a_clear_error(model_dirs):
         TrainConfig(model="m", dataset=["d.jsonl"], sequence_parallel_mode="stripes").validate()
     with pytest.raises(FastDPOError, match="--sequence_parallel_size must be >= 1"):
         TrainConfig(model="m", dataset=["d.jsonl"], sequence_parallel_size=0).validate()
+    from fastdpo.training.setup import assemble
+
+    with pytest.raises(FastDPOError, match="needs a number of processes"):  # bench and tune run one process
+        assemble(TrainConfig(model="m", sequence_parallel_size=2), torch.device("cpu"), None, None, [])
+    layer = _Layer()
+    layer.train()
+    with pytest.raises(FastDPOError, match="attention dropout"):
+        sequence.ring_attention(layer, None, None, None, None, dropout=0.1, fastdpo_sp=None)
 
 
 def test_one_process_with_a_group_size_is_refused(tmp_path, model_dirs):

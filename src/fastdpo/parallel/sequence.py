@@ -343,6 +343,9 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
     ctx: SequenceContext = kwargs.pop("fastdpo_sp")
     window = getattr(module, "_fastdpo_window", None)
     attention._check_window(kwargs, window)
+    if dropout and module.training:
+        raise FastDPOError(f"the model's attention dropout ({dropout}) is not applied by ring attention's blocks. "
+                           "Use --sequence_parallel_mode ulysses, or a config with attention_dropout 0.")
     n, r = ctx.size, ctx.rank
     q = query[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5

@@ -26,9 +26,7 @@ from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
 from fastdpo.model.load import add_lora, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.parallel import sequence
-from fastdpo.parallel.distributed import (
-    Dist,
-)
+from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
 from fastdpo.parallel.parallelize import parallelize
 from fastdpo.training.evaluate import held_out_reference
 
@@ -197,6 +195,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     d = d or Dist()
+    check_sequence_parallel_size(cfg.sequence_parallel_size, d.world_size)  # e.g. bench/tune: one process
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
     given = cfg.max_tokens_per_batch
     cfg.max_tokens_per_batch = micro_batch_budget(backend, given, pairs, cfg.per_device_train_batch_size)
