@@ -378,12 +378,11 @@ def test_sorting_loss_adaptive_beta_and_precomputed_reference_under_sp2_x_dp2(tm
     assert betas == pytest.approx([r["beta"] for r in metrics(tmp_path / "sp2dp2")], rel=1e-6)
 
 
-def _logps_on_ranks(rank, world, model_dir, mode):
-    """A tiny model's per-sequence sums, shared sums and WPO weights of a split row equal the unsplit forward's."""
+def _group_of_all(rank, world, model_dir, mode):
+    """This rank in one sequence-parallel group of every rank, and a tiny model on the dense backend."""
     from transformers import AutoModelForCausalLM
 
-    from fastdpo.model.backend import Backend, build_mask, prepare_packed
-    from fastdpo.model.seqlogps import completion_logps
+    from fastdpo.model.backend import Backend, prepare_packed
     from fastdpo.parallel.distributed import Dist, sequence_groups
 
     d = Dist(rank=rank, world_size=world, mode="ddp", sp_size=world, sp_mode=mode)
@@ -392,6 +391,15 @@ def _logps_on_ranks(rank, world, model_dir, mode):
     backend = Backend("dense")
     prepare_packed(model, backend)
     sequence.register()
+    return d, model, backend
+
+
+def _logps_on_ranks(rank, world, model_dir, mode):
+    """A tiny model's per-sequence sums, shared sums and WPO weights of a split row equal the unsplit forward's."""
+    from fastdpo.model.backend import build_mask
+    from fastdpo.model.seqlogps import completion_logps
+
+    d, model, backend = _group_of_all(rank, world, model_dir, mode)
     batch = pack_pairs(random_pairs(5, 50, seed=4, max_prompt=20) + lengths_pairs(LAYOUTS[3]))
     whole = completion_logps(model, batch, backend, build_mask(batch, backend), wpo=True)
     part, mask = sequence.split_micro_batch(batch, backend, d)
@@ -445,18 +453,10 @@ def saved_bytes(fn, params, row: int) -> int:
 
 def _memory_on_ranks(rank, world, model_dir, mode, ratios):
     """A long row of a few pairs: the activations autograd keeps per rank under SP 2 against one unsplit rank."""
-    from transformers import AutoModelForCausalLM
-
-    from fastdpo.model.backend import Backend, build_mask, prepare_packed
+    from fastdpo.model.backend import build_mask
     from fastdpo.model.seqlogps import completion_logps
-    from fastdpo.parallel.distributed import Dist, sequence_groups
 
-    d = Dist(rank=rank, world_size=world, mode="ddp", sp_size=world, sp_mode=mode)
-    d.sp_group = sequence_groups(d)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    backend = Backend("dense")
-    prepare_packed(model, backend)
-    sequence.register()
+    d, model, backend = _group_of_all(rank, world, model_dir, mode)
     batch = pack_pairs(lengths_pairs([(300, 150, 150), (200, 100, 124)]))
     params = list(model.parameters())
     row = batch.num_tokens
