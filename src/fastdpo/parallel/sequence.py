@@ -15,8 +15,8 @@ stays exact for the pair rule (`model.attention.allowed`) wherever the cuts fall
   whose backward shifts the gradient the other way, so autograd gives the ring's backward). Each (query chunk, key
   chunk) block is explicit float32 math with the rule's mask on global token indices and positions, returning its
   output and log-sum-exp; blocks are merged with the online-softmax rule. A block the rule masks entirely is skipped.
-  Each block is recomputed in the backward (non-reentrant checkpoint), so a rank keeps the replicated keys and values
-  and the block outputs, never a block's scores.
+  A block runs a slice of query rows at a time and recomputes its scores in the backward (`BlockAttention`), so a
+  rank keeps the replicated keys and values and the block outputs, never a block's scores.
 
 The per-sequence sums (sums, shared, wpo) of a shard are partial; `SequenceMask.complete` sums them over the group
 with an all-reduce whose backward is the identity. Every rank of a group then holds the whole row's sums and the
@@ -314,10 +314,11 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_meta: torch.Tensor, k_meta: torch.Tensor,
                     window: int | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One (query chunk, key chunk) block in float32: q (H, tq, D), k/v (Hkv, tk, D) -> output (H, tq, D) and
-    log-sum-exp (H, tq). A query row the rule masks entirely gets log-sum-exp about -1e30 (weight 0 when merged)."""
+    log-sum-exp (H, tq). A query row the rule masks entirely gets log-sum-exp about -1e30 (weight 0 when merged).
+    Plain autograd: the reference `BlockAttention` (which ring attention runs) is tested against."""
     heads, tq, dim = q.shape
     kv_heads = k.shape[0]
-    qg = q.float().view(kv_heads, heads // kv_heads, tq, dim)  # query heads grouped by the key/value head they read
+    qg = q.float().reshape(kv_heads, heads // kv_heads, tq, dim)  # query heads grouped by their key/value head
     s = torch.einsum("hgqd,hkd->hgqk", qg, k.float()) * scale
     s = s.masked_fill(~_rule(q_meta, k_meta, window), NEG)
     m = s.amax(dim=-1, keepdim=True)
@@ -326,6 +327,60 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_meta: t
     out = torch.einsum("hgqk,hkd->hgqd", p, v.float()) / total
     lse = (m + total.log()).squeeze(-1)
     return out.reshape(heads, tq, dim), lse.reshape(heads, tq)
+
+
+BLOCK_SCORES = 1 << 24  # float32 scores of one slice of query rows (H x rows x keys) alive at once: 64 MiB
+
+
+def _rows(heads: int, keys: int) -> int:
+    return max(1, BLOCK_SCORES // max(heads * keys, 1))
+
+
+class BlockAttention(torch.autograd.Function):
+    """`block_attention` a slice of query rows at a time, forward and backward (FlashAttention's recomputation, in
+    float32 matrix products): only one slice's scores exist at any moment, and only q, k, v, the output and its
+    log-sum-exp are kept for the backward. Outputs (H, tq, D) and (H, tq), float32 (merged in float32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_meta, k_meta, window, scale):
+        heads, tq, dim = q.shape
+        out = torch.empty(heads, tq, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(heads, tq, dtype=torch.float32, device=q.device)
+        step = _rows(heads, k.shape[1])
+        for a in range(0, tq, step):
+            out[:, a : a + step], lse[:, a : a + step] = block_attention(
+                q[:, a : a + step], k, v, q_meta[:, a : a + step], k_meta, window, scale)
+        ctx.save_for_backward(q, k, v, q_meta, k_meta, out)
+        ctx.window, ctx.scale = window, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse):
+        q, k, v, q_meta, k_meta, out = ctx.saved_tensors
+        heads, tq, dim = q.shape
+        kv_heads, g = k.shape[0], heads // k.shape[0]
+        kf, vf = k.float(), v.float()
+        dq = torch.empty(heads, tq, dim, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(kf.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(vf.shape, dtype=torch.float32, device=v.device)
+        step = _rows(heads, k.shape[1])
+        for a in range(0, tq, step):
+            rows = slice(a, a + step)
+            qg = q[:, rows].float().reshape(kv_heads, g, -1, dim)
+            allowed_here = _rule(q_meta[:, rows], k_meta, ctx.window)
+            s = torch.einsum("hgqd,hkd->hgqk", qg, kf) * ctx.scale
+            s = s.masked_fill(~allowed_here, NEG)
+            p = torch.softmax(s, dim=-1)  # the forward's weights, recomputed (a masked row's uniform ones too)
+            go = g_out[:, rows].float().reshape(kv_heads, g, -1, dim)
+            dv += torch.einsum("hgqk,hgqd->hkd", p, go)
+            dp = torch.einsum("hgqd,hkd->hgqk", go, vf)
+            # d out / d s = p (dp - rowsum(go * out)); d lse / d s = p
+            row = (go * out[:, rows].reshape(kv_heads, g, -1, dim)).sum(-1, keepdim=True)
+            ds = p * (dp - row + g_lse[:, rows].reshape(kv_heads, g, -1, 1))
+            ds = ds.masked_fill(~allowed_here, 0.0) * ctx.scale  # masked scores are constants
+            dq[:, rows] = torch.einsum("hgqk,hkd->hgqd", ds, kf).reshape(heads, -1, dim)
+            dk += torch.einsum("hgqk,hgqd->hkd", ds, qg)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
@@ -338,8 +393,6 @@ def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Te
 def ring_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: query (1, H, t, D), key/value (1, Hkv, t, D) of this rank's tokens ->
     ((1, t, H, D), None); key/value chunks go around the group, blocks merged by their log-sum-exp."""
-    from torch.utils.checkpoint import checkpoint
-
     ctx: SequenceContext = kwargs.pop("fastdpo_sp")
     window = getattr(module, "_fastdpo_window", None)
     attention._check_window(kwargs, window)
@@ -359,9 +412,7 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
             unused.append(kv)
             continue
         k, v = kv.chunk(2)
-        args = (q, k, v, ctx.meta[r], ctx.meta[(r - s) % n], window, scale)
-        o, lse = checkpoint(block_attention, *args, use_reentrant=False) if torch.is_grad_enabled() \
-            else block_attention(*args)
+        o, lse = BlockAttention.apply(q, k, v, ctx.meta[r], ctx.meta[(r - s) % n], window, scale)
         outs.append(o)
         lses.append(lse)
     out = merge_blocks(outs, lses)  # block 0 (the own chunk) is always there: a token sees itself
