@@ -218,7 +218,8 @@ SCRIPT_FLAGS = frozenset({"rlhf_type", "quant_method", "use_hf", "add_version", 
 
 def _step_size(values: dict) -> list[str]:
     """ms-swift's optimizer step: --per_device_train_batch_size (default 1) x --gradient_accumulation_steps (default
-    ceil(16 / batch / world size)) x world size pairs. Micro-batches do not change fastdpo's step (accumulation is
+    ceil(16 / batch / data-parallel ranks)) x data-parallel ranks pairs (the world size over the sequence-parallel
+    size). Micro-batches do not change fastdpo's step (accumulation is
     exact), so without a batch size of its own the step is formed from fewer, larger micro-batches."""
     from fastdpo.config.launch import world_size
     from fastdpo.config.schema import TrainConfig
@@ -226,6 +227,9 @@ def _step_size(values: dict) -> list[str]:
     if "gradient_accumulation_steps" in values:
         return []
     world = world_size()
+    sp = number(values.get("sequence_parallel_size", 1), int)
+    if sp > 1 and world % sp == 0:  # the ranks of a sequence-parallel group share their micro-batches
+        world //= sp
     if "per_device_train_batch_size" in values:
         batch = number(values["per_device_train_batch_size"], int)
         values["gradient_accumulation_steps"] = max(1, -(-PAIRS_PER_STEP // (batch * world)))
@@ -235,7 +239,7 @@ def _step_size(values: dict) -> list[str]:
     values["per_device_train_batch_size"], values["gradient_accumulation_steps"] = batch, -(-per_rank // batch)
     return [f"--per_device_train_batch_size {batch} --gradient_accumulation_steps "
             f"{values['gradient_accumulation_steps']} ({per_rank * world} pairs per step, as ms-swift's 1 x "
-            f"{per_rank}{f' x {world} ranks' if world > 1 else ''})"]
+            f"{per_rank}{f' x {world} data-parallel ranks' if world > 1 else ''})"]
 
 
 def _rlhf_meaning(rlhf: str, values: dict) -> list[str]:
