@@ -43,10 +43,10 @@ def test_rlhf_type_selects_the_loss():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (("--ulysses_num_heads", "8"), "--ulysses_num_heads 8: sequence parallelism is not available"),
-    (("--ring_attn", "true"), "--ring_attn true: sequence parallelism"),
-    (("--ring_attn", "true", "--ring_attn_window_size", "512"), "--ring_attn true: sequence parallelism"),
-    (("--sequence_parallel_size", "2"), "--sequence_parallel_size 2"),
+    (("--ulysses_num_heads", "4", "--sequence_parallel_size", "2"), "--ulysses_num_heads 4 means "
+     "--sequence_parallel_size 4, but --sequence_parallel_size is already 2"),
+    (("--ulysses_num_heads", "2", "--ring_attn", "true"), "--ring_attn true means --sequence_parallel_mode ring"),
+    (("--ulysses_num_heads", "0"), "--ulysses_num_heads 0: expected a number of ranks"),
     (("--offload_optimizer", "true"), "--offload_optimizer true: DeepSpeed's CPU offload is not available"),
     (("--offload_param", "cpu"), "--deepspeed zero3 \\(FSDP2 sharding\\)"),
     (("--quant_method", "awq"), "--quant_method awq: QLoRA quantises the base with bitsandbytes"),
@@ -59,9 +59,23 @@ def test_what_cannot_be_honoured_is_refused(flags, needle):
         parse(*flags)
 
 
+def test_sequence_parallel_flags_of_ms_swift_map_onto_the_fields(caplog):
+    caplog.set_level(logging.INFO, logger="fastdpo")
+    cfg = parse("--ulysses_num_heads", "4")
+    assert (cfg.sequence_parallel_size, cfg.sequence_parallel_mode) == (4, "ulysses")
+    cfg = parse("--sequence_parallel_size", "2", "--ring_attn", "true", "--ring_attn_window_size", "512")
+    assert (cfg.sequence_parallel_size, cfg.sequence_parallel_mode) == (2, "ring")
+    assert "--ring_attn_window_size 512: ignored" in caplog.text
+    cfg = parse("--ulysses_num_heads", "1", "--ring_attn", "false")
+    assert (cfg.sequence_parallel_size, cfg.sequence_parallel_mode) == (1, "auto")
+    cfg = parse("--sequence_parallel_size", "2")  # fastdpo's own flag: no ms-swift defaults come with it
+    assert cfg.lr_scheduler_type == TrainConfig.lr_scheduler_type
+
+
 def test_refusal_is_one_clean_line_from_the_cli(capsys):
-    rc, out = run_cli(capsys, "train", "--model", "m", "--dataset", "d.jsonl", "--ulysses_num_heads", "8")
-    assert rc != 0 and "sequence parallelism is not available" in out and "Traceback" not in out
+    rc, out = run_cli(capsys, "train", "--model", "m", "--dataset", "d.jsonl", "--ulysses_num_heads", "2",
+                      "--ring_attn", "true")
+    assert rc != 0 and "--sequence_parallel_mode ring" in out and "Traceback" not in out
 
 
 def test_foreign_keys_in_yaml(tmp_path):
@@ -70,9 +84,9 @@ def test_foreign_keys_in_yaml(tmp_path):
                                  "optim": "adamw_torch_fused", "shuffle": False}))
     cfg = build_config(build_parser().parse_args(["train", "--config", str(y)]), TrainConfig)
     assert cfg.loss_type == "cpo" and cfg.torch_dtype == "float16" and cfg.shuffle is False
-    y.write_text(yaml.safe_dump({"model": "m", "ring_attn": True}))
-    with pytest.raises(FastDPOError, match="sequence parallelism"):
-        build_config(build_parser().parse_args(["train", "--config", str(y)]), TrainConfig)
+    y.write_text(yaml.safe_dump({"model": "m", "ring_attn": True, "sequence_parallel_size": 2}))
+    cfg = build_config(build_parser().parse_args(["train", "--config", str(y)]), TrainConfig)
+    assert (cfg.sequence_parallel_size, cfg.sequence_parallel_mode) == (2, "ring")
 
 
 def test_shuffle_false_keeps_the_dataset_order():

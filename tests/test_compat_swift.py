@@ -96,3 +96,10 @@ def test_without_a_chat_template_the_error_names_the_plain_reading(tmp_path):
     row = RowOptions(apply_chat_template=True).adapt(to_row({"prompt": "w1", "chosen": "w5", "rejected": "w7"}, "d:1"))
     with pytest.raises(RowError, match="no chat_template. Pass --template .* --apply_chat_template false"):
         tokenize_rows(chat_tokenizer(None), [row], options=TokenizeOptions())
+
+
+def test_step_size_counts_data_parallel_ranks_under_sequence_parallelism(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = parse("--rlhf_type", "dpo", "--ulysses_num_heads", "4")  # 2 data-parallel groups of 4 ranks
+    assert cfg.sequence_parallel_size == 4
+    assert cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * 2 == 16

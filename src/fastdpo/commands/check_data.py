@@ -33,6 +33,7 @@ class CheckReport:
     lengths: dict = field(default_factory=lambda: {"prompt": [], "chosen": [], "rejected": []})
     stats: TokenizeStats = field(default_factory=TokenizeStats)
     notes: list[str] = field(default_factory=list)  # with a tokenizer: how the rows will be read
+    longest: int = 0  # tokens of the longest pair training keeps whole (prompt + chosen + rejected)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +93,8 @@ class _Checker:
                 self.flagged.add(e.where)
                 self.error(str(e), ordinals[e.where])
         for k, p, c, r in lengths:
+            if p + max(c, r) <= o.max_length:
+                self.report.longest = max(self.report.longest, p + c + r)
             self.report.lengths["prompt"].append(p)
             self.report.lengths["chosen"].append(c)
             self.report.lengths["rejected"].append(r)
@@ -209,7 +212,7 @@ def run_check_data(cfg, console) -> int:
 
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     opts = DataOptions.from_config(cfg)
-    ok = _check_and_print(cfg.dataset, opts, tokenizer, cfg.model, console)
+    ok = _check_and_print(cfg.dataset, opts, tokenizer, cfg.model, console, cfg.trust_remote_code)
     if cfg.val_dataset:  # held-out pairs are read whole, from their own split
         console.print(f"held-out pairs (--val_dataset, split {cfg.val_split}):", markup=False, highlight=False)
         held_out = dataclasses.replace(opts, split=cfg.val_split, streaming=False)
@@ -217,8 +220,47 @@ def run_check_data(cfg, console) -> int:
     return 0 if ok else 1
 
 
-def _check_and_print(specs: list[str], opts: DataOptions, tokenizer, model: str, console) -> bool:
+def _check_and_print(specs: list[str], opts: DataOptions, tokenizer, model: str, console,
+                     trust_remote_code: bool = False) -> bool:
     report = check_data(specs, opts, tokenizer)
-    for line in report_lines(report, opts, model):
+    lines = report_lines(report, opts, model)
+    if model and report.longest:
+        lines[-1:-1] = activation_lines(model, report.longest, trust_remote_code)
+    for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     return report.ok
+
+
+ACTIVATION_SHARE = 0.5  # of a GPU's memory, what the estimate lets activations take (weights, optimizer: the rest)
+
+
+def activation_lines(model: str, tokens: int, trust_remote_code: bool = False,
+                     gpu_bytes: int | None = None) -> list[str]:
+    """A rough activation estimate for the longest pair, and the --sequence_parallel_size it would need on this
+    machine's GPU (`gpu_bytes`, else the first visible CUDA device's memory; none: no such line)."""
+    import torch
+    from transformers import AutoConfig
+
+    from fastdpo.model.memory import activation_bytes
+
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        plain, ckpt = (activation_bytes(config, tokens, c) for c in (False, True))
+    except Exception:  # a tokenizer without a model config: no estimate
+        return []
+    gib = 2**30
+    lines = [f"activations of the longest pair ({tokens} tokens), roughly, in bf16: {plain / gib:.1f} GiB without "
+             f"gradient checkpointing, {ckpt / gib:.1f} GiB with --gradient_checkpointing full; "
+             "--sequence_parallel_size N gives each GPU about 1/N of them."]
+    if gpu_bytes is None and torch.cuda.is_available():
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    if gpu_bytes:
+        room = ACTIVATION_SHARE * gpu_bytes
+        n = 1
+        while ckpt / n > room and n < 1024:
+            n *= 2
+        where = f"on a GPU of {gpu_bytes / gib:.0f} GiB (activations within {ACTIVATION_SHARE:.0%} of it)"
+        lines.append(f"  {where}: the longest pair fits on one GPU with --gradient_checkpointing full." if n == 1
+                     else f"  {where}: the longest pair needs --sequence_parallel_size {n} with "
+                          "--gradient_checkpointing full.")
+    return lines

@@ -367,6 +367,12 @@ class TrainConfig(DataReading, ModelSection):
     fsdp_layers_per_unit: int = _f(0, "Most consecutive decoder layers sharded as one FSDP2 unit (gathered, reduced "
                                    "and hooked once per forward and backward); units are as few as that allows and "
                                    "equal within one layer. 0: up to 768 MiB of weights per unit.")
+    sequence_parallel_size: int = _f(1, "Ranks that share each micro-batch's tokens (sequence parallelism, for pairs "
+                                     "too long for one GPU's activations): the world is this many ranks per group "
+                                     "times the data-parallel groups. 1: off.")
+    sequence_parallel_mode: str = _f("auto", "auto|ulysses|ring: how attention crosses the ranks of a group. ulysses: "
+                                     "all-to-all of heads (needs query heads divisible by the size); ring: key/value "
+                                     "chunks passed around the group. auto: ulysses where the heads allow, else ring.")
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:  # the rate that trains what --train_type trains
@@ -414,6 +420,12 @@ class TrainConfig(DataReading, ModelSection):
             raise FastDPOError(f"--length_buckets must be between 1 and 64, got {self.length_buckets}.")
         if self.fsdp_layers_per_unit < 0:
             raise FastDPOError(f"--fsdp_layers_per_unit must be >= 0 (0: auto), got {self.fsdp_layers_per_unit}.")
+        _choice("sequence_parallel_mode", self.sequence_parallel_mode, ("auto", "ulysses", "ring"))
+        if self.sequence_parallel_size < 1:
+            raise FastDPOError(f"--sequence_parallel_size must be >= 1 (1: off), got {self.sequence_parallel_size}.")
+        if self.sequence_parallel_size > 1 and self.attn_impl == "padded":
+            raise FastDPOError("--sequence_parallel_size splits the packed row, which --attn_impl padded does not use. "
+                               "Use --attn_impl auto (or dense / varlen / flex).")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")

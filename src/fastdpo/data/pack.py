@@ -40,6 +40,8 @@ class PairBatch:
       indexes the flattened hidden states that predict the M prompt tokens `prompt_tgt` (M,) (p_i by p_(i-1),
       i >= 1; in the padded layout from the chosen rows); prompt_pair (M,) long maps each to its pair;
       prompt_lengths (B,) long counts them per pair (prompt tokens - 1, or 0 without a prompt).
+    A shard of a packed row (sequence parallelism: some of its tokens, some of its targets) also has offsets (N,)
+      long, each target's position within its sequence in the whole row; lengths stay the whole row's.
     """
 
     input_ids: torch.Tensor
@@ -57,6 +59,7 @@ class PairBatch:
     prompt_tgt: torch.Tensor | None = None
     prompt_pair: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:

@@ -149,6 +149,7 @@ class VarlenMask:
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    attn_name = VARLEN_NAME  # the attention function `target_hidden` switches the model to (a class attribute)
 
     def kwargs(self) -> dict:
         """What the decoder forward passes on to every layer's attention function."""

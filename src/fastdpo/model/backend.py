@@ -212,11 +212,14 @@ def build_mask(batch: PairBatch, backend: Backend):
 
 def target_hidden(model, batch: PairBatch, backend: Backend, mask=None, src: torch.Tensor | None = None) -> torch.Tensor:
     """(N, H) final hidden states at the positions that predict the N completion targets (or at the flattened
-    positions `src`)."""
+    positions `src`). A mask that names its own attention function (`attn_name`: varlen's offsets, or a
+    sequence-parallel context) reaches every layer's attention as the keyword arguments of its `kwargs()`;
+    transformers then builds no mask of its own."""
     if mask is None:
         mask = build_mask(batch, backend)
-    if backend.name == "varlen":  # no mask: the offsets reach every layer's attention as keyword arguments
-        _set_attn(model, attention.VARLEN_NAME)
+    name = getattr(mask, "attn_name", None)
+    if name is not None:
+        _set_attn(model, name)
         hidden = decoder(model)(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
                                 **mask.kwargs()).last_hidden_state
     else:

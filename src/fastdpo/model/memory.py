@@ -145,3 +145,21 @@ def offloading(enabled: bool, model: torch.nn.Module):
     import contextlib
 
     return OffloadActivations(model) if enabled else contextlib.nullcontext()
+
+
+def activation_bytes(config, tokens: int, checkpointed: bool = False, dtype_bytes: int = 2) -> int:
+    """A rough count of the activations a policy forward over `tokens` packed tokens keeps for its backward: per
+    decoder layer and token, `dtype_bytes` x (6 hidden + 2 key/value widths + 4 intermediate): the inputs of the two
+    norms, of the q/k/v and output projections, the attention output, and the SwiGLU MLP's gate, up, activation and
+    product (FlashAttention keeps no score matrix). With --gradient_checkpointing full, each layer keeps its input
+    and one layer at a time holds the rest. Under --sequence_parallel_size N each rank keeps about 1/N of it."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    per_layer = dtype_bytes * (4 * hidden + 2 * heads * head_dim + 2 * kv * head_dim + 4 * inter)
+    if checkpointed:
+        return tokens * (layers * dtype_bytes * hidden + per_layer)
+    return tokens * layers * per_layer

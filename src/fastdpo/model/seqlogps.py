@@ -42,12 +42,14 @@ def token_offsets(seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
 
 
 def summarise(tok: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
-              log_sum_sq: torch.Tensor | None = None) -> SeqLogps:
-    """Per-token log-probs (N,) -> per-sequence `SeqLogps`. `lengths` (2B,) counts each sequence's tokens."""
+              log_sum_sq: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> SeqLogps:
+    """Per-token log-probs (N,) -> per-sequence `SeqLogps`. `lengths` (2B,) counts each sequence's tokens;
+    `offsets` (N,), each token's position within its sequence, when the tokens are only some of the sequences'
+    (a shard: the sums are then partial, completed across the shards by their sum)."""
     n = lengths.numel()
     b = n // 2
     shared_len = torch.minimum(lengths[:b], lengths[b:]).repeat(2)
-    in_shared = token_offsets(seq, n) < shared_len[seq]
+    in_shared = (token_offsets(seq, n) if offsets is None else offsets) < shared_len[seq]
     sums = sequence_sums(tok, seq, n)
     shared = sequence_sums(torch.where(in_shared, tok, torch.zeros_like(tok)), seq, n)
     wpo = None
@@ -60,7 +62,9 @@ def completion_logps(model, batch: PairBatch, backend: Backend, mask=None, wpo: 
                      prompt: bool = True) -> SeqLogps:
     """One forward of `model` over the batch; `wpo` adds the WPO log-weights (one more no-grad pass over lm_head).
     The batch's prompt targets, when it carries them and `prompt` is on, go through lm_head in the same pass as the
-    completion targets (`SeqLogps.prompt`); a batch without them costs nothing more."""
+    completion targets (`SeqLogps.prompt`); a batch without them costs nothing more. A mask with a `complete` method
+    (sequence parallelism: the batch is this rank's shard of a row) turns the shard's partial sums into the whole
+    row's."""
     with_prompt = prompt and batch.prompt_src is not None
     src = torch.cat([batch.src, batch.prompt_src]) if with_prompt else batch.src
     tgt = torch.cat([batch.tgt, batch.prompt_tgt]) if with_prompt else batch.tgt
@@ -71,7 +75,8 @@ def completion_logps(model, batch: PairBatch, backend: Backend, mask=None, wpo: 
     sq = None
     if wpo:
         sq = token_log_sum_sq_probs(hidden[:n].detach(), head.weight.detach(), scale=head.scale, softcap=head.softcap)
-    out = summarise(tok[:n], batch.seq, batch.lengths, sq)
+    out = summarise(tok[:n], batch.seq, batch.lengths, sq, batch.offsets)
     if with_prompt:
         out.prompt = sequence_sums(tok[n:], batch.prompt_pair, batch.num_pairs)
-    return out
+    complete = getattr(mask, "complete", None)
+    return complete(out) if complete is not None else out

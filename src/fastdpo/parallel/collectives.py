@@ -53,6 +53,8 @@ def reduce_metrics(metrics, d: Dist, pairs: int, tokens: int) -> None:
         return
     import torch.distributed as dist
 
+    if not d.speaks_for_group:  # the ranks of a sequence-parallel group hold the same sums: count them once
+        metrics.sums.zero_()
     dist.all_reduce(metrics.sums)
     metrics.pairs, metrics.tokens = pairs, tokens
 
@@ -65,6 +67,8 @@ def reduce_beta_drift(beta, d: Dist) -> None:
     import torch.distributed as dist
 
     both = torch.stack([beta._drift, beta._tokens])
+    if not d.speaks_for_group:  # counted once per sequence-parallel group
+        both.zero_()
     dist.all_reduce(both)
     beta._drift.copy_(both[0])
     beta._tokens.copy_(both[1])
@@ -72,7 +76,8 @@ def reduce_beta_drift(beta, d: Dist) -> None:
 
 def gather_step_view(view, d: Dist, device: torch.device):
     """The step-wide StepView over all ranks' pairs (rank order; `view` is this rank's, None without pairs), and
-    the position of this rank's first pair in it. Sorting losses (aot) then rank pairs over the whole step."""
+    the position of this rank's first pair in it. Sorting losses (aot) then rank pairs over the whole step. Under
+    sequence parallelism the pairs are the data-parallel groups' (the first rank of each group speaks for it)."""
     if d.world_size == 1:
         return view, 0
     import torch.distributed as dist
@@ -88,8 +93,9 @@ def gather_step_view(view, d: Dist, device: torch.device):
     padded[:, : local.shape[1]] = local
     parts = [torch.empty_like(padded) for _ in range(d.world_size)]
     dist.all_gather(parts, padded)
-    full = torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
-    return StepView(*full.unbind(0)), sum(sizes[: d.rank])
+    keep = range(0, d.world_size, d.sp_size)  # one copy per sequence-parallel group
+    full = torch.cat([parts[r][:, : sizes[r]] for r in keep], dim=1)
+    return StepView(*full.unbind(0)), sum(sizes[r] for r in keep if r < d.dp_rank * d.sp_size)
 
 
 def any_rank(flag: bool, d: Dist, device: torch.device) -> bool:

@@ -31,6 +31,35 @@ class Dist:
     reshard_after_forward: bool = True
     sum_in_fp32: bool = True  # bfloat16/float16 gradients summed across ranks in float32 (else in their own dtype)
     layers_per_unit: int = 0  # FSDP2: most decoder layers per unit (0: by their size, `unit_sizes`)
+    # sequence parallelism: ranks [g*sp_size, (g+1)*sp_size) share each micro-batch's tokens (group g); the data is
+    # dealt over the world_size / sp_size groups (`parallel.sequence`)
+    sp_size: int = 1
+    sp_group: object = None  # this rank's group (a torch.distributed ProcessGroup) when sp_size > 1
+    sp_mode: str = ""  # ulysses | ring, resolved from the model's heads (`sequence.resolve_mode`)
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel group this rank belongs to: which share of a step's pairs it runs."""
+        return self.rank // self.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    @property
+    def sp_ranks(self) -> list[int]:
+        """The global ranks of this rank's sequence-parallel group, in order."""
+        return list(range(self.dp_rank * self.sp_size, (self.dp_rank + 1) * self.sp_size))
+
+    @property
+    def speaks_for_group(self) -> bool:
+        """The rank whose copy of the group's numbers (metrics, beta's drift, log-probs) is counted: the first of its
+        sequence-parallel group (every rank when sp_size is 1)."""
+        return self.sp_rank == 0
 
     @property
     def is_main(self) -> bool:
@@ -52,6 +81,8 @@ def init_distributed(cfg, timeout_s: float | None = None) -> Dist:
     return a single-process Dist when not launched by torchrun (or launched with one process)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = parallel_plan(cfg.fsdp, cfg.deepspeed, cfg)
+    sp = getattr(cfg, "sequence_parallel_size", 1)
+    check_sequence_parallel_size(sp, world)
     if world <= 1:
         if cfg.fsdp or cfg.deepspeed:
             log.info("One process: --fsdp/--deepspeed have no effect (launch with torchrun or NPROC_PER_NODE).")
@@ -83,7 +114,34 @@ def init_distributed(cfg, timeout_s: float | None = None) -> Dist:
     if not wide:
         log.info("Gradients summed across %d ranks in their own dtype%s.", world,
                  " (the same bits as a float32 sum on two ranks)" if world == 2 else " (--reduce_dtype bfloat16)")
-    return Dist(rank, world, local_rank, plan.mode, plan.reshard_after_forward, wide, cfg.fsdp_layers_per_unit)
+    d = Dist(rank, world, local_rank, plan.mode, plan.reshard_after_forward, wide, cfg.fsdp_layers_per_unit, sp)
+    if sp > 1:
+        d.sp_group = sequence_groups(d)
+        log.info("Sequence parallelism: %d groups of %d ranks share each micro-batch's tokens; the data is dealt "
+                 "over the %d groups.", d.dp_size, sp, d.dp_size)
+    return d
+
+
+def check_sequence_parallel_size(sp: int, world: int) -> None:
+    """--sequence_parallel_size must divide the number of processes (and a run of one process has no group)."""
+    if sp > 1 and (world <= 1 or world % sp):
+        raise FastDPOError(
+            f"--sequence_parallel_size {sp} needs a number of processes it divides, and this run has {world}. Launch "
+            f"with NPROC_PER_NODE={sp} (or a multiple: the data is then dealt over world / {sp} groups), or set "
+            "--sequence_parallel_size to a divisor of the world size.")
+
+
+def sequence_groups(d: Dist):
+    """Create every sequence-parallel group (every rank creates each of them, in the same order, as
+    torch.distributed requires) and return this rank's."""
+    import torch.distributed as dist
+
+    mine = None
+    for g in range(d.dp_size):
+        group = dist.new_group(ranks=list(range(g * d.sp_size, (g + 1) * d.sp_size)))
+        if g == d.dp_rank:
+            mine = group
+    return mine
 
 
 def sums_in_fp32(reduce_dtype: str, world: int) -> bool:
@@ -127,14 +185,4 @@ def barrier(d: Dist) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-# ---------------------------------------------------------------- models
-
-
-# ---------------------------------------------------------------- data
-
-
-# ---------------------------------------------------------------- metrics and final weights
-
 

@@ -79,7 +79,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     if cfg.compile_warmup:
         warm_up_logged(trainer)
 
-    monitor = Monitor(cfg, out, console, trainer.optimizer, start, write=d.is_main, world_size=d.world_size)
+    monitor = Monitor(cfg, out, console, trainer.optimizer, start, write=d.is_main, world_size=d.dp_size)
     logger = StepLog(trainer)
     bar = _progress_bar(console if progress else None, s.total_steps, start)
     monitor.sinks.follow(bar)  # step lines end with the time left
@@ -215,7 +215,7 @@ class StepLog:
                                                     gcs["gc/collections"], r.metrics.computed_tokens], d, s.device)
         record.update({"memory/peak_gib": round(mem, 3), "gc/pause_ms": round(gc_ms, 3),
                        "gc/collections": int(gc_n), "batch/micro_batches": r.metrics.micro_batches,
-                       "batch/padding": padding(int(busiest), r.tokens, d.world_size)})
+                       "batch/padding": padding(int(busiest), r.tokens, d.dp_size)})
         return record
 
 
@@ -309,16 +309,17 @@ def check_resume_step_size(resume: Path, cfg: TrainConfig, d: Dist) -> None:
                            "continues only with the same setting (it decides the steps of an epoch). Set it back to "
                            "resume.")
     saved = progress.get("pairs_per_step")
-    now = cfg.pairs_per_step * d.world_size
+    now = cfg.pairs_per_step * d.dp_size
     if saved is None or saved == now:
         return
-    per_rank = cfg.per_device_train_batch_size * d.world_size
+    per_rank = cfg.per_device_train_batch_size * d.dp_size
     hint = (f" Use --gradient_accumulation_steps {saved // per_rank} with this world size." if saved % per_rank == 0
             else "")
     raise FastDPOError(
         f"{resume} was written with {saved} pairs per optimizer step; this run has {now} "
         f"(per_device_train_batch_size {cfg.per_device_train_batch_size} x gradient_accumulation_steps "
-        f"{cfg.gradient_accumulation_steps} x {d.world_size} ranks). Keep the product equal to resume.{hint}"
+        f"{cfg.gradient_accumulation_steps} x {d.dp_size} {'data-parallel ' if d.sp_size > 1 else ''}ranks). Keep the "
+        f"product equal to resume.{hint}"
     )
 
 

@@ -25,9 +25,8 @@ from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
 from fastdpo.model.load import add_lora, load_model, load_tokenizer, resolve_device, resolve_dtype
-from fastdpo.parallel.distributed import (
-    Dist,
-)
+from fastdpo.parallel import sequence
+from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
 from fastdpo.parallel.parallelize import parallelize
 from fastdpo.training.evaluate import held_out_reference
 from fastdpo.training.fit import fit_checkpointing
@@ -121,7 +120,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None) -> 
     above this floor, by the code that times training steps)."""
     cfg.validate_training()
     if d is None or d.is_main:
-        warn_small_steps(cfg, d.world_size if d else 1)
+        warn_small_steps(cfg, d.dp_size if d else 1)
     out = Path(cfg.output_dir)
     check_output_dir(out)
     device = resolve_device(cfg.device)
@@ -197,6 +196,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
     key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
     d = d or Dist()
+    check_sequence_parallel_size(cfg.sequence_parallel_size, d.world_size)  # e.g. bench/tune: one process
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
     given = cfg.max_tokens_per_batch
     cfg.max_tokens_per_batch = micro_batch_budget(backend, given, pairs, cfg.per_device_train_batch_size)
@@ -215,13 +215,17 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
             load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":
         prepare_packed(model, backend)
+    if d.sp_size > 1:
+        d.sp_mode = sequence.resolve_mode(model, cfg.sequence_parallel_mode, d.sp_size, backend)
+        sequence.register()
+        log.info("Sequence parallelism: %s attention over groups of %d ranks.", d.sp_mode, d.sp_size)
     if cfg.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
         fit_checkpointing(cfg, model, backend, pairs, device, pad_id(tokenizer),
                           cfg.max_memory_gib / (d.world_size if d.mode == "fsdp" else 1) or None)
     policy = parallelize(model, reference, backend, cfg, d)  # checkpointing -> compile -> DDP/FSDP2
 
     # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
-    steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), cfg.pairs_per_step * d.world_size,
+    steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), cfg.pairs_per_step * d.dp_size,
                                                                       cfg.dataloader_drop_last)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)

@@ -36,6 +36,7 @@ from fastdpo.optim.optimizer import (
 )
 from fastdpo.parallel.collectives import clip_grad_norm, gather_step_view, reduce_beta_drift, reduce_metrics
 from fastdpo.parallel.distributed import Dist
+from fastdpo.parallel.sequence import split_micro_batch
 from fastdpo.parallel.split import rank_micro_batches
 from fastdpo.parallel.wrap import gather_step_start, grad_sync, policy_logps
 from fastdpo.training.monitor import finite_flag
@@ -71,7 +72,7 @@ def step_logps(s: Setup, groups: list[list[TokenizedPair]], filler: list[Tokeniz
     parts, refs = [], []
     for group in groups:
         batch = make_batch(group or filler, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
-        mask = build_mask(batch, s.backend)
+        batch, mask = split_micro_batch(batch, s.backend, s.dist, pad_id(s.tokenizer))
         pol = policy_logps(s.policy, batch, mask)
         refs.append(s.reference.logps(s.model, batch, s.backend, mask))
         if group:
@@ -121,7 +122,8 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
     tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
     prompt = with_prompt_targets(s)
     prompt_per_pair = sum(prompt_targets(p) for p in step_pairs) / n_pairs if prompt else None
-    groups = rank_micro_batches(step_pairs, d.rank, d.world_size, cfg.max_tokens_per_batch,
+    # pairs are dealt over the data-parallel groups; the ranks of a sequence-parallel group share each micro-batch
+    groups = rank_micro_batches(step_pairs, d.dp_rank, d.dp_size, cfg.max_tokens_per_batch,
                                 cfg.per_device_train_batch_size)
     view, refs, offset = None, None, 0
     if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
@@ -132,8 +134,10 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
             batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device,
                                cfg.max_tokens_per_batch, prompt)
             b = batch.num_pairs
-            mask = build_mask(batch, s.backend)  # built once, shared by policy and reference forwards and all layers
             metrics.count_batch(batch)
+            # the mask is built once, shared by policy and reference forwards and all layers; under sequence
+            # parallelism the batch becomes this rank's share of the row's tokens
+            batch, mask = split_micro_batch(batch, s.backend, d, pad_id(s.tokenizer))
         with grad_sync(s.policy, last=i == len(groups) - 1, keep_gathered=d.keeps_gathered):
             with phase("fastdpo.forward"), offloading(cfg.activation_offloading, s.model):
                 pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
@@ -184,7 +188,7 @@ class Trainer:
         self.optimizer = build_optimizer(s.model, cfg, s.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, s.total_steps)
         self.trainable = [p for p in s.model.parameters() if p.requires_grad]
-        self.pairs_per_step = cfg.pairs_per_step * s.dist.world_size  # the whole step, all ranks
+        self.pairs_per_step = cfg.pairs_per_step * s.dist.dp_size  # the whole step, all data-parallel groups
         self.global_step = 0  # optimizer steps done (a resume sets it)
         self._orders: dict[int, list[list[int]]] = {}
         self.current_pairs: list[TokenizedPair] = []  # the step running (or last run): named if it runs out of memory

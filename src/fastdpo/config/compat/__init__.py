@@ -13,12 +13,12 @@ import logging
 from fastdpo.config.compat.base import Foreign, Source, Unnamed, tool_template
 from fastdpo.config.compat.llamafactory import LLAMAFACTORY
 from fastdpo.config.compat.openrlhf import COLUMN_FLAGS, OPENRLHF
-from fastdpo.config.compat.swift import RLHF_TYPES, SEQUENCE_PARALLEL, SWIFT
+from fastdpo.config.compat.swift import RLHF_TYPES, SWIFT
 from fastdpo.config.compat.trl import TRL
 from fastdpo.config.parallel import LESS_MEMORY
 from fastdpo.errors import FastDPOError
 
-__all__ = ["FOREIGN", "LESS_MEMORY", "RLHF_TYPES", "SEQUENCE_PARALLEL", "SOURCES", "Foreign", "add_foreign_flags",
+__all__ = ["FOREIGN", "LESS_MEMORY", "RLHF_TYPES", "SOURCES", "Foreign", "add_foreign_flags",
            "apply_foreign", "foreign_flags"]
 
 log = logging.getLogger("fastdpo")

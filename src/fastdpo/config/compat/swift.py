@@ -11,6 +11,7 @@ from fastdpo.config.compat.base import (
     Source,
     Unnamed,
     adopt,
+    assign,
     is_off,
     maps_to,
     note,
@@ -21,9 +22,6 @@ from fastdpo.config.compat.base import (
 from fastdpo.config.parallel import LESS_MEMORY
 from fastdpo.errors import FastDPOError
 
-SEQUENCE_PARALLEL = ("sequence parallelism is not available in fastdpo. One H200 trains a 65,538-token pair of "
-                     "Qwen3-8B with LoRA and --gradient_checkpointing full; for longer pairs add "
-                     "--activation_offloading, or shard with --deepspeed zero3 on several GPUs.")
 LIGER = note("ignored; fastdpo's log-probs are always computed in chunks, never as full logits.")
 RLHF_TYPES = {"dpo": None, "simpo": "simpo", "orpo": "orpo", "cpo": "cpo"}
 
@@ -44,12 +42,24 @@ def _rlhf_type(value: str, values: dict) -> str | None:
     return f"training with --loss_type {loss}."
 
 
-def _sequence_parallel(name: str) -> Callable[[Any, dict], str | None]:
-    def apply(value: Any, values: dict) -> str | None:
-        if str(value).strip() in ("1", "0", "") or is_off(value):
-            return None
-        raise FastDPOError(f"--{name} {value}: {SEQUENCE_PARALLEL}")
-    return apply
+def _ulysses_num_heads(value: Any, values: dict) -> str | None:
+    """ms-swift's Ulysses sequence parallelism over K ranks: --sequence_parallel_size K in ulysses mode (1: off)."""
+    k = number(value, int)
+    if k < 1:
+        raise Unnamed("expected a number of ranks >= 1 (1: off).")
+    if k == 1:
+        return None
+    assign(values, "sequence_parallel_size", k, "ulysses_num_heads")
+    assign(values, "sequence_parallel_mode", "ulysses", "ulysses_num_heads")
+    return None
+
+
+def _ring_attn(value: Any, values: dict) -> str | None:
+    """ms-swift's ring attention: --sequence_parallel_mode ring (its size from --sequence_parallel_size)."""
+    if not to_bool(value):
+        return None
+    assign(values, "sequence_parallel_mode", "ring", "ring_attn", "true")
+    return None
 
 
 def offload(name: str) -> Callable[[Any, dict], str | None]:
@@ -146,13 +156,15 @@ FLAGS: dict[str, Foreign] = {
     "eval_strategy": Foreign("HF: steps (see --eval_steps), epoch or no.", _eval_strategy),
     "evaluation_strategy": Foreign("HF (older name of --eval_strategy).", _eval_strategy),
     "quant_method": Foreign("ms-swift: bnb (bitsandbytes, what --train_type qlora uses).", _quant_method),
-    "ulysses_num_heads": Foreign("ms-swift sequence parallelism: not available (1 = off).",
-                                 _sequence_parallel("ulysses_num_heads")),
-    "sequence_parallel_size": Foreign("ms-swift sequence parallelism: not available (1 = off).",
-                                      _sequence_parallel("sequence_parallel_size")),
-    "ring_attn": Foreign("ms-swift ring attention: not available (false = off).", _sequence_parallel("ring_attn")),
-    "ring_attn_window_size": Foreign("ms-swift ring attention's window: ignored (ring attention is not available).",
-                                     note("ignored; ring attention is not available (see --ring_attn).")),
+    "ulysses_num_heads": Foreign("ms-swift Ulysses sequence parallelism over K ranks: = --sequence_parallel_size K "
+                                 "--sequence_parallel_mode ulysses (1 = off).", _ulysses_num_heads),
+    "ring_attn": Foreign("ms-swift ring attention: true = --sequence_parallel_mode ring (the ranks from "
+                         "--sequence_parallel_size).", _ring_attn),
+    "ring_attn_window_size": Foreign("ms-swift ring attention's block size: ignored (each rank's whole chunk travels "
+                                     "the ring; a model's sliding window is honoured as it is).",
+                                     note("ignored; fastdpo's ring passes each rank's whole chunk of keys and values "
+                                          "(no sub-block size to set), and a model's own sliding window is honoured "
+                                          "in every block.")),
     "offload_optimizer": Foreign("DeepSpeed optimizer offload: not available (false = off).",
                                  offload("offload_optimizer")),
     "offload_param": Foreign("DeepSpeed parameter offload: not available (false = off).", offload("offload_param")),
@@ -200,13 +212,14 @@ RLHF_DEFAULTS = {"simpo": {"beta": 2.0, "simpo_gamma": 1.0}}
 PAIRS_PER_STEP = 16
 # flags only ms-swift's scripts have: they make a command ms-swift's (the HF TrainingArguments ones do not)
 SCRIPT_FLAGS = frozenset({"rlhf_type", "quant_method", "use_hf", "add_version", "check_model", "lazy_tokenize",
-                          "ulysses_num_heads", "sequence_parallel_size", "ring_attn", "ring_attn_window_size",
+                          "ulysses_num_heads", "ring_attn", "ring_attn_window_size",
                           "flash_attn_version", "zero3_save_16bit_model"})
 
 
 def _step_size(values: dict) -> list[str]:
     """ms-swift's optimizer step: --per_device_train_batch_size (default 1) x --gradient_accumulation_steps (default
-    ceil(16 / batch / world size)) x world size pairs. Micro-batches do not change fastdpo's step (accumulation is
+    ceil(16 / batch / data-parallel ranks)) x data-parallel ranks pairs (the world size over the sequence-parallel
+    size). Micro-batches do not change fastdpo's step (accumulation is
     exact), so without a batch size of its own the step is formed from fewer, larger micro-batches."""
     from fastdpo.config.launch import world_size
     from fastdpo.config.schema import TrainConfig
@@ -214,6 +227,9 @@ def _step_size(values: dict) -> list[str]:
     if "gradient_accumulation_steps" in values:
         return []
     world = world_size()
+    sp = number(values.get("sequence_parallel_size", 1), int)
+    if sp > 1 and world % sp == 0:  # the ranks of a sequence-parallel group share their micro-batches
+        world //= sp
     if "per_device_train_batch_size" in values:
         batch = number(values["per_device_train_batch_size"], int)
         values["gradient_accumulation_steps"] = max(1, -(-PAIRS_PER_STEP // (batch * world)))
@@ -223,7 +239,7 @@ def _step_size(values: dict) -> list[str]:
     values["per_device_train_batch_size"], values["gradient_accumulation_steps"] = batch, -(-per_rank // batch)
     return [f"--per_device_train_batch_size {batch} --gradient_accumulation_steps "
             f"{values['gradient_accumulation_steps']} ({per_rank * world} pairs per step, as ms-swift's 1 x "
-            f"{per_rank}{f' x {world} ranks' if world > 1 else ''})"]
+            f"{per_rank}{f' x {world} data-parallel ranks' if world > 1 else ''})"]
 
 
 def _rlhf_meaning(rlhf: str, values: dict) -> list[str]:
