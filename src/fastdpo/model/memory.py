@@ -20,6 +20,7 @@ def _wrap(module: torch.nn.Module) -> None:
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
+    module._fastdpo_unwrapped = module.__dict__.get("forward")  # an instance forward (`fused`) comes back unwrapped
     module.forward = checkpointed
     module._fastdpo_ckpt = True
 
@@ -27,6 +28,8 @@ def _wrap(module: torch.nn.Module) -> None:
 def _unwrap(module: torch.nn.Module) -> None:
     if getattr(module, "_fastdpo_ckpt", False):
         del module.forward
+        if module._fastdpo_unwrapped is not None:
+            module.forward = module._fastdpo_unwrapped
         module._fastdpo_ckpt = False
 
 

@@ -24,6 +24,7 @@ from fastdpo.dpo.beta import BetaSchedule
 from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
+from fastdpo.model.fused import fuse_layers
 from fastdpo.model.load import add_lora, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
@@ -215,6 +216,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
             load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":
         prepare_packed(model, backend)
+    fuse_layers(model)  # lean norms and MLPs, before the memory estimate measures them
     if d.sp_size > 1:
         d.sp_mode = sequence.resolve_mode(model, cfg.sequence_parallel_mode, d.sp_size, backend)
         sequence.register()

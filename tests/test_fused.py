@@ -1,0 +1,102 @@
+"""Lean RMSNorm and SwiGLU (`fastdpo.model.fused`): the forward bit-identical to the modules' own, the backward equal
+to autograd's through the original operations, fewer bytes kept for the backward, and modules whose forward differs
+left alone."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from fastdpo.model.fused import fuse_layers
+
+
+def model(family, dtype):
+    torch.manual_seed(0)
+    cls = Qwen3Config if family == "qwen3" else LlamaConfig
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, **extra)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    with torch.no_grad():  # norms away from ones, so their weight gradient means something
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m.train()
+
+
+def loss_and_grads(m, ids):
+    m.zero_grad()
+    out = m(input_ids=ids).logits.float()
+    loss = (out.log_softmax(-1)[..., 3]).mean()
+    loss.backward()
+    return out.detach(), {n: p.grad.float().clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_forward_is_bit_identical_and_gradients_match(family, dtype, tol):
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    plain = model(family, dtype)
+    want_out, want = loss_and_grads(plain, ids)
+    lean = model(family, dtype)
+    assert set(fuse_layers(lean)) >= {f"{'Qwen3' if family == 'qwen3' else 'Llama'}{k}" for k in ("RMSNorm", "MLP")}
+    got_out, got = loss_and_grads(lean, ids)
+    assert torch.equal(got_out, want_out)  # the same forward, bit for bit
+    for name in want:
+        a, b = got[name], want[name]
+        assert ((a - b).norm() / b.norm().clamp(min=1e-12)).item() < tol, name
+
+
+def test_fewer_bytes_are_kept_for_the_backward():
+    def kept(m):
+        seen = {}
+        weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in weights:
+                seen[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m.model(input_ids=torch.zeros(1, 256, dtype=torch.long))
+        return sum(seen.values())
+
+    plain, lean = model("qwen3", torch.bfloat16), model("qwen3", torch.bfloat16)
+    fuse_layers(lean)
+    assert kept(lean) < 0.7 * kept(plain)
+
+
+def test_a_module_whose_forward_differs_keeps_it_and_eval_uses_the_plain_path():
+    class OddRMSNorm(torch.nn.Module):  # Gemma's form: (1 + weight), applied in float32
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8) * 0.1)
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            xf = x.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+    odd = torch.nn.Sequential(OddRMSNorm())
+    assert fuse_layers(odd) == [] and "forward" not in odd[0].__dict__
+    lean = model("llama", torch.float32)
+    fuse_layers(lean)
+    assert fuse_layers(lean) == []  # idempotent: nothing left to replace
+    norm = lean.model.norm
+    with torch.no_grad():
+        x = torch.randn(2, 64)
+        assert torch.equal(norm(x), norm._fastdpo_plain_forward(x))
+
+
+def test_checkpointing_wraps_the_lean_forward_and_gives_it_back():
+    from fastdpo.model.memory import apply_checkpointing
+
+    lean = model("qwen3", torch.float32)
+    fuse_layers(lean)
+    mlp = lean.model.layers[0].mlp
+    lean_forward = mlp.forward
+    apply_checkpointing(lean, "ffn")
+    assert mlp.forward is not lean_forward
+    apply_checkpointing(lean, "none")
+    assert mlp.forward is lean_forward
