@@ -216,7 +216,8 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
             load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":
         prepare_packed(model, backend)
-    fuse_layers(model)  # lean norms and MLPs, before the memory estimate measures them
+    if cfg.gradient_checkpointing not in ("none", "false", "fit", "auto"):
+        fuse_layers(model)  # a named policy asks for memory: lean norms and MLPs too (`fit` decides for itself)
     if d.sp_size > 1:
         d.sp_mode = sequence.resolve_mode(model, cfg.sequence_parallel_mode, d.sp_size, backend)
         sequence.register()
