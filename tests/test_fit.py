@@ -138,3 +138,33 @@ def test_fit_estimate_bounds_the_measured_peak_on_cuda():
     trainer.step(ps[8:16])
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() <= 6.0 * GIB
+
+
+def test_resolve_fit_switches_to_lean_layers_and_splits_budgets_over_a_group():
+    """With room, no checkpointing and the plain layers; short of memory, the lean layers (measured again) and a
+    budget; under sequence parallelism each rank holds 1/N of a micro-batch, and FSDP2 shards the static bytes."""
+    from fastdpo.config import TrainConfig
+    from fastdpo.training.fit import resolve_fit
+
+    ps = pairs(*[400] * 16)
+    cpu = torch.device("cpu")
+
+    def run(limit, static=0, shards=1, split=1, **kw):
+        cfg = TrainConfig(model="m", dataset=["d"], per_device_train_batch_size=8, **kw)
+        m = tiny()
+        resolve_fit(cfg, m, Backend("dense"), ps, cpu, 0, limit, static, shards, split)
+        lean = "forward" in m.model.layers[0].mlp.__dict__
+        return cfg, lean
+
+    roomy, lean = run(64 * GIB)
+    assert roomy.gradient_checkpointing == "none" and roomy.max_tokens_per_batch == 0 and not lean
+    tight, lean = run(int(0.5 * GIB + 2 * 1024 * 512 * 4 + 2_000_000))
+    assert lean and tight.gradient_checkpointing in ("ffn", "full")
+    if tight.gradient_checkpointing == "full" and tight.max_tokens_per_batch:
+        assert tight.max_tokens_per_batch >= 400
+    # the same tight limit with the micro-batch split over 4 ranks needs less of each
+    split, _ = run(int(0.5 * GIB + 2 * 1024 * 512 * 4 + 2_000_000), split=4)
+    order = ["none", "ffn", "full"]
+    assert order.index(split.gradient_checkpointing) <= order.index(tight.gradient_checkpointing)
+    # FSDP2 over 8 ranks: 8 GiB of weights and states is 1 GiB per rank
+    assert run(2 * GIB, static=8 * GIB, shards=8)[0].gradient_checkpointing == "none"

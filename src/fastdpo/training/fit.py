@@ -168,23 +168,35 @@ def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest
 
 
 def fit_checkpointing(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int,
-                      limit_gib: float | None) -> None:
+                      limit_gib: float | None, shards: int = 1, sequence_split: int = 1) -> None:
     """Resolve `--gradient_checkpointing fit` in `cfg` (and set --max_tokens_per_batch when a budget is needed);
-    off CUDA memory is not the constraint: no checkpointing."""
+    off CUDA memory is not the constraint: no checkpointing. `shards`: FSDP2's ranks, over which weights, gradients
+    and moments are divided; `sequence_split`: the sequence-parallel group, over which a micro-batch's tokens are."""
     if device.type != "cuda" or not pairs:
         cfg.gradient_checkpointing = "none"
         return
-    budget = cfg.max_tokens_per_batch
-    largest = largest_micro_batch(pairs, cfg.per_device_train_batch_size, budget)
-    longest = max(p.num_tokens for p in pairs)
     limit = int((limit_gib or torch.cuda.get_device_properties(device).total_memory / 2**30 * 0.9) * 2**30)
-    static, head = static_bytes(model, device), head_bytes(model)
-    fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest, budget, longest)
+    resolve_fit(cfg, model, backend, pairs, device, pad_id, limit, static_bytes(model, device), shards,
+                sequence_split)
+
+
+def resolve_fit(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int, limit: int,
+                static: int, shards: int = 1, sequence_split: int = 1) -> None:
+    """`fit_checkpointing` given the memory `limit` and the `static` bytes of one unsharded process, in bytes."""
+    budget = cfg.max_tokens_per_batch
+    split = max(sequence_split, 1)
+    largest = -(-largest_micro_batch(pairs, cfg.per_device_train_batch_size, budget) // split)
+    longest = -(-max(p.num_tokens for p in pairs) // split)
+    static, head = static // max(shards, 1), head_bytes(model)
+    rank_budget = -(-budget // split) if budget > 0 else 0  # tokens of a micro-batch that one rank holds
+    fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest, rank_budget,
+                     longest)
     lean = fit.policy != "none"
     if lean:  # memory is short: the lean norms and MLPs keep fewer bytes (and cost some speed), so measure again
         fuse_layers(model)
-        fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest, budget,
-                         longest)
+        fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest,
+                         rank_budget, longest)
+    fit.budget = budget if fit.budget == rank_budget else fit.budget * split  # a rank's tokens -> the micro-batch's
     cfg.gradient_checkpointing = fit.policy
     shown = ", ".join(f"{p} ~{g} GiB" for p, g in fit.estimates_gib.items())
     if fit.budget != budget:

@@ -223,8 +223,8 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         sequence.register()
         log.info("Sequence parallelism: %s attention over groups of %d ranks.", d.sp_mode, d.sp_size)
     if cfg.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
-        fit_checkpointing(cfg, model, backend, pairs, device, pad_id(tokenizer),
-                          cfg.max_memory_gib / (d.world_size if d.mode == "fsdp" else 1) or None)
+        fit_checkpointing(cfg, model, backend, pairs, device, pad_id(tokenizer), cfg.max_memory_gib or None,
+                          shards=d.world_size if d.mode == "fsdp" else 1, sequence_split=d.sp_size)
     policy = parallelize(model, reference, backend, cfg, d)  # checkpointing -> compile -> DDP/FSDP2
 
     # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
