@@ -45,6 +45,16 @@ class _RMSNorm(torch.autograd.Function):
         return g_x, g_weight, None
 
 
+def _silu_mul_grads(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of silu(gate) * up with respect to gate and up, in float32, returned in their dtypes."""
+    gf = gate.to(torch.float32)
+    s = torch.sigmoid(gf)
+    g = grad.to(torch.float32)
+    g_up = (g * (gf * s)).to(up.dtype)
+    g_gate = (g * up.to(torch.float32) * s * (1 + gf * (1 - s))).to(gate.dtype)
+    return g_gate, g_up
+
+
 class _SiluMul(torch.autograd.Function):
     """silu(gate) * up, keeping gate and up only."""
 
@@ -56,12 +66,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        gf = gate.to(torch.float32)
-        s = torch.sigmoid(gf)
-        g = grad.to(torch.float32)
-        g_up = (g * (gf * s)).to(up.dtype)
-        g_gate = (g * up.to(torch.float32) * s * (1 + gf * (1 - s))).to(gate.dtype)
-        return g_gate, g_up
+        return _silu_mul_grads(gate, up, grad)
 
 
 class _SiluMulDown(torch.autograd.Function):
@@ -79,14 +84,8 @@ class _SiluMulDown(torch.autograd.Function):
         g_down = None
         if ctx.needs_input_grad[2]:
             g_down = grad.reshape(-1, grad.shape[-1]).t() @ p.reshape(-1, p.shape[-1])
-        g_p = grad @ down
-        g_gate, g_up = _SiluMul.backward(_Saved(gate, up), g_p)
+        g_gate, g_up = _silu_mul_grads(gate, up, grad @ down)
         return g_gate, g_up, g_down
-
-
-class _Saved:
-    def __init__(self, *tensors):
-        self.saved_tensors = tensors
 
 
 def _norm_forward(module):
