@@ -168,3 +168,13 @@ def test_resolve_fit_switches_to_lean_layers_and_splits_budgets_over_a_group():
     assert order.index(split.gradient_checkpointing) <= order.index(tight.gradient_checkpointing)
     # FSDP2 over 8 ranks: 8 GiB of weights and states is 1 GiB per rank
     assert run(2 * GIB, static=8 * GIB, shards=8)[0].gradient_checkpointing == "none"
+
+
+def test_the_probe_leaves_the_random_state_as_it_found_it():
+    model = tiny()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5  # the dense path's SDPA then draws dropout masks
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    measure_activations(model, Backend("dense"), 0, torch.device("cpu"), tokens=64)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -71,7 +71,8 @@ def _storage_key(t: torch.Tensor):
 
 def measure_activations(model, backend, pad_id: int, device: torch.device, tokens: int = PROBE_TOKENS) -> ActivationBytes:
     """One forward with grad of a filler pair of `tokens` tokens; what autograd saves, per token, by region. Weights
-    (and views of them) are not counted; a storage saved twice is counted once. The graph is dropped unused."""
+    (and views of them) are not counted; a storage saved twice is counted once. The graph is dropped unused, and the
+    random state restored (a dropout's draws stay training's)."""
     lm = base_causal_lm(model)
     weights = {_storage_key(p)[0] for p in model.parameters()}
     region = ["outside"]
@@ -95,6 +96,8 @@ def measure_activations(model, backend, pad_id: int, device: torch.device, token
     batch = make_batch([pair], backend, pad_id, device)
     was_training = model.training
     model.train()
+    cuda = device.type == "cuda"
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None  # dropout draws: training's own
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = completion_logps(model, batch, backend, build_mask(batch, backend))
@@ -103,6 +106,9 @@ def measure_activations(model, backend, pad_id: int, device: torch.device, token
         for h in handles:
             h.remove()
         model.train(was_training)
+        torch.set_rng_state(rng[0])
+        if cuda:
+            torch.cuda.set_rng_state(rng[1], device)
     total = {"mlp": 0, "layer": 0, "outside": 0}
     for where, nbytes in seen.values():
         total[where] += nbytes
