@@ -85,3 +85,40 @@ def test_demo_prints_its_equivalent_command_on_one_line(tmp_path, monkeypatch):
     demo.run_demo(str(tmp_path / "demo"), console=Console(file=buf, width=60, force_terminal=True), quick=True)
     line = next(ln for ln in buf.getvalue().splitlines() if "command" in ln)
     assert line.lstrip().startswith("command   fastdpo train --model ") and line.endswith("--plot True"), line
+
+
+def test_steps_that_build_kernels_say_so(tmp_path, model_dirs, monkeypatch, caplog):
+    """With --torch_compile the run says up front that the first step builds kernels, and a step that compiled a
+    graph is named with its time (a later one as meeting a new micro-batch shape)."""
+    import logging
+
+    import torch._dynamo
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.model import memory
+    from fastdpo.parallel import parallelize as par
+    from fastdpo.training.loop import train
+
+    monkeypatch.setattr(par, "compile_layers", lambda model, **kw: memory.compile_layers(model, "eager", **kw))
+    torch._dynamo.reset()
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(12))
+    cfg = TrainConfig(model=str(model_dirs()), dataset=[str(data)], output_dir=str(tmp_path / "run"), max_steps=3,
+                      per_device_train_batch_size=4, torch_compile=True, device="cpu", disable_progress=True)
+    with caplog.at_level(logging.INFO, logger="fastdpo"):
+        train(cfg, progress=False)
+    text = caplog.text
+    assert "Building kernels: the first step compiles the decoder layers (--torch_compile)" in text
+    assert re.search(r"Step 1 built kernels \(\d+ compiled graphs?\) in \d+\.\d s\.", text), text
+
+
+def test_progress_bar_shows_building_until_the_first_step():
+    from rich.console import Console as Rich
+
+    bar = RunProgress(3, console=Rich(file=open(os.devnull, "w"), force_terminal=True))
+    try:
+        bar.building()
+        assert bar.bar.tasks[0].fields["rate"] == "building kernels"
+        bar.advance(1, 8, 100)
+        assert bar.bar.tasks[0].fields["rate"].endswith("pairs/s")
+    finally:
+        bar.stop()

@@ -30,6 +30,26 @@ def process_age() -> float:
         return time.monotonic() - _IMPORTED
 
 
+class KernelBuilds:
+    """Counts the graphs TorchDynamo compiled (each one a kernel build) since the last look."""
+
+    def __init__(self):
+        self.seen = self.count()
+
+    @staticmethod
+    def count() -> int:
+        try:
+            from torch._dynamo.utils import counters
+        except ImportError:  # pragma: no cover - a torch without Dynamo
+            return 0
+        return int(counters["stats"]["unique_graphs"])
+
+    def new(self) -> int:
+        now = self.count()
+        n, self.seen = now - self.seen, now
+        return n
+
+
 class Timeline:
     """When the run reached each milestone, in seconds since the process started: where the time to a saved model
     went (`summary.json`'s `timeline_s`)."""
@@ -92,6 +112,11 @@ class RunProgress:
         self.done, self.pairs, self.tokens = done, self.pairs + pairs, self.tokens + tokens
         if self.bar is not None:
             self.bar.update(self.task, completed=done, rate=f"{self.rate()['pairs_per_second']:.2f} pairs/s")
+
+    def building(self) -> None:
+        """Show that the next step builds kernels (its time is compilation, not the run's pace)."""
+        if self.bar is not None:
+            self.bar.update(self.task, rate="building kernels")
 
     def stop(self) -> None:
         if self.bar is not None:

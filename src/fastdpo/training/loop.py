@@ -22,7 +22,7 @@ from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
 from fastdpo.observe.profile import StepProfiler
-from fastdpo.observe.progress import RunProgress, Timeline, run_summary, save_summary, summary_line
+from fastdpo.observe.progress import KernelBuilds, RunProgress, Timeline, run_summary, save_summary, summary_line
 from fastdpo.optim.optimizer import (
     follow_schedule,
     schedule_changes,
@@ -92,12 +92,24 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         log.warning("--profile_steps %s: this run trains steps %d-%d, so the profile needs a window inside them.",
                     cfg.profile_steps, start + 1, s.total_steps)
     pauses = GcPauses(cfg.gc_steps).start()
+    builds = KernelBuilds()
+    compiles = cfg.torch_compile or s.backend.name == "flex"
+    if compiles:
+        log.info("Building kernels: the first step compiles %s, so it takes longer than the rest; later steps "
+                 "reuse them.", "the decoder layers (--torch_compile)" if cfg.torch_compile else
+                 "FlexAttention for each static micro-batch length")
+        bar.building()
     try:
         for step in range(start, s.total_steps):
             hb.beat(step + 1, "forward")
             profiler.begin(step + 1)
+            t_step = time.perf_counter()
             result = trainer.step()
             done = trainer.global_step
+            built = builds.new()
+            if built and d.is_main:  # said once per step that paid for compilation, with its time
+                log.info("Step %d built kernels (%d compiled graph%s) in %.1f s%s.", done, built, "s" * (built > 1),
+                         time.perf_counter() - t_step, "" if done == start + 1 else ": a new micro-batch shape")
             if done == start + 1:
                 timeline.mark("first_step")
             monitor.finite_update(result.finite, done, [p.index for p in result.pairs], result.stepped)
