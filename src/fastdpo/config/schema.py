@@ -237,9 +237,8 @@ class TrainConfig(DataReading, ModelSection):
                                      "value = full). fit: the fastest of none, ffn and full whose peak memory, "
                                      "estimated from one probe forward of the model, fits the GPU at the data's "
                                      "largest micro-batch (with a token budget if even full does not, and lean "
-                                     "norms and MLPs that keep fewer bytes when none does not); none off CUDA. A "
-                                     "named policy other than none also gets the lean norms and MLPs. auto: measure "
-                                     "training steps of each instead.", bare="true")
+                                     "norms and MLPs that keep fewer bytes when none does not); none off CUDA. "
+                                     "auto: measure training steps of each instead.", bare="true")
     max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing fit|auto` / `fastdpo tune` (0: 90% "
                                "of the GPU).")
     activation_offloading: bool = _f(False, "Move activations saved for backward to pinned CPU memory (slower; pair "

@@ -24,7 +24,6 @@ from fastdpo.dpo.beta import BetaSchedule
 from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
-from fastdpo.model.fused import fuse_layers
 from fastdpo.model.load import add_lora, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
@@ -216,8 +215,6 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
             load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":
         prepare_packed(model, backend)
-    if cfg.gradient_checkpointing not in ("none", "false", "fit", "auto"):
-        fuse_layers(model)  # a named policy asks for memory: lean norms and MLPs too (`fit` decides for itself)
     if d.sp_size > 1:
         d.sp_mode = sequence.resolve_mode(model, cfg.sequence_parallel_mode, d.sp_size, backend)
         sequence.register()
