@@ -20,6 +20,7 @@ from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+KERNELS = ("auto", "triton", "torch")
 ATTN_IMPLS = ("auto", "varlen", "flex", "dense", "padded", "flash_attn", "flash_attention_2", "sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 MAX_LR = 1e6  # far past any useful rate, far below where AdamW's step size overflows float32
@@ -244,6 +245,11 @@ class TrainConfig(DataReading, ModelSection):
     activation_offloading: bool = _f(False, "Move activations saved for backward to pinned CPU memory (slower; pair "
                                             "with --gradient_checkpointing none or ffn).")
     torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")
+    kernels: str = _f("auto", "auto|triton|torch: the norms and SwiGLU MLPs. triton: one-pass Triton kernels that keep "
+                      "fewer bytes for the backward (built once per width, not per length); torch: the model's own "
+                      "layers (the lean torch ones when --gradient_checkpointing fit is short of memory). auto: "
+                      "triton on CUDA when Triton is installed and without --torch_compile (whose compiler fuses "
+                      "them itself).")
     # schedule
     max_steps: int = _f(-1, "Optimizer steps to run (overrides num_train_epochs when > 0).")
     num_train_epochs: float = _f(1.0, "Epochs over the dataset.")
@@ -403,6 +409,7 @@ class TrainConfig(DataReading, ModelSection):
         if self.train_type == "qlora" and self.quant_bits not in (4, 8):
             raise FastDPOError(f"--quant_bits must be 4 or 8 for --train_type qlora, got {self.quant_bits}.")
         _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
+        _choice("kernels", self.kernels, KERNELS)
         _choice("torch_dtype", self.torch_dtype, DTYPES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
         _choice("update_rounding", self.update_rounding, ("stochastic", "nearest"))

@@ -10,21 +10,35 @@ bytes on the Qwen3 shapes).
 The forward runs the modules' own operations in their order, so its results are bit-identical; `fuse_layers`
 checks that on a probe input for each module class before replacing its forward, and leaves a class whose forward
 differs (e.g. Gemma's `1 + weight` norm) as it is. The backward is the analytic gradient, in float32 where the
-original computes in float32."""
+original computes in float32.
+
+With `use_kernels` the same formulas run as the Triton kernels of `fastdpo.model.kernels` on CUDA: one pass each
+way instead of eager's five to ten, in the policy's training forward and backward and in the reference's no-grad
+forward alike (so both compute the same numbers). Their forward equals the eager one to the dtype's rounding, not
+bit for bit (a sum's order differs); their tests hold forward and gradients to the float32 computation."""
 
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
+
+from fastdpo.errors import FastDPOError
+from fastdpo.model import kernels
 
 log = logging.getLogger("fastdpo")
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, fast: bool) -> torch.Tensor:
+        ctx.fast = fast
+        if fast:
+            y, rstd = kernels.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
         xf = x.to(torch.float32)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         y = (xf * rstd).to(x.dtype)
@@ -34,6 +48,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
+        if ctx.fast:
+            g_x, g_weight = kernels.rms_norm_backward(grad, x, weight, rstd, ctx.needs_input_grad[1])
+            return g_x, g_weight, None, None
         n = x.to(torch.float32) * rstd
         g_weight = None
         if ctx.needs_input_grad[1]:
@@ -42,7 +59,7 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_n = (grad * weight).to(torch.float32)
             g_x = (rstd * (g_n - n * (g_n * n).mean(-1, keepdim=True))).to(x.dtype)
-        return g_x, g_weight, None
+        return g_x, g_weight, None, None
 
 
 def _silu_mul_grads(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,58 +76,78 @@ class _SiluMul(torch.autograd.Function):
     """silu(gate) * up, keeping gate and up only."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, fast: bool) -> torch.Tensor:
+        ctx.fast = fast
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return kernels.silu_mul(gate, up) if fast else F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        return _silu_mul_grads(gate, up, grad)
+        if ctx.fast:
+            g_gate, g_up, _ = kernels.silu_mul_backward(gate, up, grad)
+        else:
+            g_gate, g_up = _silu_mul_grads(gate, up, grad)
+        return g_gate, g_up, None
 
 
 class _SiluMulDown(torch.autograd.Function):
     """(silu(gate) * up) @ down.T for a plain down projection: the product is recomputed in the backward."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fast: bool) -> torch.Tensor:
+        ctx.fast = fast
         ctx.save_for_backward(gate, up, down)
-        return F.linear(F.silu(gate) * up, down)
+        return F.linear(kernels.silu_mul(gate, up) if fast else F.silu(gate) * up, down)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up, down = ctx.saved_tensors
-        p = F.silu(gate) * up
+        g_p = grad @ down
+        if ctx.fast:  # one pass: both gradients, and the product again for the down projection's
+            g_gate, g_up, p = kernels.silu_mul_backward(gate, up, g_p, product=ctx.needs_input_grad[2])
+        else:
+            p = F.silu(gate) * up if ctx.needs_input_grad[2] else None
+            g_gate, g_up = _silu_mul_grads(gate, up, g_p)
         g_down = None
         if ctx.needs_input_grad[2]:
             g_down = grad.reshape(-1, grad.shape[-1]).t() @ p.reshape(-1, p.shape[-1])
-        g_gate, g_up = _silu_mul_grads(gate, up, grad @ down)
-        return g_gate, g_up, g_down
+        return g_gate, g_up, g_down, None
 
 
-def _norm_forward(module):
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and module.training:
-            return _RMSNorm.apply(hidden_states, module.weight, module.variance_epsilon)
-        return module._fastdpo_plain_forward(hidden_states)
-    return forward
+def _fast(module, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether the Triton kernels serve this call: asked for, on their device, in the weights' dtype, and not
+    inside a torch.compile trace (Inductor fuses the torch path there)."""
+    return (module._fastdpo_kernels and kernels.available(x) and (weight is None or weight.dtype == x.dtype)
+            and not torch.compiler.is_compiling())
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
+    if _fast(self, hidden_states, self.weight):
+        if grad:
+            return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, True)
+        return kernels.rms_norm_forward(hidden_states, self.weight, self.variance_epsilon)[0]
+    if grad and self.training:
+        return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, False)
+    return self._fastdpo_plain_forward(hidden_states)
 
 
 def _plain_linear(m) -> bool:
     return type(m) is torch.nn.Linear and m.bias is None
 
 
-def _mlp_forward(module):
-    plain_down = _plain_linear(module.down_proj)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not (torch.is_grad_enabled() and module.training):
-            return module._fastdpo_plain_forward(x)
-        gate, up = module.gate_proj(x), module.up_proj(x)
-        if plain_down:
-            return _SiluMulDown.apply(gate, up, module.down_proj.weight)
-        return module.down_proj(_SiluMul.apply(gate, up))
-    return forward
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    grad = torch.is_grad_enabled()
+    fast = _fast(self, x, self.down_proj.weight if _plain_linear(self.down_proj) else None)
+    if not fast and not (grad and self.training):
+        return self._fastdpo_plain_forward(x)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if not grad:  # the reference's forward: the kernel alone
+        return self.down_proj(kernels.silu_mul(gate, up))
+    if _plain_linear(self.down_proj):  # checked per call: LoRA may wrap it after the layers were fused
+        return _SiluMulDown.apply(gate, up, self.down_proj.weight, fast)
+    return self.down_proj(_SiluMul.apply(gate, up, fast))
 
 
 def _is_norm(m) -> bool:
@@ -125,39 +162,57 @@ def _is_swiglu(m) -> bool:
 
 
 @torch.no_grad()
-def _same_forward(module, replacement, width: int) -> bool:
-    """The replacement's output equals the module's own, bit for bit, on a probe input (grad on, training)."""
+def _same_forward(module, width: int) -> bool:
+    """The lean torch forward equals the module's own, bit for bit, on a probe input (grad on, training): the
+    module computes the standard formula, which the kernels compute too (their tests hold them to it)."""
     p = next(module.parameters())
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(3, width, generator=g).to(device=p.device, dtype=p.dtype)
-    was = module.training
+    x = torch.randn(3, width, generator=g).to(device=p.device, dtype=p.dtype).requires_grad_()
+    was, kernels_on = module.training, module._fastdpo_kernels
     module.train()
+    module._fastdpo_kernels = False
     try:
         with torch.enable_grad():
             want = module._fastdpo_plain_forward(x)
-            got = replacement(x)
+            got = module.forward(x)
     finally:
         module.train(was)
+        module._fastdpo_kernels = kernels_on
     return want.dtype == got.dtype and torch.equal(want, got)
 
 
-def fuse_layers(model: torch.nn.Module) -> list[str]:
+def kernels_wanted(choice: str, device: torch.device, compiling: bool) -> bool:
+    """Resolve --kernels: auto is Triton on CUDA when it is installed and the layers are not compiled."""
+    if choice == "torch":
+        return False
+    usable = device.type == "cuda" and kernels.triton is not None
+    if choice == "triton" and not usable:
+        raise FastDPOError("--kernels triton needs a CUDA GPU and Triton (installed with torch's CUDA wheels). "
+                           "Use --kernels auto or torch.")
+    return usable and (choice == "triton" or not compiling)
+
+
+def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
     """Give every RMSNorm and SwiGLU MLP of `model` the lean forward where it reproduces the module's own (checked
-    once per class); returns the class names replaced. Idempotent."""
+    once per class); returns the class names replaced. `use_kernels`: run them with the Triton kernels where those
+    serve (CUDA), in training and in no-grad forwards (the reference's) alike. Idempotent; a second call can switch
+    the kernels on. The forwards are bound methods, so a deep copy (the reference) is fused the same way."""
     done: dict[type, bool] = {}
     for m in model.modules():
         kind = "norm" if _is_norm(m) else "mlp" if _is_swiglu(m) else None
-        if kind is None or hasattr(m, "_fastdpo_plain_forward"):
+        if kind is None:
+            continue
+        if hasattr(m, "_fastdpo_plain_forward"):
+            m._fastdpo_kernels = m._fastdpo_kernels or use_kernels
             continue
         m._fastdpo_plain_forward = m.forward
-        replacement = _norm_forward(m) if kind == "norm" else _mlp_forward(m)
+        m._fastdpo_kernels = use_kernels
+        m.forward = types.MethodType(_norm_forward if kind == "norm" else _mlp_forward, m)
         if type(m) not in done:
             width = m.weight.shape[0] if kind == "norm" else m.gate_proj.in_features
-            done[type(m)] = _same_forward(m, replacement, width)
+            done[type(m)] = _same_forward(m, width)
             if not done[type(m)]:
                 log.info("%s keeps its own forward (the lean one differs from it).", type(m).__name__)
-        if done[type(m)]:
-            m.forward = replacement
-        else:
-            del m._fastdpo_plain_forward
+        if not done[type(m)]:
+            del m.forward, m._fastdpo_plain_forward, m._fastdpo_kernels
     return sorted(t.__name__ for t, ok in done.items() if ok)

@@ -24,6 +24,7 @@ from fastdpo.dpo.beta import BetaSchedule
 from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
+from fastdpo.model.fused import fuse_layers, kernels_wanted
 from fastdpo.model.load import add_lora, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
@@ -140,6 +141,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None) -> 
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
                        cfg.quant_bits if cfg.train_type == "qlora" else 0)
+    fuse_kernels(cfg, model, device)  # before any reference is computed: policy and reference compute alike
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
     s = assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
     s.val_pairs, s.val_reference, s.stream = val_pairs, val_reference, stream
@@ -180,6 +182,15 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     return " ".join(hints) or None
 
 
+def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
+    """--kernels: the Triton norms and MLPs where they serve (idempotent; logged once per model)."""
+    if kernels_wanted(cfg.kernels, device, cfg.torch_compile) and not getattr(model, "_fastdpo_fused", False):
+        names = fuse_layers(model, use_kernels=True)
+        model._fastdpo_fused = True
+        log.info("Kernels: Triton norms and SwiGLU MLPs for %s.", ", ".join(names) or "no module of this model "
+                 "(its norms and MLPs differ from the standard ones: they keep their own forward)")
+
+
 def epoch_steps(pairs: int, per_step: int, drop_last: bool) -> int:
     """Optimizer steps in one epoch: the last one takes the pairs left, or with `drop_last` is skipped when short."""
     if not drop_last:
@@ -208,7 +219,10 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     elif backend.name == "flex" and not given:  # a stream: no pairs to size a budget from
         log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
                     "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
+    fuse_kernels(cfg, model, device)
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, d)
+    if reference.model is not None and reference.model is not model:  # a --ref_model loaded on its own
+        fuse_kernels(cfg, reference.model, device)
     if cfg.uses_lora:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
         if reference.strategy == "ref_adapter":

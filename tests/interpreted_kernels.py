@@ -1,0 +1,161 @@
+"""The Triton kernels of the lean norms and MLPs (`fastdpo.model.kernels`) under Triton's interpreter on the CPU:
+each against the plain float32 computation on random inputs (odd widths, row counts off the block, no rows), and a
+fused model's loss and gradients against the plain model's, with LoRA wrapping the MLPs after fusing. Run by
+tests/test_kernels.py in a process started with TRITON_INTERPRET=1 (Triton reads it as it is imported); the same
+kernels compiled for CUDA are held to the same references in tests/test_gpu_kernels.py."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdpo.model import kernels
+from fastdpo.model.fused import fuse_layers
+
+
+@pytest.fixture(scope="module")
+def K():
+    assert kernels.INTERPRET and kernels.available(torch.zeros(1)), "run with TRITON_INTERPRET=1"
+    return kernels
+
+
+@pytest.fixture
+def interpreted(K):
+    return K
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def norm_reference(x, w, eps):
+    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+    return xf, wf, wf * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("width", [128, 1000, 2048])
+@pytest.mark.parametrize("rows", [1, 37])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_rms_norm_forward_and_backward_equal_float32(K, width, rows, dtype, tol):
+    g = torch.Generator().manual_seed(width + rows)
+    x = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    w = (1 + 0.2 * torch.randn(width, generator=g)).to(dtype)
+    grad = torch.randn(rows, width, generator=g).to(dtype)
+    y, rstd = K.rms_norm_forward(x, w, 1e-6)
+    xf, wf, want = norm_reference(x, w, 1e-6)
+    want.backward(grad.float())
+    assert y.dtype == dtype and y.shape == x.shape and rstd.dtype == torch.float32
+    assert rel(y, want) < tol
+    assert rel(rstd, torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)) < 1e-6
+    dx, dw = K.rms_norm_backward(grad, x, w, rstd, weight_grad=True)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert rel(dx, xf.grad) < tol and rel(dw, wf.grad) < tol
+    dx2, none = K.rms_norm_backward(grad, x, w, rstd, weight_grad=False)
+    assert none is None and torch.equal(dx2, dx)
+
+
+def test_rms_norm_of_a_head_view_and_of_no_rows(K):
+    x = torch.randn(2, 5, 3, 16)  # (batch, tokens, heads, head_dim): Qwen3's per-head norms
+    w = torch.rand(16) + 0.5
+    y, _ = K.rms_norm_forward(x, w, 1e-6)
+    assert y.shape == x.shape and rel(y, norm_reference(x, w, 1e-6)[2]) < 1e-6
+    y0, r0 = K.rms_norm_forward(torch.zeros(0, 16), w, 1e-6)
+    assert y0.shape == (0, 16) and r0.shape == (0,)
+    dx, dw = K.rms_norm_backward(torch.zeros(0, 16), torch.zeros(0, 16), w, r0, weight_grad=True)
+    assert dx.shape == (0, 16) and torch.equal(dw, torch.zeros(16))
+
+
+@pytest.mark.parametrize("numel", [1, 333, 5000])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_silu_mul_forward_and_backward_equal_float32(K, numel, dtype, tol):
+    g = torch.Generator().manual_seed(numel)
+    a, b, grad = (torch.randn(numel, generator=g).mul(3).to(dtype) for _ in range(3))
+    af, bf = a.float().requires_grad_(), b.float().requires_grad_()
+    want = F.silu(af) * bf
+    want.backward(grad.float())
+    p = K.silu_mul(a, b)
+    assert p.dtype == dtype and rel(p, want) < tol
+    if dtype == torch.float32:
+        assert torch.allclose(p, F.silu(a) * b, atol=1e-6)
+    da, db, again = K.silu_mul_backward(a, b, grad, product=True)
+    assert rel(da, af.grad) < tol and rel(db, bf.grad) < tol
+    assert torch.equal(again, p)  # the product rebuilt in the backward is the forward's
+    assert K.silu_mul_backward(a, b, grad)[2] is None
+
+
+def tiny(family, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    torch.manual_seed(0)
+    cls = Qwen3Config if family == "qwen3" else LlamaConfig
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, **extra)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m.train()
+
+
+def loss_and_grads(m, ids):
+    m.zero_grad()
+    out = m(input_ids=ids).logits.float()
+    loss = out.log_softmax(-1)[..., 3].mean()
+    loss.backward()
+    return out.detach(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_a_model_on_the_kernels_trains_as_the_float32_model(interpreted, family, dtype, tol):
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    want_out, want = loss_and_grads(tiny(family, torch.float32), ids)
+    m = tiny(family, dtype)
+    assert set(fuse_layers(m, use_kernels=True)) >= {f"{'Qwen3' if family == 'qwen3' else 'Llama'}{k}"
+                                                      for k in ("RMSNorm", "MLP")}
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("rms_norm_forward", "rms_norm_backward", "silu_mul", "silu_mul_backward"):
+            fn = getattr(interpreted, name)
+            mp.setattr(interpreted, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+        got_out, got = loss_and_grads(m, ids)
+    assert {"rms_norm_forward", "rms_norm_backward", "silu_mul", "silu_mul_backward"} <= set(calls)
+    assert rel(got_out, want_out) < tol
+    assert set(got) == set(want)
+    for name in want:
+        assert rel(got[name], want[name]) < tol, name
+
+
+def test_the_reference_copy_and_a_no_grad_forward_compute_the_same_numbers(interpreted):
+    """The reference is a deep copy of the fused policy: its forwards are bound to the copy, run the kernels, and
+    give the policy's training forward bit for bit (the first step's log-ratios are exactly zero)."""
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    m = tiny("qwen3", torch.bfloat16)
+    fuse_layers(m, use_kernels=True)
+    ref = copy.deepcopy(m).eval().requires_grad_(False)
+    assert ref.model.norm.forward.__self__ is ref.model.norm and ref.model.norm._fastdpo_kernels
+    train_out = m(input_ids=ids).logits
+    with torch.no_grad():
+        ref_out = ref(input_ids=ids).logits
+    assert torch.equal(train_out, ref_out)
+
+
+def test_lora_wrapping_the_down_projection_after_fusing_trains_its_adapter(interpreted):
+    from peft import LoraConfig, get_peft_model
+
+    m = tiny("llama")
+    fuse_layers(m, use_kernels=True)
+    plain = tiny("llama")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj", "gate_proj"], init_lora_weights=False)
+    m, plain = get_peft_model(m, cfg), get_peft_model(plain, copy.deepcopy(cfg))
+    plain.load_state_dict(m.state_dict())
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    want_out, want = loss_and_grads(plain, ids)
+    got_out, got = loss_and_grads(m, ids)
+    assert any("down_proj.lora_A" in n for n in got)
+    assert rel(got_out, want_out) < 1e-5
+    for name in want:
+        assert rel(got[name], want[name]) < 1e-5, name

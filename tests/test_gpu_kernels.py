@@ -1,0 +1,91 @@
+"""The Triton norms and MLPs compiled for CUDA: each kernel against the float32 computation at the real models'
+widths, a fused Qwen3 stack against the float32 padded reference through the varlen backend, one build per width
+whatever the number of tokens, and fewer bytes kept than the plain layers. Run on a CUDA device:
+`pytest -m gpu tests/test_gpu_kernels.py`."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_pairs
+from test_gpu_varlen import logps_and_grads, qwen3, rel
+
+from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
+from fastdpo.model import kernels
+from fastdpo.model.backend import Backend, choose_backend, prepare_packed
+from fastdpo.model.fused import fuse_layers
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("width", [128, 2048, 4096, 5120])
+@pytest.mark.parametrize("rows", [1, 3001])
+def test_rms_norm_kernels_equal_float32(width, rows):
+    g = torch.Generator(device="cuda").manual_seed(width)
+    x = torch.randn(rows, width, device="cuda", generator=g).mul(3).bfloat16()
+    w = (1 + 0.2 * torch.randn(width, device="cuda", generator=g)).bfloat16()
+    grad = torch.randn(rows, width, device="cuda", generator=g).bfloat16()
+    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+    want = wf * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+    want.backward(grad.float())
+    y, rstd = kernels.rms_norm_forward(x, w, 1e-6)
+    dx, dw = kernels.rms_norm_backward(grad, x, w, rstd, weight_grad=True)
+    assert rel(y, want) < 1e-2 and rel(dx, xf.grad) < 1e-2 and rel(dw, wf.grad) < 1e-2
+    plain = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    assert (y.float() - plain.float()).abs().max() <= plain.float().abs().max() * 2**-7  # eager's result but an ulp
+
+
+@pytest.mark.parametrize("numel", [1, 6144 * 3001 + 7])
+def test_silu_mul_kernels_equal_float32(numel):
+    g = torch.Generator(device="cuda").manual_seed(numel)
+    a, b, grad = (torch.randn(numel, device="cuda", generator=g).mul(3).bfloat16() for _ in range(3))
+    af, bf = a.float().requires_grad_(), b.float().requires_grad_()
+    want = F.silu(af) * bf
+    want.backward(grad.float())
+    p = kernels.silu_mul(a, b)
+    assert torch.equal(p, F.silu(a) * b)  # eager's rounding exactly
+    da, db, again = kernels.silu_mul_backward(a, b, grad, product=True)
+    assert rel(da, af.grad) < 1e-2 and rel(db, bf.grad) < 1e-2 and torch.equal(again, p)
+
+
+def built(fn) -> int:
+    """Kernels Triton has built for the jitted `fn` (its per-device caches; older releases call them `cache`)."""
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:
+        return sum(len(c[0]) for c in caches.values())
+    return sum(len(c) for c in fn.cache.values())
+
+
+def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_once():
+    pairs = random_pairs(12, 151936, seed=0, max_prompt=300, max_comp=300)
+    groups = split_micro_batches(pairs, 2048, 0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    slow, g_slow = logps_and_grads(qwen3(torch.float32), [pad_pairs(g) for g in groups], Backend("padded"))
+    model = qwen3(torch.bfloat16).train()
+    assert set(fuse_layers(model, use_kernels=True)) == {"Qwen3RMSNorm", "Qwen3MLP"}
+    backend = choose_backend(model, "auto", True, torch.device("cuda"))
+    prepare_packed(model, backend)
+    fast, g_fast = logps_and_grads(model, [pack_pairs(g, 1) for g in groups], backend)
+    assert rel(fast, slow) < 1e-2
+    worst = max(rel(g_fast[n], g_slow[n]) for n in g_slow)
+    assert worst < 5e-2, worst
+    builds = {k: built(getattr(kernels, k)) for k in ("_rms_fwd", "_rms_bwd", "_silu_mul_fwd",
+                                                                         "_silu_mul_bwd")}
+    assert len({len(g) for g in groups}) > 1 and builds == {"_rms_fwd": 2, "_rms_bwd": 2, "_silu_mul_fwd": 1,
+                                                             "_silu_mul_bwd": 1}, builds
+
+
+def test_the_fused_layers_keep_fewer_bytes():
+    def peak(model):
+        pairs = random_pairs(8, 151936, seed=1, max_prompt=400, max_comp=400)
+        backend = choose_backend(model, "auto", True, torch.device("cuda"))
+        prepare_packed(model, backend)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        logps_and_grads(model, [pack_pairs(pairs, 1)], backend)
+        return torch.cuda.max_memory_allocated() - base
+
+    plain = peak(qwen3(torch.bfloat16).train())
+    model = qwen3(torch.bfloat16).train()
+    fuse_layers(model, use_kernels=True)
+    assert peak(model) < 0.85 * plain

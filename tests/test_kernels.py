@@ -1,0 +1,20 @@
+"""The Triton kernels, interpreted on the CPU: tests/interpreted_kernels.py runs in its own process, since Triton
+decides at import whether it interprets (TRITON_INTERPRET=1)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_the_kernels_equal_the_float32_computation_under_the_interpreter():
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "interpreted_kernels.py")],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
