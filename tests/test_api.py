@@ -73,13 +73,48 @@ def test_bench_and_tune_time_trainer_step(monkeypatch):
     calls = []
     real = Trainer.step
 
-    def counted(self, pairs=None):
-        calls.append(len(pairs))
-        return real(self, pairs)
+    def counted(self, pairs=None, then=None):
+        calls.append((len(pairs), len(then) if then else 0))
+        return real(self, pairs, then)
 
     monkeypatch.setattr(Trainer, "step", counted)
     cfg = TrainConfig(model="shape", dataset=["anchor"], per_device_train_batch_size=2, max_length=2048,
                       device="cpu", torch_dtype="float32")
     rows = anchor_pairs(10, vocab=1000, prompt_mean=8, resp_mean=6)
     r = measure.run_fastdpo(cfg, "tiny", rows, steps=2, warmup=1, verbose=False)
-    assert calls == [2, 2, 2] and r["pairs_per_s"] > 0
+    assert calls == [(2, 2), (2, 2), (2, 0)] and r["pairs_per_s"] > 0  # each step names the next (packed ahead)
+
+
+def test_the_next_step_is_packed_ahead_and_trains_exactly_as_packed_in_turn(tmp_path, model_dirs, monkeypatch):
+    """Each step packs the next one's first micro-batch before waiting for its own update; a step then uses that
+    batch instead of packing it again, and the weights equal those of steps that pack in turn. Pairs other than
+    the ones packed ahead (a caller's own) are packed afresh."""
+    from fastdpo import Trainer
+    from fastdpo.training import trainer as trainer_mod
+
+    packed = []
+    real_pack = trainer_mod.pack_micro_batch
+    monkeypatch.setattr(trainer_mod, "pack_micro_batch",
+                        lambda s, group, step_pairs: packed.append([p.index for p in group]) or real_pack(s, group,
+                                                                                                       step_pairs))
+    kw = dict(max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    ahead = Trainer(config(tmp_path, model_dirs("qwen3"), "ahead", **kw))
+    for _ in range(3):
+        ahead.step()
+        packed.append("end")
+    # 3 steps x 2 micro-batches, each packed once: steps 2 and 3's first during the step before
+    assert packed == [[0, 1], [2, 3], [4, 5], "end", [6, 7], [8, 9], "end", [10, 11], "end"]
+    packed.clear()
+    in_turn = Trainer(config(tmp_path, model_dirs("qwen3"), "in_turn", **kw))
+    in_turn.pack_ahead = False
+    for _ in range(3):
+        in_turn.step()
+        packed.append("end")
+    assert packed == [[0, 1], [2, 3], "end", [4, 5], [6, 7], "end", [8, 9], [10, 11], "end"]
+    for k, v in ahead.s.model.state_dict().items():
+        assert torch.equal(v, in_turn.s.model.state_dict()[k]), k
+    packed.clear()
+    other = Trainer(config(tmp_path, model_dirs("qwen3"), "other", **kw))
+    other.step(then=other.s.pairs[8:12])
+    other.step(other.s.pairs[4:8])  # not what was packed ahead: packed again
+    assert packed == [[0, 1], [2, 3], [8, 9], [4, 5], [6, 7]]

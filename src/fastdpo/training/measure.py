@@ -59,16 +59,17 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     if s.backend.name == "flex":  # compiled layers, and the compiled flex kernel on its own, build per length
         trainer.warm_up()
 
-    def one_step(step_pairs) -> StepMetrics:
-        metrics = trainer.step(step_pairs).metrics
+    def one_step(step_pairs, then=None) -> StepMetrics:
+        metrics = trainer.step(step_pairs, then).metrics
         _sync(device)
         return metrics
 
     pauses = GcPauses(cfg.gc_steps).start()  # as training schedules and counts Python's collections
     try:
+        chunks = [pairs[i * per_step:(i + 1) * per_step] for i in range(warmup + steps)]
         for step in range(warmup + steps):
-            step_pairs = pairs[step * per_step:(step + 1) * per_step]
-            ran = one_step(step_pairs)
+            step_pairs = chunks[step]
+            ran = one_step(step_pairs, chunks[step + 1] if step + 1 < len(chunks) else None)
             pauses.step_end(step + 1)
             times.append(time.perf_counter())
             prev = times[-2] if len(times) > 1 else t_init
@@ -91,8 +92,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         pauses.stop()
     dt = times[-1] - times[warmup - 1] if warmup else times[-1] - t_init
     peak = device_peak_flops(device)
-    profile = profile_steps(one_step, [pairs[i * per_step:(i + 1) * per_step] for i in range(2)], device,
-                            profile_dir) if profile_dir else None
+    profile = profile_steps(one_step, chunks[:2], device, profile_dir) if profile_dir else None
     return {
         "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
         "pairs_per_s_median": round(statistics.median(rates), 2),  # of the timed steps: one slow step cannot sway it
@@ -114,8 +114,8 @@ def profile_steps(one_step, steps: list, device: torch.device, out_dir: str) -> 
     prof = start_profiler(device)
     t0 = time.perf_counter()
     try:
-        for step_pairs in steps:
-            one_step(step_pairs)
+        for i, step_pairs in enumerate(steps):
+            one_step(step_pairs, steps[i + 1] if i + 1 < len(steps) else None)
         synchronize(device)
     finally:
         prof.__exit__(None, None, None)

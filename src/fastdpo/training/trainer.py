@@ -12,7 +12,7 @@ import torch
 from torch.profiler import record_function as phase  # names the loop's phases in --profile_steps traces
 
 from fastdpo.config import TrainConfig, mean_logp_rewards, needs_prompt_targets
-from fastdpo.data.pack import step_order
+from fastdpo.data.pack import PairBatch, step_order
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.dpo.losses import (
     LOSSES,
@@ -110,9 +110,50 @@ def warm_up_lengths(s: Setup) -> int:
     return len(lengths)
 
 
-def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) -> None:
+@dataclass
+class Packed:
+    """A micro-batch on the device: `whole` as packed (what the step's counts read), `batch` this rank's share of it
+    (under sequence parallelism; else `whole`), and the attention mask the policy and reference forwards share."""
+
+    whole: PairBatch
+    batch: PairBatch
+    mask: object
+
+
+@dataclass
+class Ahead:
+    """The next optimizer step, made ready while the device still runs this one: its pairs, its micro-batches'
+    pairs, and the first micro-batch packed (its copy to the device queued behind this step's update)."""
+
+    step: int  # the optimizer steps done when it runs
+    pairs: list[TokenizedPair]
+    groups: list[list[TokenizedPair]]
+    first: Packed
+
+
+def step_groups(s: Setup, step_pairs: list[TokenizedPair]) -> list[list[TokenizedPair]]:
+    """This rank's micro-batches of a step: pairs dealt over the data-parallel groups (the ranks of a
+    sequence-parallel group share each micro-batch)."""
+    cfg, d = s.cfg, s.dist
+    return rank_micro_batches(step_pairs, d.dp_rank, d.dp_size, cfg.max_tokens_per_batch,
+                              cfg.per_device_train_batch_size)
+
+
+def pack_micro_batch(s: Setup, group: list[TokenizedPair], step_pairs: list[TokenizedPair]) -> Packed:
+    """Pack a micro-batch (an empty share packs the step's first pair, to be zero-weighted) and build its mask,
+    built once and shared by policy and reference forwards and all layers; under sequence parallelism the batch
+    becomes this rank's share of the row's tokens."""
+    with phase("fastdpo.pack"):
+        whole = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device,
+                           s.cfg.max_tokens_per_batch, with_prompt_targets(s))
+        batch, mask = split_micro_batch(whole, s.backend, s.dist, pad_id(s.tokenizer))
+    return Packed(whole, batch, mask)
+
+
+def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics, ahead: Ahead | None = None) -> None:
     """Forward and backward over this rank's share of one optimizer step's pairs (all of them on one process);
-    gradients accumulate in .grad and are summed across ranks on the last micro-step."""
+    gradients accumulate in .grad and are summed across ranks on the last micro-step. `ahead`: this step's
+    micro-batches and first batch, made ready during the previous step."""
     cfg, d = s.cfg, s.dist
     n_pairs = len(step_pairs)  # the whole step, all ranks
     beta = s.beta.value()
@@ -122,22 +163,16 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics) ->
     tokens_per_pair = sum(chosen_targets(p) for p in step_pairs) / n_pairs
     prompt = with_prompt_targets(s)
     prompt_per_pair = sum(prompt_targets(p) for p in step_pairs) / n_pairs if prompt else None
-    # pairs are dealt over the data-parallel groups; the ranks of a sequence-parallel group share each micro-batch
-    groups = rank_micro_batches(step_pairs, d.dp_rank, d.dp_size, cfg.max_tokens_per_batch,
-                                cfg.per_device_train_batch_size)
+    groups = ahead.groups if ahead is not None else step_groups(s, step_pairs)
     view, refs, offset = None, None, 0
     if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
         view, refs, offset = step_logps(s, groups, step_pairs[:1])
     for i, group in enumerate(groups):
         real = bool(group)  # an empty share still runs (zero-weighted) so every rank joins the same collectives
-        with phase("fastdpo.pack"):
-            batch = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device,
-                               cfg.max_tokens_per_batch, prompt)
-            b = batch.num_pairs
-            metrics.count_batch(batch)
-            # the mask is built once, shared by policy and reference forwards and all layers; under sequence
-            # parallelism the batch becomes this rank's share of the row's tokens
-            batch, mask = split_micro_batch(batch, s.backend, d, pad_id(s.tokenizer))
+        packed = ahead.first if ahead is not None and i == 0 else pack_micro_batch(s, group, step_pairs)
+        metrics.count_batch(packed.whole)
+        batch, mask = packed.batch, packed.mask
+        b = batch.num_pairs
         with grad_sync(s.policy, last=i == len(groups) - 1, keep_gathered=d.keeps_gathered):
             with phase("fastdpo.forward"), offloading(cfg.activation_offloading, s.model):
                 pol = policy_logps(s.policy, batch, mask, wpo=cfg.use_weighting)
@@ -192,6 +227,8 @@ class Trainer:
         self.global_step = 0  # optimizer steps done (a resume sets it)
         self._orders: dict[int, list[list[int]]] = {}
         self.current_pairs: list[TokenizedPair] = []  # the step running (or last run): named if it runs out of memory
+        self.pack_ahead = True  # pack the next step's first micro-batch before waiting for this one's update
+        self._ahead: Ahead | None = None
 
     def next_pairs(self) -> list[TokenizedPair]:
         """The pairs of optimizer step `global_step + 1`: the seeded order of its epoch, or the stream's next ones."""
@@ -203,16 +240,25 @@ class Trainer:
             self._orders = {epoch: step_order(len(s.pairs), self.pairs_per_step, self.cfg.seed, epoch, self.cfg.shuffle)}
         return [s.pairs[i] for i in self._orders[epoch][k]]
 
-    def step(self, pairs: list[TokenizedPair] | None = None) -> StepResult:
+    def step(self, pairs: list[TokenizedPair] | None = None, then: list[TokenizedPair] | None = None) -> StepResult:
         """One optimizer step: micro-batches with gradient accumulation, clipping, the update unless the loss or the
-        gradient is NaN/Inf, the learning-rate and beta schedules, and TR-DPO's reference sync when due."""
+        gradient is NaN/Inf, the learning-rate and beta schedules, and TR-DPO's reference sync when due.
+
+        Before waiting for its update, the step packs the next one's first micro-batch, so the device does not idle
+        while the host packs: the next step of the data order, or `then` when the caller chooses the pairs."""
         s, cfg = self.s, self.cfg
-        step_pairs = self.next_pairs() if pairs is None else pairs
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (ahead.step != self.global_step or (pairs is not None and pairs is not ahead.pairs)):
+            ahead = None
+        if ahead is not None:
+            step_pairs = ahead.pairs
+        else:
+            step_pairs = self.next_pairs() if pairs is None else pairs
         self.current_pairs = step_pairs
         metrics = StepMetrics(s.device, mean_logp_rewards(name for name, _ in s.loss_terms),
                               loss_metric_names(s.loss_terms))
         beta = s.beta.value()
-        run_step(s, step_pairs, metrics)
+        run_step(s, step_pairs, metrics, ahead)
         tokens = sum(p.num_tokens for p in step_pairs)
         # the step's sums over all ranks (the guard below decides alike everywhere); counts are known here
         with phase("fastdpo.metrics"):
@@ -233,6 +279,11 @@ class Trainer:
             gather_step_start(s.policy)
         reduce_beta_drift(s.beta, s.dist)
         s.beta.step()
+        nxt = then if then else self.next_pairs() if pairs is None and s.stream is None else None
+        if nxt and self.pack_ahead and self.global_step < s.total_steps:
+            # the host packs the next step while the device finishes this one (else it would idle through it)
+            groups = step_groups(s, nxt)
+            self._ahead = Ahead(self.global_step, nxt, groups, pack_micro_batch(s, groups[0], nxt))
         ok = bool(finite)
         if not ok and stepped:
             undo_step_count(self.optimizer)
