@@ -11,7 +11,7 @@ from test_gpu_varlen import logps_and_grads, qwen3, rel
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.model import kernels
-from fastdpo.model.backend import Backend, choose_backend, prepare_packed
+from fastdpo.model.backend import Backend, choose_backend, prepare_packed, sequence_logps
 from fastdpo.model.fused import fuse_layers
 
 pytestmark = pytest.mark.gpu
@@ -55,12 +55,19 @@ def built(fn) -> int:
     return sum(len(c) for c in fn.cache.values())
 
 
-def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_once():
-    pairs = random_pairs(12, 151936, seed=0, max_prompt=300, max_comp=300)
-    groups = split_micro_batches(pairs, 2048, 0)
+KERNELS = ("_rms_fwd", "_rms_bwd", "_silu_mul_fwd", "_silu_mul_bwd")
+
+
+def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_nothing_per_length():
+    """Built ahead (as training does while it loads), the kernels serve micro-batches of every length without a
+    single further build."""
+    pairs = random_pairs(24, 151936, seed=0, max_prompt=300, max_comp=300)
+    groups = split_micro_batches(pairs[:12], 2048, 0)
     torch.backends.cuda.matmul.allow_tf32 = False
     slow, g_slow = logps_and_grads(qwen3(torch.float32), [pad_pairs(g) for g in groups], Backend("padded"))
     model = qwen3(torch.bfloat16).train()
+    kernels.build_ahead([1024, 128], torch.bfloat16, torch.device("cuda")).join()
+    builds = {k: built(getattr(kernels, k)) for k in KERNELS}
     assert set(fuse_layers(model, use_kernels=True)) == {"Qwen3RMSNorm", "Qwen3MLP"}
     backend = choose_backend(model, "auto", True, torch.device("cuda"))
     prepare_packed(model, backend)
@@ -68,10 +75,12 @@ def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_once():
     assert rel(fast, slow) < 1e-2
     worst = max(rel(g_fast[n], g_slow[n]) for n in g_slow)
     assert worst < 5e-2, worst
-    builds = {k: built(getattr(kernels, k)) for k in ("_rms_fwd", "_rms_bwd", "_silu_mul_fwd",
-                                                                         "_silu_mul_bwd")}
-    assert len({len(g) for g in groups}) > 1 and builds == {"_rms_fwd": 2, "_rms_bwd": 2, "_silu_mul_fwd": 1,
-                                                             "_silu_mul_bwd": 1}, builds
+    more = split_micro_batches(pairs[12:], 1536, 0)
+    logps_and_grads(model, [pack_pairs(g, 1) for g in more], backend)
+    with torch.no_grad():  # the reference's forward
+        sequence_logps(model, pack_pairs(more[0], 1).to("cuda"), backend)
+    lengths = {pack_pairs(g, 1).num_tokens for g in groups + more}
+    assert len(lengths) >= 4 and {k: built(getattr(kernels, k)) for k in KERNELS} == builds, lengths
 
 
 def test_the_fused_layers_keep_fewer_bytes():

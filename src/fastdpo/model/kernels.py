@@ -13,7 +13,9 @@ Triton's interpreter (TRITON_INTERPRET=1, which the tests use); `available(t)` s
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import threading
 
 import torch
 
@@ -22,6 +24,8 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU wheel of torch brings no Triton: the torch path serves
     triton = None
+
+log = logging.getLogger("fastdpo")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -171,3 +175,32 @@ def silu_mul_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, prod
         _silu_mul_bwd[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](a, b, grad, da, db, p, numel, BLOCK=ELEMENTWISE_BLOCK,
                                                                 PRODUCT=product, num_warps=8)
     return da, db, (p if product else None)
+
+
+def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device) -> threading.Thread | None:
+    """Build every kernel a model of these norm `widths` and `dtype` trains with, on a background thread, while the
+    main thread reads data and loads weights: on a machine with empty caches the builds (and Triton's own
+    launcher code) take a few seconds, which the first forward would otherwise wait for. A build here fails
+    quietly: the same build then runs, and reports, at first use."""
+    if triton is None or device.type != "cuda" or dtype not in DTYPES:
+        return None
+
+    def build() -> None:
+        try:
+            with torch.cuda.device(device):
+                for n in dict.fromkeys(widths):
+                    x, w = torch.zeros(2, n, dtype=dtype, device=device), torch.ones(n, dtype=dtype, device=device)
+                    _, rstd = rms_norm_forward(x, w, 1e-6)
+                    for weight_grad in (True, False):  # full fine-tuning trains the norms' weights; LoRA does not
+                        rms_norm_backward(x, x, w, rstd, weight_grad)
+                a = torch.zeros(16, dtype=dtype, device=device)
+                silu_mul(a, a)
+                for product in (True, False):  # a plain down projection, or one LoRA wraps
+                    silu_mul_backward(a, a, a, product)
+                torch.cuda.current_stream(device).synchronize()
+        except Exception as e:  # noqa: BLE001 - reported again where it matters, at first use
+            log.debug("Building the Triton kernels ahead failed (%s); they build at first use.", e)
+
+    thread = threading.Thread(target=build, name="fastdpo-kernel-builds", daemon=True)
+    thread.start()
+    return thread

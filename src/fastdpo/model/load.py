@@ -132,6 +132,20 @@ def _raised_from(e: BaseException | None, cls: type) -> bool:
     return False
 
 
+def _loads_onto(device: torch.device) -> bool:
+    """transformers can place the weights on `device` as it reads them (device_map; before 5.0 that needs
+    accelerate)."""
+    if device.type != "cuda":
+        return False
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
                model_type: str = "", quant_bits: int = 0, flag: str = "model"):
     """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
@@ -170,6 +184,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
         )
     try:
         extra = {"quantization_config": quant, "device_map": {"": device}} if quant else {}
+        if not quant and _loads_onto(device):  # weights read straight onto the GPU: no CPU copy to move after
+            extra = {"device_map": {"": device}}
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **extra
         )
@@ -196,7 +212,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             raise FastDPOError(f"{path}: a PyTorch weight file is damaged or incomplete ({str(e).splitlines()[0]}). "
                                "Copy or download the model again.") from None
         raise
-    return model if quant else model.to(device)
+    return model if quant or _loads_onto(device) else model.to(device)
 
 
 def check_adapter_dir(path: str, flag: str) -> Path:

@@ -59,7 +59,7 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
 def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     timeline = Timeline()  # seconds since the process started: model ready, first and last step, model saved
     timeline.mark("started")
-    trainer = Trainer(cfg, build_setup(cfg, d, choose_policy=auto_policy), d)
+    trainer = Trainer(cfg, build_setup(cfg, d, choose_policy=auto_policy, mark=timeline.mark), d)
     timeline.mark("ready")
     s, out = trainer.s, Path(cfg.output_dir)
     identity = RunIdentity(cfg, s.pairs)  # recorded in every checkpoint, compared on resume

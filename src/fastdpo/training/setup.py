@@ -25,6 +25,7 @@ from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
 from fastdpo.model.fused import fuse_layers, kernels_wanted
+from fastdpo.model.kernels import build_ahead
 from fastdpo.model.load import add_lora, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
@@ -116,9 +117,11 @@ def warn_small_steps(cfg: TrainConfig, world_size: int) -> None:
                     -(-SMALL_STEP // (cfg.per_device_train_batch_size * world_size)), SMALL_STEP)
 
 
-def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None) -> Setup:
+def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mark=None) -> Setup:
     """`choose_policy(cfg, rows, device) -> policy` resolves --gradient_checkpointing auto (the measuring is done
-    above this floor, by the code that times training steps)."""
+    above this floor, by the code that times training steps). `mark(name)` is told when the data (`data`) and
+    the model (`model`) are loaded."""
+    mark = mark or (lambda name: None)
     cfg.validate_training()
     if d is None or d.is_main:
         warn_small_steps(cfg, d.dp_size if d else 1)
@@ -127,9 +130,12 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None) -> 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.torch_dtype, device)
     seed_all(cfg.seed)
+    if kernels_wanted(cfg.kernels, device, cfg.torch_compile):
+        build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
+    mark("data")
     stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
     keep_template(tokenizer, cfg.template)  # saved with every checkpoint: infer and eval format prompts the same way
     if cfg.gradient_checkpointing == "auto":
@@ -141,6 +147,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None) -> 
 
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
                        cfg.quant_bits if cfg.train_type == "qlora" else 0)
+    mark("model")
     fuse_kernels(cfg, model, device)  # before any reference is computed: policy and reference compute alike
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
     s = assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
@@ -180,6 +187,23 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
         hints.append("Faster on this GPU (README, Performance): " + ", ".join(missing) +
                      "; `fastdpo tune` measures these choices on your model and data.")
     return " ".join(hints) or None
+
+
+def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> None:
+    """Start building the Triton kernels for this model's norm widths (its config) while data and weights load."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - the model's loading reports what is wrong with it
+        return
+    text = getattr(config, "text_config", None) or config
+    hidden = getattr(text, "hidden_size", None)
+    if not hidden:
+        return
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
+    build_ahead([hidden] + ([head_dim] if head_dim else []), dtype, device)
 
 
 def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
