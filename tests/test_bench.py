@@ -57,10 +57,10 @@ def test_longest_pair_probe_stops_at_first_oom(tmp_path, model_dirs, monkeypatch
 
     real = train.run_step
 
-    def fake(s, pairs, m):
+    def fake(s, pairs, m, ahead=None):
         if pairs[0].num_tokens > 200:
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return real(s, pairs, m)
+        return real(s, pairs, m, ahead)
 
     monkeypatch.setattr(train, "run_step", fake)
     out = tmp_path / "long.json"

@@ -67,7 +67,7 @@ def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_nothing_p
     slow, g_slow = logps_and_grads(qwen3(torch.float32), [pad_pairs(g) for g in groups], Backend("padded"))
     model = qwen3(torch.bfloat16).train()
     kernels.build_ahead([1024, 128], torch.bfloat16, torch.device("cuda")).join()
-    builds = {k: built(getattr(kernels, k)) for k in KERNELS}
+    builds = {k: built(getattr(kernels.jitted(), k)) for k in KERNELS}
     assert set(fuse_layers(model, use_kernels=True)) == {"Qwen3RMSNorm", "Qwen3MLP"}
     backend = choose_backend(model, "auto", True, torch.device("cuda"))
     prepare_packed(model, backend)
@@ -80,7 +80,7 @@ def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_nothing_p
     with torch.no_grad():  # the reference's forward
         sequence_logps(model, pack_pairs(more[0], 1).to("cuda"), backend)
     lengths = {pack_pairs(g, 1).num_tokens for g in groups + more}
-    assert len(lengths) >= 4 and {k: built(getattr(kernels, k)) for k in KERNELS} == builds, lengths
+    assert len(lengths) >= 4 and {k: built(getattr(kernels.jitted(), k)) for k in KERNELS} == builds, lengths
 
 
 def test_the_fused_layers_keep_fewer_bytes():

@@ -185,7 +185,7 @@ def kernels_wanted(choice: str, device: torch.device, compiling: bool) -> bool:
     """Resolve --kernels: auto is Triton on CUDA when it is installed and the layers are not compiled."""
     if choice == "torch":
         return False
-    usable = device.type == "cuda" and kernels.triton is not None
+    usable = device.type == "cuda" and kernels.HAVE_TRITON
     if choice == "triton" and not usable:
         raise FastDPOError("--kernels triton needs a CUDA GPU and Triton (installed with torch's CUDA wheels). "
                            "Use --kernels auto or torch.")

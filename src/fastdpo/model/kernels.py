@@ -13,17 +13,16 @@ Triton's interpreter (TRITON_INTERPRET=1, which the tests use); `available(t)` s
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import logging
 import os
 import threading
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU wheel of torch brings no Triton: the torch path serves
-    triton = None
+HAVE_TRITON = importlib.util.find_spec("triton") is not None  # the CPU wheel of torch brings none: the torch path
+_lock = threading.Lock()
 
 log = logging.getLogger("fastdpo")
 
@@ -32,8 +31,22 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def available(t: torch.Tensor) -> bool:
-    """The kernels serve `t`: Triton is importable, and `t` lives on CUDA (or on the CPU under the interpreter)."""
-    return triton is not None and t.dtype in DTYPES and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+    """The kernels serve `t`: Triton is installed, and `t` lives on CUDA (or on the CPU under the interpreter)."""
+    return HAVE_TRITON and t.dtype in DTYPES and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+def jitted():
+    """The module of the jitted kernels (`_triton_kernels`), imported on first use."""
+    with _lock:
+        return importlib.import_module("fastdpo.model._triton_kernels")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @functools.cache
@@ -45,76 +58,8 @@ def _programs(device_index: int) -> int:
 
 def _row_block(n: int) -> tuple[int, int]:
     """(rows per block, columns per block) for rows of width n: a block of about 4096 elements, at least one row."""
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     return max(1, min(64, 4096 // block_n)), block_n
-
-
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["M"])
-    def _rms_fwd(X, W, Y, R, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_N)
-        rmask = rows < M
-        mask = rmask[:, None] & (cols < N)[None, :]
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-        n = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)  # the module rounds before the weight
-        tl.store(Y + offs, (n * w[None, :]).to(Y.dtype.element_ty), mask=mask)
-        tl.store(R + rows, rstd, mask=rmask)
-
-    @triton.jit(do_not_specialize=["M", "rows_per_program"])
-    def _rms_bwd(G, X, W, R, DX, DW, M, N, rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 WEIGHT_GRAD: tl.constexpr):
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_N)
-        cmask = cols < N
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        start = pid * rows_per_program
-        for i in range(0, rows_per_program, BLOCK_M):
-            rows = start + i + tl.arange(0, BLOCK_M)
-            rmask = rows < M
-            mask = rmask[:, None] & cmask[None, :]
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(R + rows, mask=rmask, other=0.0)
-            n = x * rstd[:, None]
-            if WEIGHT_GRAD:
-                acc += g * n.to(X.dtype.element_ty).to(tl.float32)
-            gn = g * w[None, :]
-            dot = tl.sum(gn * n, axis=1) / N
-            dx = rstd[:, None] * (gn - n * dot[:, None])
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        if WEIGHT_GRAD:
-            tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
-
-    @triton.jit(do_not_specialize=["numel"])
-    def _silu_mul_fwd(A, B, P, numel, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-        act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)  # silu's result in the dtype, as eager
-        tl.store(P + offs, (act * b).to(P.dtype.element_ty), mask=mask)
-
-    @triton.jit(do_not_specialize=["numel"])
-    def _silu_mul_bwd(A, B, G, DA, DB, P, numel, BLOCK: tl.constexpr, PRODUCT: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(a)
-        act = a * s
-        tl.store(DB + offs, (g * act).to(DB.dtype.element_ty), mask=mask)
-        tl.store(DA + offs, (g * b * s * (1.0 + a * (1.0 - s))).to(DA.dtype.element_ty), mask=mask)
-        if PRODUCT:
-            act_r = act.to(P.dtype.element_ty).to(tl.float32)
-            tl.store(P + offs, (act_r * b).to(P.dtype.element_ty), mask=mask)
 
 
 ELEMENTWISE_BLOCK = 2048
@@ -129,7 +74,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_n = _row_block(n)
     if m:
-        _rms_fwd[(triton.cdiv(m, block_m),)](x2, weight.contiguous(), y, rstd, m, n, eps, BLOCK_M=block_m,
+        jitted()._rms_fwd[(cdiv(m, block_m),)](x2, weight.contiguous(), y, rstd, m, n, eps, BLOCK_M=block_m,
                                              BLOCK_N=block_n, num_warps=4 if block_n <= 4096 else 8)
     return y.view(x.shape), rstd
 
@@ -141,13 +86,13 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     x2, g2 = x.reshape(-1, n).contiguous(), grad.reshape(-1, n).contiguous()
     m = x2.shape[0]
     block_m, block_n = _row_block(n)
-    programs = max(1, min(_programs(x.device.index or 0) if x.is_cuda else 8, triton.cdiv(m, block_m)))
-    per = max(1, triton.cdiv(triton.cdiv(m, programs), block_m)) * block_m
-    programs = max(1, triton.cdiv(m, per))
+    programs = max(1, min(_programs(x.device.index or 0) if x.is_cuda else 8, cdiv(m, block_m)))
+    per = max(1, cdiv(cdiv(m, programs), block_m)) * block_m
+    programs = max(1, cdiv(m, per))
     dx = torch.empty_like(x2)
     dw = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight_grad else dx
     if m:
-        _rms_bwd[(programs,)](g2, x2, weight.contiguous(), rstd, dx, dw, m, n, per, BLOCK_M=block_m,
+        jitted()._rms_bwd[(programs,)](g2, x2, weight.contiguous(), rstd, dx, dw, m, n, per, BLOCK_M=block_m,
                               BLOCK_N=block_n, WEIGHT_GRAD=weight_grad, num_warps=4 if block_n <= 4096 else 8)
     if not weight_grad:
         return dx.view(x.shape), None
@@ -160,7 +105,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     p = torch.empty_like(a)
     numel = a.numel()
     if numel:
-        _silu_mul_fwd[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](a, b, p, numel, BLOCK=ELEMENTWISE_BLOCK, num_warps=8)
+        jitted()._silu_mul_fwd[(cdiv(numel, ELEMENTWISE_BLOCK),)](a, b, p, numel, BLOCK=ELEMENTWISE_BLOCK, num_warps=8)
     return p
 
 
@@ -172,7 +117,7 @@ def silu_mul_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, prod
     p = torch.empty_like(a) if product else da
     numel = a.numel()
     if numel:
-        _silu_mul_bwd[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](a, b, grad, da, db, p, numel, BLOCK=ELEMENTWISE_BLOCK,
+        jitted()._silu_mul_bwd[(cdiv(numel, ELEMENTWISE_BLOCK),)](a, b, grad, da, db, p, numel, BLOCK=ELEMENTWISE_BLOCK,
                                                                 PRODUCT=product, num_warps=8)
     return da, db, (p if product else None)
 
@@ -182,7 +127,7 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device) -> 
     main thread reads data and loads weights: on a machine with empty caches the builds (and Triton's own
     launcher code) take a few seconds, which the first forward would otherwise wait for. A build here fails
     quietly: the same build then runs, and reports, at first use."""
-    if triton is None or device.type != "cuda" or dtype not in DTYPES:
+    if not HAVE_TRITON or device.type != "cuda" or dtype not in DTYPES:
         return None
 
     def build() -> None:

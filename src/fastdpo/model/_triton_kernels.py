@@ -1,0 +1,71 @@
+"""The Triton kernels behind `fastdpo.model.kernels`, in a module of their own: importing Triton takes a few seconds,
+paid only by runs that use them (on first use, or by the build thread while training loads)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])
+def _rms_fwd(X, W, Y, R, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    n = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)  # the module rounds before the weight
+    tl.store(Y + offs, (n * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(R + rows, rstd, mask=rmask)
+
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
+def _rms_bwd(G, X, W, R, DX, DW, M, N, rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             WEIGHT_GRAD: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    start = pid * rows_per_program
+    for i in range(0, rows_per_program, BLOCK_M):
+        rows = start + i + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(R + rows, mask=rmask, other=0.0)
+        n = x * rstd[:, None]
+        if WEIGHT_GRAD:
+            acc += g * n.to(X.dtype.element_ty).to(tl.float32)
+        gn = g * w[None, :]
+        dot = tl.sum(gn * n, axis=1) / N
+        dx = rstd[:, None] * (gn - n * dot[:, None])
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        tl.store(DW + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+
+@triton.jit(do_not_specialize=["numel"])
+def _silu_mul_fwd(A, B, P, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)  # silu's result in the dtype, as eager
+    tl.store(P + offs, (act * b).to(P.dtype.element_ty), mask=mask)
+
+@triton.jit(do_not_specialize=["numel"])
+def _silu_mul_bwd(A, B, G, DA, DB, P, numel, BLOCK: tl.constexpr, PRODUCT: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(a)
+    act = a * s
+    tl.store(DB + offs, (g * act).to(DB.dtype.element_ty), mask=mask)
+    tl.store(DA + offs, (g * b * s * (1.0 + a * (1.0 - s))).to(DA.dtype.element_ty), mask=mask)
+    if PRODUCT:
+        act_r = act.to(P.dtype.element_ty).to(tl.float32)
+        tl.store(P + offs, (act_r * b).to(P.dtype.element_ty), mask=mask)
