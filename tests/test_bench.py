@@ -542,8 +542,8 @@ def test_bench_job_times_whole_jobs_from_process_start(tmp_path, capsys):
     assert ours["rc"] == 0 and ours["saved"] and trl["rc"] == 0 and trl["saved"], record
     assert record["reference"] == "online" and trl["impl"] == "trl-default"
     marks = ours["timeline_s"]
-    assert list(marks) == ["started", "ready", "first_step", "last_step", "saved"]
-    assert 0 < marks["started"] <= marks["ready"] <= marks["first_step"] <= marks["saved"] <= ours["wall_s"]
+    assert list(marks) == ["started", "data", "model", "ready", "first_step", "last_step", "saved"]
+    assert list(marks.values()) == sorted(marks.values()) and 0 < marks["started"] and marks["saved"] <= ours["wall_s"]
     assert trl["fastdpo_wall_ratio"] == pytest.approx(ours["wall_s"] / trl["wall_s"], abs=1e-3)
     assert (work / "inductor-fastdpo").parent == work and (work / "fastdpo.log").exists()
     assert "process start to saved model" in text
