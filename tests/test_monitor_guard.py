@@ -37,8 +37,8 @@ def poison(monkeypatch, bad_steps):
     real = step_mod.run_step
     calls = []
 
-    def run_step(s, step_pairs, metrics):
-        real(s, step_pairs, metrics)
+    def run_step(s, step_pairs, metrics, ahead=None):
+        real(s, step_pairs, metrics, ahead)
         calls.append(1)
         if len(calls) in bad_steps:
             next(p for p in s.model.parameters() if p.requires_grad).grad.fill_(float("nan"))

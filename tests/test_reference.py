@@ -68,10 +68,10 @@ def count_models_during_training(monkeypatch, tmp_path, model_dir, name, max_ste
     seen = []
     real = fastdpo.training.trainer.run_step
 
-    def spy(s, step_pairs, m):
+    def spy(s, step_pairs, m, ahead=None):
         if not seen:
             seen.append([m for m in live_models() if id(m) not in before])
-        return real(s, step_pairs, m)
+        return real(s, step_pairs, m, ahead)
 
     monkeypatch.setattr(fastdpo.training.trainer, "run_step", spy)
     result = run(tmp_path, model_dir, name, max_steps=max_steps, **kw)
