@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+if sys.platform != "linux":  # the test extra installs Triton on Linux, where its wheels are: there it must run
+    pytest.skip("Triton's wheels are Linux-only", allow_module_level=True)
 
 
 def test_the_kernels_equal_the_float32_computation_under_the_interpreter():

@@ -14,8 +14,9 @@ The peak is then the memory held now (weights, the reference), the gradients and
 trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
 with a 10 % margin for the allocator, plus 0.5 GiB. When not even full checkpointing fits the largest micro-batch of
 --per_device_train_batch_size pairs, a token budget (--max_tokens_per_batch) is set that does (at least the longest
-pair; a warning when even that is estimated not to fit). When no checkpointing does not fit, the lean norms and MLPs
-of `fastdpo.model.fused` (fewer bytes kept, some speed spent: 16.6 against 19.5 pairs/s on Qwen3-1.7B without
+pair; a warning when even that is estimated not to fit). With `--kernels` Triton (the default on CUDA) the norms and
+MLPs are already lean when this measures. Otherwise, when no checkpointing does not fit, the lean torch norms and
+MLPs of `fastdpo.model.fused` (fewer bytes kept, some speed spent: 16.6 against 19.5 pairs/s on Qwen3-1.7B without
 checkpointing) are switched on and the activations measured again before choosing."""
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ FLAGS: dict[str, Foreign] = {
                                           note("ignored; held-out pairs are scored in batches like training's.")),
     "flash_attn": Foreign("LLaMA-Factory auto|fa2|fa3|sdpa|disabled, OpenRLHF bare: = --attn_impl.", _flash_attn,
                           bare=True),
-    "enable_liger_kernel": Foreign("LLaMA-Factory: ignored (log-probs are always chunked and fused here).", LIGER,
+    "enable_liger_kernel": Foreign("LLaMA-Factory: ignored (log-probs are chunked; norms and MLPs use --kernels).", LIGER,
                                    bare=True),
     "use_unsloth": Foreign("LLaMA-Factory: not available (false = off).", refuse_on(
         "use_unsloth {value}: Unsloth's kernels are not used here; fastdpo has its own packed, chunked path. "

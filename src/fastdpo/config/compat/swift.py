@@ -22,7 +22,8 @@ from fastdpo.config.compat.base import (
 from fastdpo.config.parallel import LESS_MEMORY
 from fastdpo.errors import FastDPOError
 
-LIGER = note("ignored; fastdpo's log-probs are always computed in chunks, never as full logits.")
+LIGER = note("ignored; fastdpo's log-probs are always computed in chunks, never as full logits, and on CUDA its norms "
+             "and SwiGLU MLPs run as Triton kernels (--kernels).")
 RLHF_TYPES = {"dpo": None, "simpo": "simpo", "orpo": "orpo", "cpo": "cpo"}
 
 
@@ -171,7 +172,7 @@ FLAGS: dict[str, Foreign] = {
     "flash_attn_version": Foreign("ms-swift: ignored (on CUDA, attention runs FlashAttention's varlen kernel).",
                                   note("ignored; on CUDA, attention runs FlashAttention's variable-length kernel "
                                        "through torch (--attn_impl varlen).")),
-    "use_liger_kernel": Foreign("HF/ms-swift/OpenRLHF: ignored (log-probs are always chunked and fused here).",
+    "use_liger_kernel": Foreign("HF/ms-swift/OpenRLHF: ignored (log-probs are chunked; norms and MLPs use --kernels).",
                                 LIGER, bare=True),
     "packing": Foreign("ms-swift: ignored (pairs are always packed; see --padding_free).",
                        note("ignored; pairs are always packed (--padding_free).")),
