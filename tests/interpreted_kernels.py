@@ -9,6 +9,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_fused import loss_and_grads
+from test_fused import model as tiny
 
 from fastdpo.model import kernels
 from fastdpo.model.fused import fuse_layers
@@ -82,30 +84,6 @@ def test_silu_mul_forward_and_backward_equal_float32(K, numel, dtype, tol):
     assert rel(da, af.grad) < tol and rel(db, bf.grad) < tol
     assert torch.equal(again, p)  # the product rebuilt in the backward is the forward's
     assert K.silu_mul_backward(a, b, grad)[2] is None
-
-
-def tiny(family, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
-    torch.manual_seed(0)
-    cls = Qwen3Config if family == "qwen3" else LlamaConfig
-    extra = {"head_dim": 16} if family == "qwen3" else {}
-    cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, **extra)
-    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    return m.train()
-
-
-def loss_and_grads(m, ids):
-    m.zero_grad()
-    out = m(input_ids=ids).logits.float()
-    loss = out.log_softmax(-1)[..., 3].mean()
-    loss.backward()
-    return out.detach(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
