@@ -137,3 +137,19 @@ def test_lora_wrapping_the_down_projection_after_fusing_trains_its_adapter(inter
     assert rel(got_out, want_out) < 1e-5
     for name in want:
         assert rel(got[name], want[name]) < 1e-5, name
+
+
+def test_ready_waits_for_the_build_and_a_failed_build_turns_the_kernels_off(K, monkeypatch):
+    monkeypatch.setattr(K, "_builds", {})
+    monkeypatch.setattr(K, "_failed", [])
+    thread = K.build_ahead([64, 16], torch.bfloat16, torch.device("cpu"))
+    assert thread is not None and K.build_ahead([64, 16], torch.bfloat16, torch.device("cpu")) is thread
+    assert K.ready([64, 16], torch.bfloat16, torch.device("cpu")) is None and K.available(torch.zeros(1))
+
+    def broken(*a):
+        raise RuntimeError("ptxas fatal: unsupported architecture\nmore")
+
+    monkeypatch.setattr(K, "_build", broken)
+    why = K.ready([32], torch.bfloat16, torch.device("cpu"))
+    assert why == "RuntimeError: ptxas fatal: unsupported architecture"
+    assert not K.available(torch.zeros(1))  # nothing uses them once a build failed

@@ -121,3 +121,32 @@ def test_the_lean_layers_compile_and_give_the_eager_gradients():
     assert torch.allclose(got_out, want_out, atol=1e-5)
     for name in want:
         assert torch.allclose(got[name], want[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch, caplog):
+    """On a GPU where the Triton kernels do not build, --kernels auto trains on the model's own layers with a warning,
+    and --kernels triton refuses with the reason."""
+    import logging
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.errors import FastDPOError
+    from fastdpo.training import setup
+
+    monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
+    monkeypatch.setattr(setup, "kernels_ready", lambda widths, dtype, device: "RuntimeError: no sm_61 support")
+    m = model("qwen3")
+    cfg = TrainConfig(model="m", dataset=["d"])
+    with caplog.at_level(logging.WARNING, logger="fastdpo"):
+        setup.fuse_kernels(cfg, m, torch.device("cpu"))
+    assert "cannot be built on this GPU (RuntimeError: no sm_61 support)" in caplog.text
+    assert not any("_fastdpo_plain_forward" in mod.__dict__ for mod in m.modules())
+    cfg.kernels = "triton"
+    with pytest.raises(FastDPOError, match="--kernels triton: the Triton kernels cannot be built"):
+        setup.fuse_kernels(cfg, model("qwen3"), torch.device("cpu"))
+    widths = []
+    monkeypatch.setattr(setup, "kernels_ready", lambda w, dtype, device: widths.append((w, dtype)))
+    cfg.kernels = "auto"
+    fused = model("qwen3")
+    setup.fuse_kernels(cfg, fused, torch.device("cpu"))
+    assert widths == [([64, 16], torch.float32)]  # the hidden size and Qwen3's head size
+    assert fused.model.norm._fastdpo_kernels

@@ -32,7 +32,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def available(t: torch.Tensor) -> bool:
     """The kernels serve `t`: Triton is installed, and `t` lives on CUDA (or on the CPU under the interpreter)."""
-    return HAVE_TRITON and t.dtype in DTYPES and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+    return HAVE_TRITON and not _failed and t.dtype in DTYPES and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 
 def jitted():
@@ -122,30 +122,69 @@ def silu_mul_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, prod
     return da, db, (p if product else None)
 
 
+def norm_widths(config) -> list[int]:
+    """The widths a model's norms take: the hidden size, and the head size (Qwen3's per-head query and key norms)."""
+    text = getattr(config, "text_config", None) or config
+    hidden = getattr(text, "hidden_size", None)
+    if not hidden:
+        return []
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
+    return list(dict.fromkeys([hidden] + ([head_dim] if head_dim else [])))
+
+
+_builds: dict[tuple, threading.Thread] = {}
+_failed: list[str] = []  # why the kernels could not be built here (then nothing uses them)
+
+
+def _build(widths: list[int], dtype: torch.dtype, device: torch.device) -> None:
+    """Run every kernel a model of these norm widths trains with once, on tiny inputs: each is built as it would be
+    in training (the same dtypes, constants and specialisations)."""
+    for n in widths:
+        x, w = torch.zeros(2, n, dtype=dtype, device=device), torch.ones(n, dtype=dtype, device=device)
+        _, rstd = rms_norm_forward(x, w, 1e-6)
+        for weight_grad in (True, False):  # full fine-tuning trains the norms' weights; LoRA does not
+            rms_norm_backward(x, x, w, rstd, weight_grad)
+    a = torch.zeros(16, dtype=dtype, device=device)
+    silu_mul(a, a)
+    for product in (True, False):  # a plain down projection, or one LoRA wraps
+        silu_mul_backward(a, a, a, product)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device) -> threading.Thread | None:
     """Build every kernel a model of these norm `widths` and `dtype` trains with, on a background thread, while the
     main thread reads data and loads weights: on a machine with empty caches the builds (and Triton's own
-    launcher code) take a few seconds, which the first forward would otherwise wait for. A build here fails
-    quietly: the same build then runs, and reports, at first use."""
-    if not HAVE_TRITON or device.type != "cuda" or dtype not in DTYPES:
+    launcher code) take a few seconds, which the first forward would otherwise wait for. `ready` waits for it and
+    tells whether the kernels can be used."""
+    if not HAVE_TRITON or dtype not in DTYPES or not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
         return None
+    key = (tuple(widths), dtype, str(device))
+    if key in _builds:
+        return _builds[key]
 
     def build() -> None:
         try:
-            with torch.cuda.device(device):
-                for n in dict.fromkeys(widths):
-                    x, w = torch.zeros(2, n, dtype=dtype, device=device), torch.ones(n, dtype=dtype, device=device)
-                    _, rstd = rms_norm_forward(x, w, 1e-6)
-                    for weight_grad in (True, False):  # full fine-tuning trains the norms' weights; LoRA does not
-                        rms_norm_backward(x, x, w, rstd, weight_grad)
-                a = torch.zeros(16, dtype=dtype, device=device)
-                silu_mul(a, a)
-                for product in (True, False):  # a plain down projection, or one LoRA wraps
-                    silu_mul_backward(a, a, a, product)
-                torch.cuda.current_stream(device).synchronize()
-        except Exception as e:  # noqa: BLE001 - reported again where it matters, at first use
-            log.debug("Building the Triton kernels ahead failed (%s); they build at first use.", e)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    _build(widths, dtype, device)
+            else:
+                _build(widths, dtype, device)
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use them; `ready` says why
+            _failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     thread = threading.Thread(target=build, name="fastdpo-kernel-builds", daemon=True)
+    _builds[key] = thread
     thread.start()
     return thread
+
+
+def ready(widths: list[int], dtype: torch.dtype, device: torch.device) -> str | None:
+    """Wait until the kernels for these widths are built (by `build_ahead`'s thread, or now); None when they serve,
+    else why not (after which `available` says no)."""
+    thread = build_ahead(widths, dtype, device)
+    if thread is None:
+        return "Triton is not installed, or the device or dtype is not one the kernels serve"
+    thread.join()
+    return _failed[0] if _failed else None
