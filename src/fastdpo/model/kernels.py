@@ -35,10 +35,16 @@ def available(t: torch.Tensor) -> bool:
     return HAVE_TRITON and not _failed and t.dtype in DTYPES and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 
+_jitted = None
+
+
 def jitted():
-    """The module of the jitted kernels (`_triton_kernels`), imported on first use."""
-    with _lock:
-        return importlib.import_module("fastdpo.model._triton_kernels")
+    """The module of the jitted kernels (`_triton_kernels`), imported on first use (then held: no lock per launch)."""
+    global _jitted
+    if _jitted is None:
+        with _lock:
+            _jitted = importlib.import_module("fastdpo.model._triton_kernels")
+    return _jitted
 
 
 def cdiv(a: int, b: int) -> int:

@@ -199,8 +199,9 @@ def resolve_fit(cfg, model, backend, pairs: list[TokenizedPair], device: torch.d
     fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest, rank_budget,
                      longest)
     lean = fit.policy != "none"
-    if lean:  # memory is short: the lean norms and MLPs keep fewer bytes (and cost some speed), so measure again
-        fuse_layers(model)
+    # memory is short: the lean norms and MLPs keep fewer bytes (and cost some speed), so measure again, unless the
+    # layers were lean already (the Triton kernels) and the first measurement stands
+    if lean and fuse_layers(model):
         fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest,
                          rank_budget, longest)
     fit.budget = budget if fit.budget == rank_budget else fit.budget * split  # a rank's tokens -> the micro-batch's
