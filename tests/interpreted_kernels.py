@@ -1,8 +1,8 @@
-"""The Triton kernels of the lean norms and MLPs (`fastdpo.model.kernels`) under Triton's interpreter on the CPU:
-each against the plain float32 computation on random inputs (odd widths, row counts off the block, no rows), and a
-fused model's loss and gradients against the plain model's, with LoRA wrapping the MLPs after fusing. Run by
-tests/test_kernels.py in a process started with TRITON_INTERPRET=1 (Triton reads it as it is imported); the same
-kernels compiled for CUDA are held to the same references in tests/test_gpu_kernels.py."""
+"""The Triton kernels of the lean norms, MLPs and rotary embeddings (`fastdpo.model.kernels`) under Triton's
+interpreter on the CPU: each against the plain float32 computation on random inputs (odd widths, row counts off the
+block, no rows), and a fused model's loss and gradients against the plain model's, with LoRA wrapping the MLPs after
+fusing. Run by tests/test_kernels.py in a process started with TRITON_INTERPRET=1 (Triton reads it as it is
+imported); the same kernels compiled for CUDA are held to the same references in tests/test_gpu_kernels.py."""
 
 import copy
 
@@ -86,6 +86,49 @@ def test_silu_mul_forward_and_backward_equal_float32(K, numel, dtype, tol):
     assert K.silu_mul_backward(a, b, grad)[2] is None
 
 
+def rope_reference(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+
+
+@pytest.mark.parametrize("batch,tokens,heads,head_dim,cos_batch", [(1, 37, 3, 16, 1), (2, 5, 2, 12, 2),
+                                                                   (2, 19, 1, 128, 1)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_rope_forward_and_backward_equal_float32(K, batch, tokens, heads, head_dim, cos_batch, dtype, tol):
+    g = torch.Generator().manual_seed(tokens * heads + head_dim)
+    x = torch.randn(batch, tokens, heads, head_dim, generator=g).to(dtype).transpose(1, 2)  # the projections' layout
+    angles = torch.randn(cos_batch, tokens, head_dim // 2, generator=g).mul(3).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    grad = torch.randn(batch, heads, tokens, head_dim, generator=g).to(dtype)
+    xf = x.float().requires_grad_()
+    want = rope_reference(xf, cos.float(), sin.float())
+    want.backward(grad.float())
+    y = K.rope(x, cos, sin)
+    assert y.dtype == dtype and y.shape == x.shape and rel(y, want) < tol
+    assert y.transpose(1, 2).is_contiguous()  # laid out as (B, S, H, D), as the attention reads it
+    dx = K.rope(grad, cos, sin, backward=True)
+    assert dx.shape == x.shape and rel(dx, xf.grad) < tol
+    assert K.rope(x[:, :, :0], cos[:, :0], sin[:, :0]).shape == (batch, heads, 0, head_dim)
+
+
+def test_a_model_outside_the_fused_one_keeps_the_plain_rotation(interpreted, monkeypatch):
+    """The modeling module's `apply_rotary_pos_emb` is shared by every model of its class: the kernel serves only
+    inside a fused attention, and a plain model in the same process computes exactly what it did before."""
+    import transformers.models.qwen3.modeling_qwen3 as modeling
+
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(5))
+    fused = tiny("qwen3", torch.bfloat16)
+    fuse_layers(fused, use_kernels=True)
+    patched = modeling.apply_rotary_pos_emb
+    assert patched._fastdpo_plain is not patched
+    plain = tiny("qwen3", torch.bfloat16)
+    with torch.no_grad():
+        got = plain(input_ids=ids).logits
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", patched._fastdpo_plain)
+        want = plain(input_ids=ids).logits
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 def test_a_model_on_the_kernels_trains_as_the_float32_model(interpreted, family, dtype, tol):
@@ -96,11 +139,11 @@ def test_a_model_on_the_kernels_trains_as_the_float32_model(interpreted, family,
                                                       for k in ("RMSNorm", "MLP")}
     calls = []
     with pytest.MonkeyPatch.context() as mp:
-        for name in ("rms_norm_forward", "rms_norm_backward", "silu_mul", "silu_mul_backward"):
+        for name in ("rms_norm_forward", "rms_norm_backward", "silu_mul", "silu_mul_backward", "rope"):
             fn = getattr(interpreted, name)
             mp.setattr(interpreted, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
         got_out, got = loss_and_grads(m, ids)
-    assert {"rms_norm_forward", "rms_norm_backward", "silu_mul", "silu_mul_backward"} <= set(calls)
+    assert {"rms_norm_forward", "rms_norm_backward", "silu_mul", "silu_mul_backward", "rope"} <= set(calls)
     assert rel(got_out, want_out) < tol
     assert set(got) == set(want)
     for name in want:

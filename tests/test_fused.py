@@ -133,7 +133,7 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     from fastdpo.training import setup
 
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
-    monkeypatch.setattr(setup, "kernels_ready", lambda widths, dtype, device: "RuntimeError: no sm_61 support")
+    monkeypatch.setattr(setup, "kernels_ready", lambda widths, dtype, device, head_dim: "RuntimeError: no sm_61 support")
     m = model("qwen3")
     cfg = TrainConfig(model="m", dataset=["d"])
     with caplog.at_level(logging.WARNING, logger="fastdpo"):
@@ -144,9 +144,34 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     with pytest.raises(FastDPOError, match="--kernels triton: the Triton kernels cannot be built"):
         setup.fuse_kernels(cfg, model("qwen3"), torch.device("cpu"))
     widths = []
-    monkeypatch.setattr(setup, "kernels_ready", lambda w, dtype, device: widths.append((w, dtype)))
+    monkeypatch.setattr(setup, "kernels_ready", lambda w, dtype, device, head_dim: widths.append((w, dtype, head_dim)))
     cfg.kernels = "auto"
     fused = model("qwen3")
     setup.fuse_kernels(cfg, fused, torch.device("cpu"))
-    assert widths == [([64, 16], torch.float32)]  # the hidden size and Qwen3's head size
-    assert fused.model.norm._fastdpo_kernels
+    assert widths == [([64, 16], torch.float32, 16)]  # the hidden size and Qwen3's head size
+    assert fused.model.norm._fastdpo_kernels and fused.model.layers[0].self_attn._fastdpo_kernels
+
+
+def test_a_non_standard_rotation_keeps_its_own_function(monkeypatch):
+    """A modeling module whose `apply_rotary_pos_emb` rotates part of each head (Phi's form) is left as it is."""
+    import sys
+    import types
+
+    from fastdpo.model import fused
+
+    def partial(q, k, cos, sin, unsqueeze_dim=1):
+        d = cos.shape[-1] // 2
+        return (torch.cat((q[..., :d] * cos[:, None, :, :d], q[..., d:]), -1),
+                torch.cat((k[..., :d] * cos[:, None, :, :d], k[..., d:]), -1))
+
+    mod = types.ModuleType("fake_modeling")
+    mod.apply_rotary_pos_emb = partial
+    monkeypatch.setitem(sys.modules, "fake_modeling", mod)
+    fused._rope_module.cache_clear()
+    try:
+        assert not fused._rope_module("fake_modeling") and mod.apply_rotary_pos_emb is partial
+        import transformers.models.llama.modeling_llama as llama
+
+        assert fused._rope_module(llama.__name__) and llama.apply_rotary_pos_emb._fastdpo_plain is not None
+    finally:
+        fused._rope_module.cache_clear()

@@ -1,4 +1,4 @@
-"""The Triton norms and MLPs compiled for CUDA: each kernel against the float32 computation at the real models'
+"""The Triton norms, MLPs and rotary embeddings compiled for CUDA: each kernel against the float32 computation at the real models'
 widths, a fused Qwen3 stack against the float32 padded reference through the varlen backend, one build per width
 whatever the number of tokens, and fewer bytes kept than the plain layers. Run on a CUDA device:
 `pytest -m gpu tests/test_gpu_kernels.py`."""
@@ -47,6 +47,22 @@ def test_silu_mul_kernels_equal_float32(numel):
     assert rel(da, af.grad) < 1e-2 and rel(db, bf.grad) < 1e-2 and torch.equal(again, p)
 
 
+@pytest.mark.parametrize("heads,head_dim", [(16, 128), (8, 128), (32, 64)])
+@pytest.mark.parametrize("tokens", [1, 3001])
+def test_rope_kernels_equal_float32(heads, head_dim, tokens):
+    g = torch.Generator(device="cuda").manual_seed(tokens + heads)
+    x = torch.randn(1, tokens, heads, head_dim, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    angles = torch.rand(1, tokens, head_dim // 2, device="cuda", generator=g).mul(50).repeat(1, 1, 2)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    grad = torch.randn(1, tokens, heads, head_dim, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    xf = x.float().requires_grad_()
+    half = head_dim // 2
+    want = xf * cos.float()[:, None] + torch.cat((-xf[..., half:], xf[..., :half]), -1) * sin.float()[:, None]
+    want.backward(grad.float())
+    y, dx = kernels.rope(x, cos, sin), kernels.rope(grad, cos, sin, backward=True)
+    assert rel(y, want) < 1e-2 and rel(dx, xf.grad) < 1e-2 and y.transpose(1, 2).is_contiguous()
+
+
 def built(fn) -> int:
     """Kernels Triton has built for the jitted `fn` (its per-device caches; older releases call them `cache`)."""
     caches = getattr(fn, "device_caches", None)
@@ -55,7 +71,7 @@ def built(fn) -> int:
     return sum(len(c) for c in fn.cache.values())
 
 
-KERNELS = ("_rms_fwd", "_rms_bwd", "_silu_mul_fwd", "_silu_mul_bwd")
+KERNELS = ("_rms_fwd", "_rms_bwd", "_silu_mul_fwd", "_silu_mul_bwd", "_rope")
 
 
 def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_nothing_per_length():
@@ -66,9 +82,9 @@ def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_nothing_p
     torch.backends.cuda.matmul.allow_tf32 = False
     slow, g_slow = logps_and_grads(qwen3(torch.float32), [pad_pairs(g) for g in groups], Backend("padded"))
     model = qwen3(torch.bfloat16).train()
-    kernels.build_ahead([1024, 128], torch.bfloat16, torch.device("cuda")).join()
+    kernels.build_ahead([1024, 128], torch.bfloat16, torch.device("cuda"), 128).join()
     builds = {k: built(getattr(kernels.jitted(), k)) for k in KERNELS}
-    assert set(fuse_layers(model, use_kernels=True)) == {"Qwen3RMSNorm", "Qwen3MLP"}
+    assert set(fuse_layers(model, use_kernels=True)) == {"Qwen3RMSNorm", "Qwen3MLP", "Qwen3Attention"}
     backend = choose_backend(model, "auto", True, torch.device("cuda"))
     prepare_packed(model, backend)
     fast, g_fast = logps_and_grads(model, [pack_pairs(g, 1) for g in groups], backend)

@@ -69,3 +69,34 @@ def _silu_mul_bwd(A, B, G, DA, DB, P, numel, BLOCK: tl.constexpr, PRODUCT: tl.co
     if PRODUCT:
         act_r = act.to(P.dtype.element_ty).to(tl.float32)
         tl.store(P + offs, (act_r * b).to(P.dtype.element_ty), mask=mask)
+
+@triton.jit(do_not_specialize=["T", "S", "H", "sx_b", "sc_b"])
+def _rope(X, C, SN, Y, T, S, H, sx_b, sx_s, sx_h, sc_b, sc_s, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+          BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr):
+    """Rotate half of every head: forward y = x * cos + rotate_half(x) * sin, backward its transpose (the gradient
+    rotated by -sin). X is (B, S, H, D) through its strides (D contiguous), C and SN are (B or 1, S, D); Y is
+    contiguous (B, S, H, D). Tokens index B * S."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    tmask = tok < T
+    mask = tmask[:, None] & (d < HALF)[None, :]
+    b = (tok // S).to(tl.int64)
+    s = (tok % S).to(tl.int64)
+    c_off = (b * sc_b + s * sc_s)[:, None] + d[None, :]
+    c1 = tl.load(C + c_off, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(C + c_off + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(SN + c_off, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(SN + c_off + HALF, mask=mask, other=0.0).to(tl.float32)
+    x_base = (b * sx_b + s * sx_s)[:, None] + d[None, :]
+    y_base = tok.to(tl.int64)[:, None] * (H * 2 * HALF) + d[None, :]
+    for h in range(H):
+        x1 = tl.load(X + x_base + h * sx_h, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + x_base + h * sx_h + HALF, mask=mask, other=0.0).to(tl.float32)
+        if BACKWARD:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        tl.store(Y + y_base + h * (2 * HALF), y1.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + y_base + h * (2 * HALF) + HALF, y2.to(Y.dtype.element_ty), mask=mask)

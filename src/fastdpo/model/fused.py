@@ -19,7 +19,10 @@ bit for bit (a sum's order differs); their tests hold forward and gradients to t
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import logging
+import sys
 import types
 
 import torch
@@ -150,6 +153,94 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_SiluMul.apply(gate, up, fast))
 
 
+class _Rope(torch.autograd.Function):
+    """Rotary embeddings of q and k in one kernel each way; keeps only cos and sin (the rotation's transpose is the
+    gradient's)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        ctx.save_for_backward(cos, sin)
+        return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g_q: torch.Tensor, g_k: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return (None if g_q is None else kernels.rope(g_q, cos, sin, backward=True),
+                None if g_k is None else kernels.rope(g_k, cos, sin, backward=True), None, None)
+
+
+_ROPE_KERNELS = contextvars.ContextVar("fastdpo_rope_kernels", default=False)  # set inside a fused attention
+
+
+def _rope_serves(q, k, cos, sin) -> bool:
+    return (_ROPE_KERNELS.get() and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+            and q.shape[-1] == k.shape[-1] == cos.shape[-1] and q.shape[-1] % 2 == 0
+            and q.shape[2] == k.shape[2] == cos.shape[1] and q.shape[0] == k.shape[0] and cos.shape[0] in (1, q.shape[0])
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and not (cos.requires_grad or sin.requires_grad)
+            and kernels.available(q) and q.device == cos.device and not torch.compiler.is_compiling())
+
+
+def _rope_dispatch(plain):
+    """The modeling module's `apply_rotary_pos_emb`, run as the kernel inside a fused attention's forward (policy
+    and reference alike) and as itself everywhere else (other models in the process, other call shapes)."""
+
+    @functools.wraps(plain)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if args or kwargs or not _rope_serves(q, k, cos, sin):
+            return plain(q, k, cos, sin, *args, **kwargs)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return _Rope.apply(q, k, cos, sin)
+        return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
+
+    apply_rotary_pos_emb._fastdpo_plain = plain
+    return apply_rotary_pos_emb
+
+
+def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@functools.cache
+def _rope_module(name: str) -> bool:
+    """Route the modeling module `name`'s `apply_rotary_pos_emb` through `_rope_dispatch`, if it computes the standard
+    rotation (checked on a float32 probe: partial or interleaved rotations keep their own)."""
+    mod = sys.modules.get(name)
+    plain = getattr(mod, "apply_rotary_pos_emb", None)
+    if plain is None or not callable(plain):
+        return False
+    if hasattr(plain, "_fastdpo_plain"):
+        return True
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
+    angles = torch.randn(1, 3, 4, generator=g).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    try:
+        got = plain(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - another signature: not the standard rotation
+        return False
+    c, s_ = cos[:, None], sin[:, None]
+    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)
+            and torch.equal(got[0], _rope_reference(q, c, s_)) and torch.equal(got[1], _rope_reference(k, c, s_))):
+        log.info("%s keeps its own rotary embedding (it is not the standard rotation).", name)
+        return False
+    mod.apply_rotary_pos_emb = _rope_dispatch(plain)
+    return True
+
+
+def _attention_forward(self, *args, **kwargs):
+    token = _ROPE_KERNELS.set(bool(self._fastdpo_kernels))
+    try:
+        return self._fastdpo_plain_forward(*args, **kwargs)
+    finally:
+        _ROPE_KERNELS.reset(token)
+
+
+def _is_rope_attention(m) -> bool:
+    return (type(m).__name__.endswith("Attention") and hasattr(m, "q_proj") and hasattr(m, "k_proj")
+            and _rope_module(type(m).__module__))
+
+
 def _is_norm(m) -> bool:
     return (type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
             and m.weight.dim() == 1 and hasattr(m, "variance_epsilon"))
@@ -199,7 +290,7 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
     the kernels on. The forwards are bound methods, so a deep copy (the reference) is fused the same way."""
     done: dict[type, bool] = {}
     for m in model.modules():
-        kind = "norm" if _is_norm(m) else "mlp" if _is_swiglu(m) else None
+        kind = "norm" if _is_norm(m) else "mlp" if _is_swiglu(m) else "attention" if _is_rope_attention(m) else None
         if kind is None:
             continue
         if hasattr(m, "_fastdpo_plain_forward"):
@@ -207,7 +298,11 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
             continue
         m._fastdpo_plain_forward = m.forward
         m._fastdpo_kernels = use_kernels
-        m.forward = types.MethodType(_norm_forward if kind == "norm" else _mlp_forward, m)
+        m.forward = types.MethodType({"norm": _norm_forward, "mlp": _mlp_forward, "attention": _attention_forward}[kind],
+                                     m)
+        if kind == "attention":  # the forward is the module's own; only its rotation may run as the kernel
+            done[type(m)] = True
+            continue
         if type(m) not in done:
             width = m.weight.shape[0] if kind == "norm" else m.gate_proj.in_features
             done[type(m)] = _same_forward(m, width)

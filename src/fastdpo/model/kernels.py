@@ -128,14 +128,46 @@ def silu_mul_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, prod
     return da, db, (p if product else None)
 
 
+ROPE_TOKENS = 16
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x of shape (B, H, S, D) (any strides, D contiguous) and cos, sin of shape
+    (B or 1, S, D), in float32 and rounded once; with `backward`, the gradient's rotation back (by -sin). The result
+    is laid out as (B, S, H, D) and returned transposed to (B, H, S, D), the layout the projections give."""
+    b, h, s, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.expand(-1, s, d), sin.expand(-1, s, d)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty((b, s, h, d), dtype=x.dtype, device=x.device)
+    t = b * s
+    if t:
+        jitted()._rope[(cdiv(t, ROPE_TOKENS),)](
+            x, cos, sin, y, t, s, h, x.stride(0), x.stride(2), x.stride(1), cos.stride(0) if cos.shape[0] > 1 else 0,
+            cos.stride(1), HALF=d // 2, BLOCK_T=ROPE_TOKENS, BLOCK_D=next_power_of_2(d // 2), BACKWARD=backward,
+            num_warps=4)
+    return y.transpose(1, 2)
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def head_size(config) -> int | None:
+    """The attention head size of a model's config (what its rotary embedding rotates)."""
+    text = _text_config(config)
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    return getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
+
+
 def norm_widths(config) -> list[int]:
     """The widths a model's norms take: the hidden size, and the head size (Qwen3's per-head query and key norms)."""
-    text = getattr(config, "text_config", None) or config
-    hidden = getattr(text, "hidden_size", None)
+    hidden = getattr(_text_config(config), "hidden_size", None)
     if not hidden:
         return []
-    heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
+    head_dim = head_size(config)
     return list(dict.fromkeys([hidden] + ([head_dim] if head_dim else [])))
 
 
@@ -143,7 +175,7 @@ _builds: dict[tuple, threading.Thread] = {}
 _failed: list[str] = []  # why the kernels could not be built here (then nothing uses them)
 
 
-def _build(widths: list[int], dtype: torch.dtype, device: torch.device) -> None:
+def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None) -> None:
     """Run every kernel a model of these norm widths trains with once, on tiny inputs: each is built as it would be
     in training (the same dtypes, constants and specialisations)."""
     for n in widths:
@@ -155,18 +187,24 @@ def _build(widths: list[int], dtype: torch.dtype, device: torch.device) -> None:
     silu_mul(a, a)
     for product in (True, False):  # a plain down projection, or one LoRA wraps
         silu_mul_backward(a, a, a, product)
+    if head_dim and head_dim % 2 == 0:  # the projections' layout: (B, S, H, D) seen as (B, H, S, D)
+        q = torch.zeros(1, 3, 2, head_dim, dtype=dtype, device=device).transpose(1, 2)
+        c = torch.zeros(1, 3, head_dim, dtype=dtype, device=device)
+        for backward in (False, True):
+            rope(q, c, c, backward)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
-def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device) -> threading.Thread | None:
-    """Build every kernel a model of these norm `widths` and `dtype` trains with, on a background thread, while the
+def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None
+                ) -> threading.Thread | None:
+    """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with, on a background thread, while the
     main thread reads data and loads weights: on a machine with empty caches the builds (and Triton's own
     launcher code) take a few seconds, which the first forward would otherwise wait for. `ready` waits for it and
     tells whether the kernels can be used."""
     if not HAVE_TRITON or dtype not in DTYPES or not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
         return None
-    key = (tuple(widths), dtype, str(device))
+    key = (tuple(widths), dtype, str(device), head_dim)
     if key in _builds:
         return _builds[key]
 
@@ -174,9 +212,9 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device) -> 
         try:
             if device.type == "cuda":
                 with torch.cuda.device(device):
-                    _build(widths, dtype, device)
+                    _build(widths, dtype, device, head_dim)
             else:
-                _build(widths, dtype, device)
+                _build(widths, dtype, device, head_dim)
         except Exception as e:  # noqa: BLE001 - any failure means: do not use them; `ready` says why
             _failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
@@ -186,10 +224,10 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device) -> 
     return thread
 
 
-def ready(widths: list[int], dtype: torch.dtype, device: torch.device) -> str | None:
+def ready(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None) -> str | None:
     """Wait until the kernels for these widths are built (by `build_ahead`'s thread, or now); None when they serve,
     else why not (after which `available` says no)."""
-    thread = build_ahead(widths, dtype, device)
+    thread = build_ahead(widths, dtype, device, head_dim)
     if thread is None:
         return "Triton is not installed, or the device or dtype is not one the kernels serve"
     thread.join()

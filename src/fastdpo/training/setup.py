@@ -25,7 +25,7 @@ from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
 from fastdpo.model.fused import fuse_layers, kernels_wanted
-from fastdpo.model.kernels import build_ahead, norm_widths
+from fastdpo.model.kernels import build_ahead, head_size, norm_widths
 from fastdpo.model.kernels import ready as kernels_ready
 from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.parallel import sequence
@@ -199,28 +199,28 @@ def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, tr
     except Exception:  # noqa: BLE001 - the model's loading reports what is wrong with it
         return
     if widths := norm_widths(config):
-        build_ahead(widths, dtype, device)
+        build_ahead(widths, dtype, device, head_size(config))
 
 
 def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
-    """--kernels: the Triton norms and MLPs where they serve, once they are known to build here (idempotent;
+    """--kernels: the Triton norms, MLPs and rotary embeddings where they serve, once they are known to build here (idempotent;
     logged once per model). A GPU where they cannot be built trains on the model's own layers, with a warning (an
     error when --kernels triton asked for them)."""
     if not kernels_wanted(cfg.kernels, device, cfg.torch_compile) or getattr(model, "_fastdpo_fused", False):
         return
     lm = base_causal_lm(model)
-    why = kernels_ready(norm_widths(lm.config), lm.get_input_embeddings().weight.dtype, device)
+    why = kernels_ready(norm_widths(lm.config), lm.get_input_embeddings().weight.dtype, device, head_size(lm.config))
     if why is not None:
         if cfg.kernels == "triton":
             raise FastDPOError(f"--kernels triton: the Triton kernels cannot be built on this GPU ({why}). Use "
                                "--kernels torch (the model's own layers).")
-        log.warning("Kernels: the Triton norms and MLPs cannot be built on this GPU (%s); training with the "
+        log.warning("Kernels: the Triton norms, MLPs and rotary embeddings cannot be built on this GPU (%s); training with the "
                     "model's own layers (--kernels torch).", why)
         model._fastdpo_fused = True
         return
     names = fuse_layers(model, use_kernels=True)
     model._fastdpo_fused = True
-    log.info("Kernels: Triton norms and SwiGLU MLPs for %s.", ", ".join(names) or "no module of this model "
+    log.info("Kernels: Triton norms, SwiGLU MLPs and rotary embeddings for %s.", ", ".join(names) or "no module of this model "
              "(its norms and MLPs differ from the standard ones: they keep their own forward)")
 
 
