@@ -185,9 +185,9 @@ def test_lora_wrapping_the_down_projection_after_fusing_trains_its_adapter(inter
 def test_ready_waits_for_the_build_and_a_failed_build_turns_the_kernels_off(K, monkeypatch):
     monkeypatch.setattr(K, "_builds", {})
     monkeypatch.setattr(K, "_failed", [])
-    thread = K.build_ahead([64, 16], torch.bfloat16, torch.device("cpu"))
-    assert thread is not None and K.build_ahead([64, 16], torch.bfloat16, torch.device("cpu")) is thread
-    assert K.ready([64, 16], torch.bfloat16, torch.device("cpu")) is None and K.available(torch.zeros(1))
+    thread = K.build_ahead([64, 16], torch.bfloat16, torch.device("cpu"), 16)
+    assert thread is not None and K.build_ahead([64, 16], torch.bfloat16, torch.device("cpu"), 16) is thread
+    assert K.ready([64, 16], torch.bfloat16, torch.device("cpu"), 16) is None and K.available(torch.zeros(1))
 
     def broken(*a):
         raise RuntimeError("ptxas fatal: unsupported architecture\nmore")
@@ -196,3 +196,21 @@ def test_ready_waits_for_the_build_and_a_failed_build_turns_the_kernels_off(K, m
     why = K.ready([32], torch.bfloat16, torch.device("cpu"))
     assert why == "RuntimeError: ptxas fatal: unsupported architecture"
     assert not K.available(torch.zeros(1))  # nothing uses them once a build failed
+
+
+def test_builder_processes_run_their_share_and_report_failure(K):
+    """`_prebuild`'s processes run `python -m fastdpo.model.kernels SPEC` (here interpreted, on the CPU): each its
+    share of the launches; a process that fails makes it say so (this process then builds what is missing)."""
+    spec = {"widths": [32, 8], "dtype": "float32", "device": "cpu", "head_dim": 8, "lora": False}
+    assert K._prebuild(spec, parts=2)
+    assert not K._prebuild({**spec, "dtype": "no_such_dtype"}, parts=1)
+
+
+def test_launches_are_pruned_to_the_kind_of_training(K):
+    def kinds(lora):
+        return sorted((f.func.__name__, f.args[-1]) for f in K._launches([32], torch.float32, torch.device("cpu"), 8, lora)
+                      if f.func.__name__ in ("rms_norm_backward", "silu_mul_backward"))
+
+    assert kinds(False) == [("rms_norm_backward", True), ("silu_mul_backward", True)]  # full: weights train, plain down
+    assert kinds(True) == [("rms_norm_backward", False), ("silu_mul_backward", False), ("silu_mul_backward", True)]
+    assert len(kinds(None)) == 4

@@ -133,7 +133,7 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     from fastdpo.training import setup
 
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
-    monkeypatch.setattr(setup, "kernels_ready", lambda widths, dtype, device, head_dim: "RuntimeError: no sm_61 support")
+    monkeypatch.setattr(setup, "kernels_ready", lambda widths, dtype, device, head_dim, lora: "RuntimeError: no sm_61 support")
     m = model("qwen3")
     cfg = TrainConfig(model="m", dataset=["d"])
     with caplog.at_level(logging.WARNING, logger="fastdpo"):
@@ -144,11 +144,11 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     with pytest.raises(FastDPOError, match="--kernels triton: the Triton kernels cannot be built"):
         setup.fuse_kernels(cfg, model("qwen3"), torch.device("cpu"))
     widths = []
-    monkeypatch.setattr(setup, "kernels_ready", lambda w, dtype, device, head_dim: widths.append((w, dtype, head_dim)))
+    monkeypatch.setattr(setup, "kernels_ready", lambda w, dtype, device, head_dim, lora: widths.append((w, dtype, head_dim, lora)))
     cfg.kernels = "auto"
     fused = model("qwen3")
     setup.fuse_kernels(cfg, fused, torch.device("cpu"))
-    assert widths == [([64, 16], torch.float32, 16)]  # the hidden size and Qwen3's head size
+    assert widths == [([64, 16], torch.float32, 16, False)]  # the hidden size and Qwen3's head size
     assert fused.model.norm._fastdpo_kernels and fused.model.layers[0].self_attn._fastdpo_kernels
 
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import torch
@@ -175,46 +178,90 @@ _builds: dict[tuple, threading.Thread] = {}
 _failed: list[str] = []  # why the kernels could not be built here (then nothing uses them)
 
 
-def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None) -> None:
-    """Run every kernel a model of these norm widths trains with once, on tiny inputs: each is built as it would be
-    in training (the same dtypes, constants and specialisations)."""
+def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None,
+              lora: bool | None) -> list:
+    """Every kernel launch a model of these norm widths and head size trains with, as thunks on tiny inputs: each
+    builds its kernel as training would (the same dtypes, constants and specialisations). `lora`: True (LoRA: the
+    norms' weights are frozen), False (full fine-tuning: they train, and the down projections are plain), None (both
+    kinds). A launch left out only means its kernel is built when first used."""
+    z = functools.partial(torch.zeros, dtype=dtype, device=device)
+    grads = (False,) if lora else (True,) if lora is False else (True, False)
+    products = (True,) if lora is False else (True, False)  # a plain down projection, or one LoRA wraps
+    out = []
     for n in widths:
-        x, w = torch.zeros(2, n, dtype=dtype, device=device), torch.ones(n, dtype=dtype, device=device)
-        _, rstd = rms_norm_forward(x, w, 1e-6)
-        for weight_grad in (True, False):  # full fine-tuning trains the norms' weights; LoRA does not
-            rms_norm_backward(x, x, w, rstd, weight_grad)
-    a = torch.zeros(16, dtype=dtype, device=device)
-    silu_mul(a, a)
-    for product in (True, False):  # a plain down projection, or one LoRA wraps
-        silu_mul_backward(a, a, a, product)
+        x, w, r = z(2, n), z(n) + 1, torch.ones(2, dtype=torch.float32, device=device)
+        out.append(functools.partial(rms_norm_forward, x, w, 1e-6))
+        out += [functools.partial(rms_norm_backward, x, x, w, r, g) for g in grads]
+    a = z(16)
+    out.append(functools.partial(silu_mul, a, a))
+    out += [functools.partial(silu_mul_backward, a, a, a, p) for p in products]
     if head_dim and head_dim % 2 == 0:  # the projections' layout: (B, S, H, D) seen as (B, H, S, D)
-        q = torch.zeros(1, 3, 2, head_dim, dtype=dtype, device=device).transpose(1, 2)
-        c = torch.zeros(1, 3, head_dim, dtype=dtype, device=device)
-        for backward in (False, True):
-            rope(q, c, c, backward)
+        q, c = z(1, 3, 2, head_dim).transpose(1, 2), z(1, 3, head_dim)
+        out += [functools.partial(rope, q, c, c, b) for b in (False, True)]
+    return out
+
+
+def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None, lora: bool | None,
+           part: int = 0, parts: int = 1) -> None:
+    """Run the launches of `_launches` (every `parts`-th from `part`) once."""
+    for launch in _launches(widths, dtype, device, head_dim, lora)[part::parts]:
+        launch()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
-def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None
-                ) -> threading.Thread | None:
-    """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with, on a background thread, while the
-    main thread reads data and loads weights: on a machine with empty caches the builds (and Triton's own
-    launcher code) take a few seconds, which the first forward would otherwise wait for. `ready` waits for it and
-    tells whether the kernels can be used."""
+BUILD_PROCESSES = 3  # builders in processes of their own: Triton's compiler holds the GIL while it runs
+
+
+def _prebuild(spec: dict, parts: int, timeout_s: float = 600) -> bool:
+    """Compile the kernels into Triton's on-disk cache in `parts` processes at once, so that neither the compiling
+    nor the GIL it holds stalls this process while it reads data and loads weights; this process then loads them from
+    the cache. True when every process succeeded (a failure only means this process compiles what is missing)."""
+    import fastdpo
+
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastdpo.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    procs = [subprocess.Popen([sys.executable, "-m", "fastdpo.model.kernels", json.dumps({**spec, "part": i, "parts": parts})],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(parts)]
+    ok = True
+    for p in procs:
+        try:
+            ok = p.wait(timeout=timeout_s) == 0 and ok
+        except subprocess.TimeoutExpired:
+            p.kill()
+            ok = False
+    return ok
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
+                lora: bool | None = None) -> threading.Thread | None:
+    """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with (`lora`: see
+    `_launches`), on a background thread, while the main thread reads data and loads weights: on a machine with empty
+    caches the builds (and Triton's launcher code for each) take several seconds, which the first forward would
+    otherwise wait for. On CUDA the thread first has `BUILD_PROCESSES` processes compile them into Triton's cache, then
+    loads them here. `ready` waits for it and tells whether the kernels can be used."""
     if not HAVE_TRITON or dtype not in DTYPES or not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
         return None
-    key = (tuple(widths), dtype, str(device), head_dim)
+    key = (tuple(widths), dtype, str(device), head_dim, lora)
     if key in _builds:
         return _builds[key]
 
     def build() -> None:
         try:
             if device.type == "cuda":
+                local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+                spec = {"widths": list(widths), "dtype": _dtype_name(dtype), "device": str(device),
+                        "head_dim": head_dim, "lora": lora}
+                _prebuild(spec, max(1, BUILD_PROCESSES // local_ranks))
                 with torch.cuda.device(device):
-                    _build(widths, dtype, device, head_dim)
+                    _build(widths, dtype, device, head_dim, lora)
             else:
-                _build(widths, dtype, device, head_dim)
+                _build(widths, dtype, device, head_dim, lora)
         except Exception as e:  # noqa: BLE001 - any failure means: do not use them; `ready` says why
             _failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
@@ -224,11 +271,21 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
     return thread
 
 
-def ready(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None) -> str | None:
+def ready(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
+          lora: bool | None = None) -> str | None:
     """Wait until the kernels for these widths are built (by `build_ahead`'s thread, or now); None when they serve,
     else why not (after which `available` says no)."""
-    thread = build_ahead(widths, dtype, device, head_dim)
+    thread = build_ahead(widths, dtype, device, head_dim, lora)
     if thread is None:
         return "Triton is not installed, or the device or dtype is not one the kernels serve"
     thread.join()
     return _failed[0] if _failed else None
+
+
+if __name__ == "__main__":  # one builder of `_prebuild`: compiles its share of the launches into Triton's cache
+    _spec = json.loads(sys.argv[1])
+    _device = torch.device(_spec["device"])
+    if _device.type == "cuda":
+        torch.cuda.set_device(_device)
+    _build(_spec["widths"], getattr(torch, _spec["dtype"]), _device, _spec["head_dim"], _spec["lora"], _spec["part"],
+           _spec["parts"])

@@ -263,10 +263,36 @@ def model_summary(model) -> dict:
     return {"model_type": lm.config.model_type, "params": total, "trainable": trainable}
 
 
+def host_state_dict(model, gpu_only: bool = True) -> dict | None:
+    """The model's state dict copied to the CPU, fast: each copy lands in a zero-filled tensor, whose pages torch's
+    parallel fill has faulted in, rather than in fresh memory the single-threaded copy faults in page by page (3.4 GB
+    of a 1.7B model: about 0.6 s against 3.6 s for transformers' per-tensor `.cpu()`). Tensors that are one tensor
+    on the device (tied embeddings) stay one on the CPU, so saving still drops the tied copy. None when there is
+    nothing to copy (`gpu_only`: no tensor on a GPU) or when two entries are different views of one storage (left to
+    transformers' own handling)."""
+    state = model.state_dict()
+    if gpu_only and not any(t.is_cuda for t in state.values()):
+        return None
+    copies: dict[tuple, torch.Tensor] = {}
+    storages: dict[int, tuple] = {}
+    out = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if storages.setdefault(t.untyped_storage().data_ptr(), key) != key:
+            return None
+        if key not in copies:
+            copies[key] = torch.zeros(t.shape, dtype=t.dtype).copy_(t.detach())
+        out[name] = copies[key]
+    return out
+
+
 def save_model(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
     """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer. `state_dict`: full weights
     gathered from shards (FSDP2), saved instead of the model's own."""
-    only_trained = {"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}  # not a reference adapter
+    peft = hasattr(model, "peft_config")
+    only_trained = {"selected_adapters": ["default"]} if peft else {}  # not a reference adapter
+    if state_dict is None and not peft:  # a full model on a GPU: copied to the CPU at once, not tensor by tensor
+        state_dict = host_state_dict(model)
     model.save_pretrained(out, safe_serialization=True, state_dict=state_dict, **only_trained)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

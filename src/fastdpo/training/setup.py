@@ -132,7 +132,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
     dtype = resolve_dtype(cfg.torch_dtype, device)
     seed_all(cfg.seed)
     if kernels_wanted(cfg.kernels, device, cfg.torch_compile):
-        build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code)
+        build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code, cfg.uses_lora)
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
@@ -190,7 +190,8 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     return " ".join(hints) or None
 
 
-def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> None:
+def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+                        lora: bool) -> None:
     """Start building the Triton kernels for this model's norm widths (its config) while data and weights load."""
     from transformers import AutoConfig
 
@@ -199,7 +200,7 @@ def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, tr
     except Exception:  # noqa: BLE001 - the model's loading reports what is wrong with it
         return
     if widths := norm_widths(config):
-        build_ahead(widths, dtype, device, head_size(config))
+        build_ahead(widths, dtype, device, head_size(config), lora)
 
 
 def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
@@ -209,7 +210,8 @@ def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
     if not kernels_wanted(cfg.kernels, device, cfg.torch_compile) or getattr(model, "_fastdpo_fused", False):
         return
     lm = base_causal_lm(model)
-    why = kernels_ready(norm_widths(lm.config), lm.get_input_embeddings().weight.dtype, device, head_size(lm.config))
+    why = kernels_ready(norm_widths(lm.config), lm.get_input_embeddings().weight.dtype, device, head_size(lm.config),
+                        cfg.uses_lora)
     if why is not None:
         if cfg.kernels == "triton":
             raise FastDPOError(f"--kernels triton: the Triton kernels cannot be built on this GPU ({why}). Use "
