@@ -149,10 +149,10 @@ def test_resolve_fit_switches_to_lean_layers_and_splits_budgets_over_a_group():
     ps = pairs(*[400] * 16)
     cpu = torch.device("cpu")
 
-    def run(limit, static=0, shards=1, split=1, **kw):
+    def run(limit, static=0, shards=1, split=1, default_limit=False, **kw):
         cfg = TrainConfig(model="m", dataset=["d"], per_device_train_batch_size=8, **kw)
         m = tiny()
-        resolve_fit(cfg, m, Backend("dense"), ps, cpu, 0, limit, static, shards, split)
+        resolve_fit(cfg, m, Backend("dense"), ps, cpu, 0, limit, static, shards, split, default_limit)
         lean = "forward" in m.model.layers[0].mlp.__dict__
         return cfg, lean
 
@@ -168,6 +168,9 @@ def test_resolve_fit_switches_to_lean_layers_and_splits_budgets_over_a_group():
     assert order.index(split.gradient_checkpointing) <= order.index(tight.gradient_checkpointing)
     # FSDP2 over 8 ranks: 8 GiB of weights and states is 1 GiB per rank
     assert run(2 * GIB, static=8 * GIB, shards=8)[0].gradient_checkpointing == "none"
+    # the default limit: the same roomy GPU, but activations may take only about the weights' size (tiny here)
+    default, lean = run(64 * GIB, default_limit=True)
+    assert default.gradient_checkpointing == "full" and lean
 
 
 def test_the_probe_leaves_the_random_state_as_it_found_it():

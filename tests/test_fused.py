@@ -144,7 +144,8 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     with pytest.raises(FastDPOError, match="--kernels triton: the Triton kernels cannot be built"):
         setup.fuse_kernels(cfg, model("qwen3"), torch.device("cpu"))
     widths = []
-    monkeypatch.setattr(setup, "kernels_ready", lambda w, dtype, device, head_dim, lora: widths.append((w, dtype, head_dim, lora)))
+    monkeypatch.setattr(setup, "kernels_ready",
+                        lambda w, dtype, device, head_dim, lora: widths.append((w, dtype, head_dim, lora)))
     cfg.kernels = "auto"
     fused = model("qwen3")
     setup.fuse_kernels(cfg, fused, torch.device("cpu"))
@@ -175,3 +176,19 @@ def test_a_non_standard_rotation_keeps_its_own_function(monkeypatch):
         assert fused._rope_module(llama.__name__) and llama.apply_rotary_pos_emb._fastdpo_plain is not None
     finally:
         fused._rope_module.cache_clear()
+
+
+def test_the_kernels_shapes_are_read_from_a_local_config_without_transformers(tmp_path):
+    import json
+
+    from fastdpo.model.kernels import head_size, norm_widths
+    from fastdpo.training.setup import _config_fields
+
+    real = model("qwen3").config
+    real.save_pretrained(tmp_path)
+    fields = _config_fields(str(tmp_path), False)
+    assert not hasattr(fields, "to_dict")  # read as JSON, not through AutoConfig
+    assert norm_widths(fields) == norm_widths(real) and head_size(fields) == head_size(real) == 16
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "text_config": {"hidden_size": 48,
+                                                                                         "num_attention_heads": 4}}))
+    assert norm_widths(_config_fields(str(tmp_path), False)) == [48, 12]

@@ -240,8 +240,10 @@ class TrainConfig(DataReading, ModelSection):
                                      "largest micro-batch (with a token budget if even full does not, and lean "
                                      "norms and MLPs that keep fewer bytes when none does not); none off CUDA. "
                                      "auto: measure training steps of each instead.", bare="true")
-    max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing fit|auto` / `fastdpo tune` (0: 90% "
-                               "of the GPU).")
+    max_memory_gib: float = _f(0.0, "Memory limit for `--gradient_checkpointing fit|auto` / `fastdpo tune`. 0: "
+                               "for fit, what training holds plus about the weights' size for activations (a "
+                               "peak like other trainers' defaults), at most 90% of the GPU; for auto and tune, 90% "
+                               "of the GPU. A higher limit buys speed.")
     activation_offloading: bool = _f(False, "Move activations saved for backward to pinned CPU memory (slower; pair "
                                             "with --gradient_checkpointing none or ffn).")
     torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")

@@ -4,12 +4,14 @@ memory policy, DDP/FSDP2, step counts (`build_setup` from a config, `assemble` a
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -190,16 +192,32 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     return " ".join(hints) or None
 
 
-def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
-                        lora: bool) -> None:
-    """Start building the Triton kernels for this model's norm widths (its config) while data and weights load."""
+def _config_fields(model: str, trust_remote_code: bool):
+    """The fields of a model's config that the kernels' shapes need: read straight from a local dir's config.json
+    (the builds then start before transformers is even imported), else through AutoConfig."""
+    path = Path(model).expanduser() / "config.json"
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict):
+            if isinstance(raw.get("text_config"), dict):
+                raw["text_config"] = SimpleNamespace(**raw["text_config"])
+            return SimpleNamespace(**raw)
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - the model's loading reports what is wrong with it
-        return
-    if widths := norm_widths(config):
+        return None
+
+
+def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+                        lora: bool) -> None:
+    """Start building the Triton kernels for this model's shapes (its config) while data and weights load."""
+    config = _config_fields(model, trust_remote_code)
+    if config is not None and (widths := norm_widths(config)):
         build_ahead(widths, dtype, device, head_size(config), lora)
 
 
