@@ -217,10 +217,8 @@ def _prebuild(spec: dict, parts: int, timeout_s: float = 600) -> bool:
     """Compile the kernels into Triton's on-disk cache in `parts` processes at once, so that neither the compiling
     nor the GIL it holds stalls this process while it reads data and loads weights; this process then loads them from
     the cache. True when every process succeeded (a failure only means this process compiles what is missing)."""
-    import fastdpo
-
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fastdpo.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where `fastdpo` is
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     procs = [subprocess.Popen([sys.executable, "-m", "fastdpo.model.kernels", json.dumps({**spec, "part": i, "parts": parts})],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(parts)]
