@@ -1,4 +1,5 @@
-"""Lean RMSNorm and SwiGLU for training: the same forward, fewer bytes kept for the backward.
+"""Lean RMSNorm and SwiGLU for training (the same forward, fewer bytes kept for the backward), and rotary embeddings
+as one kernel.
 
 transformers' RMSNorm casts its input to float32 and autograd keeps that copy, and the normalised bfloat16 result
 too: six bytes per element beyond the input, for every norm (two per layer, plus Qwen3's per-head query and key
@@ -15,7 +16,9 @@ original computes in float32.
 With `use_kernels` the same formulas run as the Triton kernels of `fastdpo.model.kernels` on CUDA: one pass each
 way instead of eager's five to ten, in the policy's training forward and backward and in the reference's no-grad
 forward alike (so both compute the same numbers). Their forward equals the eager one to the dtype's rounding, not
-bit for bit (a sum's order differs); their tests hold forward and gradients to the float32 computation."""
+bit for bit (a sum's order differs); their tests hold forward and gradients to the float32 computation. Rotary
+embeddings then run as one kernel too: the modeling module's `apply_rotary_pos_emb` (shared by every model of its
+class) is routed through a dispatcher that uses the kernel only inside a fused attention's forward."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Triton kernels for the lean norms and MLPs: one pass over memory where eager PyTorch takes five to ten.
+"""Triton kernels for the lean norms, MLPs and rotary embeddings: one pass over memory where eager PyTorch takes
+five to ten.
 
 Eager RMSNorm upcasts, squares, averages, scales, downcasts and multiplies by the weight: about 36 bytes moved per
 element in the forward and more in the backward. The kernels here read the input once and write the result once
