@@ -176,11 +176,12 @@ _ROPE_KERNELS = contextvars.ContextVar("fastdpo_rope_kernels", default=False)  #
 
 
 def _rope_serves(q, k, cos, sin) -> bool:
-    return (_ROPE_KERNELS.get() and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+    return (not torch.compiler.is_compiling() and _ROPE_KERNELS.get() and q.dim() == 4 and k.dim() == 4
+            and cos.dim() == 3 and cos.shape == sin.shape
             and q.shape[-1] == k.shape[-1] == cos.shape[-1] and q.shape[-1] % 2 == 0
             and q.shape[2] == k.shape[2] == cos.shape[1] and q.shape[0] == k.shape[0] and cos.shape[0] in (1, q.shape[0])
             and q.dtype == k.dtype == cos.dtype == sin.dtype and not (cos.requires_grad or sin.requires_grad)
-            and kernels.available(q) and q.device == cos.device and not torch.compiler.is_compiling())
+            and kernels.available(q) and q.device == cos.device)
 
 
 def _rope_dispatch(plain):
@@ -232,7 +233,9 @@ def _rope_module(name: str) -> bool:
 
 
 def _attention_forward(self, *args, **kwargs):
-    token = _ROPE_KERNELS.set(bool(self._fastdpo_kernels))
+    if not self._fastdpo_kernels or torch.compiler.is_compiling():  # compiled: Inductor fuses the rotation itself
+        return self._fastdpo_plain_forward(*args, **kwargs)
+    token = _ROPE_KERNELS.set(True)
     try:
         return self._fastdpo_plain_forward(*args, **kwargs)
     finally:

@@ -214,7 +214,7 @@ def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim
 BUILD_PROCESSES = 3  # builders in processes of their own: Triton's compiler holds the GIL while it runs
 
 
-def _prebuild(spec: dict, parts: int, timeout_s: float = 600) -> bool:
+def _prebuild(spec: dict, parts: int, timeout_s: float = 180) -> bool:
     """Compile the kernels into Triton's on-disk cache in `parts` processes at once, so that neither the compiling
     nor the GIL it holds stalls this process while it reads data and loads weights; this process then loads them from
     the cache. True when every process succeeded (a failure only means this process compiles what is missing)."""
