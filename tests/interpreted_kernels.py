@@ -198,14 +198,6 @@ def test_ready_waits_for_the_build_and_a_failed_build_turns_the_kernels_off(K, m
     assert not K.available(torch.zeros(1))  # nothing uses them once a build failed
 
 
-def test_builder_processes_run_their_share_and_report_failure(K):
-    """`_prebuild`'s processes run `python -m fastdpo.model.kernels SPEC` (here interpreted, on the CPU): each its
-    share of the launches; a process that fails makes it say so (this process then builds what is missing)."""
-    spec = {"widths": [32, 8], "dtype": "float32", "device": "cpu", "head_dim": 8, "lora": False}
-    assert K._prebuild(spec, parts=2)
-    assert not K._prebuild({**spec, "dtype": "no_such_dtype"}, parts=1)
-
-
 def test_launches_are_pruned_to_the_kind_of_training(K):
     def kinds(lora):
         return sorted((f.func.__name__, f.args[-1]) for f in K._launches([32], torch.float32, torch.device("cpu"), 8, lora)

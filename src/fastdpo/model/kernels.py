@@ -16,11 +16,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 
 import torch
@@ -202,39 +199,12 @@ def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_
     return out
 
 
-def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None, lora: bool | None,
-           part: int = 0, parts: int = 1) -> None:
-    """Run the launches of `_launches` (every `parts`-th from `part`) once."""
-    for launch in _launches(widths, dtype, device, head_dim, lora)[part::parts]:
+def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None, lora: bool | None) -> None:
+    """Run the launches of `_launches` once."""
+    for launch in _launches(widths, dtype, device, head_dim, lora):
         launch()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-
-
-BUILD_PROCESSES = 3  # builders in processes of their own: Triton's compiler holds the GIL while it runs
-
-
-def _prebuild(spec: dict, parts: int, timeout_s: float = 180) -> bool:
-    """Compile the kernels into Triton's on-disk cache in `parts` processes at once, so that neither the compiling
-    nor the GIL it holds stalls this process while it reads data and loads weights; this process then loads them from
-    the cache. True when every process succeeded (a failure only means this process compiles what is missing)."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where `fastdpo` is
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    procs = [subprocess.Popen([sys.executable, "-m", "fastdpo.model.kernels", json.dumps({**spec, "part": i, "parts": parts})],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(parts)]
-    ok = True
-    for p in procs:
-        try:
-            ok = p.wait(timeout=timeout_s) == 0 and ok
-        except subprocess.TimeoutExpired:
-            p.kill()
-            ok = False
-    return ok
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
@@ -242,8 +212,7 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
     """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with (`lora`: see
     `_launches`), on a background thread, while the main thread reads data and loads weights: on a machine with empty
     caches the builds (and Triton's launcher code for each) take several seconds, which the first forward would
-    otherwise wait for. On CUDA the thread first has `BUILD_PROCESSES` processes compile them into Triton's cache, then
-    loads them here. `ready` waits for it and tells whether the kernels can be used."""
+    otherwise wait for. `ready` waits for it and tells whether the kernels can be used."""
     if not HAVE_TRITON or dtype not in DTYPES or not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
         return None
     key = (tuple(widths), dtype, str(device), head_dim, lora)
@@ -253,10 +222,6 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
     def build() -> None:
         try:
             if device.type == "cuda":
-                local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-                spec = {"widths": list(widths), "dtype": _dtype_name(dtype), "device": str(device),
-                        "head_dim": head_dim, "lora": lora}
-                _prebuild(spec, max(1, BUILD_PROCESSES // local_ranks))
                 with torch.cuda.device(device):
                     _build(widths, dtype, device, head_dim, lora)
             else:
@@ -280,11 +245,3 @@ def ready(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim:
     thread.join()
     return _failed[0] if _failed else None
 
-
-if __name__ == "__main__":  # one builder of `_prebuild`: compiles its share of the launches into Triton's cache
-    _spec = json.loads(sys.argv[1])
-    _device = torch.device(_spec["device"])
-    if _device.type == "cuda":
-        torch.cuda.set_device(_device)
-    _build(_spec["widths"], getattr(torch, _spec["dtype"]), _device, _spec["head_dim"], _spec["lora"], _spec["part"],
-           _spec["parts"])
