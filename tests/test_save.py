@@ -43,3 +43,12 @@ def test_nothing_is_copied_for_a_cpu_model_or_for_views_sharing_a_storage():
             self.register_buffer("first", self.whole[:3])
 
     assert host_state_dict(Views(), gpu_only=False) is None
+
+
+def test_no_host_copy_when_the_host_is_short_of_memory(monkeypatch):
+    from fastdpo.model import load
+
+    m = tiny(True)
+    assert load.host_state_dict(m, gpu_only=False) is not None
+    monkeypatch.setattr(load, "_host_free_bytes", lambda: 1_000)  # the model is far more than a quarter of this
+    assert load.host_state_dict(m, gpu_only=False) is None
