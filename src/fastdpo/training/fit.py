@@ -1,7 +1,7 @@
 """`--gradient_checkpointing fit` (the default): the fastest of no checkpointing, FFN-only and full checkpointing
 whose estimated peak memory fits the limit, chosen before the first step without timing anything. The limit is
 --max_memory_gib; by default it is what training holds anyway plus about the model's weights' size for activations
-(at most 90 % of the GPU): a peak no higher than other trainers' defaults, which checkpoint every layer, while
+(at most 90 % of the GPU): a peak about that of other trainers' defaults, which checkpoint every layer, while
 --max_memory_gib spends more memory on speed (none instead of full: 18–23 % faster on Qwen3-1.7B).
 
 The estimate is measured, not guessed: one forward with grad of a short filler pair through the model as it will
