@@ -1,4 +1,4 @@
-"""The Triton kernels of the lean norms, MLPs and rotary embeddings (`fastdpo.model.kernels`) under Triton's
+"""The Triton kernels of the lean norms, MLPs, rotary embeddings and log-prob head (`fastdpo.model.kernels`) under Triton's
 interpreter on the CPU: each against the plain float32 computation on random inputs (odd widths, row counts off the
 block, no rows), and a fused model's loss and gradients against the plain model's, with LoRA wrapping the MLPs after
 fusing. Run by tests/test_kernels.py in a process started with TRITON_INTERPRET=1 (Triton reads it as it is
@@ -84,6 +84,87 @@ def test_silu_mul_forward_and_backward_equal_float32(K, numel, dtype, tol):
     assert rel(da, af.grad) < tol and rel(db, bf.grad) < tol
     assert torch.equal(again, p)  # the product rebuilt in the backward is the forward's
     assert K.silu_mul_backward(a, b, grad)[2] is None
+
+
+def head_reference(h, w, t, scale):
+    hf, wf = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    return hf, wf, torch.log_softmax((hf @ wf.t()) * scale, -1).gather(1, t[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("rows,vocab,chunk", [(1, 100, 1024), (37, 5000, 16), (0, 300, 16)])
+@pytest.mark.parametrize("dtype,scale,tol", [(torch.float32, 1.0, 1e-5), (torch.bfloat16, 0.5, 2e-2)])
+def test_log_prob_head_kernels_equal_float32(K, monkeypatch, rows, vocab, chunk, dtype, scale, tol):
+    """Target log-probs and both gradients through the kernels (a vocabulary over one block of the kernels and
+    under it, chunks off the row count, no rows) against float32 autograd, and the kernels were what ran."""
+    from fastdpo.model.logprobs import token_logps
+
+    g = torch.Generator().manual_seed(rows + vocab)
+    h = torch.randn(rows, 16, generator=g).mul(2).to(dtype).requires_grad_()
+    w = torch.randn(vocab, 16, generator=g).to(dtype).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    up = torch.randn(rows, generator=g)
+    calls = []
+    for name in ("logp_forward", "logp_backward_"):
+        fn = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    got = token_logps(h, w, t, chunk=chunk, scale=scale, kernels=True)
+    (got * up).sum().backward()
+    hf, wf, want = head_reference(h, w, t, scale)
+    (want * up).sum().backward()
+    assert got.dtype == torch.float32 and got.shape == (rows,)
+    if rows:
+        assert set(calls) == {"logp_forward", "logp_backward_"}
+        assert rel(got, want) < tol and rel(h.grad, hf.grad) < tol and rel(w.grad, wf.grad) < tol
+        plain = token_logps(h.detach(), w.detach(), t, chunk=chunk, scale=scale)  # the eager path: the same numbers
+        assert (got.detach() - plain).abs().max() < 1e-4 * max(1.0, plain.abs().max().item())
+    else:
+        assert not w.grad.abs().any()
+
+
+def test_the_head_runs_the_kernels_only_where_fused(K):
+    from peft import LoraConfig, get_peft_model
+
+    from fastdpo.model.backend import output_head
+
+    m = tiny("qwen3")
+    assert not output_head(m).kernels
+    fuse_layers(m)
+    assert not output_head(m).kernels  # the lean torch layers keep the eager head
+    fuse_layers(m, use_kernels=True)
+    assert output_head(m).kernels and output_head(copy.deepcopy(m)).kernels
+    wrapped = get_peft_model(tiny("llama"), LoraConfig(r=4, target_modules=["q_proj"]))
+    fuse_layers(wrapped, use_kernels=True)
+    assert output_head(wrapped).kernels
+
+
+def test_a_fused_model_s_sequence_log_probs_equal_the_float32_model_s(K, monkeypatch):
+    """Completion log-prob sums and gradients of a fused bfloat16 model (norms, MLPs, rotary and the head on the
+    kernels) against separate float32 forwards of the plain model, over padded pairs."""
+    from conftest import random_pairs
+
+    from fastdpo.data.pack import pad_pairs
+    from fastdpo.model.backend import Backend, sequence_logps
+
+    batch = pad_pairs(random_pairs(3, 128, seed=5))
+
+    def run(m):
+        m.zero_grad()
+        seq, _ = sequence_logps(m, batch, Backend("padded"))
+        (seq[:3] - seq[3:]).sum().backward()
+        return seq.detach(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+
+    want, want_g = run(tiny("qwen3", torch.float32))
+    m = tiny("qwen3", torch.bfloat16)
+    fuse_layers(m, use_kernels=True)
+    calls = []
+    for name in ("logp_forward", "logp_backward_"):
+        fn = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    got, got_g = run(m)
+    assert set(calls) == {"logp_forward", "logp_backward_"}
+    assert rel(got, want) < 2e-2 and set(got_g) == set(want_g)
+    for name in want_g:
+        assert rel(got_g[name], want_g[name]) < 5e-2, name
 
 
 def rope_reference(x, cos, sin):

@@ -1,5 +1,5 @@
-"""The Triton norms, MLPs and rotary embeddings compiled for CUDA: each kernel against the float32 computation at the real models'
-widths, a fused Qwen3 stack against the float32 padded reference through the varlen backend, one build per width
+"""The Triton norms, MLPs, rotary embeddings and log-prob head compiled for CUDA: each kernel against the float32 computation at
+the real models' widths, a fused Qwen3 stack against the float32 padded reference through the varlen backend, one build per width
 whatever the number of tokens, and fewer bytes kept than the plain layers. Run on a CUDA device:
 `pytest -m gpu tests/test_gpu_kernels.py`."""
 
@@ -72,6 +72,28 @@ def built(fn) -> int:
 
 
 KERNELS = ("_rms_fwd", "_rms_bwd", "_silu_mul_fwd", "_silu_mul_bwd", "_rope")
+
+
+@pytest.mark.parametrize("rows", [1, 2500])
+def test_log_prob_head_kernels_equal_float32_at_a_real_vocabulary(rows):
+    """Qwen3's 151,936-wide head: target log-probs and both gradients through the kernels against float32 autograd,
+    and the log-probs against the eager bfloat16 path's."""
+    from fastdpo.model.logprobs import token_logps
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    h = torch.randn(rows, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(151936, 2048, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, 151936, (rows,), device="cuda", generator=g)
+    up = torch.randn(rows, device="cuda", generator=g)
+    got = token_logps(h, w, t, kernels=True)
+    (got * up).sum().backward()
+    hf, wf = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = torch.log_softmax(hf @ wf.t(), -1).gather(1, t[:, None]).squeeze(1)
+    (want * up).sum().backward()
+    assert rel(got, want) < 1e-2 and rel(h.grad, hf.grad) < 2e-2 and rel(w.grad, wf.grad) < 2e-2
+    with torch.no_grad():
+        eager = token_logps(h, w, t)
+    assert (got.detach() - eager).abs().max() < 1e-3
 
 
 def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_nothing_per_length():

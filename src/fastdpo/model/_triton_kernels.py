@@ -100,3 +100,39 @@ def _rope(X, C, SN, Y, T, S, H, sx_b, sx_s, sx_h, sc_b, sc_s, HALF: tl.constexpr
             y2 = x2 * c2 + x1 * s2
         tl.store(Y + y_base + h * (2 * HALF), y1.to(Y.dtype.element_ty), mask=mask)
         tl.store(Y + y_base + h * (2 * HALF) + HALF, y2.to(Y.dtype.element_ty), mask=mask)
+
+@triton.jit(do_not_specialize=["V", "stride"])
+def _logp_fwd(L, T, OUT, LSE, V, stride, scale, BLOCK: tl.constexpr):
+    """One row of logits (V wide, in the GEMM's dtype) per program: its log-sum-exp in float32, online over blocks
+    of the row (one read), and the target's log-prob, logits[t] * scale - lse."""
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
+        top = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - top) + tl.sum(tl.exp(x - top), 0)
+        m = top
+    lse = m + tl.log(s)
+    t = tl.load(T + row).to(tl.int64)
+    tl.store(OUT + row, tl.load(base + t).to(tl.float32) * scale - lse)
+    tl.store(LSE + row, lse)
+
+
+@triton.jit(do_not_specialize=["V", "stride"])
+def _logp_bwd(L, T, G, LSE, V, stride, scale, BLOCK: tl.constexpr):
+    """In place over one row of logits per program: the gradient of logits[t] * scale - lse for the upstream
+    gradient g, (onehot(t) - softmax) * g * scale, in float32 and rounded once to the logits' dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride
+    g = tl.load(G + row).to(tl.float32)
+    lse = tl.load(LSE + row)
+    t = tl.load(T + row).to(tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < V
+        x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32) * scale
+        d = tl.where(cols == t, g, 0.0) - g * tl.exp(x - lse)
+        tl.store(base + cols, (d * scale).to(L.dtype.element_ty), mask=keep)

@@ -34,6 +34,7 @@ class Head:
     weight: torch.Tensor
     scale: float
     softcap: float | None
+    kernels: bool = False  # the Triton log-prob kernels (`fuse_layers(..., use_kernels=True)` marks the head)
 
 
 def output_head(model) -> Head:
@@ -44,7 +45,7 @@ def output_head(model) -> Head:
     scale = float(getattr(cfg, "logit_scale", None) or 1.0)
     if getattr(cfg, "logits_scaling", None):
         scale /= float(cfg.logits_scaling)
-    return Head(head.weight, scale, getattr(cfg, "final_logit_softcapping", None))
+    return Head(head.weight, scale, getattr(cfg, "final_logit_softcapping", None), getattr(head, "_fastdpo_kernels", False))
 
 
 def sliding_window(config) -> tuple[bool, int | None, str]:
@@ -239,5 +240,5 @@ def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tupl
     """Per-sequence completion log-prob sums (2B,) fp32 and per-token log-probs (N,), for chosen then rejected."""
     hidden = target_hidden(model, batch, backend, mask)
     head = output_head(model)
-    tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap)
+    tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap, kernels=head.kernels)
     return sequence_sums(tok, batch.seq, batch.lengths.numel()), tok

@@ -291,8 +291,9 @@ def kernels_wanted(choice: str, device: torch.device, compiling: bool) -> bool:
 
 def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
     """Give every RMSNorm and SwiGLU MLP of `model` the lean forward where it reproduces the module's own (checked
-    once per class); returns the class names replaced. `use_kernels`: run them with the Triton kernels where those
-    serve (CUDA), in training and in no-grad forwards (the reference's) alike. Idempotent; a second call can switch
+    once per class); returns the class names replaced. `use_kernels`: run them, the rotary embeddings and the
+    log-prob head with the Triton kernels where those serve (CUDA), in training and in no-grad forwards (the
+    reference's) alike. Idempotent; a second call can switch
     the kernels on. The forwards are bound methods, so a deep copy (the reference) is fused the same way."""
     done: dict[type, bool] = {}
     for m in model.modules():
@@ -316,4 +317,16 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
                 log.info("%s keeps its own forward (the lean one differs from it).", type(m).__name__)
         if not done[type(m)]:
             del m.forward, m._fastdpo_plain_forward, m._fastdpo_kernels
+    if use_kernels and (head := _output_head(model)) is not None:
+        head._fastdpo_kernels = True  # the log-prob head's kernels (`fastdpo.model.logprobs`; they check each call)
     return sorted(t.__name__ for t, ok in done.items() if ok)
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output layer of the first module of `model` (itself, or the causal LM inside a wrapper) that has one."""
+    for m in model.modules():
+        get = getattr(type(m), "get_output_embeddings", None)
+        head = get(m) if callable(get) else None
+        if isinstance(head, torch.nn.Module):
+            return head
+    return None

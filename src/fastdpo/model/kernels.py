@@ -1,11 +1,13 @@
-"""Triton kernels for the lean norms, MLPs and rotary embeddings: one pass over memory where eager PyTorch takes
-five to ten.
+"""Triton kernels for the lean norms, MLPs, rotary embeddings and the log-prob head: one pass over memory where
+eager PyTorch takes five to ten.
 
 Eager RMSNorm upcasts, squares, averages, scales, downcasts and multiplies by the weight: about 36 bytes moved per
 element in the forward and more in the backward. The kernels here read the input once and write the result once
 (4 bytes per bfloat16 element forward, 6 backward plus the weight's partial sums), with all arithmetic in float32.
 The SwiGLU product is one pass forward, and one backward that also rebuilds the product for the down projection's
-gradient.
+gradient. The log-prob head reads a chunk of logits once, in the GEMM's dtype, for each row's log-sum-exp and
+target log-prob, and its backward writes the logits' gradient over them in one pass; eager upcasts the chunk to
+float32 and takes a softmax, a scatter, a scale and a downcast.
 
 No kernel depends on the number of tokens: that count is not specialised on (`do_not_specialize`), so a run builds
 each kernel once per width and dtype, however its micro-batch lengths vary. Outside CUDA the kernels run under
@@ -129,6 +131,37 @@ def silu_mul_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, prod
     return da, db, (p if product else None)
 
 
+LOGP_BLOCK = 4096  # logits per inner iteration of the log-prob kernels
+
+
+def logp_forward(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each row's target, each row's log-sum-exp), float32 (N,) each, of logits (N, V) times `scale`:
+    one read of the logits, in their own dtype, arithmetic in float32."""
+    n, v = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n:
+        jitted()._logp_fwd[(n,)](logits, targets.contiguous(), out, lse, v, logits.stride(0), scale, BLOCK=LOGP_BLOCK,
+                                 num_warps=8)
+    return out, lse
+
+
+def logp_backward_(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Overwrite logits (N, V), contiguous rows, with the gradient of `logp_forward`'s log-probs for the upstream
+    `grad` (N,): (onehot(target) - softmax(logits * scale)) * grad * scale, rounded once to the logits' dtype.
+    Returns `logits`."""
+    n, v = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("logp_backward_: the logits' rows must be contiguous")
+    if n:
+        jitted()._logp_bwd[(n,)](logits, targets.contiguous(), grad.float().contiguous(), lse.contiguous(), v,
+                                 logits.stride(0), scale, BLOCK=LOGP_BLOCK, num_warps=8)
+    return logits
+
+
 ROPE_TOKENS = 16
 
 
@@ -193,6 +226,8 @@ def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_
     a = z(16)
     out.append(functools.partial(silu_mul, a, a))
     out += [functools.partial(silu_mul_backward, a, a, a, p) for p in products]
+    logits, t, f = z(2, 16), torch.zeros(2, dtype=torch.long, device=device), torch.zeros(2, device=device)
+    out += [functools.partial(logp_forward, logits, t, 1.0), functools.partial(logp_backward_, logits, t, f, f, 1.0)]
     if head_dim and head_dim % 2 == 0:  # the projections' layout: (B, S, H, D) seen as (B, H, S, D)
         q, c = z(1, 3, 2, head_dim).transpose(1, 2), z(1, 3, head_dim)
         out += [functools.partial(rope, q, c, c, b) for b in (False, True)]

@@ -2,7 +2,9 @@
 
 Hidden states are gathered at target positions only, projected through `lm_head` a chunk at a time with a float32
 log-sum-exp, and summed per sequence. The backward pass recomputes each chunk's logits, so only one chunk of logits
-is alive at any moment in forward or backward.
+is alive at any moment in forward or backward. With `kernels` (a head the Triton kernels serve, no soft-capping) a
+chunk's logits stay in the GEMM's dtype: one kernel reads them for the log-sum-exp and the target's log-prob, and
+the backward's kernel writes their gradient over them (`fastdpo.model.kernels.logp_forward`, `logp_backward_`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from fastdpo.model import kernels as _kernels
 
 DEFAULT_CHUNK = 1024  # rows of fp32 logits alive at once: 1024 x 152k vocab = 0.6 GiB
 
@@ -44,41 +48,57 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, scale: float, softcap: 
 
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, scale, softcap):
+    def forward(ctx, hidden, weight, targets, chunk, scale, softcap, kernels):
+        fused = kernels and softcap is None and _kernels.available(hidden) and not torch.compiler.is_compiling()
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(hidden.shape[0] if fused else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
+            if fused:
+                out[s : s + chunk], lse[s : s + chunk] = _kernels.logp_forward(hidden[s : s + chunk] @ weight.t(),
+                                                                               targets[s : s + chunk], scale)
+                continue
             logits, _ = _chunk_logits(hidden[s : s + chunk], weight, scale, softcap)
             tgt = targets[s : s + chunk, None]
             out[s : s + chunk] = (logits.gather(1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1)
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk, ctx.scale, ctx.softcap = chunk, scale, softcap
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.scale, ctx.softcap, ctx.fused = chunk, scale, softcap, fused
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.empty_like(hidden) if need_h else None
         dw = None
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk]
-            logits, capped = _chunk_logits(h, weight, ctx.scale, ctx.softcap)
-            g = grad_out[s : s + ctx.chunk, None].float()
-            # d logp[t] / d logits = onehot(t) - softmax(logits)
-            dlogits = torch.softmax(logits, dim=-1).mul_(-g)
-            dlogits.scatter_add_(1, targets[s : s + ctx.chunk, None], g)
-            if capped is not None:
-                dlogits.mul_(1.0 - capped * capped)
-            if ctx.scale != 1.0:
-                dlogits.mul_(ctx.scale)
-            dlogits = dlogits.to(hidden.dtype)
+            if ctx.fused:
+                dlogits = _kernels.logp_backward_(h @ weight.t(), targets[s : s + ctx.chunk], grad_out[s : s + ctx.chunk],
+                                                  lse[s : s + ctx.chunk], ctx.scale)
+            else:
+                dlogits = _chunk_grad(h, weight, targets[s : s + ctx.chunk], grad_out[s : s + ctx.chunk], ctx.scale,
+                                      ctx.softcap)
             if need_h:
                 dh[s : s + ctx.chunk] = dlogits @ weight
             if need_w:
                 dw = _grad_into(dw, dlogits, h)
         if need_w and dw is None:  # no rows
             dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        return dh, (dw.to(weight.dtype) if need_w else None), None, None, None, None
+        return dh, (dw.to(weight.dtype) if need_w else None), None, None, None, None, None
+
+
+def _chunk_grad(h, weight, targets, grad, scale, softcap) -> torch.Tensor:
+    """The gradient of one chunk's target log-probs with respect to its logits, in the hidden states' dtype."""
+    logits, capped = _chunk_logits(h, weight, scale, softcap)
+    g = grad[:, None].float()
+    # d logp[t] / d logits = onehot(t) - softmax(logits)
+    dlogits = torch.softmax(logits, dim=-1).mul_(-g)
+    dlogits.scatter_add_(1, targets[:, None], g)
+    if capped is not None:
+        dlogits.mul_(1.0 - capped * capped)
+    if scale != 1.0:
+        dlogits.mul_(scale)
+    return dlogits.to(h.dtype)
 
 
 def token_logps(
@@ -88,9 +108,11 @@ def token_logps(
     chunk: int = DEFAULT_CHUNK,
     scale: float = 1.0,
     softcap: float | None = None,
+    kernels: bool = False,
 ) -> torch.Tensor:
-    """log p(target | hidden) for N (hidden, target) pairs: hidden (N, H), weight (V, H), targets (N,) -> (N,) fp32."""
-    return _TokenLogProbs.apply(hidden, weight, targets, chunk, scale, softcap)
+    """log p(target | hidden) for N (hidden, target) pairs: hidden (N, H), weight (V, H), targets (N,) -> (N,) fp32.
+    `kernels`: use the Triton log-prob kernels where they serve (see the module docstring)."""
+    return _TokenLogProbs.apply(hidden, weight, targets, chunk, scale, softcap, kernels)
 
 
 def sequence_sums(values: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:

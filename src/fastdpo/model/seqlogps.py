@@ -70,7 +70,7 @@ def completion_logps(model, batch: PairBatch, backend: Backend, mask=None, wpo: 
     tgt = torch.cat([batch.tgt, batch.prompt_tgt]) if with_prompt else batch.tgt
     hidden = target_hidden(model, batch, backend, mask, src)
     head = output_head(model)
-    tok = token_logps(hidden, head.weight, tgt, scale=head.scale, softcap=head.softcap)
+    tok = token_logps(hidden, head.weight, tgt, scale=head.scale, softcap=head.softcap, kernels=head.kernels)
     n = batch.tgt.numel()
     sq = None
     if wpo:

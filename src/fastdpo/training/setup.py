@@ -240,8 +240,9 @@ def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
         return
     names = fuse_layers(model, use_kernels=True)
     model._fastdpo_fused = True
-    log.info("Kernels: Triton norms, SwiGLU MLPs and rotary embeddings for %s.", ", ".join(names) or "no module of this model "
-             "(its norms and MLPs differ from the standard ones: they keep their own forward)")
+    log.info("Kernels: Triton norms, SwiGLU MLPs and rotary embeddings for %s; the log-prob head's log-sum-exp and "
+             "its gradient.", ", ".join(names) or "no module of this model (its norms and MLPs differ from the standard "
+             "ones: they keep their own forward)")
 
 
 def epoch_steps(pairs: int, per_step: int, drop_last: bool) -> int:
