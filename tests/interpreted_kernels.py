@@ -167,6 +167,67 @@ def test_a_fused_model_s_sequence_log_probs_equal_the_float32_model_s(K, monkeyp
         assert rel(got_g[name], want_g[name]) < 5e-2, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_keys_backward_sums_each_token_s_two_rows(K, dtype):
+    """Keys gathered per sequence through `attention.gather_keys` on a fused attention: the forward is index_select
+    and the backward, one kernel pass without atomics, equals index_select's (index_add) in float32."""
+    from types import SimpleNamespace
+
+    from fastdpo.model import attention
+
+    lens, total = [(3, 2, 4), (0, 3, 2), (6, 1, 1)], 25
+    key_index, *_ = attention.varlen_layout(lens, total)
+    first, second = attention.key_sources(lens, total)
+    kw = {"fastdpo_key_first": torch.tensor(first), "fastdpo_key_second": torch.tensor(second)}
+    index = torch.tensor(key_index)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(total, 3, 40, generator=g).to(dtype).requires_grad_()
+    up = torch.randn(len(key_index), 3, 40, generator=g).to(dtype)
+    y = attention.gather_keys(SimpleNamespace(_fastdpo_kernels=True), x, index, kw)
+    y.backward(up)
+    xf = x.detach().float().requires_grad_()
+    want = xf.index_select(0, index)
+    want.backward(up.float())
+    assert torch.equal(y.detach(), x.detach().index_select(0, index))
+    assert rel(x.grad, xf.grad) < (1e-6 if dtype == torch.float32 else 1e-2)
+    plain = attention.gather_keys(SimpleNamespace(), x, index, kw)  # not a fused attention: index_select's own
+    assert plain.grad_fn.name().startswith("IndexSelect") and not y.grad_fn.name().startswith("IndexSelect")
+
+
+def test_a_fused_model_through_the_packed_varlen_path_equals_the_plain_dense_path(interpreted, model_dirs,
+                                                                                   monkeypatch):
+    """Packed pairs through the varlen path (the kernel's float32 stand-in) on a model fused with the kernels (keys
+    gathered with the kernel backward, the log-prob head's kernels) against the plain model's dense path."""
+    from conftest import random_pairs
+    from test_varlen import stand_in
+
+    from fastdpo.data.pack import pack_pairs
+    from fastdpo.model import attention
+    from fastdpo.model.backend import Backend, prepare_packed, sequence_logps
+    from fastdpo.model.load import load_model
+
+    monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
+    spied = []
+    fn = interpreted.gather_rows_backward
+    monkeypatch.setattr(interpreted, "gather_rows_backward", lambda *a: spied.append(1) or fn(*a))
+    results = []
+    for fused, name in ((False, "dense"), (True, "varlen")):
+        model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
+        pairs = random_pairs(4, model.config.vocab_size, seed=4, max_prompt=8, max_comp=6)
+        if fused:
+            fuse_layers(model, use_kernels=True)
+        backend = Backend(name)
+        prepare_packed(model, backend)
+        seq, _ = sequence_logps(model, pack_pairs(pairs, 1), backend)
+        (seq * torch.linspace(0.5, 1.5, seq.numel())).sum().backward()
+        results.append((seq.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (s_d, g_d), (s_v, g_v) = results
+    assert spied, "the keys' kernel backward ran"
+    torch.testing.assert_close(s_v, s_d, rtol=0, atol=1e-4)
+    for n in g_d:
+        assert rel(g_v[n], g_d[n]) < 1e-4, n
+
+
 def rope_reference(x, cos, sin):
     half = x.shape[-1] // 2
     return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]

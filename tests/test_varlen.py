@@ -60,6 +60,23 @@ def test_random_pairs_are_admitted_exactly():
     assert torch.equal(admitted(batch.pair_lengths, batch.num_tokens, None), dense_mask(batch)[0, 0])
 
 
+def test_key_sources_name_each_token_s_places_among_the_keys():
+    """Each packed token's first and second place in key_index, as the gathered keys' backward reads them: a
+    prompt token twice (both sequences of its pair), every other token once, filler included."""
+    from fastdpo.model.attention import key_sources
+
+    lens = [(3, 2, 4), (0, 3, 2), (4, 1, 1), (2, 3, 0), (5, 4, 6)]
+    total = sum(map(sum, lens)) + 3  # trailing filler
+    key_index = varlen_layout(lens, total)[0]
+    places: dict[int, list[int]] = {}
+    for at, token in enumerate(key_index):
+        places.setdefault(token, []).append(at)
+    first, second = key_sources(lens, total)
+    assert [places[t][0] for t in range(total)] == first
+    assert [places[t][1] if len(places[t]) > 1 else -1 for t in range(total)] == second
+    assert max(map(len, places.values())) == 2 and second.count(-1) == total - sum(p for p, _, r in lens if r)
+
+
 def test_a_broken_layout_is_caught():
     """The comparison can fail: rejected queries over [prompt | chosen | rejected] keys differ from the rule."""
     batch = pack_pairs([TokenizedPair(prompt=[5] * 2, chosen=[6] * 2, rejected=[7] * 2, index=0)], 1)

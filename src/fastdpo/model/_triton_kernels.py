@@ -136,3 +136,19 @@ def _logp_bwd(L, T, G, LSE, V, stride, scale, BLOCK: tl.constexpr):
         x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32) * scale
         d = tl.where(cols == t, g, 0.0) - g * tl.exp(x - lse)
         tl.store(base + cols, (d * scale).to(L.dtype.element_ty), mask=keep)
+
+
+@triton.jit(do_not_specialize=["W"])
+def _gather_rows_bwd(G, FIRST, SECOND, DX, W, BLOCK: tl.constexpr):
+    """One row of DX per program: G[first] + G[second] (the second when there is one, >= 0), summed in float32."""
+    row = tl.program_id(0).to(tl.int64)
+    i1 = tl.load(FIRST + row)  # every row is taken at least once
+    i2 = tl.load(SECOND + row)
+    twice = i2 >= 0
+    i2 = tl.maximum(i2, 0)
+    for start in range(0, W, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < W
+        acc = tl.load(G + i1 * W + cols, mask=keep, other=0.0).to(tl.float32)
+        acc += tl.where(twice, tl.load(G + i2 * W + cols, mask=keep, other=0.0).to(tl.float32), 0.0)
+        tl.store(DX + row * W + cols, acc.to(DX.dtype.element_ty), mask=keep)

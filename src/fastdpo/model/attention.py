@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdpo.data.pack import PROMPT, PairBatch
+from fastdpo.model import kernels
 
 ATTN_NAME = "fastdpo"
 VARLEN_NAME = "fastdpo_varlen"
@@ -142,19 +143,24 @@ def fastdpo_attention(module, query, key, value, attention_mask, scaling=None, d
 class VarlenMask:
     """Sequence offsets of one micro-batch, shared by all layers. Queries are the packed tokens in packed order;
     `key_index` (K,) long names the packed token of each key, sequence after sequence (a prompt's keys appear in
-    both of its pair's sequences). cu_q / cu_k (S+1,) int32 are the sequences' offsets into queries and keys."""
+    both of its pair's sequences). cu_q / cu_k (S+1,) int32 are the sequences' offsets into queries and keys.
+    `key_first` / `key_second` (T,) long: where each packed token's key sits in `key_index`, first and second place
+    (-1: a key once only), for the gathered keys' backward (`key_sources`)."""
 
     key_index: torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    key_first: torch.Tensor | None = None
+    key_second: torch.Tensor | None = None
     attn_name = VARLEN_NAME  # the attention function `target_hidden` switches the model to (a class attribute)
 
     def kwargs(self) -> dict:
         """What the decoder forward passes on to every layer's attention function."""
         return {"fastdpo_key_index": self.key_index, "fastdpo_cu_q": self.cu_q, "fastdpo_cu_k": self.cu_k,
-                "fastdpo_max_q": self.max_q, "fastdpo_max_k": self.max_k}
+                "fastdpo_max_q": self.max_q, "fastdpo_max_k": self.max_k, "fastdpo_key_first": self.key_first,
+                "fastdpo_key_second": self.key_second}
 
 
 def varlen_layout(pair_lengths, total: int) -> tuple[list[int], list[int], list[int], int, int]:
@@ -183,6 +189,27 @@ def varlen_layout(pair_lengths, total: int) -> tuple[list[int], list[int], list[
     return key_index, cu_q, cu_k, max_q, max_k
 
 
+def key_sources(pair_lengths, total: int) -> tuple[list[int], list[int]]:
+    """For each of the row's `total` packed tokens, the first and the second place of its key in `varlen_layout`'s
+    key_index (-1 for the second: a key of one sequence only). A prompt token is a key of both its pair's sequences,
+    every other token of one; so the gathered keys' gradient comes back to a token as a sum of at most two rows,
+    which a kernel adds without atomics. Host lists, no device work."""
+    first, second = [-1] * total, [-1] * total
+    kc = off = 0
+    for n_p, n_c, n_r in pair_lengths:
+        a, b = off + n_p + n_c, off + n_p + n_c + n_r  # where the chosen and the rejected completion end
+        if n_p + n_c:  # queries [prompt | chosen] over those keys
+            first[off:a] = range(kc, kc + n_p + n_c)
+            kc += n_p + n_c
+        if n_r:  # queries rejected over [prompt | rejected]
+            second[off:off + n_p] = range(kc, kc + n_p)  # a prompt's keys: their second place
+            first[a:b] = range(kc + n_p, kc + n_p + n_r)
+            kc += n_p + n_r
+        off = b
+    first[off:total] = range(kc, kc + total - off)  # trailing filler: one more sequence over itself
+    return first, second
+
+
 def varlen_mask(batch: PairBatch) -> VarlenMask:
     """The micro-batch's VarlenMask on the batch's device (copied from pinned host memory without a sync)."""
     assert batch.pair_lengths is not None, "varlen needs the packed layout"
@@ -194,8 +221,9 @@ def varlen_mask(batch: PairBatch) -> VarlenMask:
         t = torch.tensor(values, dtype=dtype)
         return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
+    first, second = key_sources(batch.pair_lengths, batch.num_tokens)
     return VarlenMask(put(key_index, torch.long), put(cu_q, torch.int32), put(cu_k, torch.int32), length_bound(max_q),
-                      length_bound(max_k))
+                      length_bound(max_k), put(first, torch.long), put(second, torch.long))
 
 
 def length_bound(n: int) -> int:
@@ -249,11 +277,36 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                            "fastdpo.model.backend.target_hidden")
     index = kwargs["fastdpo_key_index"]
     q = query[0].transpose(0, 1)  # (T, H, D), packed order: the output comes back in it
-    k = key[0].transpose(0, 1).index_select(0, index)  # keys sequence by sequence; the backward sums a prompt's two
-    v = value[0].transpose(0, 1).index_select(0, index)
+    k = gather_keys(module, key[0].transpose(0, 1), index, kwargs)  # keys sequence by sequence
+    v = gather_keys(module, value[0].transpose(0, 1), index, kwargs)
     out = _varlen_kernel(q, k, v, kwargs["fastdpo_cu_q"], kwargs["fastdpo_cu_k"], kwargs["fastdpo_max_q"],
                          kwargs["fastdpo_max_k"], scaling, window)
     return out.unsqueeze(0), None
+
+
+class _GatherKeys(torch.autograd.Function):
+    """x.index_select(0, index) whose backward adds each row's at most two gradient rows in one kernel pass
+    (`kernels.gather_rows_backward`), where index_select's backward adds them one by one with atomics."""
+
+    @staticmethod
+    def forward(ctx, x, index, first, second):
+        ctx.save_for_backward(first, second)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        first, second = ctx.saved_tensors
+        return kernels.gather_rows_backward(grad, first, second), None, None, None
+
+
+def gather_keys(module, x: torch.Tensor, index: torch.Tensor, kw: dict) -> torch.Tensor:
+    """x (T, Hkv, D) gathered into the keys' sequence-by-sequence order; through `_GatherKeys` where the module runs
+    the Triton kernels (a fused attention) and the mask carries each token's places, else through index_select."""
+    first, second = kw.get("fastdpo_key_first"), kw.get("fastdpo_key_second")
+    if (first is None or not getattr(module, "_fastdpo_kernels", False) or not kernels.available(x)
+            or torch.compiler.is_compiling()):
+        return x.index_select(0, index)
+    return _GatherKeys.apply(x, index, first, second)
 
 
 def register() -> None:

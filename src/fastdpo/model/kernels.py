@@ -19,6 +19,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import threading
 
@@ -164,6 +165,19 @@ def logp_backward_(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tens
     return logits
 
 
+def gather_rows_backward(grad: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """The gradient of x.index_select(0, index) with respect to x when each row of x was taken once or twice, at
+    `first` and `second` (-1: taken once; (T,) long each): grad[first] + grad[second], summed in float32 and rounded
+    once, without atomics. grad (K, ...) -> (T, ...)."""
+    g = grad.contiguous()
+    rows, width = first.numel(), math.prod(g.shape[1:])
+    out = torch.empty((rows, *g.shape[1:]), dtype=g.dtype, device=g.device)
+    if rows and width:
+        jitted()._gather_rows_bwd[(rows,)](g, first.contiguous(), second.contiguous(), out, width,
+                                           BLOCK=min(next_power_of_2(width), 4096), num_warps=4)
+    return out
+
+
 ROPE_TOKENS = 16
 
 
@@ -230,6 +244,8 @@ def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_
     out += [functools.partial(silu_mul_backward, a, a, a, p) for p in products]
     logits, t, f = z(2, 16), torch.zeros(2, dtype=torch.long, device=device), torch.zeros(2, device=device)
     out += [functools.partial(logp_forward, logits, t, 1.0), functools.partial(logp_backward_, logits, t, f, f, 1.0)]
+    idx = torch.zeros(2, dtype=torch.long, device=device)
+    out.append(functools.partial(gather_rows_backward, z(2, 16), idx, idx - 1))
     if head_dim and head_dim % 2 == 0:  # the projections' layout: (B, S, H, D) seen as (B, H, S, D)
         q, c = z(1, 3, 2, head_dim).transpose(1, 2), z(1, 3, head_dim)
         out += [functools.partial(rope, q, c, c, b) for b in (False, True)]
