@@ -247,7 +247,8 @@ class TrainConfig(DataReading, ModelSection):
     activation_offloading: bool = _f(False, "Move activations saved for backward to pinned CPU memory (slower; pair "
                                             "with --gradient_checkpointing none or ffn).")
     torch_compile: bool = _f(False, "Compile each decoder layer with torch.compile (CUDA; static token budget).")
-    kernels: str = _f("auto", "auto|triton|torch: the norms and SwiGLU MLPs. triton: one-pass Triton kernels that keep "
+    kernels: str = _f("auto", "auto|triton|torch: the norms, SwiGLU MLPs, rotary embeddings and log-prob head. triton: "
+                      "one-pass Triton kernels that keep "
                       "fewer bytes for the backward (built once per width, not per length); torch: the model's own "
                       "layers (the lean torch ones when --gradient_checkpointing fit is short of memory). auto: "
                       "triton on CUDA when Triton is installed and without --torch_compile (whose compiler fuses "
