@@ -550,3 +550,54 @@ def test_bench_job_times_whole_jobs_from_process_start(tmp_path, capsys):
     # a second job never reuses outputs or warm caches
     assert main(["bench", "--shape", "tiny", "--job", "--rows", "2", "--device", "cpu", "--job_dir", str(work)]) != 0
     assert "is not empty" in capsys.readouterr().out
+
+
+def _trl_trainer(args, rows, model):
+    import copy
+
+    from datasets import Dataset
+    from trl import DPOTrainer
+
+    from fastdpo.data.anchor import anchor_tokenizer
+
+    return DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=Dataset.from_list(rows),
+                      processing_class=anchor_tokenizer(model.config.vocab_size))
+
+
+def _rows_per_step(tr) -> list[list[int]]:
+    """Which rows each step of TRL's DPOTrainer takes (indices into its dataset), as its dataloader deals them."""
+    prompts = tr.train_dataset["prompt_ids"]
+    steps = []
+    for b in tr.get_train_dataloader():
+        seqs = [b["input_ids"][i][b["attention_mask"][i].bool()].tolist() for i in range(b["input_ids"].shape[0])]
+        steps.append([j for j, p in enumerate(prompts) if any(s[:len(p)] == p for s in seqs)])
+    return steps
+
+
+def test_trl_s_steps_take_the_rows_in_fastdpo_s_order(tmp_path):
+    """The TRL side of `fastdpo bench` trains on the same pairs in the same steps as fastdpo's timed steps (rows in
+    order, `bs` at a time), with transformers' sequential sampler or, where a transformers lacks it, one set on the
+    trainer; TRL's own default order (shuffled) would not."""
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig
+
+    from fastdpo.commands.bench import in_row_order, trl_steady_args
+    from fastdpo.data.anchor import workload_pairs
+    from fastdpo.model.shapes import shape_config
+
+    cfg = shape_config("tiny")
+    model = AutoModelForCausalLM.from_config(cfg)
+    rows = workload_pairs("anchor", 8, vocab=cfg.vocab_size)
+    args = trl_steady_args(DPOConfig, 2, 4, 4096, "default", False, bf16=False, output_dir=str(tmp_path))
+    assert args.gradient_checkpointing and args.beta == 0.1 and args.per_device_train_batch_size == 2
+    in_order = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    tr = _trl_trainer(args, rows, model)
+    in_row_order(tr)
+    assert _rows_per_step(tr) == in_order
+    args.train_sampling_strategy = "random"  # TRL's default, or a transformers without the field
+    tr = _trl_trainer(args, rows, model)
+    shuffled = _rows_per_step(tr)
+    assert shuffled != in_order and sorted(sum(shuffled, [])) == list(range(8))
+    in_row_order(tr)
+    assert _rows_per_step(tr) == in_order

@@ -102,17 +102,12 @@ cfg = shape_config(shape)
 with torch.device("cuda"):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
 rows = workload_pairs(workload, n_rows)
-kw = dict(output_dir="/tmp/trl_out", per_device_train_batch_size=bs, gradient_accumulation_steps=1,
-          max_steps=steps + warm, learning_rate=1e-6, logging_steps=1000, save_strategy="no", report_to=[], bf16=True,
-          max_length=max_length, dataloader_num_workers=2, beta=0.1, gradient_checkpointing=True,
-          remove_unused_columns=False, seed=0, use_liger_kernel=variant.endswith("liger"),
-          precompute_ref_log_probs=precompute)
+from fastdpo.commands.bench import in_row_order, trl_steady_args
+args = trl_steady_args(DPOConfig, bs, steps + warm, max_length, variant, precompute, bf16=True)
 peft_config = None
 if variant.startswith("lora"):
     from peft import LoraConfig
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-fields = {f.name for f in dataclasses.fields(DPOConfig)}
-args = DPOConfig(**{k: v for k, v in kw.items() if k in fields})
 times = []
 class T(TrainerCallback):
     def on_step_end(self, a, s, c, **k):
@@ -120,6 +115,7 @@ class T(TrainerCallback):
 ref = None if peft_config else copy.deepcopy(model).eval()
 tr = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows[:bs * (steps + warm)]),
                 processing_class=anchor_tokenizer(cfg.vocab_size), callbacks=[T()], peft_config=peft_config)
+in_row_order(tr)
 torch.cuda.reset_peak_memory_stats()
 tr.train()
 dt = times[-1] - times[warm - 1]
@@ -130,6 +126,30 @@ print("RESULT " + json.dumps(dict(impl="trl-" + variant + ("-precompute" if prec
       pairs_per_s=round(bs * steps / dt, 2),
       tokens_per_s=round(toks / dt), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))), flush=True)
 '''
+
+
+def trl_steady_args(config_cls, bs: int, max_steps: int, max_length: int, variant: str, precompute: bool,
+                    bf16: bool, output_dir: str = "/tmp/trl_out"):
+    """TRL's DPOConfig for the steady-state comparison: its defaults where fastdpo's match them (beta 0.1, gradient
+    checkpointing on), `bs` pairs per step, nothing saved or logged, and the rows in order (see `in_row_order`).
+    Fields this TRL does not have are left out."""
+    kw = dict(output_dir=output_dir, per_device_train_batch_size=bs, gradient_accumulation_steps=1,
+              max_steps=max_steps, learning_rate=1e-6, logging_steps=1000, save_strategy="no", report_to=[], bf16=bf16,
+              max_length=max_length, dataloader_num_workers=2 if bf16 else 0, beta=0.1, gradient_checkpointing=True,
+              remove_unused_columns=False, seed=0, use_liger_kernel=variant.endswith("liger"),
+              precompute_ref_log_probs=precompute, train_sampling_strategy="sequential")
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    return config_cls(**{k: v for k, v in kw.items() if k in fields})
+
+
+def in_row_order(trainer) -> None:
+    """TRL's steps take the rows in order, `bs` at a time: the same pairs in the same steps as fastdpo's timed steps,
+    so each side pads (TRL) or packs (fastdpo) the same batches. A shuffled order made TRL's rate over a few steps
+    depend on which rows fell together (4.8 to 7.8 pairs/s on the anchor rows). transformers without
+    `train_sampling_strategy` gets a sequential sampler on the trainer instance."""
+    if getattr(trainer.args, "train_sampling_strategy", None) == "sequential":
+        return
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
 
 
 def run_trl(shape: str, variant: str, bs: int, steps: int, warmup: int, workload: str = "anchor",
