@@ -228,6 +228,60 @@ def test_a_fused_model_through_the_packed_varlen_path_equals_the_plain_dense_pat
         assert rel(g_v[n], g_d[n]) < 1e-4, n
 
 
+class _LaunchLog:
+    """Stands in for the jitted kernels' module and records each launch's kernel, argument dtypes and compile-time
+    constants (what makes Triton build a kernel anew, short of integer specialisation) before launching it."""
+
+    def __init__(self, real, seen: set):
+        self.real, self.seen = real, seen
+
+    def __getattr__(self, name):
+        kernel = getattr(self.real, name)
+
+        class Grid:
+            def __getitem__(_, grid):
+                def launch(*args, **kw):
+                    dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+                    self.seen.add((name, dtypes, tuple(sorted(kw.items()))))
+                    return kernel[grid](*args, **kw)
+                return launch
+        return Grid()
+
+
+def test_the_builds_ahead_are_the_builds_training_uses(K, model_dirs, monkeypatch):
+    """Every kernel a fused model launches in training (the varlen path's stand-in, policy forward and backward, a
+    no-grad forward) was built ahead by `_launches` for that model's config: same kernel, argument dtypes and
+    constants. A launch with other constants would be built again in the first step."""
+    from conftest import random_pairs
+    from test_varlen import stand_in
+
+    from fastdpo.data.pack import pack_pairs
+    from fastdpo.model import attention
+    from fastdpo.model.backend import Backend, prepare_packed, sequence_logps
+    from fastdpo.model.load import load_model
+
+    monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
+    real = K.jitted()
+    model = load_model(str(model_dirs("qwen3")), torch.bfloat16, torch.device("cpu"))
+    fuse_layers(model, use_kernels=True)
+    built, used = set(), set()
+    monkeypatch.setattr(K, "jitted", lambda: _LaunchLog(real, built))
+    for launch in K._launches(K.norm_widths(model.config), torch.bfloat16, torch.device("cpu"),
+                              K.head_size(model.config), lora=False):
+        launch()
+    monkeypatch.setattr(K, "jitted", lambda: _LaunchLog(real, used))
+    backend = Backend("varlen")
+    prepare_packed(model, backend)
+    batch = pack_pairs(random_pairs(3, model.config.vocab_size, seed=6), 1)
+    seq, _ = sequence_logps(model, batch, backend)
+    seq.sum().backward()
+    with torch.no_grad():
+        sequence_logps(model, batch, backend)
+    assert {name for name, *_ in used} >= {"_rms_fwd", "_rms_bwd", "_silu_mul_fwd", "_silu_mul_bwd", "_rope",
+                                            "_logp_fwd", "_logp_bwd", "_gather_rows_bwd"}
+    assert used <= built, sorted(used - built)
+
+
 def rope_reference(x, cos, sin):
     half = x.shape[-1] // 2
     return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]

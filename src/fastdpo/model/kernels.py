@@ -165,6 +165,9 @@ def logp_backward_(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tens
     return logits
 
 
+GATHER_BLOCK = 1024  # elements of a row per inner iteration, whatever the width: one build serves every model
+
+
 def gather_rows_backward(grad: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """The gradient of x.index_select(0, index) with respect to x when each row of x was taken once or twice, at
     `first` and `second` (-1: taken once; (T,) long each): grad[first] + grad[second], summed in float32 and rounded
@@ -173,8 +176,8 @@ def gather_rows_backward(grad: torch.Tensor, first: torch.Tensor, second: torch.
     rows, width = first.numel(), math.prod(g.shape[1:])
     out = torch.empty((rows, *g.shape[1:]), dtype=g.dtype, device=g.device)
     if rows and width:
-        jitted()._gather_rows_bwd[(rows,)](g, first.contiguous(), second.contiguous(), out, width,
-                                           BLOCK=min(next_power_of_2(width), 4096), num_warps=4)
+        jitted()._gather_rows_bwd[(rows,)](g, first.contiguous(), second.contiguous(), out, width, BLOCK=GATHER_BLOCK,
+                                           num_warps=4)
     return out
 
 
