@@ -248,10 +248,12 @@ class _LaunchLog:
         return Grid()
 
 
-def test_the_builds_ahead_are_the_builds_training_uses(K, model_dirs, monkeypatch):
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_builds_ahead_are_the_builds_training_uses(K, model_dirs, monkeypatch, lora):
     """Every kernel a fused model launches in training (the varlen path's stand-in, policy forward and backward, a
-    no-grad forward) was built ahead by `_launches` for that model's config: same kernel, argument dtypes and
-    constants. A launch with other constants would be built again in the first step."""
+    no-grad forward; full fine-tuning, or LoRA on every linear layer) was built ahead by `_launches` for that model's
+    config: same kernel, argument dtypes and constants. A launch with other constants would be built again in the
+    first step."""
     from conftest import random_pairs
     from test_varlen import stand_in
 
@@ -264,10 +266,15 @@ def test_the_builds_ahead_are_the_builds_training_uses(K, model_dirs, monkeypatc
     real = K.jitted()
     model = load_model(str(model_dirs("qwen3")), torch.bfloat16, torch.device("cpu"))
     fuse_layers(model, use_kernels=True)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     built, used = set(), set()
     monkeypatch.setattr(K, "jitted", lambda: _LaunchLog(real, built))
-    for launch in K._launches(K.norm_widths(model.config), torch.bfloat16, torch.device("cpu"),
-                              K.head_size(model.config), lora=False):
+    config = model.config
+    for launch in K._launches(K.norm_widths(config), torch.bfloat16, torch.device("cpu"), K.head_size(config),
+                              lora=lora):
         launch()
     monkeypatch.setattr(K, "jitted", lambda: _LaunchLog(real, used))
     backend = Backend("varlen")
