@@ -87,7 +87,7 @@ def run_longest(cfg: TrainConfig, shape: str | None, lengths: list[int], out_jso
 
 
 TRL_SCRIPT = r'''
-import json, sys, time, dataclasses, copy, torch
+import json, sys, time, copy, torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import DPOConfig, DPOTrainer

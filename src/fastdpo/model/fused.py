@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from fastdpo.errors import FastDPOError
 from fastdpo.model import kernels
+from fastdpo.model.load import base_causal_lm
 
 log = logging.getLogger("fastdpo")
 
@@ -317,16 +318,12 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
                 log.info("%s keeps its own forward (the lean one differs from it).", type(m).__name__)
         if not done[type(m)]:
             del m.forward, m._fastdpo_plain_forward, m._fastdpo_kernels
-    if use_kernels and (head := _output_head(model)) is not None:
+    if use_kernels and isinstance(head := _output_layer(model), torch.nn.Module):
         head._fastdpo_kernels = True  # the log-prob head's kernels (`fastdpo.model.logprobs`; they check each call)
     return sorted(t.__name__ for t, ok in done.items() if ok)
 
 
-def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The output layer of the first module of `model` (itself, or the causal LM inside a wrapper) that has one."""
-    for m in model.modules():
-        get = getattr(type(m), "get_output_embeddings", None)
-        head = get(m) if callable(get) else None
-        if isinstance(head, torch.nn.Module):
-            return head
-    return None
+def _output_layer(model: torch.nn.Module):
+    """The output layer `backend.output_head` reads: the causal LM's (under a PEFT wrapper too), None without one."""
+    get = getattr(base_causal_lm(model), "get_output_embeddings", None)
+    return get() if callable(get) else None
