@@ -409,3 +409,51 @@ def test_launches_are_pruned_to_the_kind_of_training(K):
     assert kinds(False) == [("rms_norm_backward", True), ("silu_mul_backward", True)]  # full: weights train, plain down
     assert kinds(True) == [("rms_norm_backward", False), ("silu_mul_backward", False), ("silu_mul_backward", True)]
     assert len(kinds(None)) == 4
+
+
+def test_builder_processes_run_each_launch_once_between_them(K):
+    widths, dtype, cpu = [64, 16], torch.bfloat16, torch.device("cpu")
+    want = sorted(K.launch_name(f) for f in K._launches(widths, dtype, cpu, 16, False))
+    got = K.await_builders(K.spawn_builders(widths, dtype, cpu, 16, False, 3))
+    assert sorted(got) == want and len(want) == 11
+
+
+def test_a_failing_or_stuck_builder_leaves_its_kernels_to_this_process(K, caplog):
+    import subprocess
+    import sys
+    import time
+
+    def proc(code):
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    failing = proc("import sys; print('0 silu_mul(Tensor)', flush=True); sys.exit('ptxas died')")
+    stuck = proc("import time; print('1 rope(True)', flush=True); time.sleep(60)")
+    t0 = time.monotonic()
+    with caplog.at_level("DEBUG", logger="fastdpo"):
+        got = K.await_builders([failing, stuck], timeout=3.0)
+    assert time.monotonic() - t0 < 30 and stuck.returncode is not None  # stopped, not waited for
+    assert got == ["silu_mul(Tensor)", "rope(True)"]
+    assert "ptxas died" in caplog.text and "was stopped" in caplog.text
+
+
+def test_builders_that_cannot_start_change_nothing(K, monkeypatch):
+    def no_process(*a):
+        raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(K, "builder_count", lambda n: 2)
+    monkeypatch.setattr(K, "spawn_builders", no_process)
+    assert K.build_elsewhere([64], torch.bfloat16, torch.device("cuda", 0), 16, False) == []
+
+
+def test_builders_leave_two_cores_to_each_local_rank(K, monkeypatch):
+    cores = {"n": 16}
+    monkeypatch.setattr(K.os, "sched_getaffinity", lambda pid: set(range(cores["n"])), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert K.builder_count(11) == 4 and K.builder_count(3) == 3
+    cores["n"] = 2
+    assert K.builder_count(11) == 0  # a small machine: the thread builds them
+    cores["n"] = 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert K.builder_count(11) == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert K.builder_count(11) == 2
