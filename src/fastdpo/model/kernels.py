@@ -18,15 +18,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import json
 import logging
 import math
 import os
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import torch
 
@@ -260,12 +255,6 @@ def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_
     return out
 
 
-def launch_name(launch: functools.partial) -> str:
-    """A launch of `_launches` in words: its function and its last argument (what tells its variants apart)."""
-    last = launch.args[-1]
-    return f"{launch.func.__name__}({last if isinstance(last, bool | float) else type(last).__name__})"
-
-
 def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None, lora: bool | None) -> None:
     """Run the launches of `_launches` once."""
     for launch in _launches(widths, dtype, device, head_dim, lora):
@@ -274,77 +263,12 @@ def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim
         torch.cuda.current_stream(device).synchronize()
 
 
-MAX_BUILDERS = 4  # each builder process pays Python, torch and a CUDA context (about 0.5 GiB) once
-BUILDERS_TIMEOUT_S = 300.0
-
-
-def builder_count(launches: int) -> int:
-    """How many processes build the kernels ahead: up to four, leaving two cores to the training process of each
-    local rank; none on a machine of few cores, where they would compete with the loading they are meant to spare."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(0, min(MAX_BUILDERS, launches, cores // local - 2))
-
-
-def spawn_builders(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None,
-                   lora: bool | None, parts: int) -> list[subprocess.Popen]:
-    """Start `parts` builder processes (`fastdpo.model._kernel_builder`), each building its share of `_launches`
-    on the same device, into Triton's on-disk cache."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else (
-            torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
-        device = torch.device("cuda", index)
-    spec = json.dumps({"widths": list(widths), "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-                       "head_dim": head_dim, "lora": lora})
-    root = str(Path(__file__).resolve().parents[2])  # where `fastdpo` is importable from, installed or not
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    return [subprocess.Popen([sys.executable, "-m", "fastdpo.model._kernel_builder", spec, str(k), str(parts)],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                             text=True) for k in range(parts)]
-
-
-def await_builders(procs: list[subprocess.Popen], timeout: float = BUILDERS_TIMEOUT_S) -> list[str]:
-    """Wait for the builder processes (without holding the GIL) and return the launches they ran; a builder that
-    fails or outlives `timeout` is logged and stopped: the training process then builds what it left."""
-    done, deadline = [], time.monotonic() + timeout
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            log.debug("Kernels: a builder process ran past %.0f s and was stopped.", timeout)
-        if proc.returncode != 0:
-            lines = (err or "").strip().splitlines()
-            log.debug("Kernels: a builder process exited with %s (%s); its kernels build in this process.",
-                      proc.returncode, lines[-1] if lines else "no message")
-        done += [line.split(" ", 1)[1] for line in (out or "").splitlines() if " " in line]
-    return done
-
-
-def build_elsewhere(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None,
-                    lora: bool | None) -> list[str]:
-    """Build the kernels in builder processes (`builder_count` of them) into Triton's on-disk cache, and wait for
-    them; returns the launches they ran. Nothing here is required: what they did not build, the caller builds."""
-    n = builder_count(len(_launches(widths, dtype, torch.device("meta"), head_dim, lora)))
-    if not n:
-        return []
-    try:
-        procs = spawn_builders(widths, dtype, device, head_dim, lora, n)
-    except OSError as e:
-        log.debug("Kernels: no builder process could start (%s); they build in this process.", e)
-        return []
-    return await_builders(procs)
-
-
 def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
                 lora: bool | None = None) -> threading.Thread | None:
     """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with (`lora`: see
-    `_launches`) while the main thread reads data and loads weights: on a machine with empty caches the builds (and
-    Triton's launcher code for each) take several seconds, which the first forward would otherwise wait for. On CUDA,
-    builder processes compile them first (`build_elsewhere`: Triton holds the GIL through a build, so on a thread of
-    this process they would slow the loading); a background thread waits for them, then loads the kernels (building
-    any they left). `ready` waits for that thread and tells whether the kernels can be used."""
+    `_launches`), on a background thread, while the main thread reads data and loads weights: on a machine with empty
+    caches the builds (and Triton's launcher code for each) take several seconds, which the first forward would
+    otherwise wait for. `ready` waits for it and tells whether the kernels can be used."""
     if not HAVE_TRITON or dtype not in DTYPES or not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
         return None
     key = (tuple(widths), dtype, str(device), head_dim, lora)
@@ -354,7 +278,6 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
     def build() -> None:
         try:
             if device.type == "cuda":
-                build_elsewhere(widths, dtype, device, head_dim, lora)  # this process then loads what they built
                 with torch.cuda.device(device):
                     _build(widths, dtype, device, head_dim, lora)
             else:
