@@ -243,3 +243,15 @@ def test_compiled_layers_take_every_length_through_trainer_step(tmp_path, model_
     lengths = {sum(p.num_tokens for p in pairs[4 * i:4 * i + 4]) for i in range(5)}
     assert len(lengths) == 5  # five different micro-batch lengths
     assert graphs[-1] == graphs[0] > 0, graphs  # built once, at the first step
+
+
+def test_the_packed_lists_become_the_tensors_torch_tensor_would_give():
+    from fastdpo.data.pack import int_tensor
+
+    for dtype, values in [(torch.long, [3, -1, 2**40, 0]), (torch.int32, [-1, 7, 2**31 - 1]), (torch.int8, [0, 1, 2, -1])]:
+        got = int_tensor(values, dtype)
+        assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
+    assert int_tensor([]).shape == (0,) and int_tensor([], torch.int8).dtype == torch.int8
+    overflow = pytest.raises(OverflowError)
+    with overflow:
+        int_tensor([128], torch.int8)

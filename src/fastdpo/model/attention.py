@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastdpo.data.pack import PROMPT, PairBatch
+from fastdpo.data.pack import PROMPT, PairBatch, int_tensor
 from fastdpo.model import kernels
 
 ATTN_NAME = "fastdpo"
@@ -218,7 +218,7 @@ def varlen_mask(batch: PairBatch) -> VarlenMask:
     pin = device.type == "cuda"
 
     def put(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
+        t = int_tensor(values, dtype)
         return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
     first, second = key_sources(batch.pair_lengths, batch.num_tokens)
