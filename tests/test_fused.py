@@ -46,6 +46,34 @@ def test_forward_is_bit_identical_and_gradients_match(family, dtype, tol):
         assert ((a - b).norm() / b.norm().clamp(min=1e-12)).item() < tol, name
 
 
+@pytest.mark.parametrize("policy", ["full", "ffn"])
+def test_the_recompute_skips_the_down_projection_and_the_gradients_stay_the_same(policy, monkeypatch):
+    import torch.nn.functional as F
+
+    from fastdpo.model.memory import apply_checkpointing
+
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    lean = model("qwen3")
+    fuse_layers(lean)
+    want_out, want = loss_and_grads(lean, ids)
+    m = model("qwen3")
+    fuse_layers(m)
+    apply_checkpointing(m, policy)
+    downs = {id(layer.mlp.down_proj.weight) for layer in m.model.layers}
+    calls, linear = [], F.linear
+
+    def counted(x, weight, *args, **kwargs):
+        if id(weight) in downs:
+            calls.append(torch.is_grad_enabled())
+        return linear(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(F, "linear", counted)
+    got_out, got = loss_and_grads(m, ids)
+    assert len(calls) == len(downs)  # the forward's, one per layer: none again in the backward's recompute
+    assert torch.equal(got_out, want_out)
+    assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_fewer_bytes_are_kept_for_the_backward():
     def kept(m):
         seen = {}

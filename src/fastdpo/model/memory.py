@@ -3,11 +3,39 @@ only), every:K (every K-th decoder layer). Non-reentrant, so keyword inputs and 
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastdpo.config import checkpoint_policy
 from fastdpo.errors import FastDPOError
+
+_RECOMPUTING = contextvars.ContextVar("fastdpo_recomputing", default=False)
+
+
+def recomputing() -> bool:
+    """Whether this forward is a checkpointed region's recompute in the backward: only what it saves for the backward
+    is kept (its outputs are discarded), so work that only feeds the outputs can be skipped."""
+    return _RECOMPUTING.get()
+
+
+def _recompute_marked(forward):
+    """`forward` for one checkpointed call: its second run (the recompute) is marked (`recomputing`)."""
+    runs = 0
+
+    def run(*args, **kwargs):
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            return forward(*args, **kwargs)
+        token = _RECOMPUTING.set(True)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _RECOMPUTING.reset(token)
+
+    return run
 
 
 def _wrap(module: torch.nn.Module) -> None:
@@ -18,7 +46,9 @@ def _wrap(module: torch.nn.Module) -> None:
     def checkpointed(*args, **kwargs):
         if not (torch.is_grad_enabled() and module.training):
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if torch.compiler.is_compiling():  # a compiled region is traced once: nothing to mark
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(_recompute_marked(forward), *args, use_reentrant=False, **kwargs)
 
     module._fastdpo_unwrapped = module.__dict__.get("forward")  # an instance forward (`fused`) comes back unwrapped
     module.forward = checkpointed
