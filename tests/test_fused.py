@@ -220,3 +220,25 @@ def test_the_kernels_shapes_are_read_from_a_local_config_without_transformers(tm
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "text_config": {"hidden_size": 48,
                                                                                          "num_attention_heads": 4}}))
     assert norm_widths(_config_fields(str(tmp_path), False)) == [48, 12]
+
+
+def test_an_mlp_whose_output_a_later_op_keeps_is_recomputed_whole():
+    from transformers import Olmo2Config
+
+    from fastdpo.model.memory import apply_checkpointing
+
+    def olmo2():  # its post-feed-forward norm keeps the MLP's output for its backward
+        torch.manual_seed(0)
+        cfg = Olmo2Config(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2)
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
+        fuse_layers(m)
+        return m
+
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    _, want = loss_and_grads(olmo2(), ids)
+    m = olmo2()
+    apply_checkpointing(m, "full")
+    _, got = loss_and_grads(m, ids)
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-7), name

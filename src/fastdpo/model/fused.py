@@ -103,12 +103,14 @@ class _SiluMulDown(torch.autograd.Function):
     """(silu(gate) * up) @ down.T for a plain down projection: the product is recomputed in the backward."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fast: bool) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fast: bool,
+                residual: bool = False) -> torch.Tensor:
         ctx.fast = fast
         ctx.save_for_backward(gate, up, down)
-        if not torch.compiler.is_compiling() and recomputing():
-            # a checkpoint's recompute keeps what this saves and discards the output: skip the product and the
-            # down projection (a quarter of the layer's projection FLOPs on the Qwen3 shapes)
+        if residual and not torch.compiler.is_compiling() and recomputing():
+            # the output only joins the residual stream, which keeps nothing of it, so a checkpoint's recompute needs
+            # only what this saves: skip the product and the down projection (a quarter of the layer's projection
+            # FLOPs on the Qwen3 shapes)
             return gate.new_empty((*gate.shape[:-1], down.shape[0]))
         return F.linear(kernels.silu_mul(gate, up) if fast else F.silu(gate) * up, down)
 
@@ -124,7 +126,7 @@ class _SiluMulDown(torch.autograd.Function):
         g_down = None
         if ctx.needs_input_grad[2]:
             g_down = grad.reshape(-1, grad.shape[-1]).t() @ p.reshape(-1, p.shape[-1])
-        return g_gate, g_up, g_down, None
+        return g_gate, g_up, g_down, None, None
 
 
 def _fast(module, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
@@ -158,7 +160,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not grad:  # the reference's forward: the kernel alone
         return self.down_proj(kernels.silu_mul(gate, up))
     if _plain_linear(self.down_proj):  # checked per call: LoRA may wrap it after the layers were fused
-        return _SiluMulDown.apply(gate, up, self.down_proj.weight, fast)
+        return _SiluMulDown.apply(gate, up, self.down_proj.weight, fast, getattr(self, "_fastdpo_residual", False))
     return self.down_proj(_SiluMul.apply(gate, up, fast))
 
 
@@ -253,6 +255,11 @@ def _is_rope_attention(m) -> bool:
             and _rope_module(type(m).__module__))
 
 
+# decoder layers whose MLP output goes straight into the residual sum (`h = residual + mlp(norm(h))`), where no later
+# operation keeps it for the backward; others (OLMo 2's post-feed-forward norm, MoE routing weights) keep it
+_RESIDUAL_MLP_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+
+
 def _is_norm(m) -> bool:
     return (type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
             and m.weight.dim() == 1 and hasattr(m, "variance_epsilon"))
@@ -302,6 +309,8 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
     reference's) alike. Idempotent; a second call can switch
     the kernels on. The forwards are bound methods, so a deep copy (the reference) is fused the same way."""
     done: dict[type, bool] = {}
+    residual = {id(layer.mlp) for layer in model.modules()
+                if type(layer).__name__ in _RESIDUAL_MLP_LAYERS and isinstance(getattr(layer, "mlp", None), torch.nn.Module)}
     for m in model.modules():
         kind = "norm" if _is_norm(m) else "mlp" if _is_swiglu(m) else "attention" if _is_rope_attention(m) else None
         if kind is None:
@@ -311,6 +320,8 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
             continue
         m._fastdpo_plain_forward = m.forward
         m._fastdpo_kernels = use_kernels
+        if kind == "mlp":
+            m._fastdpo_residual = id(m) in residual
         m.forward = types.MethodType({"norm": _norm_forward, "mlp": _mlp_forward, "attention": _attention_forward}[kind],
                                      m)
         if kind == "attention":  # the forward is the module's own; only its rotation may run as the kernel
@@ -323,6 +334,7 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
                 log.info("%s keeps its own forward (the lean one differs from it).", type(m).__name__)
         if not done[type(m)]:
             del m.forward, m._fastdpo_plain_forward, m._fastdpo_kernels
+            m.__dict__.pop("_fastdpo_residual", None)
     if use_kernels and isinstance(head := _output_layer(model), torch.nn.Module):
         head._fastdpo_kernels = True  # the log-prob head's kernels (`fastdpo.model.logprobs`; they check each call)
     return sorted(t.__name__ for t, ok in done.items() if ok)
