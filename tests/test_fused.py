@@ -25,7 +25,7 @@ def model(family, dtype=torch.float32):
 
 def loss_and_grads(m, ids):
     m.zero_grad()
-    out = m(input_ids=ids).logits.float()
+    out = m(input_ids=ids, use_cache=False).logits.float()
     loss = (out.log_softmax(-1)[..., 3]).mean()
     loss.backward()
     return out.detach(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
@@ -46,8 +46,9 @@ def test_forward_is_bit_identical_and_gradients_match(family, dtype, tol):
         assert ((a - b).norm() / b.norm().clamp(min=1e-12)).item() < tol, name
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("policy", ["full", "ffn"])
-def test_the_recompute_skips_the_down_projection_and_the_gradients_stay_the_same(policy, monkeypatch):
+def test_the_recompute_skips_the_down_projection_and_the_gradients_stay_the_same(policy, reentrant, monkeypatch):
     import torch.nn.functional as F
 
     from fastdpo.model.memory import apply_checkpointing
@@ -58,7 +59,7 @@ def test_the_recompute_skips_the_down_projection_and_the_gradients_stay_the_same
     want_out, want = loss_and_grads(lean, ids)
     m = model("qwen3")
     fuse_layers(m)
-    apply_checkpointing(m, policy)
+    apply_checkpointing(m, policy, reentrant=reentrant)
     downs = {id(layer.mlp.down_proj.weight) for layer in m.model.layers}
     calls, linear = [], F.linear
 
@@ -242,3 +243,80 @@ def test_an_mlp_whose_output_a_later_op_keeps_is_recomputed_whole():
     _, got = loss_and_grads(m, ids)
     for name in want:
         assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("policy", ["full", "ffn", "attn"])
+def test_the_reentrant_recompute_gives_the_gradients_of_no_checkpointing(family, policy, monkeypatch):
+    from fastdpo.model import memory
+    from fastdpo.model.memory import apply_checkpointing
+
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
+    lean = model(family)
+    fuse_layers(lean)
+    want_out, want = loss_and_grads(lean, ids)
+    m = model(family)
+    fuse_layers(m)
+    apply_checkpointing(m, policy, reentrant=True)
+    runs, apply = [], memory._Recomputed.apply
+    monkeypatch.setattr(memory._Recomputed, "apply", lambda *a: runs.append(1) or apply(*a))
+    got_out, got = loss_and_grads(m, ids)
+    assert len(runs) == len(m.model.layers)  # every region took the reentrant form
+    assert torch.equal(got_out, want_out)
+    assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_regions_without_grads_through_their_input_or_with_dropout_keep_the_non_reentrant_form(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    from fastdpo.model import memory
+    from fastdpo.model.memory import apply_checkpointing, draws_random
+
+    runs, apply = [], memory._Recomputed.apply
+    monkeypatch.setattr(memory._Recomputed, "apply", lambda *a: runs.append(1) or apply(*a))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(6))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False,
+                      lora_dropout=0.0)
+    plain = get_peft_model(model("qwen3"), lora)
+    _, want = loss_and_grads(plain, ids)
+    m = get_peft_model(model("qwen3"), lora)
+    apply_checkpointing(m, "full", reentrant=True)
+    _, got = loss_and_grads(m, ids)
+    # frozen embeddings: the first layer's input carries no grads (torch's form); the second's does (its adapters')
+    assert len(runs) == 1 and any("lora_A" in n for n in want) and want.keys() == got.keys()
+    for n in want:
+        assert torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7), n
+
+    dropped = model("qwen3")
+    assert not draws_random(dropped.model.layers[0])
+    dropped.config.attention_dropout = 0.1
+    for layer in dropped.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    assert draws_random(dropped.model.layers[0])
+    runs.clear()
+    apply_checkpointing(dropped, "full", reentrant=True)
+    loss_and_grads(dropped, ids)
+    assert not runs  # its recompute must replay the dropout masks: torch's form, which restores the RNG
+
+
+def test_a_forward_with_a_cache_keeps_the_non_reentrant_form(monkeypatch):
+    from fastdpo.model import memory
+    from fastdpo.model.memory import apply_checkpointing
+
+    runs, apply = [], memory._Recomputed.apply
+    monkeypatch.setattr(memory._Recomputed, "apply", lambda *a: runs.append(1) or apply(*a))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))
+
+    def grads(m):
+        m.zero_grad()
+        m(input_ids=ids, use_cache=True).logits.float().log_softmax(-1)[..., 3].mean().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    lean = model("qwen3")
+    fuse_layers(lean)
+    want = grads(lean)
+    m = model("qwen3")
+    fuse_layers(m)
+    apply_checkpointing(m, "full", reentrant=True)
+    got = grads(m)  # a recompute would append the layer's keys to the cache a second time
+    assert not runs and all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want)

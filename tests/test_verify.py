@@ -252,6 +252,14 @@ def test_a_policy_whose_recomputation_differs_fails(model_dirs, data, monkeypatc
         return real(run, *args, **kwargs)
 
     monkeypatch.setattr(memory, "checkpoint", drifting)
+    reentrant = memory._Recomputed.backward
+
+    def drifting_backward(ctx, grad):  # the reentrant form's recompute, drifting alike
+        run = ctx.run
+        ctx.run = lambda x: run(x * (1 + 1e-3))
+        return reentrant(ctx, grad)
+
+    monkeypatch.setattr(memory._Recomputed, "backward", staticmethod(drifting_backward))
     rc, text, rows = verify_cli(model_dirs, data, tmp_path, capsys, "--pairs", "6", "--policies", "ffn",
                                 "--tolerance", "1e-2")
     assert rc == 1 and "FAIL: ckpt ffn (differs from the path without checkpointing)" in text

@@ -323,7 +323,7 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
     no_ckpt = plain  # gradients of the main path without checkpointing (the plain path until it has run)
     noise = 0.0  # how much that path differs from itself when run twice
     for name, backend, policy, micro_budget, compiled in paths:
-        wrapped = apply_checkpointing(model, policy)
+        wrapped = apply_checkpointing(model, policy, reentrant=True)  # as training on one process
         if compiled:
             compile_layers(model)  # as --torch_compile does in training
         t0 = time.perf_counter()
@@ -355,7 +355,7 @@ def run_verify(model_path: str, datasets: list[str], num_pairs: int = 8, max_len
             mine, theirs = (r.peak_mib, base.peak_mib) if r.peak_mib is not None else (r.held_mib, base.held_mib)
             r.lowered = mine < LOWERED * theirs
             if not r.lowered:
-                apply_checkpointing(model, policy)
+                apply_checkpointing(model, policy, reentrant=True)
                 r.causes = no_saving_causes(model, wrapped, longest)
                 apply_checkpointing(model, "none")
         results.append(r)

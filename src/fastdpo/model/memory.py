@@ -38,16 +38,88 @@ def _recompute_marked(forward):
     return run
 
 
-def _wrap(module: torch.nn.Module) -> None:
+class _Recomputed(torch.autograd.Function):
+    """`run(hidden)` computed without a graph, and again with one in the backward, where its graph is walked at
+    once (checkpointing's reentrant form). The non-reentrant form records the forward's graph and passes every
+    tensor it saves through hooks, twice: on a 28-layer model that host work made each step wait on the CPU, not on
+    the GPU. Only for a region that draws no random numbers (its recompute must equal its forward) whose grads flow
+    through `hidden` alone."""
+
+    @staticmethod
+    def forward(ctx, run, hidden: torch.Tensor) -> torch.Tensor:
+        ctx.run = run
+        ctx.save_for_backward(hidden)
+        return run(hidden)  # autograd records nothing inside a Function's forward
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (hidden,) = ctx.saved_tensors
+        x = hidden.detach().requires_grad_()
+        token = _RECOMPUTING.set(True)
+        try:
+            with torch.enable_grad():
+                out = ctx.run(x)
+        finally:
+            _RECOMPUTING.reset(token)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+def _grad_elsewhere(values) -> bool:
+    """Whether any tensor among `values` (one level into tuples and lists) requires grad."""
+    for v in values:
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
+    return False
+
+
+def _recompute_reentrant(forward, args: tuple, kwargs: dict):
+    """`forward(*args, **kwargs)` through `_Recomputed`, or None where that form does not serve this call: the
+    hidden states (the first argument, or `hidden_states=`) must carry the grads, nothing else may need them, and no
+    cache may be passed (the recompute would append to it again)."""
+    by_name = not args and "hidden_states" in kwargs
+    hidden = kwargs.get("hidden_states") if by_name else args[0] if args else None
+    others = (*args[1:], *(v for k, v in kwargs.items() if not (by_name and k == "hidden_states")))
+    if (not (isinstance(hidden, torch.Tensor) and hidden.requires_grad) or _grad_elsewhere(others)
+            or any(kwargs.get(k) is not None for k in ("past_key_values", "past_key_value", "cache"))):
+        return None
+    rest = []
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        out = forward(**{**kwargs, "hidden_states": h}) if by_name else forward(h, *args[1:], **kwargs)
+        if isinstance(out, tuple):  # (hidden_states, extras...): attention weights, older layers' extras
+            rest[:] = out[1:]
+            out = out[0]
+        return out
+
+    out = _Recomputed.apply(run, hidden)
+    return (out, *rest) if rest else out
+
+
+def draws_random(module: torch.nn.Module) -> bool:
+    """Whether the module's training forward may draw random numbers (a dropout with p > 0, attention dropout)."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0:
+            return True
+    return False
+
+
+def _wrap(module: torch.nn.Module, reentrant: bool = False) -> None:
     if getattr(module, "_fastdpo_ckpt", False):
         return
     forward = module.forward
+    reentrant = reentrant and not draws_random(module)
 
     def checkpointed(*args, **kwargs):
         if not (torch.is_grad_enabled() and module.training):
             return forward(*args, **kwargs)
         if torch.compiler.is_compiling():  # a compiled region is traced once: nothing to mark
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if reentrant and (out := _recompute_reentrant(forward, args, kwargs)) is not None:
+            return out
         return checkpoint(_recompute_marked(forward), *args, use_reentrant=False, **kwargs)
 
     module._fastdpo_unwrapped = module.__dict__.get("forward")  # an instance forward (`fused`) comes back unwrapped
@@ -69,8 +141,11 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(decoder(model).layers)
 
 
-def apply_checkpointing(model, policy: str) -> list[str]:
-    """Wrap modules per `policy`; returns the names of what got wrapped (for logs and tests)."""
+def apply_checkpointing(model, policy: str, reentrant: bool = False) -> list[str]:
+    """Wrap modules per `policy`; returns the names of what got wrapped (for logs and tests). `reentrant`: recompute
+    the regions that draw no random numbers in checkpointing's reentrant form (`_Recomputed`: less host work per
+    layer), where their hidden states carry the grads; for one process, whose backward no DDP or FSDP2 hooks
+    follow."""
     name, k = checkpoint_policy(policy)
     layers = decoder_layers(model)
     wrapped = []
@@ -79,13 +154,13 @@ def apply_checkpointing(model, policy: str) -> list[str]:
             if m is not None:
                 _unwrap(m)
         if name == "full" or (name == "every" and i % k == 0):
-            _wrap(layer)
+            _wrap(layer, reentrant)
             wrapped.append(f"layers.{i}")
         elif name == "ffn":
-            _wrap(layer.mlp)
+            _wrap(layer.mlp, reentrant)
             wrapped.append(f"layers.{i}.mlp")
         elif name == "attn":
-            _wrap(layer.self_attn)
+            _wrap(layer.self_attn, reentrant)
             wrapped.append(f"layers.{i}.self_attn")
     return wrapped
 
