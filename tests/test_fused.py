@@ -320,3 +320,14 @@ def test_a_forward_with_a_cache_keeps_the_non_reentrant_form(monkeypatch):
     apply_checkpointing(m, "full", reentrant=True)
     got = grads(m)  # a recompute would append the layer's keys to the cache a second time
     assert not runs and all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want)
+
+
+def test_the_reentrant_recompute_refuses_autograd_grad():
+    from fastdpo.model.memory import apply_checkpointing
+
+    m = model("qwen3")
+    fuse_layers(m)
+    apply_checkpointing(m, "full", reentrant=True)
+    loss = m(input_ids=torch.randint(0, 128, (1, 8)), use_cache=False).logits.float().mean()
+    with pytest.raises(RuntimeError, match="loss.backward"):  # the layers' own grads would go to .grad instead
+        torch.autograd.grad(loss, [m.model.embed_tokens.weight])

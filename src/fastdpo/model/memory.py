@@ -53,6 +53,10 @@ class _Recomputed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if not torch.autograd._is_checkpoint_valid():  # the recompute's grads land in .grad, not in grad()'s result
+            raise RuntimeError("fastdpo's checkpointed layers take loss.backward(), not torch.autograd.grad() or "
+                               "backward(inputs=...): use --gradient_checkpointing none for those.")
+        create_graph = torch.is_grad_enabled()  # backward(create_graph=True)
         (hidden,) = ctx.saved_tensors
         x = hidden.detach().requires_grad_()
         token = _RECOMPUTING.set(True)
@@ -61,7 +65,7 @@ class _Recomputed(torch.autograd.Function):
                 out = ctx.run(x)
         finally:
             _RECOMPUTING.reset(token)
-        torch.autograd.backward(out, grad)
+        torch.autograd.backward(out, grad, create_graph=create_graph)
         return None, x.grad
 
 
