@@ -295,6 +295,17 @@ def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
     assert json.loads((prof / "trace.json").read_text())["traceEvents"]
     top = (prof / "top.txt").read_text().splitlines()
     assert top[0].split()[:2] == ["self", "ms/step"] and len(top) > 5
+    # the CPU runs every op as it is queued: the step's host time is nearly all of it, its wait nearly nothing
+    assert 0 < r["host_queue_ms"] <= r["s_per_step"] * 1e3 and 0 <= r["device_wait_ms"] < r["host_queue_ms"]
+    assert "the host queued it in" in text
+
+
+def test_the_host_line_says_which_side_set_the_pace():
+    from fastdpo.commands.bench import host_line
+
+    assert "the CPU set the pace" in host_line({"host_queue_ms": 366.8, "device_wait_ms": 0.1})
+    assert "the device set the pace" in host_line({"host_queue_ms": 216.0, "device_wait_ms": 27.7})
+    assert host_line({"impl": "trl"}) is None
 
 
 

@@ -257,9 +257,23 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
         Path(out_json).write_text(json.dumps(record, indent=1))
     if console is not None:
         print_table(console, results)
+        if (line := host_line(results[0])) is not None:
+            console.print(line)
         if "profile" in results[0]:
             console.print(f"Profile of two steps ({results[0]['profile']['dir']}): {results[0]['profile']['line']}.")
     return results
+
+
+def host_line(result: dict) -> str | None:
+    """fastdpo's step seen from the host: how long it took to queue, how long it then waited for the device, and
+    which of the two set the pace."""
+    queue, wait = result.get("host_queue_ms"), result.get("device_wait_ms")
+    if queue is None or wait is None:
+        return None
+    pace = ("the CPU set the pace: the device finished as the host did" if wait < 0.05 * queue else
+            "the device set the pace")
+    return (f"fastdpo's step (median): the host queued it in {queue:.1f} ms, then waited {wait:.1f} ms for the "
+            f"device; {pace}.")
 
 
 # ---------------------------------------------------------------- whole jobs (time to result)

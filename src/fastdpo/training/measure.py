@@ -21,10 +21,10 @@ from fastdpo.errors import FastDPOError
 from fastdpo.model.load import base_causal_lm, resolve_device, resolve_dtype
 from fastdpo.model.shapes import bench_model
 from fastdpo.observe.gcpause import GcPauses
-from fastdpo.observe.metrics import StepMetrics, device_peak_flops, model_flops_per_token, padding, step_flops
+from fastdpo.observe.metrics import device_peak_flops, model_flops_per_token, padding, step_flops
 from fastdpo.observe.profile import report, start_profiler, synchronize
 from fastdpo.training.setup import assemble, seed_all
-from fastdpo.training.trainer import Trainer, attended_pairs
+from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
 
 log = logging.getLogger("fastdpo")
 
@@ -53,16 +53,17 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     lm_cfg = base_causal_lm(s.model).config
     times, flops, tokens, n_pairs, computed = [], 0.0, 0, 0, 0
     rates = []  # pairs/s of each timed step
+    queued, waited = [], []  # the host's side of each timed step (`StepResult.queued_s`, `.waited_s`)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_first = None
     if s.backend.name == "flex":  # compiled layers, and the compiled flex kernel on its own, build per length
         trainer.warm_up()
 
-    def one_step(step_pairs, then=None) -> StepMetrics:
-        metrics = trainer.step(step_pairs, then).metrics
+    def one_step(step_pairs, then=None) -> StepResult:
+        result = trainer.step(step_pairs, then)
         _sync(device)
-        return metrics
+        return result
 
     pauses = GcPauses(cfg.gc_steps).start()  # as training schedules and counts Python's collections
     try:
@@ -81,7 +82,9 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                 pauses.take()  # the timed steps' pauses only
             if step >= warmup:
                 tokens += sum(p.num_tokens for p in step_pairs)
-                computed += ran.computed_tokens
+                computed += ran.metrics.computed_tokens
+                queued.append(ran.queued_s)
+                waited.append(ran.waited_s)
                 n_pairs += len(step_pairs)
                 rates.append(len(step_pairs) / (times[-1] - prev))
                 flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
@@ -96,6 +99,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     return {
         "impl": "fastdpo", "pairs_per_s": round(n_pairs / dt, 2), "tokens_per_s": round(tokens / dt),
         "pairs_per_s_median": round(statistics.median(rates), 2),  # of the timed steps: one slow step cannot sway it
+        # medians: the host's time to queue a step, then its wait for the device (near zero: bound by the CPU)
+        "host_queue_ms": round(1e3 * statistics.median(queued), 1), "device_wait_ms": round(1e3 * statistics.median(waited), 1),
         "s_per_step": round(dt / steps, 4), "padding": padding(computed, tokens),
         "mfu": round(flops / dt / peak, 4) if peak else None,
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,

@@ -6,6 +6,7 @@ measured is what trains. Under torchrun every rank runs it on its share of each 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -207,6 +208,10 @@ class StepResult:
     beta: float  # the beta this step's loss used
     finite: bool  # loss and gradient were finite: the update was taken
     stepped: bool  # the optimizer ran (False when it skipped the update on the device as well)
+    # the host's side of the step: seconds it took to queue everything (the next step's first micro-batch too), then
+    # seconds it waited for the device to finish; a wait near zero means the step was bound by the CPU
+    queued_s: float = 0.0
+    waited_s: float = 0.0
 
 
 class Trainer:
@@ -247,6 +252,7 @@ class Trainer:
         Before waiting for its update, the step packs the next one's first micro-batch, so the device does not idle
         while the host packs: the next step of the data order, or `then` when the caller chooses the pairs."""
         s, cfg = self.s, self.cfg
+        t_start = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         if ahead is not None and (ahead.step != self.global_step or (pairs is not None and pairs is not ahead.pairs)):
             ahead = None
@@ -284,12 +290,15 @@ class Trainer:
             # the host packs the next step while the device finishes this one (else it would idle through it)
             groups = step_groups(s, nxt)
             self._ahead = Ahead(self.global_step, nxt, groups, pack_micro_batch(s, groups[0], nxt))
-        ok = bool(finite)
+        t_queued = time.perf_counter()
+        ok = bool(finite)  # the step's one wait for the device
+        t_read = time.perf_counter()
         if not ok and stepped:
             undo_step_count(self.optimizer)
         if cfg.sync_ref_model and self.global_step % cfg.ref_model_sync_steps == 0:
             s.reference.sync(s.model, cfg.ref_model_mixup_alpha)
-        return StepResult(metrics, step_pairs, tokens, grad_norm, lr, float(beta), ok, stepped)
+        return StepResult(metrics, step_pairs, tokens, grad_norm, lr, float(beta), ok, stepped, t_queued - t_start,
+                          t_read - t_queued)
 
     def warm_up(self) -> int:
         """Build the kernels of every static micro-batch length before the first step (see `warm_up_lengths`)."""
