@@ -293,6 +293,11 @@ def test_regions_without_grads_through_their_input_or_with_dropout_keep_the_non_
     for layer in dropped.model.layers:
         layer.self_attn.attention_dropout = 0.1
     assert draws_random(dropped.model.layers[0])
+    holder = torch.nn.Module()
+    holder.attention_dropout = torch.nn.Dropout(0.0)  # some attentions keep a module under that name
+    assert not draws_random(holder)
+    holder.attention_dropout = torch.nn.Dropout(0.2)
+    assert draws_random(holder)
     runs.clear()
     apply_checkpointing(dropped, "full", reentrant=True)
     loss_and_grads(dropped, ids)

@@ -1,5 +1,6 @@
 """Activation checkpointing policies (DESIGN §7): none, full (per decoder layer), ffn (MLP only), attn (attention
-only), every:K (every K-th decoder layer). Non-reentrant, so keyword inputs and frozen inputs work."""
+only), every:K (every K-th decoder layer). Torch's non-reentrant form, so keyword inputs and frozen inputs work; on
+one process, regions that serve it recompute in the lighter reentrant form (`_Recomputed`)."""
 
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def draws_random(module: torch.nn.Module) -> bool:
     for m in module.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
-        if float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0:
+        p = getattr(m, "attention_dropout", 0.0)  # a probability (a module is caught above)
+        if isinstance(p, (int, float)) and p > 0:
             return True
     return False
 
