@@ -166,6 +166,8 @@ def test_full_checkpointing_in_the_reentrant_form_gives_the_gradients_of_none(mo
     monkeypatch.setattr(memory._Recomputed, "apply", lambda *a: runs.append(1) or apply(*a))
     got, g_got = logps_and_grads(model, [pack_pairs(g, 1) for g in groups], backend)
     assert len(runs) == len(groups) * len(model.model.layers)
-    assert torch.equal(got, want)
+    # the same layer kernels either way; only the per-sequence sums (index_add_) add their float32 terms with
+    # atomics, in any order: a few ulps apart
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
     assert max(rel(g_got[n], g_want[n]) for n in g_want) < 1e-2  # FlashAttention's backward adds with atomics
     assert max(rel(g_got[n], g_slow[n]) for n in g_slow) < 5e-2
