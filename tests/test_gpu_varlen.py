@@ -132,3 +132,35 @@ def test_training_on_cuda_defaults_to_varlen(tmp_path, model_dirs):
     summary = train(cfg, progress=False)
     assert summary["backend"] == "varlen"
     assert summary["last"]["loss"] > 0
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_the_direct_flash_ops_equal_torch_s_varlen_attn(window):
+    """`attention._Flash` (the aten ops called directly) against torch's `varlen_attn` on the same inputs: the same
+    forward kernel, so the same output; the backward's dq adds with atomics, so its grads agree to rounding."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from fastdpo.model import attention
+
+    assert attention._flash_ops()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_lens, k_lens = [300, 41, 700, 5], [300, 290, 700, 60]  # the second and fourth: rejected over prompt keys
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), 16, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    k = torch.randn(sum(k_lens), 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    v = torch.randn(sum(k_lens), 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    w = torch.randn(sum(q_lens), 16, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    left = -1 if window is None else window - 1
+    kw = {"enable_gqa": True} if "enable_gqa" in attention._varlen_api()[1] else {}
+    want = varlen_attn(q, k, v, cu_q, cu_k, 1024, 1024, scale=0.1, window_size=(left, 0), **kw)
+    g_want = torch.autograd.grad((want.float() * w).sum(), (q, k, v))
+    got = attention._varlen_kernel(q, k, v, cu_q, cu_k, 1024, 1024, 0.1, window)
+    g_got = torch.autograd.grad((got.float() * w).sum(), (q, k, v))
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(attention._varlen_kernel(q, k, v, cu_q, cu_k, 1024, 1024, 0.1, window), want)
+    for a, b in zip(g_got, g_want):
+        assert rel(a, b) < 1e-2
+    other = attention._varlen_kernel(q, k, v, cu_q, cu_k, 1024, 1024, 0.1, 16 if window is None else None)
+    assert not torch.equal(other, want)  # the window reaches the kernel

@@ -143,6 +143,38 @@ def test_the_varlen_call_takes_the_offsets_and_the_window(monkeypatch):
                     {"window_size": (63, 0), "enable_gqa": True}]
 
 
+def test_the_direct_flash_function_passes_the_offsets_the_window_and_the_saved_state(monkeypatch):
+    """`attention._Flash` against stand-ins for the aten ops: the forward's arguments, its output and log-sum-exp
+    handed to the backward with the forward's rng state, and the grads returned in q, k, v's places."""
+    calls = {}
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, p, causal, debug, *, scale, window_size_left, window_size_right):
+        calls["fwd"] = (max_q, max_k, p, causal, debug, scale, window_size_left, window_size_right)
+        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, None) * 2, q.new_full((3,), 7.0), "seed", "off", None
+
+    def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, p, causal, seed, off, *, scale,
+                 window_size_left, window_size_right):
+        calls["bwd"] = (max_q, max_k, p, causal, seed, off, scale, window_size_left, window_size_right)
+        calls["saved"] = (out.clone(), lse.clone())
+        return grad + 1, torch.full_like(k, 2.0), torch.full_like(v, 3.0)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward, raising=False)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward, raising=False)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(9, 2, 8, generator=g, requires_grad=True)
+    v = torch.randn(9, 2, 8, generator=g, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 4, 6], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    out = attention._Flash.apply(q, k, v, cu_q, cu_k, 8, 8, 0.25, 63)
+    assert calls["fwd"] == (8, 8, 0.0, True, False, 0.25, 63, 0)
+    torch.testing.assert_close(out, 2 * stand_in(q, k, v, cu_q, cu_k, 8, 8, 0.25, None))
+    w = torch.randn(out.shape, generator=g)
+    dq, dk, dv = torch.autograd.grad((out * w).sum(), (q, k, v))
+    assert calls["bwd"] == (8, 8, 0.0, True, "seed", "off", 0.25, 63, 0)
+    assert torch.equal(calls["saved"][0], out.detach()) and torch.equal(calls["saved"][1], torch.full((3,), 7.0))
+    assert torch.equal(dq, w + 1) and torch.equal(dk, torch.full_like(k, 2.0)) and torch.equal(dv, torch.full_like(v, 3.0))
+
+
 def test_auto_picks_dense_on_cpu_and_varlen_needs_cuda(model_dirs):
     from fastdpo.errors import FastDPOError
     from fastdpo.model.backend import choose_backend

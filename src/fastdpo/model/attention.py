@@ -256,9 +256,53 @@ def _varlen_api() -> tuple:
     return _VARLEN_API
 
 
+@functools.cache
+def _flash_ops() -> bool:
+    """Whether this torch's FlashAttention ops take what `_Flash` passes them (the varlen offsets, `scale` and the
+    window by keyword). Read once, outside any compiled region."""
+    try:
+        ops = torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default
+    except (AttributeError, RuntimeError):
+        return False
+    need = {"cum_seq_q", "scale", "window_size_left", "window_size_right"}
+    return all(need <= {a.name for a in op._schema.arguments} for op in ops)
+
+
+class _Flash(torch.autograd.Function):
+    """FlashAttention's variable-length forward and backward, called as the aten ops themselves. torch's
+    `varlen_attn` reaches the same kernels through a Python custom op, whose dispatch, autograd wrapper and per-call
+    allocation cost the host about as much as a layer's other launches together: with the default checkpointing, a
+    step waited on the CPU."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None, left: int):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale, window_size_left=left,
+            window_size_right=0)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = max_q, max_k, scale, left, seed, offset
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, left, seed, offset = ctx.args
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale,
+            window_size_left=left, window_size_right=0)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
 def _varlen_kernel(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None, window: int | None):
     """q (Tq, H, D), k/v (Tk, Hkv, D) -> (Tq, H, D): causal within each sequence, aligned to its end. The rule's
-    window (q_pos - k_pos < W) is the kernel's (W - 1, 0): W - 1 keys to the left and the token itself."""
+    window (q_pos - k_pos < W) is the kernel's (W - 1, 0): W - 1 keys to the left and the token itself. Through
+    `_Flash` where this torch's ops allow it, outside compiled regions (which trace torch's `varlen_attn`)."""
+    left = -1 if window is None else window - 1
+    if q.is_cuda and not torch.compiler.is_compiling() and _flash_ops():
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _Flash.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, left)
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                       scale=scale, window_size_left=left, window_size_right=0)[0]
     fn, params = _VARLEN_API if _VARLEN_API is not None else _varlen_api()
     kw = {"window_size": (-1, 0) if window is None else (window - 1, 0)}  # a tuple: (-1, 0) is how it knows causal
     if scale is not None:
@@ -318,6 +362,7 @@ def register() -> None:
     AttentionInterface.register(VARLEN_NAME, varlen_attention)
     if varlen_available():
         _varlen_api()
+        _flash_ops()
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
