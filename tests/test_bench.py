@@ -537,6 +537,30 @@ def test_compare_must_be_like_for_like():
         trl_variant("deepspeed", TrainConfig(model="m", dataset=["d"]))
 
 
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj", "default"])
+def test_trl_s_side_trains_fastdpo_s_adapter(model_dirs, targets):
+    """The LoRA settings handed to TRL's scripts wrap the same modules with the same rank, alpha and dropout as
+    fastdpo's `add_lora` does."""
+
+    from peft import LoraConfig, get_peft_model
+
+    from fastdpo.commands.bench import trl_adapter
+    from fastdpo.model.load import add_lora, load_model
+
+    cfg = TrainConfig(model="m", dataset=["d"], train_type="lora", lora_rank=6, lora_alpha=12, lora_dropout=0.1,
+                      target_modules=targets)
+
+    def wrapped(model):
+        return {n: (m.r["default"], m.scaling["default"], m.lora_dropout["default"].p)
+                for n, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+
+    ours = add_lora(load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu")), cfg.lora_rank,
+                    cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules)
+    theirs = get_peft_model(load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu")),
+                            LoraConfig(**json.loads(trl_adapter(cfg)), task_type="CAUSAL_LM"))
+    assert wrapped(ours) == wrapped(theirs) and next(iter(wrapped(ours).values())) == (6, 2.0, 0.1)
+
+
 def test_bench_job_times_whole_jobs_from_process_start(tmp_path, capsys):
     """`fastdpo bench --job`: fastdpo train and TRL's DPOTrainer each run as a whole job in a fresh process (empty
     compile caches), on one model dir and rows; both save a model, and fastdpo's timeline says where its time went."""

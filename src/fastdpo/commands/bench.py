@@ -97,6 +97,7 @@ from fastdpo.data.anchor import anchor_tokenizer, workload_pairs
 shape, variant = sys.argv[2:4]
 bs, steps, warm, n_rows = map(int, sys.argv[4:8])
 workload, max_length, precompute = sys.argv[8], int(sys.argv[9]), sys.argv[10] == "1"
+adapter = json.loads(sys.argv[11])  # fastdpo's LoRA settings: rank, alpha, dropout, targets
 torch.manual_seed(0)
 cfg = shape_config(shape)
 with torch.device("cuda"):
@@ -107,7 +108,7 @@ args = trl_steady_args(DPOConfig, bs, steps + warm, max_length, variant, precomp
 peft_config = None
 if variant.startswith("lora"):
     from peft import LoraConfig
-    peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    peft_config = LoraConfig(**adapter, task_type="CAUSAL_LM")
 times = []
 class T(TrainerCallback):
     def on_step_end(self, a, s, c, **k):
@@ -152,14 +153,24 @@ def in_row_order(trainer) -> None:
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
 
 
+def trl_adapter(cfg: TrainConfig) -> str:
+    """fastdpo's LoRA settings as PEFT's LoraConfig arguments (JSON), so TRL's side trains the same adapter: rank,
+    alpha, dropout and target modules."""
+    t = cfg.target_modules
+    targets = None if t == "default" else t if t == "all-linear" else [m.strip() for m in t.split(",")]
+    return json.dumps({"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+                       "target_modules": targets})
+
+
 def run_trl(shape: str, variant: str, bs: int, steps: int, warmup: int, workload: str = "anchor",
-            max_length: int = 2048, precompute: bool = False) -> dict:
+            max_length: int = 2048, precompute: bool = False, adapter: str = "{}") -> dict:
     """TRL's DPOTrainer in a fresh process (its own memory peak), on the same rows, with its reference precomputed
-    (`precompute_ref_log_probs`, before the timed steps as fastdpo's is) when `precompute`."""
+    (`precompute_ref_log_probs`, before the timed steps as fastdpo's is) when `precompute`; `adapter`: LoRA's
+    settings (`trl_adapter`) for a LoRA variant."""
     src = str(Path(__file__).resolve().parents[2])
     n_rows = bs * (steps + warmup)
     proc = subprocess.run([sys.executable, "-c", TRL_SCRIPT, src, shape, variant, str(bs), str(steps), str(warmup),
-                           str(n_rows), workload, str(max_length), "1" if precompute else "0"],
+                           str(n_rows), workload, str(max_length), "1" if precompute else "0", adapter],
                           capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -250,7 +261,7 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
         torch.cuda.empty_cache()
     for variant in variants:
         results.append(run_trl(shape, variant, cfg.pairs_per_step, steps, warmup, workload, cfg.max_length,
-                               cfg.precompute_ref_log_probs))
+                               cfg.precompute_ref_log_probs, trl_adapter(cfg)))
     record = {"shape": shape, "model": cfg.model, "workload": None if dataset else workload, "steps": steps,
               "warmup": warmup, "env": environment(), "results": results}
     if out_json:
@@ -289,6 +300,7 @@ from trl import DPOConfig, DPOTrainer
 model_dir, rows_path, out, variant = sys.argv[1:5]
 bs, accum, max_length, precompute = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "1"
 lr, beta = float(sys.argv[9]), float(sys.argv[10])
+adapter = json.loads(sys.argv[11])  # fastdpo's LoRA settings: rank, alpha, dropout, targets
 cuda = torch.cuda.is_available()
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
                                              attn_implementation="sdpa")
@@ -297,7 +309,7 @@ if cuda:
 peft_config = None
 if variant.startswith("lora"):
     from peft import LoraConfig
-    peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    peft_config = LoraConfig(**adapter, task_type="CAUSAL_LM")
 ref = None if peft_config else copy.deepcopy(model).eval()
 rows = [json.loads(line) for line in open(rows_path)]
 args = DPOConfig(output_dir=out, per_device_train_batch_size=bs, gradient_accumulation_steps=accum, num_train_epochs=1,
@@ -395,7 +407,7 @@ def trl_job(cfg: TrainConfig, variant: str, model_dir: Path, rows: Path, work: P
     name = "trl-" + variant
     argv = [sys.executable, "-c", TRL_JOB, str(model_dir), str(rows), str(work / f"out-{name}"), variant,
             str(cfg.per_device_train_batch_size), str(cfg.gradient_accumulation_steps), str(cfg.max_length),
-            "1" if cfg.precompute_ref_log_probs else "0", str(cfg.learning_rate), str(cfg.beta)]
+            "1" if cfg.precompute_ref_log_probs else "0", str(cfg.learning_rate), str(cfg.beta), trl_adapter(cfg)]
     rec = {"impl": name + ("-precompute" if cfg.precompute_ref_log_probs else ""),
            **timed_job(argv, cold_env(work, name), work / f"{name}.log", limit_s)}
     for line in Path(rec["log"]).read_text(errors="replace").splitlines():

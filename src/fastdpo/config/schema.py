@@ -252,7 +252,8 @@ class TrainConfig(DataReading, ModelSection):
                       "fewer bytes for the backward (built once per width, not per length); torch: the model's own "
                       "layers (the lean torch ones when --gradient_checkpointing fit is short of memory). auto: "
                       "triton on CUDA when Triton is installed and without --torch_compile (whose compiler fuses "
-                      "them itself).")
+                      "them itself). LoRA layers: three GEMMs and no pass over the output, except with torch (PEFT's "
+                      "own forward).")
     # schedule
     max_steps: int = _f(-1, "Optimizer steps to run (overrides num_train_epochs when > 0).")
     num_train_epochs: float = _f(1.0, "Epochs over the dataset.")

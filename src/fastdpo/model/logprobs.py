@@ -23,7 +23,7 @@ def _grad_into(dw: torch.Tensor | None, dlogits: torch.Tensor, h: torch.Tensor) 
     float32, adding into dw in its epilogue: one pass, no rounded per-chunk product and no separate add kernel
     (`torch.mm`/`addmm` with `out_dtype`, torch >= 2.8). Elsewhere the product is formed in the inputs' dtype and
     added."""
-    if dlogits.is_cuda and dlogits.dtype in (torch.bfloat16, torch.float16) and _has_out_dtype():
+    if dlogits.is_cuda and dlogits.dtype in (torch.bfloat16, torch.float16) and has_out_dtype():
         if dw is None:
             return torch.mm(dlogits.t(), h, out_dtype=torch.float32)
         return torch.addmm(dw, dlogits.t(), h, out_dtype=torch.float32, out=dw)
@@ -32,7 +32,8 @@ def _grad_into(dw: torch.Tensor | None, dlogits: torch.Tensor, h: torch.Tensor) 
 
 
 @functools.cache
-def _has_out_dtype() -> bool:
+def has_out_dtype() -> bool:
+    """Whether this torch's mm and addmm take `out_dtype` (bf16/fp16 inputs, a float32 result on CUDA)."""
     return hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 

@@ -30,6 +30,7 @@ from fastdpo.model.fused import fuse_layers, kernels_wanted
 from fastdpo.model.kernels import build_ahead, head_size, norm_widths
 from fastdpo.model.kernels import ready as kernels_ready
 from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
+from fastdpo.model.lora import fuse_lora
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
 from fastdpo.parallel.parallelize import parallelize
@@ -279,6 +280,8 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         fuse_kernels(cfg, reference.model, device)
     if cfg.uses_lora:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
+        if cfg.kernels != "torch":
+            fuse_lora(model)
         if reference.strategy == "ref_adapter":
             load_ref_adapter(model, cfg.ref_adapters)
     if backend.name != "padded":

@@ -1,0 +1,135 @@
+"""The lean LoRA forward (`fastdpo.model.lora`) against PEFT's own, and against the plain float32 computation."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from fastdpo.model import lora
+from fastdpo.model.load import load_model
+
+
+def peft_model(model_dirs, dtype=torch.float32, dropout=0.0, **kw):
+    torch.manual_seed(0)
+    base = load_model(str(model_dirs("qwen3")), dtype, torch.device("cpu"))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", **kw))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:  # PEFT starts B at zero, which would hide the adapter's product
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def run(model, ids):
+    model.zero_grad()
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    w = torch.linspace(-1, 1, logits.shape[-1])
+    (logits * w).sum().backward()
+    return logits.detach(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+                             if p.grad is not None}
+
+
+def ids_for(model):
+    return torch.randint(4, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+
+
+def test_the_lean_forward_gives_peft_s_outputs_and_gradients(model_dirs, monkeypatch):
+    model = peft_model(model_dirs)
+    ids = ids_for(model)
+    want, g_want = run(model, ids)
+    calls = []
+    apply = lora._LoraAdd.apply
+    monkeypatch.setattr(lora._LoraAdd, "apply", lambda *a: calls.append(1) or apply(*a))
+    n = lora.fuse_lora(model)
+    assert n == 7 * model.config.num_hidden_layers and lora.fuse_lora(model) == n  # idempotent
+    got, g_got = run(model, ids)
+    assert len(calls) == n
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert g_got.keys() == g_want.keys() and any("lora_A" in k for k in g_got)
+    for k in g_want:
+        torch.testing.assert_close(g_got[k], g_want[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_in_bfloat16_the_lean_forward_is_as_close_to_float32_as_peft_s(model_dirs):
+    exact = peft_model(model_dirs)
+    ids = ids_for(exact)
+    want, g_want = run(exact, ids)
+    results = {}
+    for fused in (False, True):
+        model = peft_model(model_dirs, torch.bfloat16)
+        assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+        if fused:
+            lora.fuse_lora(model)
+        results[fused] = run(model, ids)
+
+    def err(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    peft_out, fused_out = err(results[False][0], want), err(results[True][0], want)
+    assert fused_out < 1.5 * peft_out + 1e-3, (fused_out, peft_out)
+    for k in g_want:
+        assert err(results[True][1][k], g_want[k]) < 3 * err(results[False][1][k], g_want[k]) + 2e-2, k
+
+
+def test_dropout_is_drawn_once_and_applied_to_the_adapter_s_input_only(model_dirs):
+    """With p > 0: the mask from the generator's next draw, on the adapter's input; the base sees x as it is."""
+    model = peft_model(model_dirs, dropout=0.3)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    lora.fuse_lora(model)
+    model.train()
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    torch.manual_seed(7)
+    out = layer(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    gx, ga, gb = torch.autograd.grad((out * w).sum(), (x, layer.lora_A["default"].weight, layer.lora_B["default"].weight))
+
+    torch.manual_seed(7)
+    mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(0.7)
+    xr = x.detach().clone().requires_grad_()
+    a, b = (p.detach().clone().requires_grad_() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight))
+    ref = layer.base_layer(xr) + 2.0 * ((xr * mask / 0.7) @ a.t()) @ b.t()
+    rx, ra, rb = torch.autograd.grad((ref * w).sum(), (xr, a, b))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for got, want in ((gx, rx), (ga, ra), (gb, rb)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(mask, torch.ones_like(mask))
+    layer.eval()  # no dropout when evaluating: the plain product
+    torch.testing.assert_close(layer(x), layer.base_layer(x) + 2.0 * (x @ a.t()) @ b.t(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["disabled", "merged", "dora", "two_adapters"])
+def test_what_the_lean_forward_does_not_serve_runs_peft_s(model_dirs, monkeypatch, case):
+    model = peft_model(model_dirs, use_dora=case == "dora")
+    if case == "two_adapters":
+        model.add_adapter("other", LoraConfig(r=2, target_modules="all-linear"))
+        model.base_model.set_adapter(["default", "other"])
+    ids = ids_for(model)
+    plain = copy.deepcopy(model)
+    lora.fuse_lora(model)
+    calls = []
+    apply = lora._LoraAdd.apply
+    monkeypatch.setattr(lora._LoraAdd, "apply", lambda *a: calls.append(1) or apply(*a))
+    with torch.no_grad():
+        if case == "disabled":
+            with model.disable_adapter(), plain.disable_adapter():
+                got, want = model(input_ids=ids).logits, plain(input_ids=ids).logits
+        else:
+            if case == "merged":
+                model.merge_adapter()
+                plain.merge_adapter()
+            got, want = model(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert calls == []
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deep_copy_keeps_the_lean_forward_on_its_own_modules(model_dirs):
+    model = peft_model(model_dirs)
+    lora.fuse_lora(model)
+    twin = copy.deepcopy(model)
+    layer = twin.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.forward.__self__ is layer
+    ids = ids_for(model)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(input_ids=ids).logits, model(input_ids=ids).logits)
