@@ -336,3 +336,31 @@ def test_the_reentrant_recompute_refuses_autograd_grad():
     loss = m(input_ids=torch.randint(0, 128, (1, 8)), use_cache=False).logits.float().mean()
     with pytest.raises(RuntimeError, match="loss.backward"):  # the layers' own grads would go to .grad instead
         torch.autograd.grad(loss, [m.model.embed_tokens.weight])
+
+
+def test_each_layer_s_hidden_states_are_released_once_its_recompute_has_run():
+    """The reentrant form keeps a layer's input for its recompute only: by the time the backward reaches the first
+    layer, the inputs of the later ones are gone (a closure kept them to the end, a layer's worth of activations
+    per two or three layers on the H200 workloads)."""
+    import weakref
+
+    from fastdpo.model.memory import apply_checkpointing
+
+    m = model("qwen3")
+    fuse_layers(m)
+    apply_checkpointing(m, "full", reentrant=True)
+    inputs, alive = [], []
+
+    def keep(module, args, kwargs):
+        inputs.append(weakref.ref(args[0] if args else kwargs["hidden_states"]))
+
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in m.model.layers]
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))
+    embeds = m.model.embed_tokens(ids)
+    embeds.register_hook(lambda g: alive.append([r() is not None for r in inputs[1:]]))
+    loss = m(inputs_embeds=embeds, use_cache=False).logits.float().log_softmax(-1)[..., 3].mean()
+    for h in handles:
+        h.remove()
+    assert len(inputs) == len(m.model.layers) >= 2 and all(r() is not None for r in inputs)
+    loss.backward()
+    assert alive == [[False] * (len(inputs) - 1)]

@@ -59,11 +59,12 @@ class _Recomputed(torch.autograd.Function):
                                "backward(inputs=...): use --gradient_checkpointing none for those.")
         create_graph = torch.is_grad_enabled()  # backward(create_graph=True)
         (hidden,) = ctx.saved_tensors
+        run, ctx.run = ctx.run, None  # nothing of the layer outlives its backward
         x = hidden.detach().requires_grad_()
         token = _RECOMPUTING.set(True)
         try:
             with torch.enable_grad():
-                out = ctx.run(x)
+                out = run(x)
         finally:
             _RECOMPUTING.reset(token)
         torch.autograd.backward(out, grad, create_graph=create_graph)
@@ -90,9 +91,14 @@ def _recompute_reentrant(forward, args: tuple, kwargs: dict):
             or any(kwargs.get(k) is not None for k in ("past_key_values", "past_key_value", "cache"))):
         return None
     rest = []
+    # the closure lives as long as the backward graph's node, so it holds the other arguments only: the hidden states
+    # are saved (and released once the layer's backward has run); a closure over them would keep every layer's
+    # until the whole backward ended
+    other_args = args[1:]
+    other_kwargs = {k: v for k, v in kwargs.items() if not (by_name and k == "hidden_states")}
 
     def run(h: torch.Tensor) -> torch.Tensor:
-        out = forward(**{**kwargs, "hidden_states": h}) if by_name else forward(h, *args[1:], **kwargs)
+        out = forward(hidden_states=h, **other_kwargs) if by_name else forward(h, *other_args, **other_kwargs)
         if isinstance(out, tuple):  # (hidden_states, extras...): attention weights, older layers' extras
             rest[:] = out[1:]
             out = out[0]
