@@ -99,9 +99,14 @@ def test_dropout_is_drawn_once_and_applied_to_the_adapter_s_input_only(model_dir
     torch.testing.assert_close(layer(x), layer.base_layer(x) + 2.0 * (x @ a.t()) @ b.t(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["disabled", "merged", "dora", "two_adapters"])
+@pytest.mark.parametrize("case", ["disabled", "merged", "dora", "two_adapters", "lora_bias"])
 def test_what_the_lean_forward_does_not_serve_runs_peft_s(model_dirs, monkeypatch, case):
-    model = peft_model(model_dirs, use_dora=case == "dora")
+    model = peft_model(model_dirs, use_dora=case == "dora", lora_bias=case == "lora_bias")
+    if case == "lora_bias":
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n and n.endswith("bias"):
+                    p.fill_(0.3)
     if case == "two_adapters":
         model.add_adapter("other", LoraConfig(r=2, target_modules="all-linear"))
         model.base_model.set_adapter(["default", "other"])
@@ -133,3 +138,19 @@ def test_a_deep_copy_keeps_the_lean_forward_on_its_own_modules(model_dirs):
     ids = ids_for(model)
     with torch.no_grad():
         torch.testing.assert_close(twin(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_training_s_lora_layers_take_the_lean_forward_unless_kernels_torch(tmp_path, model_dirs, kernels):
+    from conftest import easy_rows, write_jsonl
+
+    from fastdpo import TrainConfig, Trainer
+
+    data = write_jsonl(tmp_path / "data.jsonl", easy_rows(8, seed=2))
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / kernels),
+                      train_type="lora", lora_rank=4, max_steps=1, per_device_train_batch_size=4, kernels=kernels)
+    trainer = Trainer(cfg)
+    layers = [m for m in trainer.s.model.modules() if hasattr(m, "lora_A")]
+    lean = [m.forward.__func__ is lora._lora_forward for m in layers if hasattr(m.forward, "__func__")]
+    assert layers and lean.count(True) == (len(layers) if kernels == "auto" else 0)
+    assert trainer.step().finite

@@ -9,8 +9,8 @@ GEMM's epilogue (`addmm`); only x (shared by q, k and v) and x @ A^T (rank colum
 the adapters' gradients come out in their own dtype. Numerically: the same sum, rounded once to the output dtype,
 with A and B read in the input's dtype.
 
-Served: one active adapter of plain LoRA (no DoRA or other variant), not merged, in a module whose dropout is off or
-an `nn.Dropout`. Everything else (adapters disabled, as the reference's forward runs, merged weights, several
+Served: one active adapter of plain LoRA (no DoRA or other variant, no bias on B), not merged, in a module whose
+dropout is off or an `nn.Dropout`. Everything else (adapters disabled, as the reference's forward runs, merged weights, several
 adapters, per-row adapter names, a compiled region) runs PEFT's own forward.
 """
 
@@ -88,14 +88,16 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return plain(x)
     name = active[0]
     p = _dropout_p(self.lora_dropout[name])
-    A, B = self.lora_A[name].weight, self.lora_B[name].weight
-    if p is None or not x.is_floating_point():
+    a, b = self.lora_A[name], self.lora_B[name]
+    if p is None or not x.is_floating_point() or getattr(a, "bias", None) is not None or getattr(
+            b, "bias", None) is not None:  # a bias on B (PEFT's lora_bias): its own forward
         return plain(x)
     y = self.base_layer(x)
     if y.dtype != x.dtype:
         return plain(x)
     shape = y.shape
-    out = _LoraAdd.apply(x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1]), A, B, float(self.scaling[name]), p)
+    out = _LoraAdd.apply(x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1]), a.weight, b.weight,
+                         float(self.scaling[name]), p)
     return out.view(shape)
 
 

@@ -280,10 +280,10 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         fuse_kernels(cfg, reference.model, device)
     if cfg.uses_lora:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
-        if cfg.kernels != "torch":
-            fuse_lora(model)
         if reference.strategy == "ref_adapter":
             load_ref_adapter(model, cfg.ref_adapters)
+        if cfg.kernels != "torch":
+            fuse_lora(model)
     if backend.name != "padded":
         prepare_packed(model, backend)
     if d.sp_size > 1:
