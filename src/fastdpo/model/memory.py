@@ -4,6 +4,7 @@ one process, regions that serve it recompute in the lighter reentrant form (`_Re
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import torch
@@ -39,16 +40,37 @@ def _recompute_marked(forward):
     return run
 
 
+def _rng_states(device: torch.device) -> tuple:
+    """The generators' states a region's forward starts from: the CPU's, and its CUDA device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def _replayed(states: tuple | None, device: torch.device):
+    """Run the block from the generators' `states` (None: as they are), leaving them as they were after it."""
+    if states is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index if device.index is not None else torch.cuda.current_device()]
+                               if cuda else []):
+        torch.set_rng_state(states[0])
+        if cuda:
+            torch.cuda.set_rng_state(states[1], device)
+        yield
+
+
 class _Recomputed(torch.autograd.Function):
     """`run(hidden)` computed without a graph, and again with one in the backward, where its graph is walked at
     once (checkpointing's reentrant form). The non-reentrant form records the forward's graph and passes every
     tensor it saves through hooks, twice: on a 28-layer model that host work made each step wait on the CPU, not on
-    the GPU. Only for a region that draws no random numbers (its recompute must equal its forward) whose grads flow
-    through `hidden` alone."""
+    the GPU. For a region whose grads flow through `hidden` alone; `rng`: the region draws random numbers (dropout),
+    so the recompute starts from the generators' states of the forward and draws the same masks."""
 
     @staticmethod
-    def forward(ctx, run, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, run, rng: bool, hidden: torch.Tensor) -> torch.Tensor:
         ctx.run = run
+        ctx.rng = _rng_states(hidden.device) if rng else None
         ctx.save_for_backward(hidden)
         return run(hidden)  # autograd records nothing inside a Function's forward
 
@@ -63,12 +85,12 @@ class _Recomputed(torch.autograd.Function):
         x = hidden.detach().requires_grad_()
         token = _RECOMPUTING.set(True)
         try:
-            with torch.enable_grad():
+            with _replayed(ctx.rng, hidden.device), torch.enable_grad():
                 out = run(x)
         finally:
             _RECOMPUTING.reset(token)
         torch.autograd.backward(out, grad, create_graph=create_graph)
-        return None, x.grad
+        return None, None, x.grad
 
 
 def _grad_elsewhere(values) -> bool:
@@ -80,7 +102,7 @@ def _grad_elsewhere(values) -> bool:
     return False
 
 
-def _recompute_reentrant(forward, args: tuple, kwargs: dict):
+def _recompute_reentrant(forward, args: tuple, kwargs: dict, rng: bool = False):
     """`forward(*args, **kwargs)` through `_Recomputed`, or None where that form does not serve this call: the
     hidden states (the first argument, or `hidden_states=`) must carry the grads, nothing else may need them, and no
     cache may be passed (the recompute would append to it again)."""
@@ -104,7 +126,7 @@ def _recompute_reentrant(forward, args: tuple, kwargs: dict):
             out = out[0]
         return out
 
-    out = _Recomputed.apply(run, hidden)
+    out = _Recomputed.apply(run, rng, hidden)
     return (out, *rest) if rest else out
 
 
@@ -123,14 +145,14 @@ def _wrap(module: torch.nn.Module, reentrant: bool = False) -> None:
     if getattr(module, "_fastdpo_ckpt", False):
         return
     forward = module.forward
-    reentrant = reentrant and not draws_random(module)
+    rng = draws_random(module)
 
     def checkpointed(*args, **kwargs):
         if not (torch.is_grad_enabled() and module.training):
             return forward(*args, **kwargs)
         if torch.compiler.is_compiling():  # a compiled region is traced once: nothing to mark
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        if reentrant and (out := _recompute_reentrant(forward, args, kwargs)) is not None:
+        if reentrant and (out := _recompute_reentrant(forward, args, kwargs, rng)) is not None:
             return out
         return checkpoint(_recompute_marked(forward), *args, use_reentrant=False, **kwargs)
 
@@ -155,9 +177,9 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 def apply_checkpointing(model, policy: str, reentrant: bool = False) -> list[str]:
     """Wrap modules per `policy`; returns the names of what got wrapped (for logs and tests). `reentrant`: recompute
-    the regions that draw no random numbers in checkpointing's reentrant form (`_Recomputed`: less host work per
-    layer), where their hidden states carry the grads; for one process, whose backward no DDP or FSDP2 hooks
-    follow."""
+    the regions in checkpointing's reentrant form (`_Recomputed`: less host work per layer), where their hidden states
+    carry the grads (a region with dropout replays its generators' states); for one process, whose backward no DDP
+    or FSDP2 hooks follow."""
     name, k = checkpoint_policy(policy)
     layers = decoder_layers(model)
     wrapped = []

@@ -185,8 +185,10 @@ FLAGS: dict[str, Foreign] = {
                                note("ignored; checkpoints keep the optimizer state so resume is exact.")),
     "load_best_model_at_end": Foreign("HF: ignored (the best checkpoint is tracked and named at the end).",
                                       note("ignored; the best checkpoint is tracked and named in the summary.")),
-    "gradient_checkpointing_kwargs": Foreign("HF: ignored (checkpointing is always non-reentrant).",
-                                             note("ignored; checkpointing is always non-reentrant.")),
+    "gradient_checkpointing_kwargs": Foreign("HF: ignored (fastdpo picks the form: reentrant on one process where "
+                                             "it serves, else non-reentrant).",
+                                             note("ignored; fastdpo picks the checkpointing form itself (reentrant on "
+                                                  "one process where it serves, else non-reentrant).")),
     "ddp_find_unused_parameters": Foreign("HF: ignored.", note("ignored.")),
     "data_seed": Foreign("HF: ignored (--seed drives the data order).", note("ignored; --seed drives the data order.")),
     "use_hf": Foreign("ms-swift: ignored (hub ids load from the Hugging Face hub).",
