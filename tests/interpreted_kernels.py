@@ -251,7 +251,7 @@ class _LaunchLog:
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_builds_ahead_are_the_builds_training_uses(K, model_dirs, monkeypatch, lora):
     """Every kernel a fused model launches in training (the varlen path's stand-in, policy forward and backward, a
-    no-grad forward; full fine-tuning, or LoRA on every linear layer) was built ahead by `_launches` for that model's
+    no-grad forward; full fine-tuning, or LoRA with dropout on every linear layer) was built ahead by `_launches` for that model's
     config: same kernel, argument dtypes and constants. A launch with other constants would be built again in the
     first step."""
     from conftest import random_pairs
@@ -269,12 +269,15 @@ def test_the_builds_ahead_are_the_builds_training_uses(K, model_dirs, monkeypatc
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+        from fastdpo.model.lora import fuse_lora
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear")).train()
+        assert fuse_lora(model)
     built, used = set(), set()
     monkeypatch.setattr(K, "jitted", lambda: _LaunchLog(real, built))
     config = model.config
     for launch in K._launches(K.norm_widths(config), torch.bfloat16, torch.device("cpu"), K.head_size(config),
-                              lora=lora):
+                              lora=lora, dropout_rank=4 if lora else 0):
         launch()
     monkeypatch.setattr(K, "jitted", lambda: _LaunchLog(real, used))
     backend = Backend("varlen")
@@ -286,6 +289,8 @@ def test_the_builds_ahead_are_the_builds_training_uses(K, model_dirs, monkeypatc
         sequence_logps(model, batch, backend)
     assert {name for name, *_ in used} >= {"_rms_fwd", "_rms_bwd", "_silu_mul_fwd", "_silu_mul_bwd", "_rope",
                                             "_logp_fwd", "_logp_bwd", "_gather_rows_bwd"}
+    if lora:  # the adapters' dropout on its kernels
+        assert {name for name, *_ in used} >= {"_lora_drop_down", "_lora_drop_dx", "_lora_drop_da"}
     assert used <= built, sorted(used - built)
 
 
@@ -409,3 +414,100 @@ def test_launches_are_pruned_to_the_kind_of_training(K):
     assert kinds(False) == [("rms_norm_backward", True), ("silu_mul_backward", True)]  # full: weights train, plain down
     assert kinds(True) == [("rms_norm_backward", False), ("silu_mul_backward", False), ("silu_mul_backward", True)]
     assert len(kinds(None)) == 4
+
+
+def lora_reference(x, a, gt, keep, p, scale):
+    """The adapter's dropped product and its two gradients, in float32 from the same inputs and mask."""
+    xd = x.float() * keep / (1 - p)
+    return xd @ a.float().t(), (gt.float() @ a.float()) * keep * (scale / (1 - p)), gt.float().t() @ xd
+
+
+@pytest.mark.parametrize("rows,width,rank", [(37, 200, 8), (70, 130, 16), (5, 64, 24), (0, 64, 8)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_lora_dropout_kernels_equal_float32_under_their_own_mask(K, rows, width, rank, dtype, tol):
+    g = torch.Generator().manual_seed(rows + width + rank)
+    x = torch.randn(rows, width, generator=g).to(dtype)
+    a = (0.1 * torch.randn(rank, width, generator=g)).to(dtype)
+    gt = torch.randn(rows, rank, generator=g).to(dtype)
+    p, seed = 0.3, 1234 + rows
+    keep = K.lora_dropout_keep(seed, (rows, width), p, x.device)
+    t = K.lora_dropout_down(x, a, seed, p)
+    dx = K.lora_dropout_input_grad(gt, a, seed, p, 2.0)
+    da = K.lora_dropout_weight_grad(gt, x, seed, p)
+    want_t, want_dx, want_da = lora_reference(x, a, gt, keep, p, 2.0)
+    assert t.dtype == dtype and dx.dtype == dtype and da.dtype == torch.float32
+    assert t.shape == (rows, rank) and dx.shape == (rows, width) and da.shape == (rank, width)
+    if rows:
+        assert rel(t, want_t) < tol and rel(dx, want_dx) < tol and rel(da, want_da) < tol
+        assert torch.equal(dx == 0, ~keep | (want_dx == 0))  # the backward drops where the forward dropped
+    else:
+        assert not da.any()
+
+
+def test_lora_dropout_masks_keep_one_minus_p_and_follow_the_seed(K):
+    shape = (300, 1000)
+    for p in (0.05, 0.5):
+        keep = K.lora_dropout_keep(7, shape, p, torch.device("cpu"))
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+    a, b = (K.lora_dropout_keep(s, shape, 0.5, torch.device("cpu")) for s in (7, 8))
+    assert torch.equal(a, K.lora_dropout_keep(7, shape, 0.5, torch.device("cpu"))) and not torch.equal(a, b)
+    assert abs((a == b).float().mean().item() - 0.5) < 0.01  # another seed: an independent mask
+    rows = a.view(300, 1000)
+    assert not torch.equal(rows[0], rows[1])  # nor one mask repeated row after row
+    # the forward applies exactly that mask: through an identity adapter, dropout(x) itself comes out
+    x = torch.rand(64, 16) + 1
+    t = K.lora_dropout_down(x, torch.eye(16), 9, 0.25)
+    torch.testing.assert_close(t, x * K.lora_dropout_keep(9, (64, 16), 0.25, x.device) / 0.75)
+
+
+def test_the_lean_lora_forward_applies_the_kernels_mask_from_torch_s_generator(interpreted, model_dirs):
+    """Where the kernels serve, the lean LoRA forward's dropout is theirs: the mask of a seed from torch's generator,
+    the same in the backward; outputs and gradients equal the plain computation under that mask."""
+    from test_lora_fused import peft_model
+
+    from fastdpo.model import lora
+
+    model = peft_model(model_dirs, dropout=0.3)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    assert lora.fuse_lora(model)
+    model.train()
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    torch.manual_seed(7)
+    out = layer(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    gx, ga, gb = torch.autograd.grad((out * w).sum(), (x, layer.lora_A["default"].weight, layer.lora_B["default"].weight))
+    torch.manual_seed(7)
+    keep = interpreted.lora_dropout_keep(interpreted.lora_dropout_seed(), tuple(x.shape), 0.3, x.device)
+    assert not keep.all()
+    xr = x.detach().clone().requires_grad_()
+    a, b = (p.detach().clone().requires_grad_() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight))
+    ref = layer.base_layer(xr) + 2.0 * ((xr * keep / 0.7) @ a.t()) @ b.t()
+    rx, ra, rb = torch.autograd.grad((ref * w).sum(), (xr, a, b))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want in ((gx, rx), (ga, ra), (gb, rb)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_dropout_on_the_kernels_recomputes_the_forward_s_masks(interpreted, model_dirs):
+    """Full checkpointing (the reentrant form, which replays the generator) with LoRA dropout on the kernels: the
+    same outputs and gradients as no checkpointing from the same seed, bit for bit; another seed differs."""
+    from test_lora_fused import ids_for, peft_model, run
+
+    from fastdpo.model import lora
+    from fastdpo.model.memory import apply_checkpointing
+
+    def trained(policy, seed):
+        m = peft_model(model_dirs, dropout=0.3)
+        lora.fuse_lora(m)
+        if policy != "none":
+            apply_checkpointing(m, policy, reentrant=True)
+        m.train()
+        torch.manual_seed(seed)
+        return run(m, ids_for(m))
+
+    want_out, want = trained("none", 11)
+    got_out, got = trained("full", 11)
+    other_out, _ = trained("none", 12)
+    assert not torch.equal(other_out, want_out)
+    assert torch.equal(got_out, want_out)
+    assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)

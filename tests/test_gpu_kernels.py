@@ -34,6 +34,28 @@ def test_rms_norm_kernels_equal_float32(width, rows):
     assert (y.float() - plain.float()).abs().max() <= plain.float().abs().max() * 2**-7  # eager's result but an ulp
 
 
+@pytest.mark.parametrize("width,rank", [(4096, 16), (12288, 8), (2048, 64)])
+@pytest.mark.parametrize("rows", [1, 3001])
+def test_lora_dropout_kernels_equal_float32_under_their_mask(width, rank, rows):
+    """The adapter's dropped product and both gradients at real widths, against float32 under the kernels' own
+    mask; the dropped input rounds as torch's x * mask / (1 - p) does."""
+    g = torch.Generator(device="cuda").manual_seed(width + rank + rows)
+    x = torch.randn(rows, width, device="cuda", generator=g).bfloat16()
+    a = (0.02 * torch.randn(rank, width, device="cuda", generator=g)).bfloat16()
+    gt = torch.randn(rows, rank, device="cuda", generator=g).bfloat16()
+    p, seed = 0.05, 99 + rows
+    keep = kernels.lora_dropout_keep(seed, (rows, width), p, x.device)
+    assert abs(keep.float().mean().item() - (1 - p)) < (0.01 if rows > 1 else 0.05)
+    t = kernels.lora_dropout_down(x, a, seed, p)
+    dx = kernels.lora_dropout_input_grad(gt, a, seed, p, 2.0)
+    da = kernels.lora_dropout_weight_grad(gt, x, seed, p)
+    xd = x * keep * (1.0 / (1.0 - p))  # torch's rounding of the dropped input
+    assert rel(t, xd.float() @ a.float().t()) < 1e-2
+    assert rel(dx, (gt.float() @ a.float()) * keep * (2.0 / (1 - p))) < 1e-2
+    assert rel(da, gt.float().t() @ xd.float()) < 1e-4  # float32 sums of the very products torch's GEMM would take
+    assert torch.equal(dx == 0, ~keep | (dx == 0))
+
+
 @pytest.mark.parametrize("numel", [1, 6144 * 3001 + 7])
 def test_silu_mul_kernels_equal_float32(numel):
     g = torch.Generator(device="cuda").manual_seed(numel)

@@ -152,3 +152,87 @@ def _gather_rows_bwd(G, FIRST, SECOND, DX, W, BLOCK: tl.constexpr):
         acc = tl.load(G + i1 * W + cols, mask=keep, other=0.0).to(tl.float32)
         acc += tl.where(twice, tl.load(G + i2 * W + cols, mask=keep, other=0.0).to(tl.float32), 0.0)
         tl.store(DX + row * W + cols, acc.to(DX.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """a @ b + acc; with UPCAST (Triton's interpreter, whose dot mishandles bfloat16) on the operands' float32
+    values, the same sum as the tensor cores' float32 accumulation of them."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _kept(seed, offs, p):
+    """Whether dropout keeps the element at flat index `offs` (int32) of a (M, K) input: Philox keyed by the
+    call's seed and the element's index, so every kernel of one call draws the same mask without storing it."""
+    return tl.rand(seed, offs) >= p
+
+
+@triton.jit(do_not_specialize=["seed", "M"])
+def _lora_keep(seed, OUT, M, K, p, BLOCK: tl.constexpr):
+    """The mask the kernels below apply, as int8 (M, K): what the tests compare them with."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + offs, _kept(seed, offs, p).to(tl.int8), mask=offs < M * K)
+
+
+@triton.jit(do_not_specialize=["seed", "M"])
+def _lora_drop_down(X, A, seed, T, M, K, R, p, inv_keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_R: tl.constexpr, UPCAST: tl.constexpr):
+    """T (M, R) = dropout(X) @ A^T for X (M, K) and A (R, K) of X's dtype: the dropped input, each element rounded
+    to the dtype as x * mask / (1 - p) is, lives in registers only; float32 accumulation."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ranks = tl.arange(0, BLOCK_R)
+    rmask = rows < M
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        offs = rows[:, None] * K + cols[None, :]
+        m = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + offs, mask=m, other=0.0)
+        xd = tl.where(_kept(seed, offs, p), x.to(tl.float32) * inv_keep, 0.0).to(x.dtype)
+        a = tl.load(A + ranks[None, :] * K + cols[:, None], mask=cmask[:, None] & (ranks < R)[None, :], other=0.0)
+        acc = _dot(xd, a, acc, UPCAST)
+    tl.store(T + rows[:, None] * R + ranks[None, :], acc.to(T.dtype.element_ty),
+             mask=rmask[:, None] & (ranks < R)[None, :])
+
+
+@triton.jit(do_not_specialize=["seed", "M"])
+def _lora_drop_dx(GT, A, seed, DX, M, K, R, p, coef, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_R: tl.constexpr, UPCAST: tl.constexpr):
+    """DX (M, K) = ((GT @ A) * mask) * coef for GT (M, R) and A (R, K): the input's gradient through the adapter
+    (coef: the adapter's scale over 1 - p), in float32 and rounded once."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ranks = tl.arange(0, BLOCK_R)
+    rmask, cmask, kmask = rows < M, cols < K, ranks < R
+    gt = tl.load(GT + rows[:, None] * R + ranks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    a = tl.load(A + ranks[:, None] * K + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
+    v = _dot(gt, a, tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32), UPCAST)
+    offs = rows[:, None] * K + cols[None, :]
+    d = tl.where(_kept(seed, offs, p), v * coef, 0.0)
+    tl.store(DX + offs, d.to(DX.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit(do_not_specialize=["seed", "M", "rows_per_program"])
+def _lora_drop_da(GT, X, seed, P, M, K, R, p, inv_keep, rows_per_program, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr):
+    """P[s] (R, K) = GT[rows of s]^T @ dropout(X)[rows of s], float32: program (k, s) sums its span of rows for
+    one block of columns; the caller sums the spans (no atomics: the same sum every run)."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    span = tl.program_id(1)
+    ranks = tl.arange(0, BLOCK_R)
+    cmask, kmask = cols < K, ranks < R
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    start = span * rows_per_program
+    for i in range(0, rows_per_program, BLOCK_M):
+        rows = start + i + tl.arange(0, BLOCK_M)
+        rmask = (rows < M) & (rows < start + rows_per_program)
+        offs = rows[:, None] * K + cols[None, :]
+        x = tl.load(X + offs, mask=rmask[:, None] & cmask[None, :], other=0.0)
+        xd = tl.where(_kept(seed, offs, p), x.to(tl.float32) * inv_keep, 0.0).to(x.dtype)
+        gt = tl.load(GT + rows[None, :] * R + ranks[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
+        acc = _dot(gt, xd, acc, UPCAST)
+    tl.store(P + span * R * K + ranks[:, None] * K + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])

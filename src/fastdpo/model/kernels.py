@@ -204,6 +204,89 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool =
     return y.transpose(1, 2)
 
 
+LORA_MAX_RANK = 128  # above it the LoRA dropout kernels' register tiles grow too large: the torch path serves
+LORA_BLOCK_M, LORA_BLOCK_K = 32, 128
+LORA_KEEP_BLOCK = 1024
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    return INTERPRET and t.dtype != torch.float32
+
+
+def lora_rank_block(rank: int) -> int:
+    return max(16, next_power_of_2(rank))  # tl.dot's smallest side
+
+
+def lora_dropout_serves(x: torch.Tensor, rank: int) -> bool:
+    """The LoRA dropout kernels serve a (M, K) input `x` for an adapter of `rank`: `available(x)`, a rank they
+    hold in registers, and fewer than 2**31 elements (the masks are keyed by an element's int32 index)."""
+    return available(x) and x.dim() == 2 and rank <= LORA_MAX_RANK and x.numel() < 2**31
+
+
+def lora_dropout_seed() -> int:
+    """A 31-bit seed from torch's CPU generator (no device work, no sync): what keys one call's masks. A recompute
+    that restores the generator's state draws the same seed, hence the same masks."""
+    return int(torch.randint(2**31 - 1, (1,)).item())
+
+
+def lora_dropout_keep(seed: int, shape: tuple[int, int], p: float, device: torch.device) -> torch.Tensor:
+    """The bool mask (M, K) that the LoRA dropout kernels apply for `seed` and drop probability `p`."""
+    m, k = shape
+    out = torch.empty((m, k), dtype=torch.int8, device=device)
+    if out.numel():
+        jitted()._lora_keep[(cdiv(out.numel(), LORA_KEEP_BLOCK),)](seed, out, m, k, p, BLOCK=LORA_KEEP_BLOCK,
+                                                                   num_warps=4)
+    return out.bool()
+
+
+def lora_dropout_down(x: torch.Tensor, a: torch.Tensor, seed: int, p: float) -> torch.Tensor:
+    """(x * mask / (1 - p)) @ a^T for x (M, K) and a (R, K) of x's dtype, the mask drawn from `seed` and never
+    stored: (M, R) in x's dtype, float32 accumulation."""
+    m, k = x.shape
+    r = a.shape[0]
+    x, a = x.contiguous(), a.contiguous()
+    t = torch.empty((m, r), dtype=x.dtype, device=x.device)
+    if m:
+        jitted()._lora_drop_down[(cdiv(m, LORA_BLOCK_M),)](x, a, seed, t, m, k, r, p, 1.0 / (1.0 - p),
+                                                           BLOCK_M=LORA_BLOCK_M, BLOCK_K=LORA_BLOCK_K,
+                                                           BLOCK_R=lora_rank_block(r), UPCAST=_upcast(x), num_warps=4)
+    return t
+
+
+def lora_dropout_input_grad(gt: torch.Tensor, a: torch.Tensor, seed: int, p: float,
+                            scale: float) -> torch.Tensor:
+    """The gradient of `lora_dropout_down`'s x for the gradient `gt` (M, R) of its output, times `scale`:
+    ((gt @ a) * mask) * scale / (1 - p), (M, K) in gt's dtype, rounded once."""
+    m, r = gt.shape
+    k = a.shape[1]
+    gt, a = gt.contiguous(), a.contiguous()
+    dx = torch.empty((m, k), dtype=gt.dtype, device=gt.device)
+    if m and k:
+        grid = (cdiv(m, LORA_BLOCK_M), cdiv(k, LORA_BLOCK_K))
+        jitted()._lora_drop_dx[grid](gt, a, seed, dx, m, k, r, p, scale / (1.0 - p), BLOCK_M=LORA_BLOCK_M,
+                                     BLOCK_K=LORA_BLOCK_K, BLOCK_R=lora_rank_block(r), UPCAST=_upcast(gt), num_warps=4)
+    return dx
+
+
+def lora_dropout_weight_grad(gt: torch.Tensor, x: torch.Tensor, seed: int, p: float) -> torch.Tensor:
+    """gt^T @ (x * mask / (1 - p)): the gradient of `lora_dropout_down`'s a for the gradient `gt` (M, R) of its
+    output, (R, K) in float32. Spans of rows are summed by programs of their own, then added (no atomics)."""
+    m, r = gt.shape
+    k = x.shape[1]
+    gt, x = gt.contiguous(), x.contiguous()
+    col_blocks = cdiv(k, LORA_BLOCK_K)
+    spans = max(1, min(cdiv(m, LORA_BLOCK_M), cdiv(_programs(x.device.index or 0) if x.is_cuda else 8, col_blocks)))
+    per = cdiv(cdiv(m, spans), LORA_BLOCK_M) * LORA_BLOCK_M if m else LORA_BLOCK_M
+    spans = max(1, cdiv(m, per))
+    parts = torch.empty((spans, r, k), dtype=torch.float32, device=x.device)
+    if not m:
+        return parts.zero_().sum(0)
+    jitted()._lora_drop_da[(col_blocks, spans)](gt, x, seed, parts, m, k, r, p, 1.0 / (1.0 - p), per,
+                                                BLOCK_M=LORA_BLOCK_M, BLOCK_K=LORA_BLOCK_K,
+                                                BLOCK_R=lora_rank_block(r), UPCAST=_upcast(x), num_warps=4)
+    return parts.sum(0) if spans > 1 else parts[0]
+
+
 def _text_config(config):
     return getattr(config, "text_config", None) or config
 
@@ -229,11 +312,12 @@ _failed: list[str] = []  # why the kernels could not be built here (then nothing
 
 
 def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None,
-              lora: bool | None) -> list:
+              lora: bool | None, dropout_rank: int = 0) -> list:
     """Every kernel launch a model of these norm widths and head size trains with, as thunks on tiny inputs: each
     builds its kernel as training would (the same dtypes, constants and specialisations). `lora`: True (LoRA: the
     norms' weights are frozen), False (full fine-tuning: they train, and the down projections are plain), None (both
-    kinds). A launch left out only means its kernel is built when first used."""
+    kinds). `dropout_rank`: the rank of LoRA adapters trained with dropout, whose kernels are built too (0: none).
+    A launch left out only means its kernel is built when first used."""
     z = functools.partial(torch.zeros, dtype=dtype, device=device)
     grads = (False,) if lora else (True,) if lora is False else (True, False)
     products = (True,) if lora is False else (True, False)  # a plain down projection, or one LoRA wraps
@@ -252,26 +336,32 @@ def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_
     if head_dim and head_dim % 2 == 0:  # the projections' layout: (B, S, H, D) seen as (B, H, S, D)
         q, c = z(1, 3, 2, head_dim).transpose(1, 2), z(1, 3, head_dim)
         out += [functools.partial(rope, q, c, c, b) for b in (False, True)]
+    if 0 < dropout_rank <= LORA_MAX_RANK:  # widths that are multiples of 16 (Triton specialises on it), as models'
+        x, a, gt = z(2, 64), z(dropout_rank, 64), z(2, dropout_rank)
+        out += [functools.partial(lora_dropout_down, x, a, 1, 0.5),
+                functools.partial(lora_dropout_input_grad, gt, a, 1, 0.5, 1.0),
+                functools.partial(lora_dropout_weight_grad, gt, x, 1, 0.5)]
     return out
 
 
-def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None, lora: bool | None) -> None:
+def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None, lora: bool | None,
+           dropout_rank: int = 0) -> None:
     """Run the launches of `_launches` once."""
-    for launch in _launches(widths, dtype, device, head_dim, lora):
+    for launch in _launches(widths, dtype, device, head_dim, lora, dropout_rank):
         launch()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
 def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
-                lora: bool | None = None) -> threading.Thread | None:
-    """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with (`lora`: see
-    `_launches`), on a background thread, while the main thread reads data and loads weights: on a machine with empty
-    caches the builds (and Triton's launcher code for each) take several seconds, which the first forward would
-    otherwise wait for. `ready` waits for it and tells whether the kernels can be used."""
+                lora: bool | None = None, dropout_rank: int = 0) -> threading.Thread | None:
+    """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with (`lora` and
+    `dropout_rank`: see `_launches`), on a background thread, while the main thread reads data and loads weights: on
+    a machine with empty caches the builds (and Triton's launcher code for each) take several seconds, which the
+    first forward would otherwise wait for. `ready` waits for it and tells whether the kernels can be used."""
     if not HAVE_TRITON or dtype not in DTYPES or not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
         return None
-    key = (tuple(widths), dtype, str(device), head_dim, lora)
+    key = (tuple(widths), dtype, str(device), head_dim, lora, dropout_rank)
     if key in _builds:
         return _builds[key]
 
@@ -279,9 +369,9 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
         try:
             if device.type == "cuda":
                 with torch.cuda.device(device):
-                    _build(widths, dtype, device, head_dim, lora)
+                    _build(widths, dtype, device, head_dim, lora, dropout_rank)
             else:
-                _build(widths, dtype, device, head_dim, lora)
+                _build(widths, dtype, device, head_dim, lora, dropout_rank)
         except Exception as e:  # noqa: BLE001 - any failure means: do not use them; `ready` says why
             _failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
@@ -292,10 +382,10 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
 
 
 def ready(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
-          lora: bool | None = None) -> str | None:
+          lora: bool | None = None, dropout_rank: int = 0) -> str | None:
     """Wait until the kernels for these widths are built (by `build_ahead`'s thread, or now); None when they serve,
     else why not (after which `available` says no)."""
-    thread = build_ahead(widths, dtype, device, head_dim, lora)
+    thread = build_ahead(widths, dtype, device, head_dim, lora, dropout_rank)
     if thread is None:
         return "Triton is not installed, or the device or dtype is not one the kernels serve"
     thread.join()

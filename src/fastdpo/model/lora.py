@@ -9,6 +9,11 @@ GEMM's epilogue (`addmm`); only x (shared by q, k and v) and x @ A^T (rank colum
 the adapters' gradients come out in their own dtype. Numerically: the same sum, rounded once to the output dtype,
 with A and B read in the input's dtype.
 
+With dropout, where the Triton kernels serve (CUDA), dropout(x) is never written: one kernel applies the mask in
+registers on the way into x @ A^T, and the backward's two kernels draw the same mask again (Philox keyed by a seed
+from torch's generator and each element's index) for x's and A's gradients. Elsewhere the mask is drawn by
+`bernoulli_`, kept for the backward, and applied by torch.
+
 Served: one active adapter of plain LoRA (no DoRA or other variant, no bias on B), not merged, in a module whose
 dropout is off or an `nn.Dropout`. Everything else (adapters disabled, as the reference's forward runs, merged weights, several
 adapters, per-row adapter names, a compiled region) runs PEFT's own forward.
@@ -20,6 +25,7 @@ import types
 
 import torch
 
+from fastdpo.model import kernels
 from fastdpo.model.logprobs import has_out_dtype
 
 
@@ -39,30 +45,41 @@ class _LoraAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, A, B, scale: float, p: float):
         a_w, b_w = A.to(x.dtype), B.to(x.dtype)
-        mask = None
-        xd = x
-        if p > 0:
-            mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
-            xd = x * mask * (1.0 / (1.0 - p))
-        t = xd @ a_w.t()  # (N, r)
+        mask = seed = None
+        if p > 0 and kernels.lora_dropout_serves(x, a_w.shape[0]):
+            seed = kernels.lora_dropout_seed()  # the masks: drawn in each kernel from it, never stored
+            t = kernels.lora_dropout_down(x, a_w, seed, p)
+        else:
+            xd = x
+            if p > 0:
+                mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
+                xd = x * mask * (1.0 / (1.0 - p))
+            t = xd @ a_w.t()  # (N, r)
         out = torch.addmm(y, t, b_w.t(), alpha=scale)
         ctx.save_for_backward(x, t, a_w, b_w, mask)
-        ctx.scale, ctx.p, ctx.dtypes = scale, p, (A.dtype, B.dtype)
+        ctx.scale, ctx.p, ctx.seed, ctx.dtypes = scale, p, seed, (A.dtype, B.dtype)
         return out
 
     @staticmethod
     def backward(ctx, g):
         x, t, a_w, b_w, mask = ctx.saved_tensors
-        scale, p = ctx.scale, ctx.p
+        scale, p, seed = ctx.scale, ctx.p, ctx.seed
         g = g.contiguous()
         gt = g @ b_w  # (N, r): the gradient of t, before the scale
         g_x = g_a = g_b = None
         if ctx.needs_input_grad[0]:
-            g_x = torch.mm(gt, a_w)
-            g_x = g_x.mul_(scale) if mask is None else g_x.mul_(mask).mul_(scale / (1.0 - p))
+            if seed is not None:
+                g_x = kernels.lora_dropout_input_grad(gt, a_w, seed, p, scale)
+            else:
+                g_x = torch.mm(gt, a_w)
+                g_x = g_x.mul_(scale) if mask is None else g_x.mul_(mask).mul_(scale / (1.0 - p))
         if ctx.needs_input_grad[2]:
-            xd = x if mask is None else x * mask * (1.0 / (1.0 - p))
-            g_a = _weight_grad(gt.t(), xd, scale, ctx.dtypes[0])
+            if seed is not None:
+                g_a = kernels.lora_dropout_weight_grad(gt, x, seed, p)
+                g_a = (g_a.mul_(scale) if scale != 1.0 else g_a).to(ctx.dtypes[0])
+            else:
+                xd = x if mask is None else x * mask * (1.0 / (1.0 - p))
+                g_a = _weight_grad(gt.t(), xd, scale, ctx.dtypes[0])
         if ctx.needs_input_grad[3]:
             g_b = _weight_grad(g.t(), t, scale, ctx.dtypes[1])
         return g_x, g, g_a, g_b, None, None

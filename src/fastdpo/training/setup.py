@@ -135,7 +135,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
     dtype = resolve_dtype(cfg.torch_dtype, device)
     seed_all(cfg.seed)
     if kernels_wanted(cfg.kernels, device, cfg.torch_compile):
-        build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code, cfg.uses_lora)
+        build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code, cfg.uses_lora, dropout_rank(cfg))
 
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
@@ -214,12 +214,18 @@ def _config_fields(model: str, trust_remote_code: bool):
         return None
 
 
+def dropout_rank(cfg: TrainConfig) -> int:
+    """The rank of the LoRA adapters whose dropout the lean LoRA linear applies (its kernels are built ahead), else 0
+    (a quantised base's LoRA layers keep PEFT's forward; an adapter dir's rank is known once it loads)."""
+    return cfg.lora_rank if cfg.train_type == "lora" and cfg.lora_dropout > 0 and not cfg.adapters else 0
+
+
 def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
-                        lora: bool) -> None:
+                        lora: bool, lora_dropout_rank: int = 0) -> None:
     """Start building the Triton kernels for this model's shapes (its config) while data and weights load."""
     config = _config_fields(model, trust_remote_code)
     if config is not None and (widths := norm_widths(config)):
-        build_ahead(widths, dtype, device, head_size(config), lora)
+        build_ahead(widths, dtype, device, head_size(config), lora, lora_dropout_rank)
 
 
 def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
@@ -230,7 +236,7 @@ def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
         return
     lm = base_causal_lm(model)
     why = kernels_ready(norm_widths(lm.config), lm.get_input_embeddings().weight.dtype, device, head_size(lm.config),
-                        cfg.uses_lora)
+                        cfg.uses_lora, dropout_rank(cfg))
     if why is not None:
         if cfg.kernels == "triton":
             raise FastDPOError(f"--kernels triton: the Triton kernels cannot be built on this GPU ({why}). Use "
