@@ -164,21 +164,29 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _kept(seed, offs, p):
-    """Whether dropout keeps the element at flat index `offs` (int32) of a (M, K) input: Philox keyed by the
-    call's seed and the element's index, so every kernel of one call draws the same mask without storing it."""
-    return tl.rand(seed, offs) >= p
+def _kept(seed, rows, k0, K, threshold, BLOCK_K: tl.constexpr):
+    """Which elements of rows `rows`, columns k0 .. k0 + BLOCK_K of a (M, K) input dropout keeps (k0 a multiple of 4):
+    one Philox call per four columns (keyed by the call's seed and the group's index), each column taking its own
+    one of the four words, kept when the word's top 24 bits reach `threshold` (p * 2**24, rounded up). Every kernel
+    of one call thus draws the same mask without storing it."""
+    groups = rows[:, None] * tl.cdiv(K, 4) + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, groups)
+    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # column j: word j % 4 of group j // 4
+    return (r.to(tl.uint32, bitcast=True) >> 8).to(tl.int32) >= threshold
 
 
 @triton.jit(do_not_specialize=["seed", "M"])
-def _lora_keep(seed, OUT, M, K, p, BLOCK: tl.constexpr):
+def _lora_keep(seed, OUT, M, K, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The mask the kernels below apply, as int8 (M, K): what the tests compare them with."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(OUT + offs, _kept(seed, offs, p).to(tl.int8), mask=offs < M * K)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    keep = _kept(seed, rows, k0, K, threshold, BLOCK_K)
+    tl.store(OUT + rows[:, None] * K + cols[None, :], keep.to(tl.int8), mask=(rows < M)[:, None] & (cols < K)[None, :])
 
 
 @triton.jit(do_not_specialize=["seed", "M"])
-def _lora_drop_down(X, A, seed, T, M, K, R, p, inv_keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _lora_drop_down(X, A, seed, T, M, K, R, threshold, inv_keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_R: tl.constexpr, UPCAST: tl.constexpr):
     """T (M, R) = dropout(X) @ A^T for X (M, K) and A (R, K) of X's dtype: the dropped input, each element rounded
     to the dtype as x * mask / (1 - p) is, lives in registers only; float32 accumulation."""
@@ -189,10 +197,9 @@ def _lora_drop_down(X, A, seed, T, M, K, R, p, inv_keep, BLOCK_M: tl.constexpr, 
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         cmask = cols < K
-        offs = rows[:, None] * K + cols[None, :]
-        m = rmask[:, None] & cmask[None, :]
-        x = tl.load(X + offs, mask=m, other=0.0)
-        xd = tl.where(_kept(seed, offs, p), x.to(tl.float32) * inv_keep, 0.0).to(x.dtype)
+        x = tl.load(X + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        keep = _kept(seed, rows, k0, K, threshold, BLOCK_K)
+        xd = tl.where(keep, x.to(tl.float32) * inv_keep, 0.0).to(x.dtype)
         a = tl.load(A + ranks[None, :] * K + cols[:, None], mask=cmask[:, None] & (ranks < R)[None, :], other=0.0)
         acc = _dot(xd, a, acc, UPCAST)
     tl.store(T + rows[:, None] * R + ranks[None, :], acc.to(T.dtype.element_ty),
@@ -200,28 +207,29 @@ def _lora_drop_down(X, A, seed, T, M, K, R, p, inv_keep, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["seed", "M"])
-def _lora_drop_dx(GT, A, seed, DX, M, K, R, p, coef, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _lora_drop_dx(GT, A, seed, DX, M, K, R, threshold, coef, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_R: tl.constexpr, UPCAST: tl.constexpr):
     """DX (M, K) = ((GT @ A) * mask) * coef for GT (M, R) and A (R, K): the input's gradient through the adapter
     (coef: the adapter's scale over 1 - p), in float32 and rounded once."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
     ranks = tl.arange(0, BLOCK_R)
     rmask, cmask, kmask = rows < M, cols < K, ranks < R
     gt = tl.load(GT + rows[:, None] * R + ranks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
     a = tl.load(A + ranks[:, None] * K + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
     v = _dot(gt, a, tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32), UPCAST)
-    offs = rows[:, None] * K + cols[None, :]
-    d = tl.where(_kept(seed, offs, p), v * coef, 0.0)
-    tl.store(DX + offs, d.to(DX.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    d = tl.where(_kept(seed, rows, k0, K, threshold, BLOCK_K), v * coef, 0.0)
+    tl.store(DX + rows[:, None] * K + cols[None, :], d.to(DX.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit(do_not_specialize=["seed", "M", "rows_per_program"])
-def _lora_drop_da(GT, X, seed, P, M, K, R, p, inv_keep, rows_per_program, BLOCK_M: tl.constexpr,
+def _lora_drop_da(GT, X, seed, P, M, K, R, threshold, inv_keep, rows_per_program, BLOCK_M: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr):
     """P[s] (R, K) = GT[rows of s]^T @ dropout(X)[rows of s], float32: program (k, s) sums its span of rows for
     one block of columns; the caller sums the spans (no atomics: the same sum every run)."""
-    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(0) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
     span = tl.program_id(1)
     ranks = tl.arange(0, BLOCK_R)
     cmask, kmask = cols < K, ranks < R
@@ -230,9 +238,9 @@ def _lora_drop_da(GT, X, seed, P, M, K, R, p, inv_keep, rows_per_program, BLOCK_
     for i in range(0, rows_per_program, BLOCK_M):
         rows = start + i + tl.arange(0, BLOCK_M)
         rmask = (rows < M) & (rows < start + rows_per_program)
-        offs = rows[:, None] * K + cols[None, :]
-        x = tl.load(X + offs, mask=rmask[:, None] & cmask[None, :], other=0.0)
-        xd = tl.where(_kept(seed, offs, p), x.to(tl.float32) * inv_keep, 0.0).to(x.dtype)
+        x = tl.load(X + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        keep = _kept(seed, rows, k0, K, threshold, BLOCK_K)
+        xd = tl.where(keep, x.to(tl.float32) * inv_keep, 0.0).to(x.dtype)
         gt = tl.load(GT + rows[None, :] * R + ranks[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
         acc = _dot(gt, xd, acc, UPCAST)
     tl.store(P + span * R * K + ranks[:, None] * K + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])

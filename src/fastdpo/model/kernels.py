@@ -206,7 +206,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool =
 
 LORA_MAX_RANK = 128  # above it the LoRA dropout kernels' register tiles grow too large: the torch path serves
 LORA_BLOCK_M, LORA_BLOCK_K = 32, 128
-LORA_KEEP_BLOCK = 1024
+
+
+def lora_dropout_threshold(p: float) -> int:
+    """The kernels keep an element when the top 24 bits of its random word reach this: a drop probability of p
+    to within 2**-24, as torch's float32 uniforms give."""
+    return math.ceil(p * 2**24)
 
 
 def _upcast(t: torch.Tensor) -> bool:
@@ -234,8 +239,8 @@ def lora_dropout_keep(seed: int, shape: tuple[int, int], p: float, device: torch
     m, k = shape
     out = torch.empty((m, k), dtype=torch.int8, device=device)
     if out.numel():
-        jitted()._lora_keep[(cdiv(out.numel(), LORA_KEEP_BLOCK),)](seed, out, m, k, p, BLOCK=LORA_KEEP_BLOCK,
-                                                                   num_warps=4)
+        jitted()._lora_keep[(cdiv(m, LORA_BLOCK_M), cdiv(k, LORA_BLOCK_K))](
+            seed, out, m, k, lora_dropout_threshold(p), BLOCK_M=LORA_BLOCK_M, BLOCK_K=LORA_BLOCK_K, num_warps=4)
     return out.bool()
 
 
@@ -247,7 +252,7 @@ def lora_dropout_down(x: torch.Tensor, a: torch.Tensor, seed: int, p: float) -> 
     x, a = x.contiguous(), a.contiguous()
     t = torch.empty((m, r), dtype=x.dtype, device=x.device)
     if m:
-        jitted()._lora_drop_down[(cdiv(m, LORA_BLOCK_M),)](x, a, seed, t, m, k, r, p, 1.0 / (1.0 - p),
+        jitted()._lora_drop_down[(cdiv(m, LORA_BLOCK_M),)](x, a, seed, t, m, k, r, lora_dropout_threshold(p), 1.0 / (1.0 - p),
                                                            BLOCK_M=LORA_BLOCK_M, BLOCK_K=LORA_BLOCK_K,
                                                            BLOCK_R=lora_rank_block(r), UPCAST=_upcast(x), num_warps=4)
     return t
@@ -263,7 +268,7 @@ def lora_dropout_input_grad(gt: torch.Tensor, a: torch.Tensor, seed: int, p: flo
     dx = torch.empty((m, k), dtype=gt.dtype, device=gt.device)
     if m and k:
         grid = (cdiv(m, LORA_BLOCK_M), cdiv(k, LORA_BLOCK_K))
-        jitted()._lora_drop_dx[grid](gt, a, seed, dx, m, k, r, p, scale / (1.0 - p), BLOCK_M=LORA_BLOCK_M,
+        jitted()._lora_drop_dx[grid](gt, a, seed, dx, m, k, r, lora_dropout_threshold(p), scale / (1.0 - p), BLOCK_M=LORA_BLOCK_M,
                                      BLOCK_K=LORA_BLOCK_K, BLOCK_R=lora_rank_block(r), UPCAST=_upcast(gt), num_warps=4)
     return dx
 
@@ -281,7 +286,7 @@ def lora_dropout_weight_grad(gt: torch.Tensor, x: torch.Tensor, seed: int, p: fl
     parts = torch.empty((spans, r, k), dtype=torch.float32, device=x.device)
     if not m:
         return parts.zero_().sum(0)
-    jitted()._lora_drop_da[(col_blocks, spans)](gt, x, seed, parts, m, k, r, p, 1.0 / (1.0 - p), per,
+    jitted()._lora_drop_da[(col_blocks, spans)](gt, x, seed, parts, m, k, r, lora_dropout_threshold(p), 1.0 / (1.0 - p), per,
                                                 BLOCK_M=LORA_BLOCK_M, BLOCK_K=LORA_BLOCK_K,
                                                 BLOCK_R=lora_rank_block(r), UPCAST=_upcast(x), num_warps=4)
     return parts.sum(0) if spans > 1 else parts[0]
