@@ -162,7 +162,7 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     from fastdpo.training import setup
 
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
-    monkeypatch.setattr(setup, "kernels_ready", lambda widths, dtype, device, head_dim, lora: "RuntimeError: no sm_61 support")
+    monkeypatch.setattr(setup, "kernels_ready", lambda widths, dtype, device, head_dim, lora, rank: "RuntimeError: no sm_61 support")
     m = model("qwen3")
     cfg = TrainConfig(model="m", dataset=["d"])
     with caplog.at_level(logging.WARNING, logger="fastdpo"):
@@ -174,12 +174,37 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
         setup.fuse_kernels(cfg, model("qwen3"), torch.device("cpu"))
     widths = []
     monkeypatch.setattr(setup, "kernels_ready",
-                        lambda w, dtype, device, head_dim, lora: widths.append((w, dtype, head_dim, lora)))
+                        lambda w, dtype, device, head_dim, lora, rank: widths.append((w, dtype, head_dim, lora, rank)))
     cfg.kernels = "auto"
     fused = model("qwen3")
     setup.fuse_kernels(cfg, fused, torch.device("cpu"))
-    assert widths == [([64, 16], torch.float32, 16, False)]  # the hidden size and Qwen3's head size
+    assert widths == [([64, 16], torch.float32, 16, False, 0)]  # the hidden size and Qwen3's head size
     assert fused.model.norm._fastdpo_kernels and fused.model.layers[0].self_attn._fastdpo_kernels
+
+
+@pytest.mark.parametrize("train_type,dropout,adapters,rank", [("lora", 0.05, "", 16), ("lora", 0.0, "", 0),
+                                                              ("qlora", 0.05, "", 0), ("full", 0.05, "", 0),
+                                                              ("lora", 0.05, "adapter_dir", 0)])
+def test_lora_s_dropout_kernels_are_built_ahead_for_the_rank_that_trains(monkeypatch, tmp_path, train_type, dropout,
+                                                                         adapters, rank):
+    """The build started while data loads and the wait before fusing name the same LoRA dropout rank (one build,
+    not two): the configured rank where the lean LoRA linear applies dropout, else none."""
+    import json
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.training import setup
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
+    cfg = TrainConfig(model=str(tmp_path), dataset=["d"], train_type=train_type, lora_rank=16, lora_dropout=dropout,
+                      adapters=adapters)
+    started, waited = [], []
+    monkeypatch.setattr(setup, "build_ahead", lambda *a: started.append(a[-1]))
+    monkeypatch.setattr(setup, "kernels_ready", lambda *a: waited.append(a[-1]))
+    monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
+    setup.build_kernels_ahead(cfg.model, torch.float32, torch.device("cpu"), False, cfg.uses_lora,
+                              setup.dropout_rank(cfg))
+    setup.fuse_kernels(cfg, model("qwen3"), torch.device("cpu"))
+    assert started == waited == [rank]
 
 
 def test_a_non_standard_rotation_keeps_its_own_function(monkeypatch):
