@@ -463,29 +463,10 @@ def test_lora_dropout_masks_keep_one_minus_p_and_follow_the_seed(K):
 def test_the_lean_lora_forward_applies_the_kernels_mask_from_torch_s_generator(interpreted, model_dirs):
     """Where the kernels serve, the lean LoRA forward's dropout is theirs: the mask of a seed from torch's generator,
     the same in the backward; outputs and gradients equal the plain computation under that mask."""
-    from test_lora_fused import peft_model
+    from test_lora_fused import check_dropout_under_mask
 
-    from fastdpo.model import lora
-
-    model = peft_model(model_dirs, dropout=0.3)
-    layer = model.base_model.model.model.layers[0].mlp.down_proj
-    assert lora.fuse_lora(model)
-    model.train()
-    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    torch.manual_seed(7)
-    out = layer(x)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-    gx, ga, gb = torch.autograd.grad((out * w).sum(), (x, layer.lora_A["default"].weight, layer.lora_B["default"].weight))
-    torch.manual_seed(7)
-    keep = interpreted.lora_dropout_keep(interpreted.lora_dropout_seed(), tuple(x.shape), 0.3, x.device)
-    assert not keep.all()
-    xr = x.detach().clone().requires_grad_()
-    a, b = (p.detach().clone().requires_grad_() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight))
-    ref = layer.base_layer(xr) + 2.0 * ((xr * keep / 0.7) @ a.t()) @ b.t()
-    rx, ra, rb = torch.autograd.grad((ref * w).sum(), (xr, a, b))
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for got, want in ((gx, rx), (ga, ra), (gb, rb)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    check_dropout_under_mask(model_dirs, lambda x: interpreted.lora_dropout_keep(
+        interpreted.lora_dropout_seed(), tuple(x.shape), 0.3, x.device), atol=1e-5)
 
 
 def test_lora_dropout_on_the_kernels_recomputes_the_forward_s_masks(interpreted, model_dirs):

@@ -162,7 +162,8 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     from fastdpo.training import setup
 
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
-    monkeypatch.setattr(setup, "kernels_ready", lambda widths, dtype, device, head_dim, lora, rank: "RuntimeError: no sm_61 support")
+    monkeypatch.setattr(setup, "kernels_ready",
+                        lambda widths, dtype, device, head_dim, lora, rank: "RuntimeError: no sm_61 support")
     m = model("qwen3")
     cfg = TrainConfig(model="m", dataset=["d"])
     with caplog.at_level(logging.WARNING, logger="fastdpo"):

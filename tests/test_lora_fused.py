@@ -73,11 +73,13 @@ def test_in_bfloat16_the_lean_forward_is_as_close_to_float32_as_peft_s(model_dir
         assert err(results[True][1][k], g_want[k]) < 3 * err(results[False][1][k], g_want[k]) + 2e-2, k
 
 
-def test_dropout_is_drawn_once_and_applied_to_the_adapter_s_input_only(model_dirs):
-    """With p > 0: the mask from the generator's next draw, on the adapter's input; the base sees x as it is."""
+def check_dropout_under_mask(model_dirs, draw_mask, atol=1e-6):
+    """A LoRA down projection with dropout 0.3 through the lean forward, from torch's seed 7: output and gradients
+    equal the plain computation under the mask `draw_mask(x)` draws after the same seed. Returns the layer, its
+    input and copies of A and B."""
     model = peft_model(model_dirs, dropout=0.3)
     layer = model.base_model.model.model.layers[0].mlp.down_proj
-    lora.fuse_lora(model)
+    assert lora.fuse_lora(model)
     model.train()
     x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3), requires_grad=True)
     torch.manual_seed(7)
@@ -86,15 +88,22 @@ def test_dropout_is_drawn_once_and_applied_to_the_adapter_s_input_only(model_dir
     gx, ga, gb = torch.autograd.grad((out * w).sum(), (x, layer.lora_A["default"].weight, layer.lora_B["default"].weight))
 
     torch.manual_seed(7)
-    mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(0.7)
+    mask = draw_mask(x)
+    assert not mask.all()
     xr = x.detach().clone().requires_grad_()
     a, b = (p.detach().clone().requires_grad_() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight))
     ref = layer.base_layer(xr) + 2.0 * ((xr * mask / 0.7) @ a.t()) @ b.t()
     rx, ra, rb = torch.autograd.grad((ref * w).sum(), (xr, a, b))
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
     for got, want in ((gx, rx), (ga, ra), (gb, rb)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert not torch.equal(mask, torch.ones_like(mask))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
+    return layer, x, a, b
+
+
+def test_dropout_is_drawn_once_and_applied_to_the_adapter_s_input_only(model_dirs):
+    """With p > 0: the mask from the generator's next draw, on the adapter's input; the base sees x as it is."""
+    layer, x, a, b = check_dropout_under_mask(
+        model_dirs, lambda x: torch.empty_like(x, dtype=torch.bool).bernoulli_(0.7))
     layer.eval()  # no dropout when evaluating: the plain product
     torch.testing.assert_close(layer(x), layer.base_layer(x) + 2.0 * (x @ a.t()) @ b.t(), rtol=1e-5, atol=1e-6)
 
@@ -154,3 +163,18 @@ def test_training_s_lora_layers_take_the_lean_forward_unless_kernels_torch(tmp_p
     lean = [m.forward.__func__ is lora._lora_forward for m in layers if hasattr(m.forward, "__func__")]
     assert layers and lean.count(True) == (len(layers) if kernels == "auto" else 0)
     assert trainer.step().finite
+
+
+@pytest.mark.parametrize("value", ["1", "1.5", "-0.1", "nan"])
+def test_a_dropout_probability_outside_0_to_1_is_refused_with_its_range(value):
+    from fastdpo.cli import build_parser
+    from fastdpo.config import TrainConfig, build_config
+    from fastdpo.errors import FastDPOError
+
+    def parse(*flags):
+        return build_config(build_parser().parse_args(["train", "--model", "m", "--dataset", "d", *flags]), TrainConfig)
+
+    with pytest.raises(FastDPOError, match=r"--lora_dropout is a drop probability in \[0, 1\)"):
+        parse("--train_type", "lora", "--lora_dropout", value).validate_training()
+    parse("--train_type", "lora", "--lora_dropout", "0").validate_training()
+    parse("--train_type", "lora", "--lora_dropout", "0.99").validate_training()

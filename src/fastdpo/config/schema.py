@@ -456,6 +456,9 @@ class TrainConfig(DataReading, ModelSection):
             raise FastDPOError("--max_tokens_per_batch must be 0 (off) or at least 16.")
         if self.uses_lora and self.lora_rank < 1:
             raise FastDPOError(f"--lora_rank must be >= 1, got {self.lora_rank}.")
+        if self.uses_lora and not 0 <= self.lora_dropout < 1:  # also refuses NaN
+            raise FastDPOError(f"--lora_dropout is a drop probability in [0, 1) (0.05 by default, 0 for none), got "
+                               f"{self.lora_dropout}.")
         check_installed(report_targets(self.report_to))
         if self.plot:
             require_matplotlib("--plot")
