@@ -36,13 +36,15 @@ def test_rms_norm_kernels_equal_float32(width, rows):
 
 @pytest.mark.parametrize("width,rank", [(4096, 16), (12288, 8), (2048, 64)])
 @pytest.mark.parametrize("rows", [1, 3001])
-def test_lora_dropout_kernels_equal_float32_under_their_mask(width, rank, rows):
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_lora_dropout_kernels_equal_float32_under_their_mask(width, rank, rows, dtype, tol):
     """The adapter's dropped product and both gradients at real widths, against float32 under the kernels' own
-    mask; the dropped input rounds as torch's x * mask / (1 - p) does."""
+    mask; the dropped input rounds as torch's x * mask / (1 - p) does. Float32 inputs are multiplied in full
+    precision (no TF32)."""
     g = torch.Generator(device="cuda").manual_seed(width + rank + rows)
-    x = torch.randn(rows, width, device="cuda", generator=g).bfloat16()
-    a = (0.02 * torch.randn(rank, width, device="cuda", generator=g)).bfloat16()
-    gt = torch.randn(rows, rank, device="cuda", generator=g).bfloat16()
+    x = torch.randn(rows, width, device="cuda", generator=g).to(dtype)
+    a = (0.02 * torch.randn(rank, width, device="cuda", generator=g)).to(dtype)
+    gt = torch.randn(rows, rank, device="cuda", generator=g).to(dtype)
     p, seed = 0.05, 99 + rows
     keep = kernels.lora_dropout_keep(seed, (rows, width), p, x.device)
     assert abs(keep.float().mean().item() - (1 - p)) < (0.01 if rows > 1 else 0.05)
@@ -50,9 +52,10 @@ def test_lora_dropout_kernels_equal_float32_under_their_mask(width, rank, rows):
     dx = kernels.lora_dropout_input_grad(gt, a, seed, p, 2.0)
     da = kernels.lora_dropout_weight_grad(gt, x, seed, p)
     xd = x * keep * (1.0 / (1.0 - p))  # torch's rounding of the dropped input
-    assert rel(t, xd.float() @ a.float().t()) < 1e-2
-    assert rel(dx, (gt.float() @ a.float()) * keep * (2.0 / (1 - p))) < 1e-2
-    assert rel(da, gt.float().t() @ xd.float()) < 1e-4  # float32 sums of the very products torch's GEMM would take
+    f64 = {"dtype": torch.float64}
+    assert rel(t, xd.to(**f64) @ a.to(**f64).t()) < tol
+    assert rel(dx, (gt.to(**f64) @ a.to(**f64)) * keep * (2.0 / (1 - p))) < tol
+    assert rel(da, gt.to(**f64).t() @ xd.to(**f64)) < 1e-4  # float32 sums of the very products (TF32: ~1e-3)
     assert torch.equal(dx == 0, ~keep | (dx == 0))
 
 

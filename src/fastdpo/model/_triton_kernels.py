@@ -156,10 +156,13 @@ def _gather_rows_bwd(G, FIRST, SECOND, DX, W, BLOCK: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr):
-    """a @ b + acc; with UPCAST (Triton's interpreter, whose dot mishandles bfloat16) on the operands' float32
-    values, the same sum as the tensor cores' float32 accumulation of them."""
+    """a @ b + acc, float32 operands in full precision (not TF32, as torch's matmul by default); with UPCAST
+    (Triton's interpreter, whose dot mishandles bfloat16) on the operands' float32 values, the same sum as the
+    tensor cores' float32 accumulation of them."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
