@@ -55,7 +55,7 @@ def test_regions_add_up_to_what_autograd_keeps_and_policies_keep_less():
     assert act.per_token("none") > act.per_token("ffn") > act.per_token("full")
 
 
-@pytest.mark.parametrize("policy", ["ffn", "full"])
+@pytest.mark.parametrize("policy", ["ffn", "full", "keep:1", "keep:2"])
 def test_a_policy_estimate_bounds_what_autograd_keeps_under_it(policy):
     """What the checkpointed model really keeps (outer saves only: checkpointing keeps its inputs by reference) is
     below the estimate, and the estimate is not loose by more than the per-layer inputs and one layer's tensors."""
@@ -89,7 +89,9 @@ def test_choose_fit_picks_the_fastest_that_fits_then_a_budget(caplog):
         return int(static + head + per[policy] * tokens * 1.10 + GIB / 2) + 1
 
     assert choose_fit(act, static, head, limit_for("none"), tokens, 0, 2000).policy == "none"
-    assert choose_fit(act, static, head, limit_for("none") - 2, tokens, 0, 2000).policy == "ffn"
+    # just short of none: all layers but two keep their activations (keep:19 would hold one layer's input more than
+    # none, while its one recomputed layer runs), which recomputes less than ffn's every MLP
+    assert choose_fit(act, static, head, limit_for("none") - 2, tokens, 0, 2000, ffn_share=0.6).policy == "keep:18"
     assert choose_fit(act, static, head, limit_for("full"), tokens, 0, 2000).policy == "full"
     fit = choose_fit(act, static, head, limit_for("full") - GIB, tokens, 0, 2000)
     assert fit.policy == "full" and 2000 <= fit.budget < tokens and fit.budget % 256 == 0
@@ -97,6 +99,47 @@ def test_choose_fit_picks_the_fastest_that_fits_then_a_budget(caplog):
     fit = choose_fit(act, static, head, int(static * 1.2), tokens, 0, 90_001)  # not even the longest pair: warned
     assert fit.policy == "full" and fit.budget == 90_112
     assert "longest pair (90001 tokens) is estimated to need" in caplog.text
+
+
+def test_keep_takes_the_most_layers_that_fit_and_ffn_serves_when_it_recomputes_less():
+    act = ActivationBytes(mlp=480_000, layer=800_000, outside=2_000, layer_input=4_000, layers=20)
+    static, head, tokens = 10 * GIB, GIB, 100_000
+
+    def peak(policy):
+        return static + head + act.per_token(policy) * tokens * 1.10 + GIB / 2
+
+    assert act.per_token("keep:20") == act.per_token("none") and act.per_token("full") < act.per_token("keep:1")
+    for n in (1, 7, 13):
+        limit = int(peak(f"keep:{n}")) + 1
+        fit = choose_fit(act, static, head, limit, tokens, 0, 2000, ffn_share=0.6)
+        assert fit.policy == f"keep:{n}" and fit.estimates_gib[f"keep:{n}"] <= limit / GIB + 0.05, fit
+        assert peak(f"keep:{n + 1}") > limit
+    # ffn fits here, and keeps fewer layers' worth than keep:N would need: the cheaper recompute wins either way
+    limit = int(peak("ffn")) + 1
+    kept = max(n for n in range(1, 20) if peak(f"keep:{n}") <= limit)
+    assert choose_fit(act, static, head, limit, tokens, 0, 2000, ffn_share=0.2).policy == "ffn"
+    assert choose_fit(act, static, head, limit, tokens, 0, 2000, ffn_share=0.99).policy == f"keep:{kept}"
+
+
+def test_keep_checkpoints_all_layers_but_the_last_n_and_bad_values_are_refused():
+    from fastdpo.config import TrainConfig
+    from fastdpo.errors import FastDPOError
+
+    model = tiny(layers=4)
+    assert apply_checkpointing(model, "keep:1") == ["layers.0", "layers.1", "layers.2"]
+    assert apply_checkpointing(model, "keep:4") == [] and apply_checkpointing(model, "keep:9") == []
+    assert apply_checkpointing(model, "full") == [f"layers.{i}" for i in range(4)]
+    TrainConfig(model="m", dataset=["d"], gradient_checkpointing="keep:3").validate()
+    for bad in ("keep:0", "keep:x", "keep:"):
+        with pytest.raises(FastDPOError, match="keep:N"):
+            TrainConfig(model="m", dataset=["d"], gradient_checkpointing=bad).validate()
+
+
+def test_the_ffn_recompute_share_comes_from_the_layer_s_projections():
+    from fastdpo.training.fit import ffn_recompute_share
+
+    # Qwen3 tiny: q 64x64, k and v 32x64, o 64x64, gate and up 256x64 (down left out): 2*16384 / (12288 + 32768)
+    assert ffn_recompute_share(tiny()) == pytest.approx(32768 / (64 * 64 * 2 + 32 * 64 * 2 + 32768))
 
 
 def test_fit_is_no_checkpointing_off_cuda():
@@ -133,7 +176,8 @@ def test_fit_estimate_bounds_the_measured_peak_on_cuda():
                            DataOptions.for_scoring(cfg))
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, assemble(cfg, torch.device("cuda"), model, tok, ps))
-    assert trainer.cfg.gradient_checkpointing in ("none", "ffn", "full")
+    chosen = trainer.cfg.gradient_checkpointing
+    assert chosen in ("none", "ffn", "full") or chosen.startswith("keep:"), chosen
     trainer.step(ps[:8])
     trainer.step(ps[8:16])
     torch.cuda.synchronize()

@@ -387,7 +387,7 @@ def test_head_gradient_accumulates_in_float32_inside_the_gemm(monkeypatch):
     the path it replaced (kept for other devices); the hidden-state gradient is unchanged."""
     import fastdpo.model.logprobs as lp
 
-    assert lp._has_out_dtype()
+    assert lp.has_out_dtype()
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(2500, 256, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(4096, 256, device="cuda", generator=g) / 16).bfloat16().requires_grad_()
@@ -400,7 +400,7 @@ def test_head_gradient_accumulates_in_float32_inside_the_gemm(monkeypatch):
         return h.grad.clone(), w.grad.clone()
 
     h_new, w_new = grads()
-    monkeypatch.setattr(lp, "_has_out_dtype", lambda: False)
+    monkeypatch.setattr(lp, "has_out_dtype", lambda: False)
     h_old, w_old = grads()
     hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     logits = hd @ wd.t()

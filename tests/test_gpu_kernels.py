@@ -34,6 +34,29 @@ def test_rms_norm_kernels_equal_float32(width, rows):
     assert (y.float() - plain.float()).abs().max() <= plain.float().abs().max() * 2**-7  # eager's result but an ulp
 
 
+def test_direct_launches_serve_misaligned_views_and_other_counts_as_triton_s_dispatch_would():
+    """Each kernel is compiled on its first launch for what that launch's arguments allow (16-byte aligned
+    pointers, counts that are multiples of 16); later launches skip Triton's dispatch. Views at odd offsets and
+    other counts, in turn with aligned ones, must still give the float32 result."""
+    assert kernels._direct_launches(), "this Triton's dispatch is not the one `kernels.launch` repeats"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    width = 2048
+    base = torch.randn(70 * width + 8, device="cuda", generator=g).mul(2).bfloat16()
+    w = (1 + 0.2 * torch.randn(width, device="cuda", generator=g)).bfloat16()
+    runs = [(64, 0), (64, 0), (37, 0), (64, 3), (64, 3), (1, 5), (48, 0), (33, 1)]
+    for rows, offset in runs:
+        x = base[offset:offset + rows * width].view(rows, width)  # odd offsets: 2-byte aligned only
+        y, _ = kernels.rms_norm_forward(x, w, 1e-6)
+        xf = x.float()
+        assert rel(y, w.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)) < 1e-2, (rows, offset)
+        a, b = x.reshape(-1), base[-rows * width:]
+        p = kernels.silu_mul(a, b)
+        assert rel(p, F.silu(a.float()) * b.float()) < 1e-2, (rows, offset)
+    rms = kernels.jitted()._rms_fwd
+    served = [k for k in kernels._compiled if k[0] is rms]
+    assert any((torch.bfloat16, False) in k for k in served) and any((torch.bfloat16, True) in k for k in served)
+
+
 @pytest.mark.parametrize("width,rank", [(4096, 16), (12288, 8), (2048, 64)])
 @pytest.mark.parametrize("rows", [1, 3001])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])

@@ -234,9 +234,10 @@ class TrainConfig(DataReading, ModelSection):
     padding_free: bool = _f(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
     attn_impl: str = _f("auto", "auto|varlen|flex|dense|padded. auto: varlen on CUDA for bf16/fp16 models (flex for "
                         "float32), dense on CPU.")
-    gradient_checkpointing: str = _f("fit", "Activation checkpointing: fit|none|full|ffn|attn|every:K|auto (true or no "
-                                     "value = full). fit: the fastest of none, ffn and full whose peak memory, "
-                                     "estimated from one probe forward of the model, fits the GPU at the data's "
+    gradient_checkpointing: str = _f("fit", "Activation checkpointing: fit|none|full|ffn|attn|every:K|keep:N|auto (true "
+                                     "or no value = full; keep:N: full but the last N decoder layers, which keep "
+                                     "their activations). fit: the fastest of none, ffn, keep:N and full whose peak "
+                                     "memory, estimated from one probe forward of the model, fits the GPU at the data's "
                                      "largest micro-batch (with a token budget if even full does not, and lean "
                                      "norms and MLPs that keep fewer bytes when none does not); none off CUDA. "
                                      "auto: measure training steps of each instead.", bare="true")
@@ -621,7 +622,8 @@ def _choice(name: str, value: str, choices: tuple) -> None:
 
 
 def checkpoint_policy(value: str, flag: str = "gradient_checkpointing") -> tuple[str, int]:
-    """Parse a checkpointing policy into (policy, K). `true` means full, `false` none, `every:K` every K-th layer.
+    """Parse a checkpointing policy into (policy, K). `true` means full, `false` none, `every:K` every K-th layer,
+    `keep:N` every layer but the last N (K = N).
     `flag` names the option the value came from (only --gradient_checkpointing also takes `auto`, resolved
     before this)."""
     v = str(value).strip().lower()
@@ -629,6 +631,11 @@ def checkpoint_policy(value: str, flag: str = "gradient_checkpointing") -> tuple
         return "full", 1
     if v in ("false", "0", "no", ""):
         return "none", 1
+    if v.startswith("keep:"):
+        n = v.split(":", 1)[1]
+        if not n.isdigit() or int(n) < 1:
+            raise FastDPOError(f"--{flag} {value!r}: N in keep:N (layers not recomputed) must be an integer >= 1.")
+        return "keep", int(n)
     if v.startswith("every:"):
         try:
             k = int(v.split(":", 1)[1])
@@ -638,7 +645,7 @@ def checkpoint_policy(value: str, flag: str = "gradient_checkpointing") -> tuple
             raise FastDPOError(f"--{flag} {value!r}: K in every:K must be an integer >= 1.")
         return "every", k
     if v not in CHECKPOINT_POLICIES:
-        accepted = f"true, false, {', '.join(CHECKPOINT_POLICIES)}, every:K"
+        accepted = f"true, false, {', '.join(CHECKPOINT_POLICIES)}, every:K, keep:N"
         if flag == "gradient_checkpointing":
             accepted += ", fit, auto"
         raise FastDPOError(f"--{flag} {value!r} is not one of: {accepted}.")

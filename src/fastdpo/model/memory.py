@@ -187,7 +187,7 @@ def apply_checkpointing(model, policy: str, reentrant: bool = False) -> list[str
         for m in (layer, getattr(layer, "mlp", None), getattr(layer, "self_attn", None)):
             if m is not None:
                 _unwrap(m)
-        if name == "full" or (name == "every" and i % k == 0):
+        if name == "full" or (name == "every" and i % k == 0) or (name == "keep" and i < len(layers) - k):
             _wrap(layer, reentrant)
             wrapped.append(f"layers.{i}")
         elif name == "ffn":

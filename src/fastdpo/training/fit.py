@@ -1,5 +1,6 @@
-"""`--gradient_checkpointing fit` (the default): the fastest of no checkpointing, FFN-only and full checkpointing
-whose estimated peak memory fits the limit, chosen before the first step without timing anything. The limit is
+"""`--gradient_checkpointing fit` (the default): the fastest of no checkpointing, FFN-only, full-but-the-last-N-layers
+(`keep:N`) and full checkpointing whose estimated peak memory fits the limit, chosen before the first step without
+timing anything. Between ffn and keep:N, the one that recomputes less (keep:N with the largest N that fits). The limit is
 --max_memory_gib; by default it is what training holds anyway plus about the model's weights' size for activations
 (at most 90 % of the GPU): a peak about that of other trainers' defaults, which checkpoint every layer, while
 --max_memory_gib spends more memory on speed (none instead of full: 18–23 % faster on Qwen3-1.7B).
@@ -9,9 +10,10 @@ train (its attention backend, LoRA, dtype) records what autograd keeps for the b
 inside the MLPs, elsewhere inside the decoder layers, and outside them (embeddings, final norm, the log-prob head).
 Each policy keeps a known share of those parts:
 
-    none   everything
-    ffn    everything but the MLPs' own tensors, plus each MLP's input
-    full   each layer's input, what is outside the layers, and one layer's tensors while it is recomputed
+    none    everything
+    ffn     everything but the MLPs' own tensors, plus each MLP's input
+    full    each layer's input, what is outside the layers, and one layer's tensors while it is recomputed
+    keep:N  as full for all but the last N layers, which keep everything
 
 The peak is then the memory held now (weights, the reference), the gradients and AdamW's two moments of the
 trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
@@ -56,12 +58,19 @@ class ActivationBytes:
     layers: int
 
     def per_token(self, policy: str) -> float:
+        """Bytes kept per token under `policy`: none, ffn, full or keep:N (full but the last N layers, which keep
+        everything)."""
+        one_layer = (self.mlp + self.layer) / max(self.layers, 1)
         if policy == "none":
             return self.mlp + self.layer + self.outside
         if policy == "ffn":
             return self.layer + self.outside + self.layers * self.layer_input
         if policy == "full":
-            return self.outside + self.layers * self.layer_input + (self.mlp + self.layer) / max(self.layers, 1)
+            return self.outside + self.layers * self.layer_input + one_layer
+        if policy.startswith("keep:"):
+            kept = min(int(policy.split(":", 1)[1]), self.layers)
+            recomputed = self.layers - kept
+            return self.outside + recomputed * self.layer_input + kept * one_layer + (one_layer if recomputed else 0)
         raise ValueError(policy)
 
 
@@ -152,19 +161,46 @@ class Fit:
     estimates_gib: dict  # policy -> estimated peak GiB at the largest micro-batch
 
 
+def ffn_recompute_share(model) -> float:
+    """What an FFN-only recompute costs against a whole layer's, by the projections' weights of the first decoder
+    layer: the gate and up projections against every projection but the down one (which neither recompute runs:
+    `fastdpo.model.fused`). Attention's own work counts for nothing here, so the share errs high, against ffn."""
+    layers = decoder_layers(model)
+    if not layers:
+        return 1.0
+    sizes: dict[str, int] = {}
+    for name, p in layers[0].named_parameters():
+        if p.dim() == 2 and "lora_" not in name:
+            sizes[name] = p.numel()
+    mlp_in = sum(n for k, n in sizes.items() if "gate_proj" in k or "up_proj" in k)
+    total = sum(n for k, n in sizes.items() if "down_proj" not in k)
+    return mlp_in / total if mlp_in and total else 1.0
+
+
 def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest: int, budget: int,
-               longest: int) -> Fit:
+               longest: int, ffn_share: float = 1.0) -> Fit:
     """The fastest candidate whose estimated peak fits `limit` bytes at the largest micro-batch; else full
     checkpointing under a token budget that fits (never below the longest pair, warned when even that is estimated
-    not to fit)."""
+    not to fit). Between none and full: ffn, which recomputes every layer's MLP (`ffn_share` of a layer's recompute,
+    `ffn_recompute_share`), and keep:N, which recomputes all layers but the last N, with the largest N that fits;
+    the one that recomputes less."""
 
     def peak(policy: str, tokens: int) -> float:
         return static + head + act.per_token(policy) * tokens * MARGIN + HEADROOM_GIB * 2**30
 
+    kept = max((n for n in range(1, act.layers) if peak(f"keep:{n}", largest) <= limit), default=0)
     estimates = {p: round(peak(p, largest) / 2**30, 1) for p in CANDIDATES}
-    for policy in CANDIDATES:
-        if peak(policy, largest) <= limit:
-            return Fit(policy, budget, estimates)
+    if kept:
+        estimates[f"keep:{kept}"] = round(peak(f"keep:{kept}", largest) / 2**30, 1)
+    if peak("none", largest) <= limit:
+        return Fit("none", budget, estimates)
+    ffn = peak("ffn", largest) <= limit
+    if kept and (not ffn or act.layers - kept < act.layers * ffn_share):
+        return Fit(f"keep:{kept}", budget, estimates)
+    if ffn:
+        return Fit("ffn", budget, estimates)
+    if peak("full", largest) <= limit:
+        return Fit("full", budget, estimates)
     room = (limit - HEADROOM_GIB * 2**30 - static - head) / MARGIN
     fits = int(room // act.per_token("full")) // 256 * 256 if room > 0 else 0
     if fits < longest:  # the estimate errs high: try with the least activation memory, and let a real OOM speak
@@ -214,14 +250,15 @@ def resolve_fit(cfg, model, backend, pairs: list[TokenizedPair], device: torch.d
         share = ACTIVATION_SHARE * weight_bytes(model) // max(shards, 1)
         limit = min(limit, int(static + head + share + HEADROOM_GIB * 2**30))
     rank_budget = -(-budget // split) if budget > 0 else 0  # tokens of a micro-batch that one rank holds
+    ffn_share = ffn_recompute_share(model)
     fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest, rank_budget,
-                     longest)
+                     longest, ffn_share)
     lean = fit.policy != "none"
     # memory is short: the lean norms and MLPs keep fewer bytes (and cost some speed), so measure again, unless the
     # layers were lean already (the Triton kernels) and the first measurement stands
     if lean and fuse_layers(model):
         fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest,
-                         rank_budget, longest)
+                         rank_budget, longest, ffn_share)
     fit.budget = budget if fit.budget == rank_budget else fit.budget * split  # a rank's tokens -> the micro-batch's
     cfg.gradient_checkpointing = fit.policy
     shown = ", ".join(f"{p} ~{g} GiB" for p, g in fit.estimates_gib.items())
