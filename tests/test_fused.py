@@ -47,7 +47,7 @@ def test_forward_is_bit_identical_and_gradients_match(family, dtype, tol):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("policy", ["full", "ffn"])
+@pytest.mark.parametrize("policy", ["full", "ffn", "keep:1"])
 def test_the_recompute_skips_the_down_projection_and_the_gradients_stay_the_same(policy, reentrant, monkeypatch):
     import torch.nn.functional as F
 

@@ -275,6 +275,8 @@ def assert_same_run(a, b, atol=1e-5):
     assert len(ma) == len(mb) == BASE["max_steps"]
     for x, y in zip(ma, mb):
         for key in KEYS:
+            if key == "rewards/accuracies" and max(abs(x["rewards/margins"]), abs(y["rewards/margins"])) < 1e-5:
+                continue  # every margin is rounding (the policy still equals a precomputed reference): ties either way
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-5), (x["step"], key)
 
 

@@ -56,10 +56,11 @@ def test_auto_policy_on_cpu_is_none():
 
 
 def test_a_bad_value_names_its_flag_and_auto_where_it_is_accepted():
-    with pytest.raises(FastDPOError, match=r"--gradient_checkpointing 'bogus' is not one of: .*every:K, fit, auto\."):
+    with pytest.raises(FastDPOError,
+                       match=r"--gradient_checkpointing 'bogus' is not one of: .*every:K, keep:N, fit, auto\."):
         TrainConfig(model="m", dataset=["d"], gradient_checkpointing="bogus").validate()
     cfg = TrainConfig(model="m", dataset=["d"])
-    with pytest.raises(FastDPOError, match=r"--policies 'auto' is not one of: .*every:K\.$"):
+    with pytest.raises(FastDPOError, match=r"--policies 'auto' is not one of: .*every:K, keep:N\.$"):
         tune.run_tune(cfg, easy_rows(4), ["none", "auto"], [64], steps=1, warmup=1, max_memory_gib=0, out_json=None,
                       console=None)
 

@@ -130,7 +130,7 @@ def test_verify_fails_when_a_fast_path_is_wrong(model_dirs, data, monkeypatch, c
 def test_a_bad_policy_names_the_policies_flag(data, capsys):
     assert main(["verify", "--model", "m", "--dataset", str(data), "--policies", "full,bogus"]) == 1
     out = capsys.readouterr().out
-    assert "--policies 'bogus' is not one of: true, false, none, full, ffn, attn, every:K." in out, out
+    assert "--policies 'bogus' is not one of: true, false, none, full, ffn, attn, every:K, keep:N." in out, out
     assert "gradient_checkpointing" not in out and "auto" not in out, out
     assert main(["verify", "--model", "m", "--dataset", str(data), "--policies", "every:0"]) == 1
     assert "--policies 'every:0': K in every:K" in capsys.readouterr().out
