@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(tn, TrainConfig)
     tn.add_argument("--shape", help="Random-init shape instead of --model (anchor workload).")
     tn.add_argument("--policies", nargs="+", default=["none", "ffn", "attn", "full"],
-                    help="Checkpointing policies to try: none, full, ffn, attn, every:K (true = full, false = none).")
+                    help="Checkpointing policies to try: none, full, ffn, attn, every:K, keep:N (true = full, false = none).")
     tn.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096, 8192], help="Token budgets to try.")
     tn.add_argument("--steps", type=int, default=3, help="Measured steps per candidate.")
     tn.add_argument("--warmup", type=int, default=1, help="Warm-up steps per candidate.")
