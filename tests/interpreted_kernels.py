@@ -492,3 +492,12 @@ def test_lora_dropout_on_the_kernels_recomputes_the_forward_s_masks(interpreted,
     assert not torch.equal(other_out, want_out)
     assert torch.equal(got_out, want_out)
     assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_lean_mlp_s_lora_down_on_the_kernels_applies_their_mask_to_the_product(interpreted, model_dirs):
+    """The Triton MLP into a LoRA down projection with dropout: the product rebuilt by the kernel in the backward,
+    the mask of a seed from torch's generator; outputs and gradients equal the plain computation under that mask."""
+    from test_lora_fused import check_mlp_dropout_under_mask
+
+    check_mlp_dropout_under_mask(model_dirs, lambda h: interpreted.lora_dropout_keep(
+        interpreted.lora_dropout_seed(), tuple(h.shape), 0.3, h.device), use_kernels=True, atol=1e-5)

@@ -73,6 +73,47 @@ def pairs(*lengths):
             for i, n in enumerate(lengths)]
 
 
+def test_the_planned_largest_micro_batch_is_the_largest_the_steps_form():
+    """The run's steps cut as training cuts them: consecutive groups, budget bins, ranks' shares; never more than
+    the largest any order could form."""
+    from fastdpo.parallel.split import rank_micro_batches
+    from fastdpo.training.fit import largest_planned_micro_batch
+
+    ps = pairs(100, 900, 300, 700, 500, 200, 800, 400)
+    steps = [ps[:4], ps[4:]]  # the two longest (900, 800) never share a step
+    assert largest_planned_micro_batch(steps, 2, 0) == 1200  # (800, 400) in the second step; 900 + 800 never meet
+    assert largest_planned_micro_batch(steps, 4, 0) == 2000  # each step whole: 100+900+300+700, 500+200+800+400
+    assert largest_planned_micro_batch(steps, 4, 0) < largest_micro_batch(ps, 4, 0) == 2900
+    assert largest_planned_micro_batch(steps, 4, 1000) == 1000  # bins under the budget
+    assert largest_planned_micro_batch(steps, 4, 600) == 900  # a pair longer than the budget: its own micro-batch
+    for budget in (0, 1000):  # two ranks: each rank's micro-batches are within the planned bound
+        bound = largest_planned_micro_batch(steps, 2, budget, world=2)
+        formed = [sum(p.num_tokens for p in g) for step in steps for rank in range(2)
+                  for g in rank_micro_batches(step, rank, 2, budget, 2)]
+        assert max(formed) == bound
+
+
+def test_the_run_s_steps_are_the_trainer_s_steps(tmp_path, model_dirs):
+    """`run_steps` gives the pairs `Trainer.next_pairs` takes, over epochs and a last short step."""
+    from test_api import config
+
+    from fastdpo.training.fit import run_steps
+    from fastdpo.training.trainer import Trainer
+
+    trainer = Trainer(config(tmp_path, model_dirs("qwen3"), "steps", num_train_epochs=2.5, max_steps=0, shuffle=True,
+                             per_device_train_batch_size=3))
+    s = trainer.s
+    assert len(s.pairs) % trainer.pairs_per_step  # a short last step in each epoch
+    planned = list(run_steps(s.pairs, trainer.pairs_per_step, trainer.cfg.seed, trainer.cfg.shuffle, s.total_steps,
+                             s.steps_per_epoch))
+    taken = []
+    for step in range(s.total_steps):
+        trainer.global_step = step
+        taken.append(trainer.next_pairs())
+    assert len(planned) == s.total_steps and [[p.index for p in st] for st in planned] == [
+        [p.index for p in st] for st in taken]
+
+
 def test_largest_micro_batch():
     ps = pairs(100, 900, 300, 700, 500)
     assert largest_micro_batch(ps, 2, 0) == 1600  # the two longest together

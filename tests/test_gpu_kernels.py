@@ -272,3 +272,68 @@ def test_the_lean_lora_forward_on_cuda_is_as_close_to_float32_as_peft_s(dropout)
         assert not torch.equal(a, out[True][0])  # dropout acted
         torch.testing.assert_close(b, a, rtol=2e-6, atol=0)
         assert max(rel(g_b[n], g_a[n]) for n in g_a) < 1e-2
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_lean_mlp_s_lora_down_on_cuda_keeps_no_product_and_is_as_close_to_float32_as_peft_s(dropout, monkeypatch):
+    """The Triton MLP feeding a LoRA down projection (the product rebuilt in the backward, dropout's mask drawn in
+    the kernels) through the varlen backend with full checkpointing, whose recompute skips the base GEMM: as close
+    to the float32 model as PEFT's own forward on the plain layers; in training mode, the recompute replays the
+    forward's masks."""
+    from peft import LoraConfig, get_peft_model
+
+    from fastdpo.model import lora
+    from fastdpo.model.lora import fuse_lora
+    from fastdpo.model.memory import apply_checkpointing
+
+    pairs = random_pairs(8, 151936, seed=4, max_prompt=300, max_comp=300)
+    groups = split_micro_batches(pairs, 2048, 0)
+
+    def build(dtype, lean, train=False):
+        base = qwen3(dtype)
+        if lean:
+            fuse_layers(base, use_kernels=True)
+        m = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules="all-linear"))
+        g = torch.Generator(device="cuda").manual_seed(1)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.02 * torch.randn(p.shape, device="cuda", generator=g))
+        if lean:
+            fuse_lora(m)
+        return m.train(train)
+
+    calls = []
+    apply = lora._SiluMulLoraDown.apply
+    monkeypatch.setattr(lora._SiluMulLoraDown, "apply", lambda *a: calls.append((a[-2], a[-1])) or apply(*a))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    slow, g_slow = logps_and_grads(build(torch.float32, False), [pad_pairs(g) for g in groups], Backend("padded"))
+    out = {}
+    for lean in (False, True):
+        m = build(torch.bfloat16, lean, train=True)
+        if dropout:
+            for mod in m.modules():  # dropout off for the comparison of values (the lean MLPs serve training)
+                if isinstance(mod, torch.nn.Dropout):
+                    mod.p = 0.0
+        backend = choose_backend(m, "auto", True, torch.device("cuda"))
+        prepare_packed(m, backend)
+        apply_checkpointing(m, "full", reentrant=True)
+        out[lean] = logps_and_grads(m, [pack_pairs(g, 1) for g in groups], backend)
+    assert any(skip for _, skip in calls) and all(fast for fast, _ in calls)  # the kernels; the recompute skips
+    for lean in (False, True):
+        assert rel(out[lean][0], slow) < 1e-2
+    worst = {f: max(rel(out[f][1][n], g_slow[n]) for n in g_slow if "lora" in n) for f in (False, True)}
+    assert worst[True] < 1.5 * worst[False] + 1e-2, worst
+    if dropout:
+        runs = []
+        for policy in ("none", "full"):
+            m = build(torch.bfloat16, True, train=True)
+            backend = choose_backend(m, "auto", True, torch.device("cuda"))
+            prepare_packed(m, backend)
+            apply_checkpointing(m, policy, reentrant=True)
+            torch.manual_seed(5)
+            runs.append(logps_and_grads(m, [pack_pairs(g, 1) for g in groups], backend))
+        (a, g_a), (b, g_b) = runs
+        assert not torch.equal(a, out[True][0])  # dropout acted
+        torch.testing.assert_close(b, a, rtol=2e-6, atol=0)
+        assert max(rel(g_b[n], g_a[n]) for n in g_a) < 1e-2

@@ -178,3 +178,127 @@ def test_a_dropout_probability_outside_0_to_1_is_refused_with_its_range(value):
         parse("--train_type", "lora", "--lora_dropout", value).validate_training()
     parse("--train_type", "lora", "--lora_dropout", "0").validate_training()
     parse("--train_type", "lora", "--lora_dropout", "0.99").validate_training()
+
+
+def mlp_lora_model(model_dirs, dropout=0.0, targets="all-linear", fused=True, use_kernels=False):
+    """Qwen3 tiny in float32 with LoRA as training builds it: the lean MLPs first (`fuse_layers`, on the Triton
+    kernels with `use_kernels`), then PEFT's adapters with B drawn at random, then (`fused`) the lean LoRA forward."""
+    from fastdpo.model.fused import fuse_layers
+
+    torch.manual_seed(0)
+    base = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
+    if fused:
+        assert "Qwen3MLP" in fuse_layers(base, use_kernels=use_kernels)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    if fused:
+        lora.fuse_lora(model)
+    return model.train()  # the lean MLPs serve training's forward with grad
+
+
+def saved_bytes(model, ids) -> int:
+    """Bytes autograd keeps for the backward of one forward (each storage once, the weights not counted)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, use_cache=False).logits.sum()
+    return sum(seen.values())
+
+
+def test_a_lean_mlp_s_lora_down_projection_keeps_no_product_and_gives_peft_s_gradients(model_dirs, monkeypatch):
+    """The SwiGLU product feeds a LoRA down projection without being kept: outputs and gradients equal PEFT's on
+    the plain MLP, and a product's bytes per token and layer less is kept."""
+    plain = mlp_lora_model(model_dirs, fused=False)
+    model = mlp_lora_model(model_dirs)
+    model.load_state_dict(plain.state_dict())
+    ids = ids_for(model)
+    calls = []
+    apply = lora._SiluMulLoraDown.apply
+    monkeypatch.setattr(lora._SiluMulLoraDown, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
+    want, g_want = run(plain, ids)
+    got, g_got = run(model, ids)
+    assert calls == [False] * model.config.num_hidden_layers  # every layer, none skipped outside a recompute
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert g_got.keys() == g_want.keys() and any("down_proj.lora_A" in k for k in g_got)
+    for k in g_want:  # the lean norms' analytic backward rounds apart from autograd's: float32's rounding, no more
+        assert (g_got[k] - g_want[k]).norm() <= 1e-5 * g_want[k].norm(), k
+    product = ids.numel() * model.config.intermediate_size * 4 * model.config.num_hidden_layers
+    assert saved_bytes(plain, ids) - saved_bytes(model, ids) >= product
+
+
+def check_mlp_dropout_under_mask(model_dirs, draw_mask, use_kernels=False, atol=1e-6):
+    """A lean MLP whose LoRA down projection has dropout 0.3 (the only adapter), from torch's seed 7: output and
+    gradients equal the plain computation under the mask `draw_mask(h)` draws after the same seed."""
+    model = mlp_lora_model(model_dirs, dropout=0.3, targets=["down_proj"], use_kernels=use_kernels)
+    model.train()
+    mlp = model.base_model.model.model.layers[0].mlp
+    down = mlp.down_proj
+    x = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    a, b = down.lora_A["default"].weight, down.lora_B["default"].weight
+    torch.manual_seed(7)
+    out = mlp(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad((out * w).sum(), (x, a, b))
+
+    torch.manual_seed(7)
+    xr = x.detach().clone().requires_grad_()
+    ar, br = (p.detach().clone().requires_grad_() for p in (a, b))
+    h = torch.nn.functional.silu(mlp.gate_proj(xr)) * mlp.up_proj(xr)
+    mask = draw_mask(h.reshape(-1, h.shape[-1])).view(h.shape)
+    assert not mask.all()
+    ref = down.base_layer(h) + 2.0 * ((h * mask / 0.7) @ ar.t()) @ br.t()
+    want = torch.autograd.grad((ref * w).sum(), (xr, ar, br))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=atol)
+
+
+def test_the_lora_down_s_dropout_is_drawn_once_on_the_product_and_applied_again_in_the_backward(model_dirs):
+    """On torch's path the mask is `bernoulli_` on the product's shape, the generator's next draw."""
+    check_mlp_dropout_under_mask(model_dirs, lambda h: torch.empty_like(h, dtype=torch.bool).bernoulli_(0.7))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_a_recompute_skips_the_lora_down_s_base_gemm_and_gives_the_gradients_of_none(model_dirs, monkeypatch,
+                                                                                      reentrant, dropout):
+    """Under full checkpointing the recompute leaves the down projection's output unwritten (nothing keeps it), and
+    the gradients equal those without checkpointing, bit for bit, dropout's masks replayed."""
+    from fastdpo.model.memory import apply_checkpointing
+
+    skips = []
+    apply = lora._SiluMulLoraDown.apply
+    monkeypatch.setattr(lora._SiluMulLoraDown, "apply", lambda *a: skips.append(a[-1]) or apply(*a))
+
+    weights = mlp_lora_model(model_dirs, dropout=dropout).state_dict()
+
+    def trained(policy):
+        m = mlp_lora_model(model_dirs, dropout=dropout)
+        m.load_state_dict(weights)
+        if policy != "none":
+            apply_checkpointing(m, policy, reentrant=reentrant)
+        m.train()
+        torch.manual_seed(5)
+        return run(m, ids_for(m))
+
+    want_out, want = trained("none")
+    layers = len(skips)
+    assert skips == [False] * layers and layers > 0
+    skips.clear()
+    got_out, got = trained("full")
+    # each layer's recompute skips; a first forward never does (the reentrant form runs it without grad, which
+    # keeps nothing and takes the plain path)
+    assert skips.count(True) == layers and skips.count(False) <= layers
+    assert torch.equal(got_out, want_out)
+    assert want.keys() == got.keys() and all(torch.equal(got[n], want[n]) for n in want)

@@ -52,7 +52,7 @@ def run_longest(cfg: TrainConfig, shape: str | None, lengths: list[int], out_jso
     pairs, _ = tokenize_pairs([Row(r["prompt"], r["chosen"], r["rejected"], f"pair of {n} tokens")
                                for n, r in zip(lengths, rows)], tokenizer, DataOptions.for_scoring(cfg))
     cfg.max_steps = len(pairs)
-    trainer = Trainer(cfg, assemble(cfg, device, model, tokenizer, pairs))
+    trainer = Trainer(cfg, assemble(cfg, device, model, tokenizer, pairs, steps=[[p] for p in pairs]))
     results = []
     for pair in pairs:
         if device.type == "cuda":

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdpo.errors import FastDPOError
-from fastdpo.model import kernels
+from fastdpo.model import kernels, lora
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.memory import recomputing
 
@@ -70,16 +70,6 @@ class _RMSNorm(torch.autograd.Function):
         return g_x, g_weight, None, None
 
 
-def _silu_mul_grads(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of silu(gate) * up with respect to gate and up, in float32, returned in their dtypes."""
-    gf = gate.to(torch.float32)
-    s = torch.sigmoid(gf)
-    g = grad.to(torch.float32)
-    g_up = (g * (gf * s)).to(up.dtype)
-    g_gate = (g * up.to(torch.float32) * s * (1 + gf * (1 - s))).to(gate.dtype)
-    return g_gate, g_up
-
-
 class _SiluMul(torch.autograd.Function):
     """silu(gate) * up, keeping gate and up only."""
 
@@ -95,7 +85,7 @@ class _SiluMul(torch.autograd.Function):
         if ctx.fast:
             g_gate, g_up, _ = kernels.silu_mul_backward(gate, up, grad)
         else:
-            g_gate, g_up = _silu_mul_grads(gate, up, grad)
+            g_gate, g_up = kernels.silu_mul_grads_torch(gate, up, grad)
         return g_gate, g_up, None
 
 
@@ -122,7 +112,7 @@ class _SiluMulDown(torch.autograd.Function):
             g_gate, g_up, p = kernels.silu_mul_backward(gate, up, g_p, product=ctx.needs_input_grad[2])
         else:
             p = F.silu(gate) * up if ctx.needs_input_grad[2] else None
-            g_gate, g_up = _silu_mul_grads(gate, up, g_p)
+            g_gate, g_up = kernels.silu_mul_grads_torch(gate, up, g_p)
         g_down = None
         if ctx.needs_input_grad[2]:
             g_down = grad.reshape(-1, grad.shape[-1]).t() @ p.reshape(-1, p.shape[-1])
@@ -159,9 +149,12 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if not grad:  # the reference's forward: the kernel alone
         return self.down_proj(kernels.silu_mul(gate, up))
+    residual = getattr(self, "_fastdpo_residual", False)
     if _plain_linear(self.down_proj):  # checked per call: LoRA may wrap it after the layers were fused
-        return _SiluMulDown.apply(gate, up, self.down_proj.weight, fast, getattr(self, "_fastdpo_residual", False))
-    return self.down_proj(_SiluMul.apply(gate, up, fast))
+        return _SiluMulDown.apply(gate, up, self.down_proj.weight, fast, residual)
+    skip = residual and not torch.compiler.is_compiling() and recomputing()
+    out = lora.silu_mul_down(self.down_proj, gate, up, fast, skip)  # a served LoRA: the product is not kept
+    return out if out is not None else self.down_proj(_SiluMul.apply(gate, up, fast))
 
 
 class _Rope(torch.autograd.Function):

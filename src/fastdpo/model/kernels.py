@@ -223,6 +223,17 @@ def silu_mul_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, prod
     return da, db, (p if product else None)
 
 
+def silu_mul_grads_torch(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul_backward`'s gradients in eager torch (any device): of silu(gate) * up with respect to gate and up,
+    computed in float32, returned in their dtypes."""
+    gf = gate.to(torch.float32)
+    s = torch.sigmoid(gf)
+    g = grad.to(torch.float32)
+    g_up = (g * (gf * s)).to(up.dtype)
+    g_gate = (g * up.to(torch.float32) * s * (1 + gf * (1 - s))).to(gate.dtype)
+    return g_gate, g_up
+
+
 LOGP_BLOCK = 4096  # logits per inner iteration of the log-prob kernels
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 
 from fastdpo.model import kernels
 from fastdpo.model.logprobs import has_out_dtype
@@ -39,22 +40,45 @@ def _weight_grad(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dt
     return out.mul_(scale) if scale != 1.0 else out
 
 
+def _adapter_down(x: torch.Tensor, a_w: torch.Tensor, p: float):
+    """dropout(x) @ A^T, (N, r), with what the backward needs to apply the same dropout: (t, mask, seed). Where the
+    Triton kernels serve, the mask is drawn from a seed inside the kernels and never stored; else by `bernoulli_`."""
+    mask = seed = None
+    if p > 0 and kernels.lora_dropout_serves(x, a_w.shape[0]):
+        seed = kernels.lora_dropout_seed()  # the masks: drawn in each kernel from it, never stored
+        return kernels.lora_dropout_down(x, a_w, seed, p), None, seed
+    xd = x
+    if p > 0:
+        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
+        xd = x * mask * (1.0 / (1.0 - p))
+    return xd @ a_w.t(), mask, seed
+
+
+def _adapter_input_grad(gt: torch.Tensor, a_w: torch.Tensor, scale: float, p: float, seed, mask) -> torch.Tensor:
+    """The adapter's share of x's gradient, scale * dropout'(gt @ A), for `gt` the gradient of x @ A^T."""
+    if seed is not None:
+        return kernels.lora_dropout_input_grad(gt, a_w, seed, p, scale)
+    g_x = torch.mm(gt, a_w)
+    return g_x.mul_(scale) if mask is None else g_x.mul_(mask).mul_(scale / (1.0 - p))
+
+
+def _adapter_a_grad(gt: torch.Tensor, x: torch.Tensor, scale: float, p: float, seed, mask,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """A's gradient, scale * gt^T @ dropout(x), in A's `dtype`."""
+    if seed is not None:
+        g_a = kernels.lora_dropout_weight_grad(gt, x, seed, p)
+        return (g_a.mul_(scale) if scale != 1.0 else g_a).to(dtype)
+    xd = x if mask is None else x * mask * (1.0 / (1.0 - p))
+    return _weight_grad(gt.t(), xd, scale, dtype)
+
+
 class _LoraAdd(torch.autograd.Function):
     """y + scale * (dropout(x) @ A^T) @ B^T for 2-D x (N, in) and the base's y (N, out)."""
 
     @staticmethod
     def forward(ctx, x, y, A, B, scale: float, p: float):
         a_w, b_w = A.to(x.dtype), B.to(x.dtype)
-        mask = seed = None
-        if p > 0 and kernels.lora_dropout_serves(x, a_w.shape[0]):
-            seed = kernels.lora_dropout_seed()  # the masks: drawn in each kernel from it, never stored
-            t = kernels.lora_dropout_down(x, a_w, seed, p)
-        else:
-            xd = x
-            if p > 0:
-                mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
-                xd = x * mask * (1.0 / (1.0 - p))
-            t = xd @ a_w.t()  # (N, r)
+        t, mask, seed = _adapter_down(x, a_w, p)
         out = torch.addmm(y, t, b_w.t(), alpha=scale)
         ctx.save_for_backward(x, t, a_w, b_w, mask)
         ctx.scale, ctx.p, ctx.seed, ctx.dtypes = scale, p, seed, (A.dtype, B.dtype)
@@ -68,21 +92,53 @@ class _LoraAdd(torch.autograd.Function):
         gt = g @ b_w  # (N, r): the gradient of t, before the scale
         g_x = g_a = g_b = None
         if ctx.needs_input_grad[0]:
-            if seed is not None:
-                g_x = kernels.lora_dropout_input_grad(gt, a_w, seed, p, scale)
-            else:
-                g_x = torch.mm(gt, a_w)
-                g_x = g_x.mul_(scale) if mask is None else g_x.mul_(mask).mul_(scale / (1.0 - p))
+            g_x = _adapter_input_grad(gt, a_w, scale, p, seed, mask)
         if ctx.needs_input_grad[2]:
-            if seed is not None:
-                g_a = kernels.lora_dropout_weight_grad(gt, x, seed, p)
-                g_a = (g_a.mul_(scale) if scale != 1.0 else g_a).to(ctx.dtypes[0])
-            else:
-                xd = x if mask is None else x * mask * (1.0 / (1.0 - p))
-                g_a = _weight_grad(gt.t(), xd, scale, ctx.dtypes[0])
+            g_a = _adapter_a_grad(gt, x, scale, p, seed, mask, ctx.dtypes[0])
         if ctx.needs_input_grad[3]:
             g_b = _weight_grad(g.t(), t, scale, ctx.dtypes[1])
         return g_x, g, g_a, g_b, None, None
+
+
+class _SiluMulLoraDown(torch.autograd.Function):
+    """A SwiGLU MLP's end through a LoRA down projection over a frozen base weight W (no bias), for 2-D gate and up
+    (N, inter): h = silu(gate) * up, then h @ W^T + scale * (dropout(h) @ A^T) @ B^T.
+
+    Keeps gate, up and h @ A^T (rank columns), not h: the backward rebuilds h in the same pass that takes the
+    product's gradients (as the plain down projection's does), which saves a third of what a layer's MLP keeps. In a
+    checkpointed region's recompute whose output only joins the residual stream (`skip`), the base GEMM, whose output
+    nothing keeps, is not run: the output is left unwritten."""
+
+    @staticmethod
+    def forward(ctx, gate, up, W, A, B, scale: float, p: float, fast: bool, skip: bool):
+        a_w, b_w = A.to(gate.dtype), B.to(gate.dtype)
+        h = kernels.silu_mul(gate, up) if fast else F.silu(gate) * up
+        t, mask, seed = _adapter_down(h, a_w, p)
+        if skip:
+            out = gate.new_empty((gate.shape[0], W.shape[0]))
+        else:
+            out = torch.addmm(F.linear(h, W), t, b_w.t(), alpha=scale)
+        ctx.save_for_backward(gate, up, W, t, a_w, b_w, mask)
+        ctx.scale, ctx.p, ctx.seed, ctx.fast, ctx.dtypes = scale, p, seed, fast, (A.dtype, B.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up, W, t, a_w, b_w, mask = ctx.saved_tensors
+        scale, p, seed = ctx.scale, ctx.p, ctx.seed
+        g = g.contiguous()
+        gt = g @ b_w
+        # h's gradient: the adapter's share, with the base's GEMM adding into it
+        g_h = torch.addmm(_adapter_input_grad(gt, a_w, scale, p, seed, mask), g, W)
+        want_a = ctx.needs_input_grad[3]
+        if ctx.fast:
+            g_gate, g_up, h = kernels.silu_mul_backward(gate, up, g_h, product=want_a)
+        else:
+            h = F.silu(gate) * up if want_a else None
+            g_gate, g_up = kernels.silu_mul_grads_torch(gate, up, g_h)
+        g_a = _adapter_a_grad(gt, h, scale, p, seed, mask, ctx.dtypes[0]) if want_a else None
+        g_b = _weight_grad(g.t(), t, scale, ctx.dtypes[1]) if ctx.needs_input_grad[4] else None
+        return g_gate, g_up, None, g_a, g_b, None, None, None, None
 
 
 def _dropout_p(module) -> float | None:
@@ -95,27 +151,54 @@ def _dropout_p(module) -> float | None:
     return None
 
 
-def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    plain = self._fastdpo_plain_forward
-    if args or kwargs or self.disable_adapters or self.merged or torch.compiler.is_compiling():
-        return plain(x, *args, **kwargs)
+def _served(self, x: torch.Tensor) -> tuple[str, float] | None:
+    """(adapter name, dropout probability) when the lean forward serves this call of LoRA layer `self`, else None."""
+    if self.disable_adapters or self.merged or torch.compiler.is_compiling() or not x.is_floating_point():
+        return None
     active = [a for a in self.active_adapters if a in self.lora_A.keys()]
     if len(active) != 1 or active[0] in getattr(self, "lora_variant", {}) or getattr(self, "use_dora", {}).get(
             active[0], False):
-        return plain(x)
+        return None
     name = active[0]
     p = _dropout_p(self.lora_dropout[name])
     a, b = self.lora_A[name], self.lora_B[name]
-    if p is None or not x.is_floating_point() or getattr(a, "bias", None) is not None or getattr(
-            b, "bias", None) is not None:  # a bias on B (PEFT's lora_bias): its own forward
-        return plain(x)
+    if p is None or getattr(a, "bias", None) is not None or getattr(b, "bias", None) is not None:
+        return None  # a bias on B (PEFT's lora_bias): its own forward
+    return name, p
+
+
+def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    plain = self._fastdpo_plain_forward
+    served = None if args or kwargs else _served(self, x)
+    if served is None:
+        return plain(x, *args, **kwargs)
+    name, p = served
     y = self.base_layer(x)
     if y.dtype != x.dtype:
         return plain(x)
     shape = y.shape
-    out = _LoraAdd.apply(x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1]), a.weight, b.weight,
-                         float(self.scaling[name]), p)
+    out = _LoraAdd.apply(x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1]), self.lora_A[name].weight,
+                         self.lora_B[name].weight, float(self.scaling[name]), p)
     return out.view(shape)
+
+
+def silu_mul_down(layer, gate: torch.Tensor, up: torch.Tensor, fast: bool, skip: bool) -> torch.Tensor | None:
+    """layer(silu(gate) * up) for a LoRA down projection `layer` that the lean forward serves, with the product
+    rebuilt in the backward rather than kept (`_SiluMulLoraDown`; `fast`: the Triton kernels, `skip`: a recompute
+    whose output nothing keeps); None where it does not serve (then call the layer on the product)."""
+    if "_fastdpo_plain_forward" not in layer.__dict__:
+        return None
+    served = _served(layer, gate)
+    base = getattr(layer, "base_layer", None)
+    if (served is None or type(base) is not torch.nn.Linear or base.bias is not None or base.weight.requires_grad
+            or base.weight.dtype != gate.dtype or up.dtype != gate.dtype):
+        return None
+    name, p = served
+    shape = gate.shape
+    out = _SiluMulLoraDown.apply(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1]), base.weight,
+                                 layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]), p,
+                                 fast, skip)
+    return out.view(*shape[:-1], out.shape[-1])
 
 
 def fuse_lora(model: torch.nn.Module) -> int:

@@ -17,7 +17,9 @@ Each policy keeps a known share of those parts:
 
 The peak is then the memory held now (weights, the reference), the gradients and AdamW's two moments of the
 trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
-with a 10 % margin for the allocator, plus 0.5 GiB. When not even full checkpointing fits the largest micro-batch of
+with a 10 % margin for the allocator, plus 0.5 GiB. The largest micro-batch is the largest the run will form: its
+steps are known ahead for data in memory (the seeded order of each epoch, or the steps a caller names), and cut
+into micro-batches as training cuts them; for a stream, the largest any order could form. When not even full checkpointing fits the largest micro-batch of
 --per_device_train_batch_size pairs, a token budget (--max_tokens_per_batch) is set that does (at least the longest
 pair; a warning when even that is estimated not to fit). With `--kernels` Triton (the default on CUDA) the norms and
 MLPs are already lean when this measures. Otherwise, when no checkpointing does not fit, the lean torch norms and
@@ -27,10 +29,12 @@ checkpointing) are switched on and the activations measured again before choosin
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from fastdpo.data.pack import split_micro_batches, step_order
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.model.backend import build_mask, make_batch
 from fastdpo.model.fused import fuse_layers
@@ -38,6 +42,7 @@ from fastdpo.model.load import base_causal_lm
 from fastdpo.model.logprobs import DEFAULT_CHUNK
 from fastdpo.model.memory import decoder_layers
 from fastdpo.model.seqlogps import completion_logps
+from fastdpo.parallel.split import split_ranks
 
 log = logging.getLogger("fastdpo")
 
@@ -132,14 +137,44 @@ def measure_activations(model, backend, pad_id: int, device: torch.device, token
 
 
 def largest_micro_batch(pairs: list[TokenizedPair], per_micro: int, budget: int) -> int:
-    """Tokens of the largest micro-batch the run can meet: under a budget, the budget (or the longest pair);
-    without one, the `per_micro` longest pairs together."""
+    """Tokens of the largest micro-batch any order of `pairs` can form: under a budget, the budget (or the longest
+    pair); without one, the `per_micro` longest pairs together. For runs whose steps are not known ahead (a stream)."""
     lengths = sorted((p.num_tokens for p in pairs), reverse=True)
     if not lengths:
         return 0
     if budget > 0:
         return max(budget, lengths[0])
     return sum(lengths[:per_micro])
+
+
+def largest_planned_micro_batch(steps: Iterable[list[TokenizedPair]], per_micro: int, budget: int,
+                                world: int = 1) -> int:
+    """Tokens of the largest micro-batch that `steps` (each optimizer step's pairs, over all `world` data-parallel
+    ranks) form, as training forms them: each step dealt to the ranks (`split_ranks`), each rank's share cut into
+    micro-batches (`split_micro_batches`). Ranks that later split a micro-batch further to line up with the others
+    only make it smaller, so this bounds every rank's; every rank computes the same number."""
+    largest = 0
+    for step in steps:
+        if world == 1 and budget <= 0:  # consecutive groups: no need to build them
+            largest = max([largest] + [sum(p.num_tokens for p in step[i:i + per_micro])
+                                       for i in range(0, len(step), per_micro)])
+            continue
+        for share in split_ranks(step, world):
+            for group in split_micro_batches(share, budget, per_micro):
+                largest = max(largest, sum(p.num_tokens for p in group))
+    return largest
+
+
+def run_steps(pairs: list[TokenizedPair], pairs_per_step: int, seed: int, shuffle: bool, total_steps: int,
+              steps_per_epoch: int) -> Iterator[list[TokenizedPair]]:
+    """The pairs of each optimizer step of a run of `total_steps` over `pairs` in memory, in the seeded order of
+    each epoch that `Trainer.next_pairs` follows (`step_order`)."""
+    epoch = 0
+    while epoch * steps_per_epoch < total_steps:
+        order = step_order(len(pairs), pairs_per_step, seed, epoch, shuffle)
+        for k in range(min(steps_per_epoch, total_steps - epoch * steps_per_epoch)):
+            yield [pairs[i] for i in order[k]]
+        epoch += 1
 
 
 def static_bytes(model, device: torch.device) -> int:
@@ -217,20 +252,23 @@ ACTIVATION_SHARE = 1.0  # the default limit: activations may take about as many 
 
 
 def fit_checkpointing(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int,
-                      limit_gib: float | None, shards: int = 1, sequence_split: int = 1) -> None:
+                      limit_gib: float | None, shards: int = 1, sequence_split: int = 1,
+                      steps: Iterable[list[TokenizedPair]] | None = None, world: int = 1) -> None:
     """Resolve `--gradient_checkpointing fit` in `cfg` (and set --max_tokens_per_batch when a budget is needed);
     off CUDA memory is not the constraint: no checkpointing. `shards`: FSDP2's ranks, over which weights, gradients
     and moments are divided; `sequence_split`: the sequence-parallel group, over which a micro-batch's tokens are.
     `limit_gib` None: the default limit, at most 90 % of the GPU, under which the activations take about the model's
     weights' size (`ACTIVATION_SHARE`): a peak like that of other trainers' defaults, which checkpoint every layer;
-    --max_memory_gib spends more memory on speed."""
+    --max_memory_gib spends more memory on speed. `steps`: the pairs of each optimizer step the run will take, over
+    its `world` data-parallel ranks (the largest micro-batch they form is what must fit); None when not known ahead
+    (a stream), then the largest any order could form."""
     if device.type != "cuda" or not pairs:
         cfg.gradient_checkpointing = "none"
         return
     gpu = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
     limit = int(limit_gib * 2**30) if limit_gib else gpu
     resolve_fit(cfg, model, backend, pairs, device, pad_id, limit, static_bytes(model, device), shards,
-                sequence_split, default_limit=not limit_gib)
+                sequence_split, default_limit=not limit_gib, steps=steps, world=world)
 
 
 def weight_bytes(model) -> int:
@@ -238,12 +276,16 @@ def weight_bytes(model) -> int:
 
 
 def resolve_fit(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int, limit: int,
-                static: int, shards: int = 1, sequence_split: int = 1, default_limit: bool = False) -> None:
+                static: int, shards: int = 1, sequence_split: int = 1, default_limit: bool = False,
+                steps: Iterable[list[TokenizedPair]] | None = None, world: int = 1) -> None:
     """`fit_checkpointing` given the memory `limit` and the `static` bytes of one unsharded process, in bytes
     (`default_limit`: `limit` is the GPU's, and the default share for activations lowers it)."""
     budget = cfg.max_tokens_per_batch
     split = max(sequence_split, 1)
-    largest = -(-largest_micro_batch(pairs, cfg.per_device_train_batch_size, budget) // split)
+    per_micro = cfg.per_device_train_batch_size
+    planned = (largest_micro_batch(pairs, per_micro, budget) if steps is None
+               else largest_planned_micro_batch(steps, per_micro, budget, world))
+    largest = -(-planned // split)
     longest = -(-max(p.num_tokens for p in pairs) // split)
     static, head = static // max(shards, 1), head_bytes(model)
     if default_limit:

@@ -47,9 +47,10 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                               tokenizer, DataOptions.for_scoring(cfg))
     t_init = time.perf_counter()
     cfg = dataclasses.replace(cfg, max_steps=steps + warmup)  # the schedules span exactly the steps run here
-    trainer = Trainer(cfg, assemble(cfg, device, model, tokenizer, pairs))
-    s = trainer.s
     per_step = cfg.pairs_per_step
+    chunks = [pairs[i * per_step:(i + 1) * per_step] for i in range(warmup + steps)]
+    trainer = Trainer(cfg, assemble(cfg, device, model, tokenizer, pairs, steps=chunks))
+    s = trainer.s
     lm_cfg = base_causal_lm(s.model).config
     times, flops, tokens, n_pairs, computed = [], 0.0, 0, 0, 0
     rates = []  # pairs/s of each timed step
@@ -67,7 +68,6 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
 
     pauses = GcPauses(cfg.gc_steps).start()  # as training schedules and counts Python's collections
     try:
-        chunks = [pairs[i * per_step:(i + 1) * per_step] for i in range(warmup + steps)]
         for step in range(warmup + steps):
             step_pairs = chunks[step]
             ran = one_step(step_pairs, chunks[step + 1] if step + 1 < len(chunks) else None)

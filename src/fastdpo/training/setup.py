@@ -35,7 +35,7 @@ from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
 from fastdpo.parallel.parallelize import parallelize
 from fastdpo.training.evaluate import held_out_reference
-from fastdpo.training.fit import fit_checkpointing
+from fastdpo.training.fit import fit_checkpointing, run_steps
 
 log = logging.getLogger("fastdpo")
 
@@ -263,10 +263,13 @@ def epoch_steps(pairs: int, per_step: int, drop_last: bool) -> int:
 
 
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
-             ref_model=None, rows: list[Row] | None = None, d: Dist | None = None) -> Setup:
+             ref_model=None, rows: list[Row] | None = None, d: Dist | None = None,
+             steps: list[list[TokenizedPair]] | None = None) -> Setup:
     """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts.
     `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
-    key the on-disk cache of a precomputed reference (without them it is computed but not cached)."""
+    key the on-disk cache of a precomputed reference (without them it is computed but not cached); `steps`: the
+    pairs of each step when the caller chooses them (`Trainer.step(pairs)`), else the run's seeded order, for the
+    memory policy to plan on the micro-batches the run really forms."""
     d = d or Dist()
     check_sequence_parallel_size(cfg.sequence_parallel_size, d.world_size)  # e.g. bench/tune: one process
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
@@ -296,15 +299,18 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         d.sp_mode = sequence.resolve_mode(model, cfg.sequence_parallel_mode, d.sp_size, backend)
         sequence.register()
         log.info("Sequence parallelism: %s attention over groups of %d ranks.", d.sp_mode, d.sp_size)
+    # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
+    per_step = cfg.pairs_per_step * d.dp_size
+    steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), per_step, cfg.dataloader_drop_last)
+    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     if cfg.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
+        if steps is None and not cfg.streaming:
+            steps = run_steps(pairs, per_step, cfg.seed, cfg.shuffle, total, steps_per_epoch)
         fit_checkpointing(cfg, model, backend, pairs, device, pad_id(tokenizer), cfg.max_memory_gib or None,
-                          shards=d.world_size if d.mode == "fsdp" else 1, sequence_split=d.sp_size)
+                          shards=d.world_size if d.mode == "fsdp" else 1, sequence_split=d.sp_size,
+                          steps=steps, world=d.dp_size)
     policy = parallelize(model, reference, backend, cfg, d)  # checkpointing -> compile -> DDP/FSDP2
 
-    # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
-    steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), cfg.pairs_per_step * d.dp_size,
-                                                                      cfg.dataloader_drop_last)
-    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
     return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,
                  cfg.loss_terms(), beta)
