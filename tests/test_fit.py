@@ -93,25 +93,35 @@ def test_the_planned_largest_micro_batch_is_the_largest_the_steps_form():
         assert max(formed) == bound
 
 
-def test_the_run_s_steps_are_the_trainer_s_steps(tmp_path, model_dirs):
-    """`run_steps` gives the pairs `Trainer.next_pairs` takes, over epochs and a last short step."""
+def test_the_plan_follows_the_trainer_s_steps_over_epochs(tmp_path, model_dirs):
+    """The tensor plan over the run's seeded order equals the largest micro-batch of the steps `Trainer.next_pairs`
+    takes (2.5 shuffled epochs with a short last step each), and bounds it under a budget and over ranks."""
     from test_api import config
 
-    from fastdpo.training.fit import run_steps
+    from fastdpo.training.fit import largest_planned_micro_batch, planned_largest_micro_batch
     from fastdpo.training.trainer import Trainer
 
     trainer = Trainer(config(tmp_path, model_dirs("qwen3"), "steps", num_train_epochs=2.5, max_steps=0, shuffle=True,
-                             per_device_train_batch_size=3))
-    s = trainer.s
+                             per_device_train_batch_size=3, gradient_accumulation_steps=2))
+    s, cfg = trainer.s, trainer.cfg
     assert len(s.pairs) % trainer.pairs_per_step  # a short last step in each epoch
-    planned = list(run_steps(s.pairs, trainer.pairs_per_step, trainer.cfg.seed, trainer.cfg.shuffle, s.total_steps,
-                             s.steps_per_epoch))
     taken = []
     for step in range(s.total_steps):
         trainer.global_step = step
         taken.append(trainer.next_pairs())
-    assert len(planned) == s.total_steps and [[p.index for p in st] for st in planned] == [
-        [p.index for p in st] for st in taken]
+
+    def plan(budget, world):
+        return planned_largest_micro_batch(s.pairs, trainer.pairs_per_step, 3, budget, world, cfg.seed, cfg.shuffle,
+                                           s.total_steps, s.steps_per_epoch)
+
+    exact = largest_planned_micro_batch(taken, 3, 0)
+    assert plan(0, 1) == exact
+    others = {planned_largest_micro_batch(s.pairs, trainer.pairs_per_step, 3, 0, 1, seed, True, s.total_steps,
+                                          s.steps_per_epoch) for seed in range(cfg.seed + 1, cfg.seed + 9)}
+    assert others != {exact}  # the order matters: other seeds plan other micro-batches
+    for budget, world in ((40, 1), (0, 2), (40, 2)):
+        assert plan(budget, world) >= largest_planned_micro_batch(taken, 3, budget, world)
+    assert plan(0, 2) <= largest_micro_batch(s.pairs, 3, 0)
 
 
 def test_largest_micro_batch():

@@ -93,15 +93,20 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tens
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
 
 
+def epoch_permutation(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The dataset indices of one epoch in training's order: seeded by (seed, epoch); without `shuffle`, the
+    dataset order."""
+    if not shuffle:
+        return torch.arange(num_rows)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_rows, generator=g)
+
+
 def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
     """Dataset indices of each optimizer step in one epoch. Depends only on the seed, the epoch and the step size,
     never on micro-batching or the token budget. The last step of an epoch may be smaller. Without `shuffle`, the
     dataset order."""
-    if not shuffle:
-        perm = list(range(num_rows))
-    else:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        perm = torch.randperm(num_rows, generator=g).tolist()
+    perm = epoch_permutation(num_rows, seed, epoch, shuffle).tolist()
     return [perm[i : i + pairs_per_step] for i in range(0, num_rows, pairs_per_step)]
 
 

@@ -305,6 +305,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool =
 
 LORA_MAX_RANK = 128  # above it the LoRA dropout kernels' register tiles grow too large: the torch path serves
 LORA_BLOCK_M, LORA_BLOCK_K = 32, 128
+LORA_DOWN_BLOCK_M = 16  # x @ A^T: one program per 16 rows, so that a few thousand rows keep every SM busy
 
 
 def lora_dropout_threshold(p: float) -> int:
@@ -351,8 +352,8 @@ def lora_dropout_down(x: torch.Tensor, a: torch.Tensor, seed: int, p: float) -> 
     x, a = x.contiguous(), a.contiguous()
     t = torch.empty((m, r), dtype=x.dtype, device=x.device)
     if m:
-        launch(jitted()._lora_drop_down, (cdiv(m, LORA_BLOCK_M),), x, a, seed, t, m, k, r, lora_dropout_threshold(p),
-               1.0 / (1.0 - p), num_warps=4, BLOCK_M=LORA_BLOCK_M, BLOCK_K=LORA_BLOCK_K, BLOCK_R=lora_rank_block(r),
+        launch(jitted()._lora_drop_down, (cdiv(m, LORA_DOWN_BLOCK_M),), x, a, seed, t, m, k, r,
+               lora_dropout_threshold(p), 1.0 / (1.0 - p), num_warps=4, BLOCK_M=LORA_DOWN_BLOCK_M, BLOCK_K=LORA_BLOCK_K, BLOCK_R=lora_rank_block(r),
                UPCAST=_upcast(x))
     return t
 

@@ -18,8 +18,9 @@ Each policy keeps a known share of those parts:
 The peak is then the memory held now (weights, the reference), the gradients and AdamW's two moments of the
 trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
 with a 10 % margin for the allocator, plus 0.5 GiB. The largest micro-batch is the largest the run will form: its
-steps are known ahead for data in memory (the seeded order of each epoch, or the steps a caller names), and cut
-into micro-batches as training cuts them; for a stream, the largest any order could form. When not even full checkpointing fits the largest micro-batch of
+steps are known ahead for data in memory (the seeded order of each epoch, or the steps a caller names). On one rank
+without a token budget that is exact; over ranks, or under a budget, a close bound (`planned_largest_micro_batch`).
+For a stream, the largest any order could form. When not even full checkpointing fits the largest micro-batch of
 --per_device_train_batch_size pairs, a token budget (--max_tokens_per_batch) is set that does (at least the longest
 pair; a warning when even that is estimated not to fit). With `--kernels` Triton (the default on CUDA) the norms and
 MLPs are already lean when this measures. Otherwise, when no checkpointing does not fit, the lean torch norms and
@@ -29,12 +30,12 @@ checkpointing) are switched on and the activations measured again before choosin
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from fastdpo.data.pack import split_micro_batches, step_order
+from fastdpo.data.pack import epoch_permutation, split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.model.backend import build_mask, make_batch
 from fastdpo.model.fused import fuse_layers
@@ -165,16 +166,34 @@ def largest_planned_micro_batch(steps: Iterable[list[TokenizedPair]], per_micro:
     return largest
 
 
-def run_steps(pairs: list[TokenizedPair], pairs_per_step: int, seed: int, shuffle: bool, total_steps: int,
-              steps_per_epoch: int) -> Iterator[list[TokenizedPair]]:
-    """The pairs of each optimizer step of a run of `total_steps` over `pairs` in memory, in the seeded order of
-    each epoch that `Trainer.next_pairs` follows (`step_order`)."""
-    epoch = 0
+def planned_largest_micro_batch(pairs: list[TokenizedPair], per_step: int, per_micro: int, budget: int, world: int,
+                                seed: int, shuffle: bool, total_steps: int, steps_per_epoch: int) -> int:
+    """Tokens of the largest micro-batch of a run of `total_steps` steps of `per_step` pairs (over all `world` ranks)
+    over `pairs` in memory, in the seeded order of each epoch that `Trainer.next_pairs` follows, computed on tensors
+    (a second or less for millions of pairs). Exact for one rank without a budget (each step's consecutive groups of
+    `per_micro` pairs); otherwise a bound that `largest_planned_micro_batch` never exceeds: the `per_micro` longest
+    pairs of a step together (a rank's share is cut into groups of its pairs), or under a budget the budget, the
+    largest step or the longest pair."""
+    if not pairs or total_steps <= 0:
+        return 0
+    tokens = torch.tensor([p.num_tokens for p in pairs], dtype=torch.int64)
+    width = -(-per_step // per_micro) * per_micro  # groups of per_micro pairs tile a step
+    largest, epoch = 0, 0
     while epoch * steps_per_epoch < total_steps:
-        order = step_order(len(pairs), pairs_per_step, seed, epoch, shuffle)
-        for k in range(min(steps_per_epoch, total_steps - epoch * steps_per_epoch)):
-            yield [pairs[i] for i in order[k]]
+        n = min(steps_per_epoch, total_steps - epoch * steps_per_epoch)
+        t = tokens[epoch_permutation(len(pairs), seed, epoch, shuffle)[: n * per_step]]
+        steps = torch.zeros(n * per_step, dtype=torch.int64)
+        steps[: t.numel()] = t  # the last step of an epoch may be short
+        steps = torch.nn.functional.pad(steps.view(n, per_step), (0, width - per_step))
+        if budget > 0:
+            m = max(min(budget, int(steps.sum(1).max())), int(steps.max()))
+        elif world == 1:
+            m = int(steps.view(n, -1, per_micro).sum(-1).max())
+        else:
+            m = int(steps.sort(dim=1, descending=True).values[:, :per_micro].sum(1).max())
+        largest = max(largest, m)
         epoch += 1
+    return largest
 
 
 def static_bytes(model, device: torch.device) -> int:
@@ -253,15 +272,16 @@ ACTIVATION_SHARE = 1.0  # the default limit: activations may take about as many 
 
 def fit_checkpointing(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int,
                       limit_gib: float | None, shards: int = 1, sequence_split: int = 1,
-                      steps: Iterable[list[TokenizedPair]] | None = None, world: int = 1) -> None:
+                      steps: Iterable[list[TokenizedPair]] | int | None = None, world: int = 1) -> None:
     """Resolve `--gradient_checkpointing fit` in `cfg` (and set --max_tokens_per_batch when a budget is needed);
     off CUDA memory is not the constraint: no checkpointing. `shards`: FSDP2's ranks, over which weights, gradients
     and moments are divided; `sequence_split`: the sequence-parallel group, over which a micro-batch's tokens are.
     `limit_gib` None: the default limit, at most 90 % of the GPU, under which the activations take about the model's
     weights' size (`ACTIVATION_SHARE`): a peak like that of other trainers' defaults, which checkpoint every layer;
     --max_memory_gib spends more memory on speed. `steps`: the pairs of each optimizer step the run will take, over
-    its `world` data-parallel ranks (the largest micro-batch they form is what must fit); None when not known ahead
-    (a stream), then the largest any order could form."""
+    its `world` data-parallel ranks (the largest micro-batch they form is what must fit), or that micro-batch's
+    tokens when already planned (`planned_largest_micro_batch`); None when not known ahead (a stream), then the
+    largest any order could form."""
     if device.type != "cuda" or not pairs:
         cfg.gradient_checkpointing = "none"
         return
@@ -277,14 +297,18 @@ def weight_bytes(model) -> int:
 
 def resolve_fit(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int, limit: int,
                 static: int, shards: int = 1, sequence_split: int = 1, default_limit: bool = False,
-                steps: Iterable[list[TokenizedPair]] | None = None, world: int = 1) -> None:
+                steps: Iterable[list[TokenizedPair]] | int | None = None, world: int = 1) -> None:
     """`fit_checkpointing` given the memory `limit` and the `static` bytes of one unsharded process, in bytes
     (`default_limit`: `limit` is the GPU's, and the default share for activations lowers it)."""
     budget = cfg.max_tokens_per_batch
     split = max(sequence_split, 1)
     per_micro = cfg.per_device_train_batch_size
-    planned = (largest_micro_batch(pairs, per_micro, budget) if steps is None
-               else largest_planned_micro_batch(steps, per_micro, budget, world))
+    if steps is None:
+        planned = largest_micro_batch(pairs, per_micro, budget)
+    elif isinstance(steps, int):
+        planned = steps
+    else:
+        planned = largest_planned_micro_batch(steps, per_micro, budget, world)
     largest = -(-planned // split)
     longest = -(-max(p.num_tokens for p in pairs) // split)
     static, head = static // max(shards, 1), head_bytes(model)

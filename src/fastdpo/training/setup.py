@@ -35,7 +35,7 @@ from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
 from fastdpo.parallel.parallelize import parallelize
 from fastdpo.training.evaluate import held_out_reference
-from fastdpo.training.fit import fit_checkpointing, run_steps
+from fastdpo.training.fit import fit_checkpointing, planned_largest_micro_batch
 
 log = logging.getLogger("fastdpo")
 
@@ -304,11 +304,14 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), per_step, cfg.dataloader_drop_last)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     if cfg.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
-        if steps is None and not cfg.streaming:
-            steps = run_steps(pairs, per_step, cfg.seed, cfg.shuffle, total, steps_per_epoch)
+        plan = steps
+        if plan is None and not cfg.streaming:
+            plan = planned_largest_micro_batch(pairs, per_step, cfg.per_device_train_batch_size,
+                                               cfg.max_tokens_per_batch, d.dp_size, cfg.seed, cfg.shuffle, total,
+                                               steps_per_epoch)
         fit_checkpointing(cfg, model, backend, pairs, device, pad_id(tokenizer), cfg.max_memory_gib or None,
                           shards=d.world_size if d.mode == "fsdp" else 1, sequence_split=d.sp_size,
-                          steps=steps, world=d.dp_size)
+                          steps=plan, world=d.dp_size)
     policy = parallelize(model, reference, backend, cfg, d)  # checkpointing -> compile -> DDP/FSDP2
 
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
