@@ -111,3 +111,21 @@ def run_cli(capsys, *args) -> tuple[int, str]:
     rc = main([str(a) for a in args])
     captured = capsys.readouterr()
     return rc, captured.out + captured.err
+
+
+def saved_bytes(model, forward) -> int:
+    """Bytes autograd keeps for the backward while `forward()` runs: each storage once, `model`'s weights (and views
+    of them) not counted."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return sum(seen.values())

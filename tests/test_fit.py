@@ -26,23 +26,13 @@ def tiny(layers=3):
 def saved_bytes(model, backend, tokens):
     """All bytes autograd keeps for one forward with grad under the model's current checkpointing (weights not
     counted, storages once)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in weights:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
+    from conftest import saved_bytes as kept
 
     n = tokens
     pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
     batch = make_batch([pair], backend, 0, torch.device("cpu"))
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = completion_logps(model, batch, backend, build_mask(batch, backend))
-    del out
-    return sum(seen.values())
+    return kept(model, lambda: completion_logps(model, batch, backend, build_mask(batch, backend)))
 
 
 def test_regions_add_up_to_what_autograd_keeps_and_policies_keep_less():

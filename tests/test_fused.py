@@ -76,19 +76,10 @@ def test_the_recompute_skips_the_down_projection_and_the_gradients_stay_the_same
 
 
 def test_fewer_bytes_are_kept_for_the_backward():
+    from conftest import saved_bytes
+
     def kept(m):
-        seen = {}
-        weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s.data_ptr() not in weights:
-                seen[s.data_ptr()] = s.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            m.model(input_ids=torch.zeros(1, 256, dtype=torch.long))
-        return sum(seen.values())
+        return saved_bytes(m, lambda: m.model(input_ids=torch.zeros(1, 256, dtype=torch.long)))
 
     plain, lean = model("qwen3", torch.bfloat16), model("qwen3", torch.bfloat16)
     fuse_layers(lean)

@@ -260,18 +260,27 @@ def test_the_lean_lora_forward_on_cuda_is_as_close_to_float32_as_peft_s(dropout)
     worst = {f: max(rel(out[f][1][n], g_slow[n]) for n in g_slow if "lora" in n) for f in (False, True)}
     assert worst[True] < 1.5 * worst[False] + 1e-2, worst
     if dropout:  # training mode: masks drawn in the forward, replayed by the recompute
-        runs = []
-        for policy in ("none", "full"):
-            m = build(torch.bfloat16, True).train()
-            backend = choose_backend(m, "auto", True, torch.device("cuda"))
-            prepare_packed(m, backend)
-            apply_checkpointing(m, policy, reentrant=True)
-            torch.manual_seed(5)
-            runs.append(logps_and_grads(m, [pack_pairs(g, 1) for g in groups], backend))
-        (a, g_a), (b, g_b) = runs
-        assert not torch.equal(a, out[True][0])  # dropout acted
-        torch.testing.assert_close(b, a, rtol=2e-6, atol=0)
-        assert max(rel(g_b[n], g_a[n]) for n in g_a) < 1e-2
+        check_masks_replayed(lambda: build(torch.bfloat16, True).train(), groups, out[True][0])
+
+
+def check_masks_replayed(build, groups, without_dropout):
+    """A model from `build()` in training mode, with dropout: full checkpointing (reentrant) gives the log-probs of
+    no checkpointing from the same seed (the recompute draws the forward's masks), and they differ from
+    `without_dropout`'s."""
+    from fastdpo.model.memory import apply_checkpointing
+
+    runs = []
+    for policy in ("none", "full"):
+        m = build()
+        backend = choose_backend(m, "auto", True, torch.device("cuda"))
+        prepare_packed(m, backend)
+        apply_checkpointing(m, policy, reentrant=True)
+        torch.manual_seed(5)
+        runs.append(logps_and_grads(m, [pack_pairs(g, 1) for g in groups], backend))
+    (a, g_a), (b, g_b) = runs
+    assert not torch.equal(a, without_dropout)  # dropout acted
+    torch.testing.assert_close(b, a, rtol=2e-6, atol=0)
+    assert max(rel(g_b[n], g_a[n]) for n in g_a) < 1e-2
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -325,15 +334,4 @@ def test_a_lean_mlp_s_lora_down_on_cuda_keeps_no_product_and_is_as_close_to_floa
     worst = {f: max(rel(out[f][1][n], g_slow[n]) for n in g_slow if "lora" in n) for f in (False, True)}
     assert worst[True] < 1.5 * worst[False] + 1e-2, worst
     if dropout:
-        runs = []
-        for policy in ("none", "full"):
-            m = build(torch.bfloat16, True, train=True)
-            backend = choose_backend(m, "auto", True, torch.device("cuda"))
-            prepare_packed(m, backend)
-            apply_checkpointing(m, policy, reentrant=True)
-            torch.manual_seed(5)
-            runs.append(logps_and_grads(m, [pack_pairs(g, 1) for g in groups], backend))
-        (a, g_a), (b, g_b) = runs
-        assert not torch.equal(a, out[True][0])  # dropout acted
-        torch.testing.assert_close(b, a, rtol=2e-6, atol=0)
-        assert max(rel(g_b[n], g_a[n]) for n in g_a) < 1e-2
+        check_masks_replayed(lambda: build(torch.bfloat16, True, train=True), groups, out[True][0])

@@ -202,18 +202,9 @@ def mlp_lora_model(model_dirs, dropout=0.0, targets="all-linear", fused=True, us
 
 def saved_bytes(model, ids) -> int:
     """Bytes autograd keeps for the backward of one forward (each storage once, the weights not counted)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+    from conftest import saved_bytes as kept
 
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in weights:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, use_cache=False).logits.sum()
-    return sum(seen.values())
+    return kept(model, lambda: model(input_ids=ids, use_cache=False).logits.sum())
 
 
 def test_a_lean_mlp_s_lora_down_projection_keeps_no_product_and_gives_peft_s_gradients(model_dirs, monkeypatch):

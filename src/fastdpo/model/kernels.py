@@ -353,8 +353,8 @@ def lora_dropout_down(x: torch.Tensor, a: torch.Tensor, seed: int, p: float) -> 
     t = torch.empty((m, r), dtype=x.dtype, device=x.device)
     if m:
         launch(jitted()._lora_drop_down, (cdiv(m, LORA_DOWN_BLOCK_M),), x, a, seed, t, m, k, r,
-               lora_dropout_threshold(p), 1.0 / (1.0 - p), num_warps=4, BLOCK_M=LORA_DOWN_BLOCK_M, BLOCK_K=LORA_BLOCK_K, BLOCK_R=lora_rank_block(r),
-               UPCAST=_upcast(x))
+               lora_dropout_threshold(p), 1.0 / (1.0 - p), num_warps=4, BLOCK_M=LORA_DOWN_BLOCK_M, BLOCK_K=LORA_BLOCK_K,
+               BLOCK_R=lora_rank_block(r), UPCAST=_upcast(x))
     return t
 
 
