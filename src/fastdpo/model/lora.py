@@ -14,6 +14,10 @@ registers on the way into x @ A^T, and the backward's two kernels draw the same 
 from torch's generator and each element's index) for x's and A's gradients. Elsewhere the mask is drawn by
 `bernoulli_`, kept for the backward, and applied by torch.
 
+Where the linear is a lean SwiGLU MLP's down projection (`fastdpo.model.fused`), the product silu(gate) * up and
+the projection are one autograd function: gate and up are kept, as the MLP keeps them anyway, and the product is
+rebuilt in the backward instead of being kept for A's gradient (a sixth of a layer's bytes on an 8B model).
+
 Served: one active adapter of plain LoRA (no DoRA or other variant, no bias on B), not merged, in a module whose
 dropout is off or an `nn.Dropout`. Everything else (adapters disabled, as the reference's forward runs, merged weights, several
 adapters, per-row adapter names, a compiled region) runs PEFT's own forward.
@@ -104,7 +108,8 @@ class _SiluMulLoraDown(torch.autograd.Function):
     """A SwiGLU MLP's end through a LoRA down projection over a frozen base weight W (no bias), for 2-D gate and up
     (N, inter): h = silu(gate) * up, then h @ W^T + scale * (dropout(h) @ A^T) @ B^T.
 
-    Keeps gate, up and h @ A^T (rank columns), not h: the backward rebuilds h in the same pass that takes the
+    Keeps gate, up and h @ A^T (rank columns), not h (off the kernels, dropout's mask too, a byte per element): the
+    backward rebuilds h in the same pass that takes the
     product's gradients (as the plain down projection's does), which saves a third of what a layer's MLP keeps. In a
     checkpointed region's recompute whose output only joins the residual stream (`skip`), the base GEMM, whose output
     nothing keeps, is not run: the output is left unwritten."""
