@@ -109,10 +109,9 @@ class _SiluMulLoraDown(torch.autograd.Function):
     (N, inter): h = silu(gate) * up, then h @ W^T + scale * (dropout(h) @ A^T) @ B^T.
 
     Keeps gate, up and h @ A^T (rank columns), not h (off the kernels, dropout's mask too, a byte per element): the
-    backward rebuilds h in the same pass that takes the
-    product's gradients (as the plain down projection's does), which saves a third of what a layer's MLP keeps. In a
-    checkpointed region's recompute whose output only joins the residual stream (`skip`), the base GEMM, whose output
-    nothing keeps, is not run: the output is left unwritten."""
+    backward rebuilds h in the same pass that takes the product's gradients (as the plain down projection's does),
+    which saves a third of what a layer's MLP keeps. In a checkpointed region's recompute whose output only joins the
+    residual stream (`skip`), the base GEMM, whose output nothing keeps, is not run: the output is left unwritten."""
 
     @staticmethod
     def forward(ctx, gate, up, W, A, B, scale: float, p: float, fast: bool, skip: bool):
