@@ -164,3 +164,21 @@ def test_the_direct_flash_ops_equal_torch_s_varlen_attn(window):
         assert rel(a, b) < 1e-2
     other = attention._varlen_kernel(q, k, v, cu_q, cu_k, 1024, 1024, 0.1, 16 if window is None else None)
     assert not torch.equal(other, want)  # the window reaches the kernel
+
+
+def test_the_varlen_backward_writes_no_zeroed_copy_of_q_k_or_v():
+    """The attention function takes q, k and v out of their batch of one by views: the backward runs no
+    selection's backward, which writes the gradient into a zeroed tensor of the input's shape (three copies per
+    layer, and a fourth when the value's gradient then needs reshaping)."""
+    pairs = random_pairs(4, 151936, seed=1, max_prompt=100, max_comp=100)
+    model = qwen3(torch.bfloat16, layers=2)
+    model.train()
+    backend = choose_backend(model, "auto", True, torch.device("cuda"))
+    prepare_packed(model, backend)
+    batch = pack_pairs(pairs, 1).to("cuda")
+    seq, _ = sequence_logps(model, batch, backend)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        seq.sum().backward()
+    names = [e.name for e in prof.events()]
+    assert any("_flash_attention_backward" in n for n in names)  # the path under test ran
+    assert "aten::select_backward" not in names

@@ -320,9 +320,11 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise RuntimeError("fastdpo varlen attention needs the micro-batch's offsets; call through "
                            "fastdpo.model.backend.target_hidden")
     index = kwargs["fastdpo_key_index"]
-    q = query[0].transpose(0, 1)  # (T, H, D), packed order: the output comes back in it
-    k = gather_keys(module, key[0].transpose(0, 1), index, kwargs)  # keys sequence by sequence
-    v = gather_keys(module, value[0].transpose(0, 1), index, kwargs)
+    # squeeze, not [0]: a selection's backward writes its gradient into a zeroed copy of the input's shape (a copy
+    # per projection and layer), a squeeze's is a view
+    q = query.squeeze(0).transpose(0, 1)  # (T, H, D), packed order: the output comes back in it
+    k = gather_keys(module, key.squeeze(0).transpose(0, 1), index, kwargs)  # keys sequence by sequence
+    v = gather_keys(module, value.squeeze(0).transpose(0, 1), index, kwargs)
     out = _varlen_kernel(q, k, v, kwargs["fastdpo_cu_q"], kwargs["fastdpo_cu_k"], kwargs["fastdpo_max_q"],
                          kwargs["fastdpo_max_k"], scaling, window)
     return out.unsqueeze(0), None

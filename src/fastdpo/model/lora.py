@@ -25,6 +25,7 @@ adapters, per-row adapter names, a compiled region) runs PEFT's own forward.
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -58,12 +59,19 @@ def _adapter_down(x: torch.Tensor, a_w: torch.Tensor, p: float):
     return xd @ a_w.t(), mask, seed
 
 
-def _adapter_input_grad(gt: torch.Tensor, a_w: torch.Tensor, scale: float, p: float, seed, mask) -> torch.Tensor:
-    """The adapter's share of x's gradient, scale * dropout'(gt @ A), for `gt` the gradient of x @ A^T."""
+def _adapter_input_grad(gt: torch.Tensor, a_w: torch.Tensor, scale: float, p: float, seed, mask,
+                        base: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The adapter's share of x's gradient, scale * dropout'(gt @ A), for `gt` the gradient of x @ A^T; with `base`
+    (g, W), plus the base's share g @ W, added by its GEMM into the adapter's (in place: no copy, no add kernel)."""
     if seed is not None:
-        return kernels.lora_dropout_input_grad(gt, a_w, seed, p, scale)
-    g_x = torch.mm(gt, a_w)
-    return g_x.mul_(scale) if mask is None else g_x.mul_(mask).mul_(scale / (1.0 - p))
+        g_x = kernels.lora_dropout_input_grad(gt, a_w, seed, p, scale)
+    elif mask is not None:
+        g_x = torch.mm(gt, a_w).mul_(mask).mul_(scale / (1.0 - p))
+    elif base is not None and math.frexp(scale)[0] != 0.5:  # a scale that is not a power of two: in the GEMM
+        return torch.mm(*base).addmm_(gt, a_w, alpha=scale)
+    else:  # a power of two scales gt exactly, and the product needs no pass of its own
+        g_x = torch.mm(gt * scale if scale != 1.0 else gt, a_w)
+    return g_x.addmm_(*base) if base is not None else g_x
 
 
 def _adapter_a_grad(gt: torch.Tensor, x: torch.Tensor, scale: float, p: float, seed, mask,
@@ -76,8 +84,41 @@ def _adapter_a_grad(gt: torch.Tensor, x: torch.Tensor, scale: float, p: float, s
     return _weight_grad(gt.t(), xd, scale, dtype)
 
 
+class _LoraLinear(torch.autograd.Function):
+    """x @ W^T (+ bias) + scale * (dropout(x) @ A^T) @ B^T for 2-D x (N, in) over a frozen base weight W: the base
+    GEMM writes the output and the adapter's GEMM adds into it in place; in the backward the adapter's share of x's
+    gradient is written first and the base's GEMM adds into it. x's gradient thus leaves as one tensor, not two that
+    autograd would add (a pass over x's width per projection), and no output is copied before a GEMM adds into it
+    (what an out-of-place `addmm` does)."""
+
+    @staticmethod
+    def forward(ctx, x, W, bias, A, B, scale: float, p: float):
+        a_w, b_w = A.to(x.dtype), B.to(x.dtype)
+        t, mask, seed = _adapter_down(x, a_w, p)
+        out = F.linear(x, W, bias).addmm_(t, b_w.t(), alpha=scale)
+        ctx.save_for_backward(x, W, t, a_w, b_w, mask)
+        ctx.scale, ctx.p, ctx.seed, ctx.dtypes = scale, p, seed, (A.dtype, B.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, W, t, a_w, b_w, mask = ctx.saved_tensors
+        scale, p, seed = ctx.scale, ctx.p, ctx.seed
+        g = g.contiguous()
+        gt = g @ b_w  # (N, r): the gradient of t, before the scale
+        g_x = g_a = g_b = None
+        if ctx.needs_input_grad[0]:
+            g_x = _adapter_input_grad(gt, a_w, scale, p, seed, mask, (g, W))
+        if ctx.needs_input_grad[3]:
+            g_a = _adapter_a_grad(gt, x, scale, p, seed, mask, ctx.dtypes[0])
+        if ctx.needs_input_grad[4]:
+            g_b = _weight_grad(g.t(), t, scale, ctx.dtypes[1])
+        return g_x, None, None, g_a, g_b, None, None
+
+
 class _LoraAdd(torch.autograd.Function):
-    """y + scale * (dropout(x) @ A^T) @ B^T for 2-D x (N, in) and the base's y (N, out)."""
+    """y + scale * (dropout(x) @ A^T) @ B^T for 2-D x (N, in) and the output y (N, out) of a base that is not a plain
+    frozen linear (a quantized one): the base's own backward gives its share of x's gradient."""
 
     @staticmethod
     def forward(ctx, x, y, A, B, scale: float, p: float):
@@ -121,7 +162,7 @@ class _SiluMulLoraDown(torch.autograd.Function):
         if skip:
             out = gate.new_empty((gate.shape[0], W.shape[0]))
         else:
-            out = torch.addmm(F.linear(h, W), t, b_w.t(), alpha=scale)
+            out = F.linear(h, W).addmm_(t, b_w.t(), alpha=scale)
         ctx.save_for_backward(gate, up, W, t, a_w, b_w, mask)
         ctx.scale, ctx.p, ctx.seed, ctx.fast, ctx.dtypes = scale, p, seed, fast, (A.dtype, B.dtype)
         return out
@@ -133,7 +174,7 @@ class _SiluMulLoraDown(torch.autograd.Function):
         g = g.contiguous()
         gt = g @ b_w
         # h's gradient: the adapter's share, with the base's GEMM adding into it
-        g_h = torch.addmm(_adapter_input_grad(gt, a_w, scale, p, seed, mask), g, W)
+        g_h = _adapter_input_grad(gt, a_w, scale, p, seed, mask, (g, W))
         want_a = ctx.needs_input_grad[3]
         if ctx.fast:
             g_gate, g_up, h = kernels.silu_mul_backward(gate, up, g_h, product=want_a)
@@ -177,13 +218,26 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if served is None:
         return plain(x, *args, **kwargs)
     name, p = served
-    y = self.base_layer(x)
+    base = self.base_layer
+    if plain_frozen_linear(base, x):
+        flat = x.reshape(-1, x.shape[-1])
+        out = _LoraLinear.apply(flat, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                                float(self.scaling[name]), p)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    y = base(x)
     if y.dtype != x.dtype:
         return plain(x)
     shape = y.shape
     out = _LoraAdd.apply(x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1]), self.lora_A[name].weight,
                          self.lora_B[name].weight, float(self.scaling[name]), p)
     return out.view(shape)
+
+
+def plain_frozen_linear(base, x: torch.Tensor) -> bool:
+    """Whether LoRA's base layer is a plain `nn.Linear` whose frozen weight (and bias) are of x's dtype: then the
+    lean forward runs its GEMMs too."""
+    return (type(base) is torch.nn.Linear and not base.weight.requires_grad and base.weight.dtype == x.dtype
+            and (base.bias is None or (not base.bias.requires_grad and base.bias.dtype == x.dtype)))
 
 
 def silu_mul_down(layer, gate: torch.Tensor, up: torch.Tensor, fast: bool, skip: bool) -> torch.Tensor | None:
@@ -194,8 +248,7 @@ def silu_mul_down(layer, gate: torch.Tensor, up: torch.Tensor, fast: bool, skip:
         return None
     served = _served(layer, gate)
     base = getattr(layer, "base_layer", None)
-    if (served is None or type(base) is not torch.nn.Linear or base.bias is not None or base.weight.requires_grad
-            or base.weight.dtype != gate.dtype or up.dtype != gate.dtype):
+    if served is None or not plain_frozen_linear(base, gate) or base.bias is not None or up.dtype != gate.dtype:
         return None
     name, p = served
     shape = gate.shape

@@ -287,7 +287,7 @@ def heads_to_tokens(x: torch.Tensor, ctx: SequenceContext) -> torch.Tensor:
     """(1, h, t, D) this rank's tokens, all heads -> (1, h/n, n*t, D) every token in packed order, this rank's
     share of the heads (head group r of n), laid out as transformers lays out its query (a transposed (T, h/n, D))."""
     n, (_, h, t, dim) = ctx.size, x.shape
-    y = _AllToAll.apply(x[0].reshape(n, h // n, t, dim), ctx.group)  # y[j]: rank j's tokens, my heads
+    y = _AllToAll.apply(x.squeeze(0).reshape(n, h // n, t, dim), ctx.group)  # y[j]: rank j's tokens, my heads
     y = y.transpose(1, 2).reshape(n * t, h // n, dim)  # rank-major tokens
     return y.index_select(0, ctx.inverse).transpose(0, 1)[None]
 
@@ -408,9 +408,9 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
         raise FastDPOError(f"the model's attention dropout ({dropout}) is not applied by ring attention's blocks. "
                            "Use --sequence_parallel_mode ulysses, or a config with attention_dropout 0.")
     n, r = ctx.size, ctx.rank
-    q = query[0]
+    q = query.squeeze(0)  # a view in the backward too ([0]'s backward writes a zeroed copy)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    kv = torch.cat([key[0], value[0]])  # one message per shift: (2 Hkv, t, D)
+    kv = torch.cat([key.squeeze(0), value.squeeze(0)])  # one message per shift: (2 Hkv, t, D)
     outs, lses = [], []
     unused = []  # chunks no block read: kept in the graph so every rank runs every shift's backward
     for s in range(n):
