@@ -454,6 +454,9 @@ def test_lora_dropout_masks_keep_one_minus_p_and_follow_the_seed(K):
     assert abs((a == b).float().mean().item() - 0.5) < 0.01  # another seed: an independent mask
     rows = a.view(300, 1000)
     assert not torch.equal(rows[0], rows[1])  # nor one mask repeated row after row
+    # the two halves of a word, and neighbouring words, decide independently: neighbours agree half the time
+    for step in (1, 2, 8):
+        assert abs((rows[:, step:] == rows[:, :-step]).float().mean().item() - 0.5) < 0.01, step
     # the forward applies exactly that mask: through an identity adapter, dropout(x) itself comes out
     x = torch.rand(64, 16) + 1
     t = K.lora_dropout_down(x, torch.eye(16), 9, 0.25)

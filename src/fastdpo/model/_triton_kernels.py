@@ -171,15 +171,17 @@ DROPOUT_ROUNDS = tl.constexpr(7)
 
 @triton.jit
 def _kept(seed, rows, k0, K, threshold, BLOCK_K: tl.constexpr):
-    """Which elements of rows `rows`, columns k0 .. k0 + BLOCK_K of a (M, K) input dropout keeps (k0 a multiple of 4):
-    one Philox call per four columns (keyed by the call's seed and the group's index), each column taking its own
-    one of the four words, kept when the word's top 24 bits reach `threshold` (p * 2**24, rounded up). Every kernel
-    of one call thus draws the same mask without storing it. Philox runs `DROPOUT_ROUNDS` rounds, not Triton's
-    default 10: the kernels' integer work is most of their time, and a dropout mask needs no cryptographic margin."""
-    groups = rows[:, None] * tl.cdiv(K, 4) + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :]
+    """Which elements of rows `rows`, columns k0 .. k0 + BLOCK_K of a (M, K) input dropout keeps (k0 a multiple of 8):
+    one Philox call per eight columns (keyed by the call's seed and the group's index) gives four 32-bit words, and
+    each column takes one 16-bit half of one of them; an element is kept when its half reaches `threshold` (p * 2**16,
+    rounded). Every kernel of one call thus draws the same mask without storing it. Philox runs `DROPOUT_ROUNDS`
+    rounds, not Triton's default 10, and each word serves two elements: the kernels' integer work is most of their
+    time, and a dropout mask needs no cryptographic margin."""
+    groups = rows[:, None] * tl.cdiv(K, 8) + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, groups, DROPOUT_ROUNDS)
-    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # column j: word j % 4 of group j // 4
-    return (r.to(tl.uint32, bitcast=True) >> 8).to(tl.int32) >= threshold
+    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)).to(tl.uint32, bitcast=True)  # word of 2 columns
+    halves = tl.interleave(r & 0xFFFF, r >> 16)  # column j: half j % 2 of word j // 2
+    return halves.to(tl.int32) >= threshold
 
 
 @triton.jit(do_not_specialize=["seed", "M"])

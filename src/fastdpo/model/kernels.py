@@ -309,9 +309,10 @@ LORA_DOWN_BLOCK_M = 16  # x @ A^T: one program per 16 rows, so that a few thousa
 
 
 def lora_dropout_threshold(p: float) -> int:
-    """The kernels keep an element when the top 24 bits of its random word reach this: a drop probability of p
-    to within 2**-24, as torch's float32 uniforms give."""
-    return math.ceil(p * 2**24)
+    """The kernels keep an element when its 16 random bits reach this: a drop probability of p to the nearest
+    multiple of 2**-16 (within 7.7e-6 of p; 0.05 draws 0.0500031), and never 0 for a p above 0. The kept elements are
+    scaled by 1 / (1 - p), as torch's dropout scales them."""
+    return max(round(p * 2**16), 1) if p > 0 else 0
 
 
 def _upcast(t: torch.Tensor) -> bool:
