@@ -272,3 +272,78 @@ def test_local_shard_reads_the_held_tensor_or_asks_for_it():
     assert local_shard(plain) is plain
     assert local_shard(Held()) is held
     assert local_shard(Asked()) is asked
+
+
+def _clip_run(dtype, fold: bool, max_norm: float, device: str = "cpu"):
+    """Three steps of fastdpo's AdamW on two tensors with random gradients, clipped to `max_norm` either in place
+    first (`clip_grad_norm`) or by the update as it reads them (`grad_scale`): the weights, moments, norms, and
+    whether the folded run left its gradients as they were."""
+    from fastdpo.parallel.collectives import clip_coef, clip_grad_norm, total_grad_norm
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter((torch.randn(64, 33) * 0.02).to(device, dtype))
+    b = torch.nn.Parameter(torch.ones(33, dtype=dtype, device=device))
+    opt = AdamW([{"params": [w], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}], lr=1e-2, seed=5)
+    gen = torch.Generator().manual_seed(1)
+    norms, untouched = [], []
+    for _ in range(3):
+        w.grad = (torch.randn(w.shape, generator=gen) * 3).to(device, dtype)
+        b.grad = torch.randn(b.shape, generator=gen).to(device, dtype)
+        if fold:
+            given = [w.grad.clone(), b.grad.clone()]
+            norm = total_grad_norm([w, b])
+            opt.step(grad_scale=clip_coef(norm, max_norm))
+            untouched.append(torch.equal(given[0], w.grad) and torch.equal(given[1], b.grad))
+        else:
+            norm = clip_grad_norm([w, b], max_norm)
+            opt.step()
+        norms.append(norm.float().item())
+    state = opt.state_dict()["state"]
+    return [w.detach().float(), b.detach().float()], [state[k][m].float() for k in (0, 1)
+                                                      for m in ("exp_avg", "exp_avg_sq")], norms, untouched
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clipping_inside_the_update_equals_clipping_in_place(max_norm):
+    """The trainer hands fastdpo's AdamW clipping's coefficient instead of scaling every gradient in place first:
+    in float32 the weights and moments are bit for bit those of in-place clipping, the norm is torch's
+    `clip_grad_norm_`'s, and the gradients are left as they were. In bfloat16 the folded run skips the rounding of
+    each clipped gradient to bfloat16, so the two runs agree to a bfloat16 spacing."""
+    from fastdpo.parallel.collectives import clip_coef
+
+    ws, moments, norms, untouched = _clip_run(torch.float32, True, max_norm)
+    ws_ref, moments_ref, norms_ref, _ = _clip_run(torch.float32, False, max_norm)
+    assert all(untouched) and norms == norms_ref
+    for a, b in zip(ws + moments, ws_ref + moments_ref):
+        assert torch.equal(a, b)
+    torch.manual_seed(0)
+    grads = [torch.randn(40, 7) * 3, torch.randn(7)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    assert torch.nn.utils.clip_grad_norm_(params, max_norm).item() == pytest.approx(
+        torch.cat([g.flatten() for g in grads]).norm().item(), rel=1e-6)
+    if max_norm < 1:
+        assert norms[0] > max_norm  # the clipping was active
+    else:
+        assert clip_coef(torch.tensor(norms[0]), max_norm).item() == 1.0
+    assert clip_coef(torch.tensor(2.0), float("inf")) is None
+
+    ws, moments, _, _ = _clip_run(torch.bfloat16, True, max_norm)
+    ws_ref, moments_ref, _, _ = _clip_run(torch.bfloat16, False, max_norm)
+    for a, b in zip(ws + moments, ws_ref + moments_ref):  # a clipped gradient rounded or not: 2^-9 of it
+        assert ((a - b).abs() <= 0.01 * b.abs().max()).all()
+    if max_norm < 1:  # and the coefficient reached the update: the moments are the clipped gradients' (~1/300)
+        _, moments_plain, _, _ = _clip_run(torch.bfloat16, True, 1e6)
+        assert all(m.abs().max() < 0.05 * p.abs().max() for m, p in zip(moments, moments_plain))
+
+
+def test_an_optimizer_that_cannot_scale_its_gradients_refuses_a_scale():
+    from fastdpo.optim.optimizer import scales_gradients, step_unless_nonfinite
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.AdamW([p], lr=0.1)
+    assert not scales_gradients(opt) and scales_gradients(AdamW([p], lr=0.1))
+    with pytest.raises(ValueError, match="clip them in place"):
+        step_unless_nonfinite(opt, torch.tensor([True]), torch.tensor(0.5))

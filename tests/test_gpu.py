@@ -485,3 +485,28 @@ def test_full_shard_on_two_gpus_saves_evaluates_and_trains_like_one(tmp_path, mo
                      "--resume_from_checkpoint", str(tmp_path / "two" / "checkpoint-2"))
     for k in w2:
         torch.testing.assert_close(resumed[k], w2[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_fused_adamw_scales_the_gradients_it_reads():
+    """`scale` (clipping's coefficient, on the device) multiplies each gradient as the kernel reads it: the same bits
+    as gradients scaled beforehand in float32, and the gradients themselves left as they were."""
+    from fastdpo.optim.adamw_kernel import adamw_update_
+
+    torch.manual_seed(0)
+    ok = torch.ones(1, dtype=torch.bool, device="cuda")
+    coef = torch.tensor([0.0123], device="cuda")
+    kw = dict(lr=1e-3, weight_decay=0.1, b1=0.9, b2=0.999, step=3, eps=1e-8, seeds=[11, 12], stochastic=False)
+    ws = [torch.randn(n, device="cuda") * 0.02 for n in (70_001, 300)]
+    gs = [torch.randn_like(w) for w in ws]
+    ms = [torch.randn_like(w) * 1e-3 for w in ws]
+    vs = [torch.rand_like(w) * 1e-6 for w in ws]
+    start = [[t.clone() for t in lst] for lst in (ws, gs, ms, vs)]
+    pre = [[t.clone() for t in lst] for lst in start]
+    pre[1] = [g * coef for g in pre[1]]
+    adamw_update_(ws, gs, ms, vs, ok, scale=coef, **kw)
+    adamw_update_(*pre, ok, **kw)
+    for a, b in zip(ws + ms + vs, pre[0] + pre[2] + pre[3]):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(gs, start[1]))
+    adamw_update_(*start, ok, **kw)  # unscaled: a difference the comparison above could have missed
+    assert not torch.equal(start[2][0], ms[0])

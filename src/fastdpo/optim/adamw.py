@@ -88,6 +88,7 @@ class AdamW(torch.optim.Optimizer):
         self._fused = None  # the Triton update, looked up on the first CUDA step
         self._counted: list[dict] = []  # the states whose step count the last step() advanced
         self._true: dict[torch.device, torch.Tensor] = {}
+        self._one: dict[torch.device, torch.Tensor] = {}
 
     def _seed(self, step: int, group: int) -> int:
         return ((self.seed * 1_000_003 + step) * 1_009 + group) % (1 << 62)
@@ -100,11 +101,13 @@ class AdamW(torch.optim.Optimizer):
         return g
 
     @torch.no_grad()
-    def step(self, closure=None, finite: torch.Tensor | None = None):
+    def step(self, closure=None, finite: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None):
         """One update. `finite`: a one-element bool tensor; where it is false the weights and moments are left as
         they are. The CUDA kernel reads it on the device, so the host need not wait for the gradients to decide;
         the other path reads it here. Either way the host-side step counts advance: once the caller has read the
-        flag, `rewind()` takes a skipped step's counts back."""
+        flag, `rewind()` takes a skipped step's counts back. `grad_scale`: a one-element tensor the gradients are
+        multiplied by, in float32, as the update reads them (clipping's coefficient, `collectives.clip_coef`); the
+        gradients themselves are left as they are."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -136,10 +139,12 @@ class AdamW(torch.optim.Optimizer):
             for (step, device, dtypes, fused), lists in by_kind.items():
                 dtype = dtypes[0]
                 if fused:
-                    self._fused_steps(lists, group, step, index, dtype == torch.bfloat16, self._flag(finite, device))
+                    self._fused_steps(lists, group, step, index, dtype == torch.bfloat16, self._flag(finite, device),
+                                      self._scale(grad_scale, device))
                 elif finite is None or bool(finite):
                     gen = self._generator(device, step, index) if dtype == torch.bfloat16 else None
-                    _foreach_steps(lists[:4], group, step, gen)
+                    scale = None if grad_scale is None else grad_scale.reshape(()).to(device, torch.float32)
+                    _foreach_steps(lists[:4], group, step, gen, scale)
         return loss
 
     def rewind(self) -> None:
@@ -156,20 +161,28 @@ class AdamW(torch.optim.Optimizer):
             self._true[device] = torch.ones(1, dtype=torch.bool, device=device)
         return self._true[device]
 
+    def _scale(self, grad_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The kernel's gradient scale on `device`, in float32: `grad_scale`, or a constant one."""
+        if grad_scale is not None:
+            return grad_scale.reshape(1).to(device, torch.float32, non_blocking=True)
+        if device not in self._one:
+            self._one[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return self._one[device]
+
     def _fused_update(self):
         if self._fused is None:
             self._fused = _kernel() or False
         return self._fused or None
 
     def _fused_steps(self, lists: list[list], group: dict, step: int, index: int, stochastic: bool,
-                     ok: torch.Tensor) -> None:
+                     ok: torch.Tensor, scale: torch.Tensor) -> None:
         """One kernel launch for all the tensors. The noise seed of tensor k is derived from (seed, step, group, k)
         and, for a DTensor shard, its rank (replicated tensors: the same seed on every rank)."""
         base = self._seed(step, index)
         b1, b2 = group["betas"]
         seeds = [((base * 31 + k) * 131 + shard) % ((1 << 31) - 1) for k, shard in enumerate(lists[4])]
         self._fused(*lists[:4], ok, lr=group["lr"], weight_decay=group["weight_decay"], b1=b1, b2=b2, step=step,
-                    eps=group["eps"], seeds=seeds, stochastic=stochastic)
+                    eps=group["eps"], seeds=seeds, stochastic=stochastic, scale=scale)
 
 
 def _shard_rank(p: torch.Tensor) -> int:
@@ -178,15 +191,18 @@ def _shard_rank(p: torch.Tensor) -> int:
     return mesh.get_rank() + 1 if mesh is not None else 0
 
 
-def _foreach_steps(lists: list[list[torch.Tensor]], group: dict, step: int, gen: torch.Generator | None) -> None:
+def _foreach_steps(lists: list[list[torch.Tensor]], group: dict, step: int, gen: torch.Generator | None,
+                   scale: torch.Tensor | None = None) -> None:
     """The update in float32 foreach ops, slice group by slice group; bfloat16 weights rounded stochastically
-    with `gen`, others to nearest."""
+    with `gen`, others to nearest; the gradients multiplied by `scale` (float32, 0-d) as they are read."""
     lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     c1 = 1 - b1**step
     c2 = 1 - b2**step
     for w, g, m, v in _pieces(lists):
         w32 = [t.float() for t in w]
         g32 = [t.float() for t in g]
+        if scale is not None:  # out of place: a float32 gradient's float() is the gradient itself
+            g32 = torch._foreach_mul(g32, scale)
         m32 = [t.float() for t in m]
         v32 = [t.float() for t in v]
         if wd:

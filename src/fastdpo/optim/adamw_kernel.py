@@ -26,7 +26,7 @@ _maps: dict[tuple, torch.Tensor] = {}  # (device, sizes) -> the program -> (tens
 
 
 @triton.jit
-def _adamw_kernel(w_base, g_base, m_base, v_base, table_ptr, map_ptr, ok_ptr, lr, decay, b1, b2, c1, sqrt_c2, eps,
+def _adamw_kernel(w_base, g_base, m_base, v_base, table_ptr, map_ptr, ok_ptr, scale_ptr, lr, decay, b1, b2, c1, sqrt_c2, eps,
                   WA: tl.constexpr, GA: tl.constexpr, MA: tl.constexpr, VA: tl.constexpr,
                   STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -40,6 +40,7 @@ def _adamw_kernel(w_base, g_base, m_base, v_base, table_ptr, map_ptr, ok_ptr, lr
     # a false flag: the step is skipped (no element in range), nothing read or written
     n = tl.load(row + 4) * (tl.load(ok_ptr) != 0).to(tl.int64)
     seed = tl.load(row + 5)
+    scale = tl.load(scale_ptr)  # the gradients' scale: clipping's coefficient, applied as they are read
     for i in range(ITERS):
         offs = chunk * (BLOCK * ITERS) + i * BLOCK + tl.arange(0, BLOCK)  # index in the tensor
         keep = offs < n
@@ -49,7 +50,7 @@ def _adamw_kernel(w_base, g_base, m_base, v_base, table_ptr, map_ptr, ok_ptr, lr
         m_offs = tl.max_contiguous(tl.multiple_of(m_at + offs, MA), BLOCK)
         v_offs = tl.max_contiguous(tl.multiple_of(v_at + offs, VA), BLOCK)
         w = tl.load(w_base + w_offs, mask=keep).to(tl.float32)
-        g = tl.load(g_base + g_offs, mask=keep).to(tl.float32)
+        g = tl.load(g_base + g_offs, mask=keep).to(tl.float32) * scale
         m = tl.load(m_base + m_offs, mask=keep).to(tl.float32)
         v = tl.load(v_base + v_offs, mask=keep).to(tl.float32)
         w = w * decay
@@ -81,12 +82,13 @@ def _program_map(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def adamw_update_(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor],
                   ok: torch.Tensor, *, lr: float, weight_decay: float, b1: float, b2: float, step: int, eps: float,
-                  seeds: list[int], stochastic: bool) -> None:
+                  seeds: list[int], stochastic: bool, scale: torch.Tensor | None = None) -> None:
     """In place on contiguous CUDA tensors (weight, gradient, moments aligned; each kind of one dtype): AdamW's step
     `step` (decoupled decay, bias correction) computed in float32; the weights written with stochastic rounding when
     `stochastic` (for bfloat16), else rounded to nearest. `seeds` (31-bit ints, one per tensor) key the rounding
     noise. `ok`, a one-element bool tensor on the device, is read by the kernel: when false, the tensors are left as
-    they are (the host never waits for it)."""
+    they are (the host never waits for it). `scale`, a one-element float32 tensor on the device (else 1), multiplies
+    each gradient as it is read (clipping's coefficient; the gradients themselves are not written)."""
     live = [k for k, w in enumerate(ws) if w.numel()]
     if not live:
         return
@@ -99,10 +101,12 @@ def adamw_update_(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch
     rows = [[(a - b.data_ptr()) // b.element_size() for a in column] for column, b in zip(addrs, bases)]
     rows += [[ws[k].numel() for k in live], [seeds[k] for k in live]]
     device = bases[0].device
+    if scale is None:
+        scale = torch.ones(1, dtype=torch.float32, device=device)
     table = torch.tensor(rows, dtype=torch.int64).t().contiguous()
     table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
     programs = _program_map(tuple(rows[4]), device)
     steps = [16 // b.element_size() if aligned else 1 for b in bases]
-    _adamw_kernel[(len(programs),)](*bases, table, programs, ok, lr, 1.0 - lr * weight_decay, b1, b2, 1.0 - b1**step,
+    _adamw_kernel[(len(programs),)](*bases, table, programs, ok, scale, lr, 1.0 - lr * weight_decay, b1, b2, 1.0 - b1**step,
                                     (1.0 - b2**step) ** 0.5, eps, *steps, STOCHASTIC=stochastic, BLOCK=BLOCK,
                                     ITERS=ITERS, num_warps=8)

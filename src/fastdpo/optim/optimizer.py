@@ -29,16 +29,28 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     return torch.optim.AdamW(groups, fused=device.type == "cuda", **hyper)
 
 
-def step_unless_nonfinite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> bool:
+def scales_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `step_unless_nonfinite` can hand this optimizer clipping's coefficient, to scale the gradients as its
+    update reads them (fastdpo's AdamW) instead of a pass that scales them in place first."""
+    from fastdpo.optim.adamw import AdamW
+
+    return isinstance(optimizer, AdamW)
+
+
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, finite: torch.Tensor,
+                          grad_scale: torch.Tensor | None = None) -> bool:
     """`optimizer.step()` whose update is skipped where `finite` (a one-element bool tensor, e.g. on the GPU) is
     false. fastdpo's AdamW and torch's fused AdamW obey the flag on the device, so the host queues the update
-    without waiting for the backward to finish; other optimizers read the flag first. Returns whether step() was
-    called (a skipped call leaves the weights and moments as they were; `undo_step_count` then fixes the counts)."""
+    without waiting for the backward to finish; other optimizers read the flag first. `grad_scale` (only where
+    `scales_gradients`): the update's gradients are these times it. Returns whether step() was called (a skipped
+    call leaves the weights and moments as they were; `undo_step_count` then fixes the counts)."""
     from fastdpo.optim.adamw import AdamW
 
     if isinstance(optimizer, AdamW):
-        optimizer.step(finite=finite)
+        optimizer.step(finite=finite, grad_scale=grad_scale)
         return True
+    if grad_scale is not None:
+        raise ValueError(f"{type(optimizer).__name__} cannot scale the gradients it reads: clip them in place.")
     if isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"):
         optimizer.found_inf = (~finite).reshape(()).float()  # read by the fused kernel, as under a GradScaler
         try:

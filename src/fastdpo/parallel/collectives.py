@@ -7,19 +7,48 @@ import math
 
 import torch
 
+from fastdpo.optim.adamw import local_shard
 from fastdpo.parallel.distributed import Dist
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm (over all shards); returns it as a plain tensor. FSDP2's gradients (DTensors
-    sharded over one mesh dimension) are clipped on their local shards: one all-reduce of the summed squares, no
-    DTensor dispatch around each foreach op (≈ 10 ms of host time per step for Qwen3-1.7B, benchmarks/NOTES.md
-    "Where time goes now"); anything else goes through torch's `clip_grad_norm_`."""
+    """Clip by the global gradient norm (over all shards), in place; returns the norm as a plain tensor (see
+    `total_grad_norm`). An update that scales the gradients as it reads them takes `clip_coef` instead (no pass of its
+    own over the gradients)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = total_grad_norm(params)
+    coef = clip_coef(norm, max_norm)
+    if grads and coef is not None:
+        local = [local_shard(g) for g in grads]  # a DTensor scales as its local tensor does
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for g in local:
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), group in by_kind.items():
+            torch._foreach_mul_(group, coef.to(device))
+    return norm
+
+
+def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The global gradient norm (over all shards) as a plain tensor, gradients left as they are. FSDP2's gradients
+    (DTensors sharded over one mesh dimension) are summed on their local shards in float32, then with one
+    all-reduce: no DTensor dispatch around each foreach op (≈ 10 ms of host time per step for Qwen3-1.7B,
+    benchmarks/NOTES.md "Where time goes now"). Anything else is torch's `get_total_norm`, as `clip_grad_norm_`
+    computes it (in the gradients' dtype)."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads and _sharded_on_one_mesh(grads):
-        return _clip_shards(grads, max_norm)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return _shard_norm(grads)
+    if not grads:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """torch's clipping coefficient for `norm`, max_norm / (norm + 1e-6) and at most 1, on the norm's device and in its
+    dtype; None when `max_norm` is infinite (no clipping)."""
+    if math.isinf(max_norm):
+        return None
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def _sharded_on_one_mesh(grads: list[torch.Tensor]) -> bool:
@@ -28,21 +57,15 @@ def _sharded_on_one_mesh(grads: list[torch.Tensor]) -> bool:
         getattr(g, "device_mesh", None) is mesh and all(p.is_shard() for p in g.placements) for g in grads)
 
 
-def _clip_shards(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """torch's clipping (coefficient max_norm / (norm + 1e-6), at most 1) with the norm's squares summed in float32
-    on each rank's shards, then across the mesh. Each element lives on one rank only, so the sum counts it once."""
+def _shard_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The norm with its squares summed in float32 on each rank's shards, then across the mesh. Each element lives
+    on one rank only, so the sum counts it once."""
     import torch.distributed as dist
 
-    from fastdpo.optim.adamw import local_shard
-
-    local = [local_shard(g) for g in grads]
-    norms = torch._foreach_norm(local, 2, dtype=torch.float32)
+    norms = torch._foreach_norm([local_shard(g) for g in grads], 2, dtype=torch.float32)
     total = torch.stack(norms).square().sum()
     dist.all_reduce(total, group=grads[0].device_mesh.get_group())
-    norm = total.sqrt()
-    if not math.isinf(max_norm):
-        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
+    return total.sqrt()
 
 
 def reduce_metrics(metrics, d: Dist, pairs: int, tokens: int) -> None:

@@ -32,10 +32,18 @@ from fastdpo.observe.metrics import StepMetrics
 from fastdpo.optim.optimizer import (
     build_optimizer,
     build_scheduler,
+    scales_gradients,
     step_unless_nonfinite,
     undo_step_count,
 )
-from fastdpo.parallel.collectives import clip_grad_norm, gather_step_view, reduce_beta_drift, reduce_metrics
+from fastdpo.parallel.collectives import (
+    clip_coef,
+    clip_grad_norm,
+    gather_step_view,
+    reduce_beta_drift,
+    reduce_metrics,
+    total_grad_norm,
+)
 from fastdpo.parallel.distributed import Dist
 from fastdpo.parallel.sequence import split_micro_batch
 from fastdpo.parallel.split import rank_micro_batches
@@ -271,13 +279,17 @@ class Trainer:
             reduce_metrics(metrics, s.dist, len(step_pairs), tokens)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")  # 0: no clipping
         with phase("fastdpo.clip"):
-            grad_norm = clip_grad_norm(self.trainable, max_norm)
+            if scales_gradients(self.optimizer):  # the update scales the gradients as it reads them
+                grad_norm = total_grad_norm(self.trainable)
+                coef = clip_coef(grad_norm, max_norm)
+            else:
+                grad_norm, coef = clip_grad_norm(self.trainable, max_norm), None
         lr = self.scheduler.get_last_lr()[0]
         # the update obeys the finite flag on the device, so the host queues it without waiting for the backward,
         # and reads the flag after
         with phase("fastdpo.update"):
             finite = finite_flag(metrics.loss_sum, grad_norm)
-            stepped = step_unless_nonfinite(self.optimizer, finite)
+            stepped = step_unless_nonfinite(self.optimizer, finite, coef)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
