@@ -1,8 +1,9 @@
 """The Triton kernels of the lean norms, MLPs, rotary embeddings and log-prob head (`fastdpo.model.kernels`) under Triton's
 interpreter on the CPU: each against the plain float32 computation on random inputs (odd widths, row counts off the
 block, no rows), and a fused model's loss and gradients against the plain model's, with LoRA wrapping the MLPs after
-fusing. Run by tests/test_kernels.py in a process started with TRITON_INTERPRET=1 (Triton reads it as it is
-imported); the same kernels compiled for CUDA are held to the same references in tests/test_gpu_kernels.py."""
+fusing; the AdamW update's kernel (`fastdpo.optim.adamw_kernel`) for the gradient scale it applies. Run by
+tests/test_kernels.py in a process started with TRITON_INTERPRET=1 (Triton reads it as it is imported); the same
+kernels compiled for CUDA are held to the same references in tests/test_gpu_kernels.py and tests/test_gpu.py."""
 
 import copy
 
@@ -504,3 +505,35 @@ def test_a_lean_mlp_s_lora_down_on_the_kernels_applies_their_mask_to_the_product
 
     check_mlp_dropout_under_mask(model_dirs, lambda h: interpreted.lora_dropout_keep(
         interpreted.lora_dropout_seed(), tuple(h.shape), 0.3, h.device), use_kernels=True, atol=1e-5)
+
+
+def test_the_adamw_kernel_scales_the_gradients_it_reads(K):
+    """The update's kernel multiplies each gradient by `scale` (clipping's coefficient) as it loads it: the bits of
+    gradients scaled beforehand in float32 (bfloat16 weights rounded stochastically, and float32 ones), the
+    gradients left as they were, and the foreach path's update with the same scale."""
+    from fastdpo.optim.adamw import _foreach_steps
+    from fastdpo.optim.adamw_kernel import adamw_update_
+
+    g = torch.Generator().manual_seed(0)
+    ok, coef = torch.ones(1, dtype=torch.bool), torch.tensor([0.0123])
+    for dtype, stochastic in ((torch.bfloat16, True), (torch.float32, False)):
+        kw = dict(lr=1e-3, weight_decay=0.1, b1=0.9, b2=0.999, step=3, eps=1e-8, seeds=[11, 12], stochastic=stochastic)
+        ws = [(torch.randn(n, generator=g) * 0.02).to(dtype) for n in (9001, 300)]
+        start = [ws, [torch.randn(w.shape, generator=g).to(dtype) for w in ws],
+                 [(torch.randn(w.shape, generator=g) * 1e-3).to(dtype) for w in ws],
+                 [(torch.rand(w.shape, generator=g) * 1e-6).to(dtype) for w in ws]]
+        scaled, pre, plain = ([[t.clone() for t in lst] for lst in start] for _ in range(3))
+        pre[1] = [(t.float() * coef).to(torch.float32) for t in pre[1]]
+        adamw_update_(*scaled, ok, scale=coef, **kw)
+        adamw_update_(*pre, ok, **kw)
+        adamw_update_(*plain, ok, **kw)
+        for a, b in zip(scaled[0] + scaled[2] + scaled[3], pre[0] + pre[2] + pre[3]):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(scaled[1], start[1]))
+        assert not torch.equal(scaled[2][0], plain[2][0])  # the scale changed the moments
+        if dtype == torch.float32:
+            ref = [[t.clone() for t in lst] for lst in start]
+            group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+            _foreach_steps(ref, group, 3, None, coef.reshape(()))
+            for a, b in zip(scaled[0] + scaled[2] + scaled[3], ref[0] + ref[2] + ref[3]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)

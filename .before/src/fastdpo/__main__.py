@@ -1,0 +1,3 @@
+from fastdpo.cli import main
+
+raise SystemExit(main())

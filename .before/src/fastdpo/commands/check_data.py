@@ -1,0 +1,266 @@
+"""`fastdpo check-data`: validate every row of the datasets and report what training would see.
+
+Errors (non-zero exit): unreadable rows (JSON syntax, invalid UTF-8, malformed CSV), missing fields, wrong types,
+empty completions, chosen identical to rejected, and with `--model` rows the chat template or tokenizer cannot
+handle. Warnings: duplicate pairs, pairs over `--max_length`. With `--model`: p50/p95/max token lengths and what
+the length flags would drop or trim. Every message names the file and line (or index), the field and a fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+from fastdpo.data.formats import Row
+from fastdpo.data.prepare import DataOptions
+from fastdpo.data.sources import parse_spec, select
+from fastdpo.data.tokenize import TokenizeOptions, TokenizeStats, tokenize_chunk
+from fastdpo.data.unsupported import UnsupportedCount, UnsupportedRow
+from fastdpo.errors import FastDPOError
+
+CHUNK = 512
+SHOWN = 50  # messages printed per list
+
+
+@dataclass
+class CheckReport:
+    sources: list[tuple[str, int, int, dict]] = field(default_factory=list)  # (spec, rows read, rows used, formats)
+    errors: list[str] = field(default_factory=list)  # in row order
+    duplicates: list[str] = field(default_factory=list)
+    over_length: list[str] = field(default_factory=list)
+    lengths: dict = field(default_factory=lambda: {"prompt": [], "chosen": [], "rejected": []})
+    stats: TokenizeStats = field(default_factory=TokenizeStats)
+    notes: list[str] = field(default_factory=list)  # with a tokenizer: how the rows will be read
+    longest: int = 0  # tokens of the longest pair training keeps whole (prompt + chosen + rejected)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def percentile(sorted_values: list[int], q: float) -> int:
+    """Nearest-rank percentile of sorted values."""
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+class _Checker:
+    def __init__(self, opts: DataOptions, tokenizer, report: CheckReport):
+        self.opts, self.tokenizer, self.report = opts, tokenizer, report
+        self.seen: dict[bytes, str] = {}
+        self.pending: list[Row] = []
+        self.errors: list[tuple[int, str]] = []  # (record ordinal, message): sorted into row order at the end
+        self.ordinal = 0
+        self.ordinals: dict[str, int] = {}  # source -> ordinal of the pending rows
+        self.used: set[str] = set()  # sources of the rows checked so far
+        self.flagged: set[str] = set()  # sources already reported by the tokenizer pass
+
+    def error(self, message: str, ordinal: int | None = None) -> None:
+        self.errors.append((self.ordinal if ordinal is None else ordinal, message))
+
+    def row(self, row: Row, ordinal: int) -> None:
+        """Check one row training would use; a row `#N` repeats is tokenised again but reported once."""
+        repeat = row.source in self.used
+        self.used.add(row.source)
+        if row.identical:
+            if not repeat:
+                self.error(f"{row.source}: chosen is identical to rejected: there is no preference to learn. "
+                           "Fix one of them or drop the row.", ordinal)
+            return
+        key = hashlib.blake2b(row.key().encode(), digest_size=16).digest()
+        if key in self.seen and not repeat:
+            self.report.duplicates.append(f"{row.source}: the same pair as {self.seen[key]}. Drop one of them.")
+        self.seen.setdefault(key, row.source)
+        if self.tokenizer is not None:
+            self.pending.append(row)
+            self.ordinals[row.source] = ordinal
+            if len(self.pending) >= CHUNK:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        rows, self.pending, ordinals = self.pending, [], self.ordinals
+        self.ordinals = {}
+        problems: list = []
+        lengths: list = []
+        o: TokenizeOptions = self.opts.tokenize
+        _, stats = tokenize_chunk(self.tokenizer, rows, o, problems=problems, lengths=lengths)
+        self.report.stats.add(stats)
+        for e in problems:
+            if e.where not in self.flagged:
+                self.flagged.add(e.where)
+                self.error(str(e), ordinals[e.where])
+        for k, p, c, r in lengths:
+            if p + max(c, r) <= o.max_length:
+                self.report.longest = max(self.report.longest, p + c + r)
+            self.report.lengths["prompt"].append(p)
+            self.report.lengths["chosen"].append(c)
+            self.report.lengths["rejected"].append(r)
+            if p + max(c, r) > o.max_length and rows[k].source not in self.flagged:
+                self.flagged.add(rows[k].source)
+                self.report.over_length.append(f"{rows[k].source}: prompt {p} + completion {max(c, r)} tokens > "
+                                               f"--max_length {o.max_length}.")
+
+
+def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, Row | None]], bool]:
+    """Every record of one spec as (ordinal, row), None for a bad row (its error recorded); and whether the source
+    itself could be read."""
+    from fastdpo.data.sources import iter_records
+
+    items: list[tuple[int, Row | None]] = []
+    unsupported, first = UnsupportedCount(spec.label), 0  # rows of a kind fastdpo does not train: one message
+    try:
+        for rec in iter_records(spec, opts.split, limit=opts.read.max_row_bytes):
+            checker.ordinal += 1
+            try:
+                items.append((checker.ordinal, rec.row(opts.read)))
+            except UnsupportedRow as e:
+                unsupported.add(e)
+                first = first or checker.ordinal
+                items.append((checker.ordinal, None))
+            except FastDPOError as e:
+                checker.error(str(e))
+                items.append((checker.ordinal, None))
+    except FastDPOError as e:  # the source itself: missing file, unreadable Parquet, unknown HF dataset
+        checker.error(str(e))
+        return items, False
+    finally:
+        unsupported.rows = len(items)
+        for message in unsupported.messages():
+            checker.error(message, first)
+    return items, True
+
+
+def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckReport:
+    """Validate every row of `specs` (all problems are collected, none raised); then check the rows training would
+    use (`#N` selects them as training does), tokenising with `tokenizer` if given."""
+    report = CheckReport()
+    checker = _Checker(opts, tokenizer, report)
+    plain: list[Row] = []
+    for text in specs:
+        spec = parse_spec(text)
+        items, readable = _read(spec, opts, checker)
+        if not items and readable:
+            checker.error(f"{spec.label}: has no rows. Check the file or the --split.")
+        used = select(items, spec, opts.seed, opts.streaming, opts.read.max_samples)
+        formats: dict[str, int] = {}
+        for ordinal, row in used:
+            if row is not None:
+                formats[row.format] = formats.get(row.format, 0) + 1
+                checker.row(row, ordinal)
+                if not row.conversational:
+                    plain.append(row)
+        report.sources.append((text, len(items), len(used), formats))
+    checker.flush()
+    if tokenizer is not None and not opts.read.input_template:
+        from fastdpo.data.template import plain_text_note
+
+        report.notes += filter(None, [plain_text_note(plain, tokenizer, opts.tokenize.template)])
+    report.errors = [m for _, m in sorted(checker.errors, key=lambda e: e[0])]
+    return report
+
+
+def _listing(title: str, items: list[str]) -> list[str]:
+    if not items:
+        return []
+    out = [f"{title} ({len(items)}):"] + [f"  {m}" for m in items[:SHOWN]]
+    if len(items) > SHOWN:
+        out.append(f"  ... and {len(items) - SHOWN} more")
+    return out
+
+
+def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> list[str]:
+    lines = []
+    for text, n, used, formats in report.sources:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(formats.items())) or "none valid"
+        count = f"{n} rows" if used == n and "#" not in text else f"{n} rows read, {used} used for training"
+        lines.append(f"{text}: {count} ({kinds})")
+    lines += [f"note: {n}" for n in report.notes]
+    lines += _listing("errors", report.errors)
+    lines += _listing("warnings: duplicate pairs", report.duplicates)
+    if model:
+        o = opts.tokenize
+        lines.append(f"token lengths under the tokenizer of {model}:")
+        lines.append(f"  {'':9}{'p50':>8}{'p95':>8}{'max':>8}")
+        for name, values in report.lengths.items():
+            v = sorted(values)
+            if v:
+                lines.append(f"  {name:9}{percentile(v, .5):>8}{percentile(v, .95):>8}{v[-1]:>8}")
+        lines += _listing(f"warnings: pairs over --max_length {o.max_length}", report.over_length)
+        s = report.stats
+        lines.append(f"with --max_length {o.max_length} --truncation_strategy {o.truncation_strategy}"
+                     + (f" --max_prompt_length {o.max_prompt_length}" if o.max_prompt_length else "")
+                     + (f" --max_completion_length {o.max_completion_length}" if o.max_completion_length else "")
+                     + f": {s.pairs} pairs kept; dropped {s.dropped_prompt_too_long} (prompt fills max_length) and "
+                     f"{s.dropped_too_long} (over a length limit); completions cut in {s.truncated}, prompts "
+                     f"trimmed in {s.prompt_trimmed}.")
+    else:
+        lines.append("token lengths: pass --model to count tokens and see what --max_length would drop.")
+    n = len(report.errors)
+    lines.append("OK: no errors." if report.ok else f"FAILED: {n} error{'s' if n > 1 else ''}.")
+    return lines
+
+
+def run_check_data(cfg, console) -> int:
+    """The command: validate the data flags, check every row, print the report; 1 when there are errors."""
+    cfg.validate_data()
+    tokenizer = None
+    if cfg.model:
+        from fastdpo.model.load import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    opts = DataOptions.from_config(cfg)
+    ok = _check_and_print(cfg.dataset, opts, tokenizer, cfg.model, console, cfg.trust_remote_code)
+    if cfg.val_dataset:  # held-out pairs are read whole, from their own split
+        console.print(f"held-out pairs (--val_dataset, split {cfg.val_split}):", markup=False, highlight=False)
+        held_out = dataclasses.replace(opts, split=cfg.val_split, streaming=False)
+        ok = _check_and_print(cfg.val_dataset, held_out, tokenizer, cfg.model, console) and ok
+    return 0 if ok else 1
+
+
+def _check_and_print(specs: list[str], opts: DataOptions, tokenizer, model: str, console,
+                     trust_remote_code: bool = False) -> bool:
+    report = check_data(specs, opts, tokenizer)
+    lines = report_lines(report, opts, model)
+    if model and report.longest:
+        lines[-1:-1] = activation_lines(model, report.longest, trust_remote_code)
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return report.ok
+
+
+ACTIVATION_SHARE = 0.5  # of a GPU's memory, what the estimate lets activations take (weights, optimizer: the rest)
+
+
+def activation_lines(model: str, tokens: int, trust_remote_code: bool = False,
+                     gpu_bytes: int | None = None) -> list[str]:
+    """A rough activation estimate for the longest pair, and the --sequence_parallel_size it would need on this
+    machine's GPU (`gpu_bytes`, else the first visible CUDA device's memory; none: no such line)."""
+    import torch
+    from transformers import AutoConfig
+
+    from fastdpo.model.memory import activation_bytes
+
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        plain, ckpt = (activation_bytes(config, tokens, c) for c in (False, True))
+    except Exception:  # a tokenizer without a model config: no estimate
+        return []
+    gib = 2**30
+    lines = [f"activations of the longest pair ({tokens} tokens), roughly, in bf16: {plain / gib:.1f} GiB without "
+             f"gradient checkpointing, {ckpt / gib:.1f} GiB with --gradient_checkpointing full; "
+             "--sequence_parallel_size N gives each GPU about 1/N of them."]
+    if gpu_bytes is None and torch.cuda.is_available():
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    if gpu_bytes:
+        room = ACTIVATION_SHARE * gpu_bytes
+        n = 1
+        while ckpt / n > room and n < 1024:
+            n *= 2
+        where = f"on a GPU of {gpu_bytes / gib:.0f} GiB (activations within {ACTIVATION_SHARE:.0%} of it)"
+        lines.append(f"  {where}: the longest pair fits on one GPU with --gradient_checkpointing full." if n == 1
+                     else f"  {where}: the longest pair needs --sequence_parallel_size {n} with "
+                          "--gradient_checkpointing full.")
+    return lines

@@ -1,0 +1,336 @@
+"""`fastdpo eval`: preference metrics of held-out pairs for a base and a tuned model, generations scored by a reward
+function (win rate), and lm-eval tasks."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastdpo.config import DataReading, needs_prompt_targets
+from fastdpo.config.schema import _f
+from fastdpo.data.columns import RowOptions
+from fastdpo.data.load import Row, load_rows
+from fastdpo.dpo.losses import LOSSES, LossParams
+from fastdpo.dpo.reference import Reference
+from fastdpo.errors import FastDPOError
+from fastdpo.model.generate import GenerationArgs, ModelArgs
+from fastdpo.training.evaluate import pair_logps, per_token_logps, preference_metrics, token_kl
+
+log = logging.getLogger("fastdpo")
+
+
+# flags of a training run that say how it read its rows and prompts, and scored pairs: eval takes them from the run
+RUN_READING = ("apply_chat_template", "input_template", "template", "system", "columns", "max_length",
+               "truncation_strategy", "max_prompt_length", "max_completion_length", "beta")
+
+
+@dataclass
+class EvalConfig(DataReading, ModelArgs, GenerationArgs):
+    """`fastdpo eval`: the model to score (ModelArgs), how answers are generated (GenerationArgs), how rows are read
+    (DataReading, the same section as training's), and what is measured."""
+
+    dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train (not needed "
+                           "for --lm_eval_tasks alone).", nargs="+")
+    ref_model: str = _f("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
+    dataset_dir: str = _f("", "LLaMA-Factory: names in --dataset are entries of DIR/dataset_info.json, each read with "
+                              "its own columns, format and tags, as training's dataset_dir and eval_dataset read them.")
+    loss_type: str = _f("sigmoid", "Preference loss reported as `loss`.")
+    beta: float = _f(0.1, "DPO beta of the implicit rewards (use the training value).")
+    label_smoothing: float = _f(0.0, "Label smoothing of the reported loss.")
+    per_device_eval_batch_size: int = _f(8, "Pairs per packed micro-batch.")
+    max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: per_device_eval_batch_size pairs).")
+    attn_impl: str = _f("auto", "auto|flex|dense|padded, as in training.")
+    kl: bool = _f(True, "Also measure the per-token KL(policy || reference) on the held-out completions.")
+    reward_fn: str = _f("", "module:function (or path/file.py:function) scoring generated answers; with a base to "
+                            "compare, also the win rate of tuned over base.")
+    eval_limit: int = _f(64, "Rows whose prompts are answered for --reward_fn (0: all).")
+    lm_eval_tasks: str = _f("", "Comma-separated lm-evaluation-harness tasks (needs `pip install lm-eval`).")
+    lm_eval_limit: int = _f(0, "Examples per lm-eval task (0: all).")
+    lm_eval_include_path: str = _f("", "Directory of extra lm-eval task YAMLs (e.g. local tasks).")
+    output_dir: str = _f("eval_output", "Where eval_report.json and generations.jsonl go.")
+    eval_backend: str = _f("", "ms-swift's evaluation backend: only lm-evaluation-harness runs here (see "
+                               "--lm_eval_tasks).")
+    eval_dataset: str = _f("", "ms-swift's benchmark list: name the tasks with --lm_eval_tasks instead.")
+    infer_backend: str = _f("pt", "pt: transformers generate (the one backend here).")
+    vllm_max_model_len: int = _f(0, "ms-swift's vLLM context length: vLLM is not used here (see --infer_backend).")
+    num_gpus: int = _f(0, "ms-swift's GPU count for evaluation: fastdpo eval runs on one device (--device).")
+
+    def validate(self) -> None:
+        from fastdpo.config import ATTN_IMPLS
+        from fastdpo.config.schema import _choice
+
+        self.validate_model()
+        self.validate_generation()
+        if self.eval_backend and self.eval_backend.lower() not in ("lm_eval", "lm-eval", "lm_evaluation_harness"):
+            raise FastDPOError(f"--eval_backend {self.eval_backend}: fastdpo eval scores held-out preference pairs "
+                               "(--dataset) and runs lm-evaluation-harness tasks (--lm_eval_tasks, e.g. "
+                               "gsm8k,mmlu). For OpenCompass, evaluate the exported model (fastdpo export) there.")
+        if self.eval_dataset:
+            raise FastDPOError(f"--eval_dataset {self.eval_dataset}: name benchmark tasks with --lm_eval_tasks "
+                               "(lm-evaluation-harness names, e.g. gsm8k,mmlu) and held-out preference pairs with "
+                               "--dataset.")
+        if self.infer_backend != "pt":
+            raise FastDPOError(f"--infer_backend {self.infer_backend}: fastdpo generates with transformers (pt); "
+                               "drop the flag.")
+        if self.vllm_max_model_len:
+            raise FastDPOError(f"--vllm_max_model_len {self.vllm_max_model_len}: fastdpo eval does not run vLLM; "
+                               "answers are generated with transformers, within the model's own context. Drop the "
+                               "flag.")
+        if self.num_gpus > 1:
+            raise FastDPOError(f"--num_gpus {self.num_gpus}: fastdpo eval runs on one device (--device cuda:N); "
+                               "drop the flag. To score several checkpoints at once, run one eval per GPU.")
+        if not self.dataset and (self.reward_fn or not self.lm_eval_tasks):
+            need = "--reward_fn answers the prompts of --dataset" if self.reward_fn else "--dataset is required"
+            raise FastDPOError(f"{need}: held-out JSONL/JSON files with prompt/chosen/rejected (or give only "
+                               "--lm_eval_tasks to run benchmarks without preference data).")
+        self._adopt_run_reading()
+        self._resolve_dataset_names()
+        self.validate_reading()
+        _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
+        for name in ("per_device_eval_batch_size",):
+            if getattr(self, name) < 1:
+                raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.beta <= 0:
+            raise FastDPOError(f"--beta must be > 0, got {self.beta}.")
+        for name in self.loss_type.split(","):
+            if name not in LOSSES:
+                raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSSES))}.")
+        if self.eval_limit < 0 or self.lm_eval_limit < 0:
+            raise FastDPOError("--eval_limit and --lm_eval_limit must be >= 0 (0: all).")
+
+
+    def _adopt_run_reading(self) -> None:
+        """Under --adapters / --checkpoint from a fastdpo run, read rows and prompts as that run read them: its
+        chat-template handling, template, system prompt, column mapping, length limits and beta, for each
+        of these flags left at its default here (once: `_run_read` marks it done)."""
+        import dataclasses
+
+        from fastdpo.training.saved_run import run_config
+
+        tuned = self.adapters or self.checkpoint
+        if not tuned or getattr(self, "_run_read", False):
+            return
+        self._run_read = True
+        trained, run = run_config(tuned)
+        if trained is None:
+            return
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(self)}
+        adopted = []
+        for name in RUN_READING:
+            value = getattr(trained, name)
+            if getattr(self, name) == defaults[name] and value != defaults[name]:
+                setattr(self, name, value)
+                adopted.append(f"--{name} {value}")
+        if adopted:
+            log.info("Read as the run in %s read its data (flags given here win): %s.", run, ", ".join(adopted))
+
+    def _resolve_dataset_names(self) -> None:
+        """--dataset_dir: the names in --dataset become their specs, their readings go to --dataset_info and a hub
+        split other than train to --split (once: the names are gone afterwards)."""
+        from fastdpo.data.dataset_info import load_info, resolve_names, split_names
+
+        if not self.dataset_dir or getattr(self, "_names_resolved", False):
+            return
+        reading = dict(self.dataset_info)
+        self.dataset, split, notes = resolve_names(split_names(self.dataset), load_info(self.dataset_dir),
+                                                   self.dataset_dir, reading, "split")
+        if split and self.split not in ("train", split):
+            raise FastDPOError(f"--split {self.split}: the datasets named through --dataset_dir read split {split} "
+                               "(their dataset_info.json entries). Drop --split.")
+        self.split = split or self.split
+        self.dataset_info, self._names_resolved = reading, True
+        for note in notes:
+            log.info("%s", note)
+
+
+def run_eval(cfg: EvalConfig, console=None) -> dict:
+    """`fastdpo eval`: held-out preference metrics, generation metrics under --reward_fn, lm-eval tasks; writes
+    output_dir/eval_report.json (and generations.jsonl) and prints a table."""
+    from fastdpo.data.prepare import DataOptions, tokenize_pairs
+    from fastdpo.dpo.rewards import load_reward_fn
+    from fastdpo.model.backend import choose_backend, micro_batch_budget, prepare_packed
+    from fastdpo.model.generate import load_for_generation
+    from fastdpo.model.load import load_model, resolve_device, resolve_dtype
+
+    cfg.validate()
+    reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None  # fail fast, before loading models
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    loaded = load_for_generation(cfg, need_base=bool(cfg.dataset))
+    model, tok = loaded.model, loaded.tokenizer
+    if not cfg.dataset:  # benchmarks only (--lm_eval_tasks without preference data)
+        report = {"model": cfg.model, "adapters": cfg.adapters, "checkpoint": cfg.checkpoint,
+                  "lm_eval": run_lm_eval(model, tok, cfg)}
+        return _write_report(report, out, console)
+    ref_model = load_model(cfg.ref_model, resolve_dtype(cfg.torch_dtype, device), device, cfg.trust_remote_code,
+                           flag="ref_model").eval() if cfg.ref_model else loaded.base
+    if ref_model is not None:
+        reference = Reference("separate", ref_model)
+    elif hasattr(model, "disable_adapter"):
+        reference = Reference("adapter_off", None)
+    else:
+        reference = Reference("none", None)
+    backend = choose_backend(model, cfg.attn_impl, True, device)
+    if backend.name != "padded":
+        prepare_packed(model, backend)
+        if ref_model is not None:
+            prepare_packed(ref_model, backend)
+
+    rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=RowOptions.from_config(cfg))
+    pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))  # tokenised exactly as training did
+    pad_id = tok.pad_token_id or 0
+    budget = micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_eval_batch_size)
+    args = (backend, pad_id, device, budget, cfg.per_device_eval_batch_size)
+    terms = [(name, 1.0) for name in cfg.loss_type.split(",")]
+    x = pair_logps(model, reference, pairs, *args, prompt_targets=needs_prompt_targets(name for name, _ in terms))
+    metrics = {**preference_metrics(x, LossParams(cfg.beta, cfg.label_smoothing), terms), **per_token_logps(x)}
+    if cfg.kl and reference.strategy != "none":
+        metrics["kl"] = token_kl(model, reference, pairs, *args)
+    report = {"model": cfg.model, "adapters": cfg.adapters, "checkpoint": cfg.checkpoint, "dataset": cfg.dataset,
+              "reference": reference.strategy, "pairs": len(pairs), "metrics": metrics}
+
+    if reward_fn is not None:
+        base = ref_model if not loaded.tuned else None  # with no tuned model on top, compare against --ref_model
+        report["generation"] = generation_metrics(cfg, loaded, base, rows, reward_fn, out / "generations.jsonl")
+    if cfg.lm_eval_tasks:
+        report["lm_eval"] = run_lm_eval(model, tok, cfg)
+    return _write_report(report, out, console)
+
+
+def _write_report(report: dict, out: Path, console) -> dict:
+    (out / "eval_report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
+    if console is not None:
+        show_report(console, report)
+        console.print(f"report in {out / 'eval_report.json'}")
+    return report
+
+
+def generation_metrics(cfg: EvalConfig, loaded, base, rows: list[Row], reward_fn, path: Path) -> dict:
+    """Answer the rows' prompts with the tuned model (and the base: adapters off, the base of a full checkpoint, or
+    `base`), each prompt going in as training read it (`answer_as_read`), score every answer with the reward
+    function, and compare."""
+    from fastdpo.dpo.rewards import score, win_rate
+    from fastdpo.model.generate import answers_as_read
+
+    rows = rows[: cfg.eval_limit] if cfg.eval_limit else rows
+    prompts = [r.prompt for r in rows]
+    columns = row_columns(rows)
+    tuned_answers = answers_as_read(loaded.model, loaded.tokenizer, prompts, cfg)
+    tuned_text = tuned_answers.texts
+    tuned = score(reward_fn, cfg.reward_fn, prompts, tuned_text, columns)
+    result = {"prompts": len(prompts), "reward/tuned": sum(tuned) / len(tuned), **answer_counts("tuned", tuned_answers)}
+    records = [{"prompt": p, "response": t, "reward": s} for p, t, s in zip(prompts, tuned_text, tuned)]
+    problems = [tuned_answers.problems("tuned", cfg)]
+    if loaded.tuned or base is not None:
+        with loaded.base_model() if loaded.tuned else contextlib.nullcontext(base) as base_model:
+            base_answers = answers_as_read(base_model, loaded.tokenizer, prompts, cfg)
+        base_text = base_answers.texts
+        result.update(answer_counts("base", base_answers))
+        problems.append(base_answers.problems("base", cfg))
+        base_scores = score(reward_fn, cfg.reward_fn, prompts, base_text, columns)
+        result["reward/base"] = sum(base_scores) / len(base_scores)
+        result.update(win_rate(base_scores, tuned))
+        for r, t, s in zip(records, base_text, base_scores):
+            r.update(base_response=t, base_reward=s)
+    warn_answers([p for p in problems if p], prompts, cfg, loaded.tokenizer, path)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return result
+
+
+def answer_counts(who: str, answers) -> dict:
+    return {f"empty/{who}": answers.empty, f"truncated/{who}": sum(answers.truncated)}
+
+
+def warn_answers(problems: list[str], prompts: list, cfg: EvalConfig, tokenizer, path: Path) -> None:
+    """A loud warning when answers are empty or cut off: their rewards (and a win rate of 0.5 between two sets of
+    empty answers) say nothing of the models."""
+    if not problems:
+        return
+    plain = sum(isinstance(p, str) for p in prompts)
+    hint = ""
+    if plain and getattr(tokenizer, "chat_template", None):
+        hint = (f" {plain} prompts are plain text and went in as training reads plain text, without the chat template; "
+                "a chat model may answer nothing to them: if the run was trained through the template, pass "
+                "--apply_chat_template true (as `fastdpo infer --prompts` formats prompts).")
+    log.warning("GENERATIONS: %s. The rewards and win rate of such answers are not a measure of the models "
+                "(answers in %s).%s Raise --max_new_tokens for cut answers.", "; ".join(problems), path, hint)
+
+
+def row_columns(rows: list[Row]) -> dict[str, list]:
+    """Columns handed to a reward function: chosen, rejected, and every other field that all rows' source records
+    carry (e.g. a reference `answer`), read back from the JSON/JSONL files the rows came from."""
+    from fastdpo.data.load import _records
+
+    columns: dict[str, list] = {"chosen": [r.chosen for r in rows], "rejected": [r.rejected for r in rows]}
+    records: dict[str, dict[str, object]] = {}
+    extras = []
+    for r in rows:
+        where = r.source.split(" (dataset ", 1)[0]  # `path:line` or `path:line index K`, without --dataset_info's name
+        path = where.rpartition(":")[0]
+        if path not in records:
+            p = Path(path)
+            records[path] = _records(p) if path and p.is_file() and p.suffix in (".json", ".jsonl") else {}
+        rec = records[path].get(where)
+        extras.append(rec if isinstance(rec, dict) else {})
+    shared = set.intersection(*(set(e) for e in extras)) - {"prompt", "chosen", "rejected"} if extras else set()
+    for key in sorted(shared):
+        columns[key] = [e[key] for e in extras]
+    return columns
+
+
+def run_lm_eval(model, tokenizer, cfg: EvalConfig) -> dict:
+    """Standard benchmarks through lm-evaluation-harness on the in-memory model; returns its per-task results."""
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+    except ImportError:
+        raise FastDPOError("--lm_eval_tasks needs lm-evaluation-harness: pip install lm-eval") from None
+    from fastdpo.model.backend import use_model_attention
+
+    use_model_attention(model)
+    model.eval()
+    tasks = [t.strip() for t in cfg.lm_eval_tasks.split(",") if t.strip()]
+    manager = _task_manager(cfg.lm_eval_include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise FastDPOError(f"--lm_eval_tasks: unknown task(s) {', '.join(unknown)}. List them with `lm-eval ls tasks`"
+                           " (add --lm_eval_include_path for local task YAMLs).")
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.per_device_eval_batch_size,
+              max_length=cfg.max_length)
+    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=cfg.lm_eval_limit or None, task_manager=manager,
+                                      random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed)
+    return {task: {k: v for k, v in res.items() if isinstance(v, (int, float, str))}
+            for task, res in results["results"].items()}
+
+
+@functools.cache
+def _task_manager(include_path: str):
+    """lm-eval's task index (it reads thousands of task files: built once per process)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path or None)
+
+
+def show_report(console, report: dict) -> None:
+    from rich.table import Table
+
+    title = f"held-out pairs: {report['pairs']} (reference: {report['reference']})" if "pairs" in report else \
+        "benchmarks (no preference data)"
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in report.get("metrics", {}).items():
+        table.add_row(k, f"{v:.4f}")
+    for k, v in report.get("generation", {}).items():
+        table.add_row(f"generation {k}", f"{v:.4f}" if isinstance(v, float) else str(v))
+    for task, res in report.get("lm_eval", {}).items():
+        for k, v in res.items():
+            if isinstance(v, float):
+                table.add_row(f"{task} {k}", f"{v:.4f}")
+    console.print(table)

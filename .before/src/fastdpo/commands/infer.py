@@ -1,0 +1,255 @@
+"""Generation after training: load base + adapter (or a full checkpoint), format prompts with the model's chat template
+(plain text without one), generate with transformers `generate`, stream single answers, compare base and tuned side by
+side, or write a batch to JSONL (`fastdpo infer`).
+
+`generate_texts(model, tokenizer, prompts, GenerationArgs(...))` is the one entry point other commands (eval, demo)
+use: greedy at temperature 0, answers returned in prompt order.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastdpo.config.schema import _f
+from fastdpo.errors import FastDPOError
+from fastdpo.model.generate import GenerationArgs, ModelArgs, Prompt, answer_as_read, generate_texts, load_for_generation
+from fastdpo.training.saved_run import run_config
+
+log = logging.getLogger("fastdpo")
+
+
+@dataclass
+class InferConfig(ModelArgs, GenerationArgs):
+    prompt: str = _f("", "One prompt; the answer is streamed to the terminal.")
+    prompts: str = _f("", "JSONL file, one object per line with `prompt` (text) or `messages` (chat), optional `system`.")
+    messages: str = _f("", "One conversation as JSON, a list of {role, content} (as ms-swift's --messages); the last "
+                           "turn is answered and streamed like --prompt.")
+    infer_backend: str = _f("pt", "pt: transformers generate (the one backend here; ms-swift's default).")
+    compare: bool = _f(False, "Also answer with the base model (adapters off / --model) and print both side by side.")
+    result_path: str = _f("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
+    stream: bool = _f(True, "Print a single prompt's answer as it is generated (ms-swift's --stream); false prints it "
+                            "when done. Answers to a --prompts file are written when done either way.")
+    val_dataset: list = _f([], "Preference datasets whose prompts are answered (any format and source --dataset of "
+                               "train takes), as ms-swift's --val_dataset; the answers, with chosen and rejected, go "
+                               "to --result_path (default: next to the first as NAME.infer.jsonl).", nargs="+")
+    load_data_args: bool = _f(False, "Answer the held-out prompts of the run that wrote --adapters / --checkpoint (its "
+                                     "saved --val_dataset, or its --split_dataset_ratio share of --dataset), as "
+                                     "ms-swift's --load_data_args; answers go to --result_path (default: "
+                                     "infer_held_out.jsonl in the run's output_dir).")
+    template: str = _f("", "Chat template for the prompts: chatml|llama3|identity|hh or a Jinja file (default: the "
+                           "tokenizer's own; a model trained here saves the --template it trained with).")
+
+    def validate(self) -> None:
+        self.validate_model()
+        self.validate_generation()
+        if sum(map(bool, (self.prompt, self.prompts, self.messages, self.val_dataset, self.load_data_args))) != 1:
+            raise FastDPOError("Give exactly one of --prompt TEXT, --prompts FILE.jsonl, --messages JSON, "
+                               "--val_dataset DATA or --load_data_args true.")
+        if self.load_data_args and not (self.adapters or self.checkpoint):
+            raise FastDPOError("--load_data_args answers the held-out prompts of a training run: add --adapters or "
+                               "--checkpoint with a dir it wrote (final/ or checkpoint-N/).")
+        if self.infer_backend != "pt":
+            raise FastDPOError(f"--infer_backend {self.infer_backend}: fastdpo generates with transformers (pt). To "
+                               "serve with vLLM or another engine, merge the adapter first (fastdpo export "
+                               "--merge_lora) and load the exported dir there; or drop the flag.")
+        if self.messages:
+            conversation(self.messages)  # raises on bad JSON or shape
+        if self.compare and not (self.adapters or self.checkpoint):
+            raise FastDPOError("--compare needs a tuned model to compare with the base: add --adapters or --checkpoint.")
+
+
+# ---------------------------------------------------------------- loading
+
+
+# ---------------------------------------------------------------- generation
+
+
+# ---------------------------------------------------------------- prompts file and the command
+
+
+def read_prompts(path: str) -> list[dict]:
+    """Rows of a prompts JSONL: each with `prompt` (text) or `messages` (chat), optional `system`; other fields are
+    kept and copied to the output (so a preference file works too)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FastDPOError(f"Prompts file {path} not found. Check --prompts.")
+    rows = []
+    for lineno, line in enumerate(p.read_text(encoding="utf-8-sig").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FastDPOError(f"{where}: invalid JSON ({e.msg}, column {e.colno}). Fix or remove this line.") from None
+        if not isinstance(row, dict):
+            raise FastDPOError(f"{where}: expected a JSON object with `prompt` or `messages`.")
+        if isinstance(row.get("prompt"), str):
+            pass
+        elif isinstance(row.get("messages"), list) and all(isinstance(m, dict) for m in row["messages"]):
+            pass
+        else:
+            raise FastDPOError(f"{where}: needs a `prompt` string or a `messages` list of {{role, content}} objects. "
+                               "For preference data in another layout, pass the file as --val_dataset.")
+        rows.append(row)
+    if not rows:
+        raise FastDPOError(f"Prompts file {path} has no rows.")
+    return rows
+
+
+def conversation(text: str) -> list[dict]:
+    """--messages: a JSON list of {"role", "content"} objects."""
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FastDPOError(f"--messages is not valid JSON ({e.msg}, column {e.colno}). Quote it for the shell: "
+                           "--messages '[{\"role\": \"user\", \"content\": \"...\"}]'.") from None
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise FastDPOError("--messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects.")
+    return messages
+
+
+def val_rows(cfg: InferConfig) -> list[dict]:
+    """--val_dataset's rows as prompt rows, read as the run that wrote --adapters / --checkpoint read its data (its
+    --columns, --input_template, --apply_chat_template), or as given without such a run."""
+    import dataclasses
+
+    from fastdpo.data.columns import AS_GIVEN, RowOptions
+    from fastdpo.data.load import load_rows
+
+    tuned = cfg.adapters or cfg.checkpoint
+    trained = run_config(tuned)[0] if tuned else None
+    read = AS_GIVEN if trained is None else \
+        dataclasses.replace(RowOptions.from_config(trained), datasets=(), max_samples=0)
+    return prompt_rows(load_rows(cfg.val_dataset, read=read))
+
+
+def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
+    """The held-out rows of the run that wrote `tuned` (its final/ or a checkpoint-N/), read as training read them,
+    as prompt rows (with their chosen and rejected kept); and the run's output_dir."""
+    from fastdpo.data.columns import RowOptions
+    from fastdpo.data.load import load_rows
+    from fastdpo.data.split import held_out_rows
+
+    cfg, run = run_config(tuned)
+    if cfg is None:
+        raise FastDPOError(f"--load_data_args: no training config next to {tuned} (fastdpo saves it as "
+                           f"{run / 'config.yaml'}). Give the prompts with --prompts FILE.jsonl instead.")
+    if not cfg.val_dataset and cfg.split_dataset_ratio <= 0:
+        raise FastDPOError(f"--load_data_args: the run in {run} held out no pairs (no --val_dataset or "
+                           "--split_dataset_ratio). Give the prompts with --prompts FILE.jsonl instead.")
+    rows = [] if cfg.val_dataset else load_rows(cfg.dataset, cfg.seed, cfg.split, RowOptions.from_config(cfg))
+    _, held = held_out_rows(cfg, rows)
+    return prompt_rows(held), run
+
+
+def prompt_rows(rows: list) -> list[dict]:
+    """Preference rows as rows to answer: the prompt (text, or the conversation as `messages`), with chosen, rejected
+    and the row's location kept for the result file."""
+    return [{"prompt" if isinstance(r.prompt, str) else "messages": r.prompt, "chosen": r.chosen,
+             "rejected": r.rejected, "source": r.source} for r in rows]
+
+
+def _row_prompt(row: dict) -> Prompt:
+    return row["prompt"] if isinstance(row.get("prompt"), str) else row["messages"]
+
+
+def run_infer(cfg: InferConfig, console=None) -> list[dict]:
+    """`fastdpo infer`: answers (and base answers with --compare) for --prompt or each row of --prompts."""
+    from transformers import TextStreamer
+
+    cfg.validate()
+    loaded = load_for_generation(cfg, need_base=cfg.compare)
+    written = None  # where the answers go (none for a single prompt)
+    if cfg.prompt:
+        rows = [{"prompt": cfg.prompt}]
+    elif cfg.messages:
+        rows = [{"messages": conversation(cfg.messages)}]
+    elif cfg.val_dataset:
+        rows = val_rows(cfg)
+        first = Path(cfg.val_dataset[0].split("#")[0])  # a file: next to it; a directory or hub dataset: here
+        written = first.with_suffix(".infer.jsonl") if first.is_file() else Path(first.name + ".infer.jsonl")
+    elif cfg.load_data_args:
+        rows, run = held_out_prompts(cfg.adapters or cfg.checkpoint)
+        log.info("--load_data_args: %d held-out prompts of the run in %s.", len(rows), run)
+        written = run / "infer_held_out.jsonl"
+    else:
+        rows = read_prompts(cfg.prompts)
+        written = Path(cfg.prompts).with_suffix(".infer.jsonl")
+    # preference data's prompts go in as training read them (`answer_as_read`): plain text as it is, not as a user
+    # turn (rows a run read with --apply_chat_template are message lists by now, and go through the template)
+    from_pairs = bool(cfg.val_dataset or cfg.load_data_args)
+    plain = sum("prompt" in r for r in rows) if from_pairs else 0
+    if plain and cfg.use_chat_template and getattr(loaded.tokenizer, "chat_template", None):
+        log.info("%d plain-text prompts of preference data go in as training reads them: as they are, without the "
+                 "chat template (a run trained with --apply_chat_template reads them as user turns).", plain)
+    stream = cfg.stream and bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
+
+    def answer(model, prompts: list[Prompt], gen: InferConfig) -> list[str]:
+        if from_pairs:
+            return answer_as_read(model, loaded.tokenizer, prompts, gen)
+        streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+        return generate_texts(model, loaded.tokenizer, prompts, gen, streamer)
+
+    # one system prompt per call: group rows by their own system prompt (or --system)
+    results: list[dict] = [dict(r) for r in rows]
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(str(r.get("system") or cfg.system), []).append(i)
+    for system, idx in groups.items():
+        gen = copy.copy(cfg)
+        gen.system = system
+        prompts = [_row_prompt(rows[i]) for i in idx]
+        for i, a in zip(idx, answer(loaded.model, prompts, gen)):
+            results[i]["response"] = a
+        if cfg.compare:
+            with loaded.base_model() as base:
+                for i, a in zip(idx, answer(base, prompts, gen)):
+                    results[i]["base_response"] = a
+    if console is not None and not stream:
+        show_answers(console, results, cfg.compare)
+    if written is not None:
+        out = Path(cfg.result_path or written)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
+        if console is not None:
+            console.print(f"wrote {len(results)} answers to {out}")
+    return results
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """A conversation as readable lines, one turn each: `user: ...`, `assistant: ...` (tool calls by name)."""
+    lines = []
+    for m in messages:
+        text = m.get("content") or ""
+        calls = [c.get("function", {}).get("name", "?") for c in m.get("tool_calls") or () if isinstance(c, dict)]
+        if calls:
+            text = (text + " " if text else "") + " ".join(f"[calls {name}]" for name in calls)
+        lines.append(f"{m.get('role', '?')}: {text}")
+    return "\n".join(lines)
+
+
+def show_answers(console, results: list[dict], compare: bool, limit: int = 20) -> None:
+    """A readable table: prompt | answer, or prompt | base | tuned side by side."""
+    from rich.table import Table
+
+    table = Table(show_lines=True, expand=True)
+    table.add_column("prompt", ratio=1)
+    if compare:
+        table.add_column("base", ratio=2)
+        table.add_column("tuned", ratio=2)
+    else:
+        table.add_column("answer", ratio=2)
+    for r in results[:limit]:
+        prompt = r["prompt"] if isinstance(r.get("prompt"), str) else conversation_text(r.get("messages") or [])
+        cells = [r.get("base_response", ""), r["response"]] if compare else [r["response"]]
+        table.add_row(prompt, *cells)
+    console.print(table)
+    if len(results) > limit:
+        console.print(f"... {len(results) - limit} more in the result file")

@@ -1,0 +1,192 @@
+"""Command line and YAML onto the config dataclasses: one flag per field, YAML < command line, other tools' flags
+mapped through `compat`, and the resolved config written back as YAML."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fastdpo.config.compat import add_foreign_flags, apply_foreign, foreign_flags
+from fastdpo.config.schema import TrainConfig, _parse_bool, _parse_dict
+from fastdpo.errors import FastDPOError
+
+
+def _flag_type(f: dataclasses.Field) -> Any:
+    t = f.type if isinstance(f.type, str) else f.type.__name__
+    t = t.replace(" | None", "")
+    return {"bool": _parse_bool, "int": int, "float": float, "dict": _parse_dict, "list": str}.get(t, str)
+
+
+class _LiteralHelp(argparse.HelpFormatter):
+    """Help text printed as written: argparse would %-format it, so a literal % ("90% of the GPU") broke --help."""
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return self._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises FastDPOError (with a close-match hint) instead of printing usage and exiting, and prints
+    help texts as written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _LiteralHelp)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._argv = list(sys.argv[1:] if args is None else args)  # for error(): which subcommand was given
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        hint = ""
+        if "unrecognized arguments" in message:
+            bad = message.split(":", 1)[1].split()[0].lstrip("-").split("=")[0]
+            hint = self._flag_hint(bad)
+        raise FastDPOError(f"{message}.{hint}")
+
+    def _flag_hint(self, bad: str) -> str:
+        """A close flag of the command given (the top-level parser reports its subcommand's leftovers), or the
+        commands the flag belongs to."""
+        subs = {name: sub for action in self._actions if isinstance(action, argparse._SubParsersAction)
+                for name, sub in action.choices.items()}
+        command = next((a for a in getattr(self, "_argv", []) if a in subs), None)
+        parsers = [subs[command]] if command else [self, *subs.values()]
+        known = {a.lstrip("-") for p in parsers for a in p._option_string_actions}
+        owners = [name for name, sub in subs.items() if f"--{bad}" in sub._option_string_actions]
+        if command and bad not in known and owners:
+            return f" --{bad} is a flag of `fastdpo {' / '.join(owners)}`, not of `fastdpo {command}`."
+        close = difflib.get_close_matches(bad, sorted(known - {bad}), n=1)
+        where = f"fastdpo {command}" if command else "fastdpo COMMAND"
+        return f" Did you mean --{close[0]}?" if close else f" See `{where} --help` for its flags."
+
+
+def shown_default(f: dataclasses.Field) -> str:
+    """A field's default as --help shows it (`default_text` in its metadata where the default depends on others)."""
+    if "default_text" in f.metadata:
+        return f.metadata["default_text"]
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value in ("", [], {}):
+        return "none"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
+    """One flag per config field, with default SUPPRESS so we can tell what the user set; the help text ends with
+    the field's default."""
+    parser.add_argument("--config", help="YAML file with any of these flags; the command line wins.")
+    for f in dataclasses.fields(cls):
+        text = f.metadata.get("help", "")
+        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"{text} [default: {shown_default(f)}]"}
+        typ = _flag_type(f)
+        if typ is _parse_bool:
+            kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+        elif f.metadata.get("bare"):  # also given without a value, as OpenRLHF writes --gradient_checkpointing
+            kw.update(nargs="?", const=f.metadata["bare"], type=typ)
+        elif f.metadata.get("nargs"):
+            kw.update(nargs=f.metadata["nargs"], type=str)
+        else:
+            kw["type"] = typ
+        parser.add_argument(f"--{f.name}", **kw)
+    if foreign_flags(cls):
+        add_foreign_flags(parser, foreign_flags(cls))
+
+
+def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
+    """Merge defaults < YAML file < command line into a config object (not yet validated)."""
+    values: dict[str, Any] = {}
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    foreign_names = foreign_flags(cls)
+    foreign: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        for key, value in load_yaml(args.config, names, foreign_names).items():
+            (foreign if key in foreign_names else values)[key] = value
+    # what the user asked for: a flag on the command line, or a YAML value other than the default (a saved
+    # config.yaml lists every field)
+    asked = {name for name, value in values.items() if value != names[name].default}
+    for name in names:
+        if hasattr(args, name):
+            values[name] = getattr(args, name)
+            asked.add(name)
+    yaml_keys = {name: args.config for name in foreign}  # before the command line's flags join them
+    foreign.update({name: getattr(args, name) for name in foreign_names if hasattr(args, name)})
+    yaml_keys = {name: path for name, path in yaml_keys.items() if not hasattr(args, name)}
+    apply_foreign(foreign, values, yaml_keys)  # flags of other tools' scripts and configs: mapped, noted, or refused
+    if cls is TrainConfig:
+        _check_adapter_flags(values, asked)
+    if "gradient_checkpointing" in values:
+        values["gradient_checkpointing"] = str(values["gradient_checkpointing"]).lower()
+    for name in ("dataset", "val_dataset"):
+        if isinstance(values.get(name), str):
+            values[name] = [values[name]]
+    if isinstance(values.get("target_modules"), list):
+        values["target_modules"] = ",".join(map(str, values["target_modules"]))
+    return cls(**values)
+
+
+ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "adapters", "quant_bits")
+
+
+def _check_adapter_flags(values: dict, asked: set[str]) -> None:
+    """Adapter settings asked for on a full fine-tune would be ignored: ms-swift scripts leave out --train_type
+    because lora is its default there, while here the default is full."""
+    given = [name for name in ADAPTER_FLAGS if name in asked and name in values]
+    if given and values.get("train_type", "full") == "full":
+        flags = ", ".join(f"--{name}" for name in given)
+        raise FastDPOError(f"{flags} set, but --train_type is full (the default here; ms-swift's is lora), which "
+                           "trains every weight and has no adapters to apply them to. Add --train_type lora (or qlora), "
+                           "or drop them.")
+
+
+def load_yaml(path: str, fields: dict[str, dataclasses.Field], extra=()) -> dict:
+    """Flag values of a YAML file; `extra` names more keys that are passed through as they are."""
+    p = Path(path)
+    if not p.is_file():
+        raise FastDPOError(f"Config file {path} not found. Check the path given to --config.")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise FastDPOError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)}). Fix the syntax.") from None
+    if not isinstance(data, dict):
+        raise FastDPOError(f"{path}: expected a mapping of flag names to values at the top level.")
+    out = {}
+    for key, value in data.items():
+        if key in extra:
+            if value is not None:  # a key left empty (`resume_from_checkpoint: null`) asks for nothing
+                out[key] = value
+            continue
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise FastDPOError(f"{path}: unknown key {key!r}.{hint}")
+        typ = _flag_type(fields[key])
+        if value is None:  # left unset: the default (None for e.g. greater_is_better)
+            if fields[key].default is None:
+                out[key] = None
+            continue
+        try:
+            if typ is _parse_bool and not isinstance(value, bool):
+                value = _parse_bool(value)
+            elif typ in (int, float) and not isinstance(value, bool):
+                value = typ(value)
+            elif typ is _parse_dict and isinstance(value, str):
+                value = _parse_dict(value)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise FastDPOError(f"{path}: key {key!r} has a bad value {value!r} ({e}).") from None
+        out[key] = value
+    return out
+
+
+def save_config(config: Any, path: Path) -> None:
+    path.write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,1 @@
+"""Data: load preference rows, tokenise them, pack them into micro-batches."""

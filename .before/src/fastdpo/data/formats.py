@@ -1,0 +1,451 @@
+"""Preference row formats users bring, normalised to one `Row`.
+
+Accepted (detected per row, so files may mix them):
+- standard: `prompt`, `chosen`, `rejected` as strings (TRL).
+- conversational: `prompt` a message list, `chosen`/`rejected` assistant message lists (TRL). A string `prompt` with
+  message-list completions becomes one user message.
+- implicit prompt: `chosen`/`rejected` only. Message lists: the prompt is their longest common prefix of messages.
+  Texts: the prompt is their common prefix, cut back to the last whitespace (the space goes to the completions).
+- HH-RLHF text: `chosen`/`rejected` like "\\n\\nHuman: ...\\n\\nAssistant: ...": parsed into user/assistant turns,
+  then as implicit conversational rows.
+- ms-swift: `messages` ending with the chosen assistant turn, plus `rejected_response` (text) or `rejected_messages`
+  (the whole rejected conversation); an optional `system` column.
+- LLaMA-Factory alpaca: `instruction` (+ `input`, joined by a newline) is the user turn after the `history` pairs
+  [[user, assistant], ...]; `chosen`/`rejected` reply texts. Conversational, as LLaMA-Factory always applies the
+  chat template.
+- LLaMA-Factory sharegpt: `conversations` (`{from, value}` or `{role, content}` turns: an optional leading system
+  turn, then user/observation turns alternating with assistant/function_call turns, ending with a user or
+  observation turn), `chosen`/`rejected` one message each (or reply texts).
+Optional columns: `tools` (a list or its JSON text; passed to the chat template), `system` (conversational rows).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from fastdpo.errors import FastDPOError
+
+FORMATS = ("standard", "conversational", "implicit_text", "implicit_conversational", "hh_rlhf", "ms_swift", "alpaca",
+           "sharegpt")
+ALPACA_FIELDS = ("instruction", "input", "history")
+# LLaMA-Factory's ShareGPT role tags (and their OpenAI names) -> message roles; function_call becomes a tool call
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "observation": "tool", "tool": "tool", "function_call": "function_call"}
+SHAREGPT_ORDER = ("After an optional leading system turn, conversations alternate human (or observation) and gpt (or "
+                  "function_call) turns and end with the human or observation turn that chosen and rejected answer.")
+HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+class RowError(FastDPOError):
+    """A bad row: where it is, which field, what is wrong and how to fix it."""
+
+    def __init__(self, where: str, field: str | None, problem: str, fix: str = ""):
+        super().__init__(where, field, problem, fix)  # all in args: picklable across worker processes
+        self.where, self.field, self.problem, self.fix = where, field, problem, fix
+
+    def __str__(self) -> str:
+        what = f"field {self.field!r} " if self.field else ""
+        return f"{self.where}: {what}{self.problem}" + (f" {self.fix}" if self.fix else "")
+
+
+@dataclass
+class Row:
+    """One preference pair. Plain-text rows hold strings; conversational rows hold message lists
+    (`prompt` may end with a user, tool or assistant turn; `chosen`/`rejected` start with an assistant turn)."""
+
+    prompt: str | list[dict]
+    chosen: str | list[dict]
+    rejected: str | list[dict]
+    source: str  # "file:line" or "dataset index i"
+    tools: list | None = None
+    format: str = "standard"
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.chosen, list)
+
+    @property
+    def identical(self) -> bool:
+        return self.chosen == self.rejected
+
+    def key(self) -> str:
+        """A canonical text of the pair, for duplicate detection."""
+        return json.dumps([self.prompt, self.chosen, self.rejected, self.tools], sort_keys=True, ensure_ascii=False)
+
+
+def _fields(value: dict) -> str:
+    return ", ".join(sorted(map(str, value))).encode("utf-8", "backslashreplace").decode() or "none"
+
+
+def _unicode(text: str, name: str, where: str) -> str:
+    """Valid Unicode text: a lone surrogate (from a JSON escape such as "\\ud800") reaches no tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(where, name, f"holds an unpaired surrogate {text[e.start]!r} at character {e.start}, which is "
+                       "not valid Unicode text.", "Fix or remove that escape.") from None
+    return text
+
+
+def _missing(value: dict, name: str, where: str) -> RowError:
+    return RowError(where, name, f"is missing (fields present: {_fields(value)}).", "Add it to the row.")
+
+
+def _kind(x: object) -> str:
+    return "null" if x is None else type(x).__name__
+
+
+def _text(value: object, name: str, where: str, completion: bool) -> str:
+    if not isinstance(value, str):
+        raise RowError(where, name, f"must be a string or a list of messages, got {_kind(value)}.",
+                       "Convert it to plain text or to [{\"role\": ..., \"content\": ...}] messages.")
+    if completion and not value:
+        raise RowError(where, name, "is empty.", "Every pair needs two non-empty completions; fix or drop the row.")
+    return _unicode(value, name, where)
+
+
+def _messages(value: object, name: str, where: str) -> list[dict]:
+    """Validate a message list; drop keys whose value is null (columnar datasets add them to every message)."""
+    if not isinstance(value, list) or not value:
+        raise RowError(where, name, f"must be a non-empty list of {{role, content}} messages, got {_kind(value)}"
+                       + (" (empty list)." if value == [] else "."), "Fix the row.")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise RowError(where, f"{name}[{i}]", f"must be an object with role and content, got {_kind(m)}.",
+                           "Fix the message.")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise RowError(where, f"{name}[{i}].role", "is missing or not a string.",
+                           "Give every message a role (system, user, assistant or tool).")
+        content = m.get("content")
+        if content is None and not m.get("tool_calls"):
+            raise RowError(where, f"{name}[{i}].content", "is missing.", "Give every message its text.")
+        if content is not None and not isinstance(content, str):
+            raise RowError(where, f"{name}[{i}].content", f"must be a string, got {_kind(content)}.",
+                           "Only text content is supported: join the text parts into one string.")
+        for k, v in m.items():
+            if isinstance(v, str):
+                _unicode(v, f"{name}[{i}].{k}", where)
+        out.append({k: v for k, v in m.items() if v is not None})
+    return out
+
+
+def _reply(messages: list[dict], name: str, where: str) -> list[dict]:
+    """A completion: starts with an assistant turn whose text (or tool call) is not empty."""
+    first = messages[0]
+    if first["role"] != "assistant":
+        raise RowError(where, f"{name}[0].role", f"is {first['role']!r}, but a completion must start with an "
+                       "assistant turn.", "Only the assistant reply may differ between chosen and rejected.")
+    if not first.get("tool_calls") and not first.get("content"):
+        raise RowError(where, f"{name}[0].content", "is empty.",
+                       "Every pair needs two non-empty completions; fix or drop the row.")
+    return messages
+
+
+def _split_common(c: list[dict], r: list[dict], names: tuple[str, str], where: str) -> tuple[list, list, list]:
+    """Longest common prefix of two conversations -> (prompt, chosen rest, rejected rest)."""
+    k = 0
+    while k < min(len(c), len(r)) and c[k] == r[k]:
+        k += 1
+    if k == len(c) and k == len(r):
+        return c[:-1], c[-1:], r[-1:]  # identical conversations: flagged later as an identical pair
+    for rest, name in ((c[k:], names[0]), (r[k:], names[1])):
+        if not rest:
+            raise RowError(where, name, f"ends where the other conversation continues (after message {k - 1}).",
+                           "Both conversations must end with their own assistant reply.")
+    return c[:k], _reply(c[k:], f"{names[0]}[{k}:]", where), _reply(r[k:], f"{names[1]}[{k}:]", where)
+
+
+def _string(value: object, name: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise RowError(where, name, f"must be a string, got {_kind(value)}.", "Fix the row.")
+    return _unicode(value, name, where)
+
+
+def _with_system(prompt: list[dict], value: dict, where: str) -> list[dict]:
+    system = value.get("system")
+    if system is None or (prompt and prompt[0]["role"] == "system"):
+        return prompt
+    system = _string(system, "system", where)
+    return [{"role": "system", "content": system}, *prompt] if system else prompt
+
+
+def _tools(value: dict, where: str) -> list | None:
+    tools = value.get("tools")
+    if tools is None or tools == "":
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise RowError(where, "tools", f"is not valid JSON ({e.msg}).", "Give a list of tool schemas.") from None
+    if not isinstance(tools, list):
+        raise RowError(where, "tools", f"must be a list of tool schemas, got {_kind(tools)}.", "Fix the row.")
+    try:
+        _unicode(json.dumps(tools, ensure_ascii=False), "tools", where)
+    except (ValueError, RecursionError):  # nested too deeply, or a number too long to write back
+        raise RowError(where, "tools", "cannot be written back as JSON.", "Fix the tool schemas.") from None
+    return tools or None
+
+
+def parse_hh(text: str) -> list[dict] | None:
+    """"\\n\\nHuman: a\\n\\nAssistant: b" -> [user a, assistant b]; None if the text is not in that form."""
+    if not text.startswith("\n\nHuman:"):
+        return None
+    parts = HH_TURN.split(text)  # ['', 'Human', ' a', 'Assistant', ' b', ...]
+    turns = [{"role": "user" if who == "Human" else "assistant", "content": body.strip()}
+             for who, body in zip(parts[1::2], parts[2::2])]
+    return turns if any(t["role"] == "assistant" for t in turns) else None
+
+
+def _implicit_text(c: str, r: str, where: str, value: dict) -> Row:
+    n = 0
+    while n < min(len(c), len(r)) and c[n] == r[n]:
+        n += 1
+    if c == r:
+        return Row("", c, r, where, format="implicit_text")
+    cut = max((i for i in range(n) if c[i].isspace()), default=0)  # keep words whole; the space opens the reply
+    others = [k for k, v in value.items() if k not in ("chosen", "rejected", "system", "tools")
+              and isinstance(v, str) and v.strip()]
+    if cut == 0 and others:  # no shared text to be the prompt, and a text column that is likely to hold it
+        raise RowError(where, None, f"has no prompt: chosen and rejected share no text, and the text in "
+                       f"{', '.join(repr(k) for k in others)} is not read.",
+                       f"If {others[0]!r} holds the prompt, name it: --columns '{{\"{others[0]}\": \"prompt\"}}' "
+                       f"(or --prompt_key {others[0]}).")
+    chosen, rejected = c[cut:], r[cut:]
+    for name, text in (("chosen", chosen), ("rejected", rejected)):
+        if not text.strip():
+            raise RowError(where, name, "adds nothing after the text it shares with the other completion.",
+                           "With no prompt field, chosen and rejected must both continue the shared conversation.")
+    return Row(c[:cut], chosen, rejected, where, format="implicit_text")
+
+
+def _swift_rejected_error(value: dict, where: str) -> RowError:
+    """`messages` with a `rejected` field: an ms-swift row whose rejected reply is under TRL's name."""
+    return RowError(where, "rejected", "is given with messages; with messages the rejected reply goes in "
+                    f"rejected_response or rejected_messages (fields present: {_fields(value)}).",
+                    "Rename rejected to rejected_response (the rejected reply as text), or give the whole rejected "
+                    "conversation as rejected_messages.")
+
+
+def _pair_row(value: dict, where: str, tools: list | None) -> Row:
+    if value.get("messages") is not None and value.get("chosen") is None:
+        raise _swift_rejected_error(value, where)
+    for name in ("chosen", "rejected"):
+        if name not in value or value[name] is None:
+            raise _missing(value, name, where)
+    c, r, p = value["chosen"], value["rejected"], value.get("prompt")
+    if isinstance(c, str) and isinstance(r, str):
+        if p is None:
+            c, r = _text(c, "chosen", where, True), _text(r, "rejected", where, True)
+            hc, hr = parse_hh(c), parse_hh(r)
+            if hc is not None and hr is not None:
+                prompt, chosen, rejected = _split_common(hc, hr, ("chosen", "rejected"), where)
+                return Row(_with_system(prompt, value, where), chosen, rejected, where, tools, "hh_rlhf")
+            return _implicit_text(c, r, where, value)
+        if isinstance(p, list):
+            raise RowError(where, "chosen", "is a string but prompt is a list of messages.",
+                           "Give chosen and rejected as assistant message lists, or all three as strings.")
+        return Row(_text(p, "prompt", where, False), _text(c, "chosen", where, True), _text(r, "rejected", where, True),
+                   where, tools, "standard")
+    if isinstance(c, list) and isinstance(r, list):
+        c, r = _messages(c, "chosen", where), _messages(r, "rejected", where)
+        if isinstance(p, list):
+            prompt = _with_system(_messages(p, "prompt", where), value, where)
+            return Row(prompt, _reply(c, "chosen", where), _reply(r, "rejected", where), where, tools, "conversational")
+        if p is None or (isinstance(p, str) and c[0]["role"] != "assistant"):
+            # the conversations hold the prompt themselves (a string prompt column is then a copy of it)
+            prompt, chosen, rejected = _split_common(c, r, ("chosen", "rejected"), where)
+            return Row(_with_system(prompt, value, where), chosen, rejected, where, tools, "implicit_conversational")
+        prompt = [{"role": "user", "content": _text(p, "prompt", where, False)}]
+        return Row(_with_system(prompt, value, where), _reply(c, "chosen", where), _reply(r, "rejected", where), where,
+                   tools, "conversational")
+    bad = "chosen" if not isinstance(c, (str, list)) else "rejected" if not isinstance(r, (str, list)) else None
+    if bad:
+        raise RowError(where, bad, f"must be a string or a list of messages, got {_kind(value[bad])}.",
+                       "Convert it to plain text or to [{\"role\": ..., \"content\": ...}] messages.")
+    raise RowError(where, "rejected", f"is a {_kind(r)} but chosen is a {_kind(c)}.",
+                   "Give chosen and rejected in the same form: both strings or both message lists.")
+
+
+def _swift_row(value: dict, where: str, tools: list | None) -> Row:
+    msgs = _messages(value["messages"], "messages", where)
+    if msgs[-1]["role"] != "assistant":
+        raise RowError(where, "messages", f"ends with a {msgs[-1]['role']!r} turn.",
+                       "The last message must be the chosen assistant reply.")
+    if value.get("rejected_response") is not None:
+        rejected = _text(value["rejected_response"], "rejected_response", where, True)
+        prompt, chosen = msgs[:-1], _reply(msgs[-1:], "messages[-1]", where)
+        return Row(_with_system(prompt, value, where), chosen, [{"role": "assistant", "content": rejected}], where,
+                   tools, "ms_swift")
+    if value.get("rejected_messages") is not None:
+        rej = _messages(value["rejected_messages"], "rejected_messages", where)
+        prompt, chosen, rejected = _split_common(msgs, rej, ("messages", "rejected_messages"), where)
+        return Row(_with_system(prompt, value, where), chosen, rejected, where, tools, "ms_swift")
+    raise RowError(where, "rejected_response", f"is missing (fields present: {_fields(value)}).",
+                   "An ms-swift row needs rejected_response (text) or rejected_messages (the rejected conversation).")
+
+
+def _tag(m: dict) -> tuple[str, str]:
+    """The role and content keys of a ShareGPT turn: {from, value} (LLaMA-Factory's default) or {role, content}
+    (columnar datasets mixing both give the absent keys as null)."""
+    return ("from", "value") if m.get("from") is not None else ("role", "content")
+
+
+def _tool_call(text: str, name: str, where: str) -> dict:
+    """A function_call turn (JSON: {"name", "arguments"} or a list of them) -> an assistant message with tool_calls."""
+    try:
+        calls = json.loads(text)
+    except (ValueError, RecursionError):
+        calls = None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise RowError(where, name, "is not a function call in JSON.",
+                       'Write the call as {"name": ..., "arguments": {...}} (or a list of them).')
+    out = []
+    for c in calls:
+        args = c.get("arguments", {})
+        if isinstance(args, str):  # arguments as JSON text: chat templates expect the object
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                pass
+        out.append({"type": "function", "function": {"name": c["name"], "arguments": args}})
+    return {"role": "assistant", "content": "", "tool_calls": out}
+
+
+def _turn(m: object, name: str, where: str) -> dict:
+    """One ShareGPT turn -> a message: human/user, gpt/assistant, system, observation/tool (-> tool), function_call
+    (-> an assistant tool call)."""
+    if not isinstance(m, dict):
+        raise RowError(where, name, f"must be an object with from and value (or role and content), got {_kind(m)}.",
+                       "Fix the message.")
+    role_key, text_key = _tag(m)
+    tag = m.get(role_key)
+    if not isinstance(tag, str) or tag not in SHAREGPT_ROLES:
+        raise RowError(where, f"{name}.{role_key}", f"is {tag!r}, not a ShareGPT role.",
+                       f"Use one of: {', '.join(SHAREGPT_ROLES)}.")
+    role = SHAREGPT_ROLES[tag]
+    if role == "assistant" and m.get(text_key) is None and m.get("tool_calls"):  # OpenAI-style tool calls
+        return {"role": "assistant", "content": "", "tool_calls": m["tool_calls"]}
+    text = _string(m.get(text_key), f"{name}.{text_key}", where)
+    return _tool_call(text, f"{name}.{text_key}", where) if role == "function_call" else {"role": role, "content": text}
+
+
+def _sharegpt_turns(value: dict, where: str) -> tuple[list[dict], list[dict]]:
+    """(leading system turn or nothing, the rest) of `conversations`, checked to alternate user/observation with
+    assistant/function_call turns and to end with the turn the replies answer (as LLaMA-Factory requires)."""
+    conv = value.get("conversations")
+    if conv is None:
+        raise _missing(value, "conversations", where)
+    if not isinstance(conv, list) or not conv:
+        raise RowError(where, "conversations", f"must be a non-empty list of turns, got {_kind(conv)}"
+                       + (" (empty list)." if conv == [] else "."), "Fix the row.")
+    turns = [_turn(m, f"conversations[{i}]", where) for i, m in enumerate(conv)]
+    head = 1 if turns[0]["role"] == "system" else 0
+    for i in range(head, len(turns)):
+        user_side = (i - head) % 2 == 0
+        if (turns[i]["role"] in ("user", "tool")) != user_side or turns[i]["role"] == "system":
+            belongs = "a user (human) or observation" if user_side else "an assistant (gpt) or function_call"
+            key = _tag(conv[i])[0]
+            raise RowError(where, f"conversations[{i}].{key}", f"is {conv[i][key]!r} where {belongs} turn belongs.",
+                           SHAREGPT_ORDER)
+    if (len(turns) - head) % 2 == 0:
+        last = "only a system turn" if len(turns) == head else f"an assistant turn ({conv[-1][_tag(conv[-1])[0]]!r})"
+        raise RowError(where, "conversations", f"ends with {last}, but a preference row ends with the user (or "
+                       "observation) turn that chosen and rejected answer.", SHAREGPT_ORDER)
+    return turns[:head], turns[head:]
+
+
+def _sharegpt_reply(value: dict, name: str, where: str) -> list[dict]:
+    """`chosen`/`rejected` of a ShareGPT row: one message object (assistant or function_call), or the reply text."""
+    reply = value.get(name)
+    if reply is None:
+        raise _missing(value, name, where)
+    if isinstance(reply, str):
+        return [{"role": "assistant", "content": _text(reply, name, where, True)}]
+    if not isinstance(reply, dict):
+        raise RowError(where, name, f"must be one message ({{from, value}} or {{role, content}}) or the reply text, "
+                       f"got {_kind(reply)}.", "Give the reply alone: the turns before it go in conversations.")
+    message = _turn(reply, name, where)
+    if message["role"] != "assistant":
+        key = _tag(reply)[0]
+        raise RowError(where, f"{name}.{key}", f"is {reply[key]!r}, but a reply is an assistant (gpt) or "
+                       "function_call turn.", "Give the assistant's reply.")
+    return _reply([message], name, where)
+
+
+def _sharegpt_row(value: dict, where: str, tools: list | None) -> Row:
+    system, turns = _sharegpt_turns(value, where)
+    chosen, rejected = (_sharegpt_reply(value, name, where) for name in ("chosen", "rejected"))
+    return Row(_with_system(system + turns, value, where), chosen, rejected, where, tools, "sharegpt")
+
+
+def _alpaca_history(value: dict, where: str) -> list[dict]:
+    """`history` [[user, assistant], ...] -> alternating user/assistant messages."""
+    history = value.get("history") or []
+    if not isinstance(history, list):
+        raise RowError(where, "history", f"must be a list of [user, assistant] pairs, got {_kind(history)}.",
+                       "Fix the row.")
+    turns = []
+    for i, pair in enumerate(history):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise RowError(where, f"history[{i}]", f"must be a [user, assistant] pair of strings, got {_kind(pair)}"
+                           + (f" of {len(pair)}." if isinstance(pair, (list, tuple)) else "."), "Fix the pair.")
+        for role, j in (("user", 0), ("assistant", 1)):
+            turns.append({"role": role, "content": _string(pair[j], f"history[{i}][{j}]", where)})
+    return turns
+
+
+def _alpaca_row(value: dict, where: str, tools: list | None) -> Row:
+    """LLaMA-Factory alpaca: the history turns, then instruction and input (joined by a newline) as the user turn."""
+    for name in ("prompt", "messages"):
+        if value.get(name) is not None:
+            raise RowError(where, name, f"is given with LLaMA-Factory alpaca fields (fields present: {_fields(value)}).",
+                           "Keep one form: instruction/input or prompt (rename columns with --columns).")
+    if value.get("instruction") is None:
+        raise RowError(where, "instruction", f"is missing (fields present: {_fields(value)}); input and history "
+                       "belong to LLaMA-Factory alpaca rows.", "Add the instruction, or name the prompt column with "
+                       "--columns (e.g. '{\"input\": \"prompt\"}').")
+    parts = [_string(value.get(name) or "", name, where) for name in ("instruction", "input")]
+    text = "\n".join(p for p in parts if p)
+    if not text:
+        raise RowError(where, "instruction", "is empty, and so is input.", "Give the user's request.")
+    replies = []
+    for name in ("chosen", "rejected"):
+        if value.get(name) is None:
+            raise _missing(value, name, where)
+        if not isinstance(value[name], str):
+            raise RowError(where, name, f"must be the reply text in an alpaca row, got {_kind(value[name])}.",
+                           "Give chosen and rejected as strings next to instruction.")
+        replies.append([{"role": "assistant", "content": _text(value[name], name, where, True)}])
+    prompt = _with_system([*_alpaca_history(value, where), {"role": "user", "content": text}], value, where)
+    return Row(prompt, replies[0], replies[1], where, tools, "alpaca")
+
+
+def to_row(value: object, where: str, formatting: str | None = None) -> Row:
+    """Normalise one decoded record to a `Row`, in the format detected (or in `formatting`, alpaca or sharegpt, when
+    the dataset says which); raise `RowError` naming the field and a fix."""
+    if not isinstance(value, dict):
+        raise RowError(where, None, f"expected a JSON object with prompt/chosen/rejected, got {_kind(value)}.",
+                       "Write one object per row.")
+    tools = _tools(value, where)
+    if formatting is not None:
+        return {"alpaca": _alpaca_row, "sharegpt": _sharegpt_row}[formatting](value, where, tools)
+    if value.get("conversations") is not None:
+        return _sharegpt_row(value, where, tools)
+    if value.get("instruction") is not None or (value.get("prompt") is None and value.get("messages") is None and any(
+            value.get(name) is not None for name in ALPACA_FIELDS)):  # never the implicit prompt: it would drop them
+        return _alpaca_row(value, where, tools)
+    if "chosen" in value or "rejected" in value:  # before `messages`: some TRL datasets add an SFT copy of chosen
+        return _pair_row(value, where, tools)
+    if value.get("messages") is not None:
+        return _swift_row(value, where, tools)
+    if "prompt" in value:
+        raise _missing(value, "chosen", where)
+    raise RowError(where, None, f"has no preference fields (fields present: {_fields(value)}).",
+                   "Give prompt/chosen/rejected, chosen/rejected, messages + rejected_response, instruction + "
+                   "chosen/rejected or conversations + chosen/rejected (or name your columns with --columns).")

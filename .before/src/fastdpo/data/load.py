@@ -1,0 +1,66 @@
+"""Load preference rows from dataset specs (files, dirs, HF datasets), with precise errors for bad rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastdpo.data.columns import AS_GIVEN, RowOptions
+from fastdpo.data.formats import Row, RowError, to_row
+from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, select, source_kind
+from fastdpo.data.sources import parse_spec as parse_dataset_spec
+from fastdpo.data.unsupported import read_rows
+from fastdpo.errors import FastDPOError
+
+__all__ = ["MAX_SAMPLED_ROWS", "Row", "RowError", "check_row", "load_file", "load_rows", "load_spec", "parse_spec",
+           "sample_rows"]
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """`path#N` -> (path, N); plain path -> (path, None)."""
+    s = parse_dataset_spec(spec)
+    return s.label, s.count
+
+
+def check_row(value: object, where: str) -> Row:
+    """One decoded record -> Row, in any supported format (see `fastdpo.data.formats`)."""
+    return to_row(value, where)
+
+
+def _records(path: Path) -> dict[str, object]:
+    """{location: decoded value} of the rows of a JSONL / JSON file, located as `Row.source` locates them."""
+    out = {}
+    for rec in file_records(path):
+        if rec.error is not None:
+            raise FastDPOError(f"{rec.where}: {rec.error}")
+        out[rec.where] = rec.value
+    return out
+
+
+def load_file(path_str: str, read: RowOptions = AS_GIVEN) -> list[Row]:
+    """All rows of one local file or directory of data files (an empty file gives none)."""
+    spec = Spec(path_str, path_str)
+    if source_kind(spec) not in ("file", "dir"):
+        raise FastDPOError(f"Dataset {path_str} not found. Check the path given to --dataset.")
+    return [r.row(read) for r in iter_records(spec, limit=read.max_row_bytes)]
+
+
+def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
+    """N rows without replacement; when N exceeds the size, whole copies then a sample of the rest."""
+    return sample(rows, n, seed)
+
+
+def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions = AS_GIVEN) -> list[Row]:
+    """Every row of one spec, validated (the first bad row raises), then `#N`-sampled."""
+    rows = read_rows(iter_records(spec, split, limit=read.max_row_bytes), read, spec.label)
+    if not rows:
+        raise FastDPOError(f"Dataset {spec.label} has no rows.")
+    return select(rows, spec, seed, first=read.max_samples)
+
+
+def load_rows(specs: list[str], seed: int = 42, split: str = "train", read: RowOptions = AS_GIVEN) -> list[Row]:
+    """All rows of all datasets given (`path`, `path#N`, `org/name:subset`), in order, read as `read` says (column
+    mapping, prompt template)."""
+    rows: list[Row] = []
+    for text in specs:
+        rows.extend(load_spec(parse_dataset_spec(text), split, seed, read))
+    return rows

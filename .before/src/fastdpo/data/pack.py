@@ -1,0 +1,250 @@
+"""Step sampling and packing: which pairs form an optimizer step, and how a step's pairs become micro-batches.
+
+The packed layout of one pair (DESIGN §1):
+
+    tokens    p0 .. pP-1 | c0 .. cC-1   | r0 .. rR-1
+    position  0  .. P-1  | P  .. P+C-1  | P  .. P+R-1
+    segment   0          | 1            | 2
+
+Targets: c0 and r0 are predicted by the hidden state of p(P-1); c_i by c_(i-1); r_i by r_(i-1).
+Prompt targets, only when asked for (`prompt_targets`: a loss whose NLL covers the prompt, ORPO): p_i (i >= 1) by
+p_(i-1), once per pair (the prompt is shared by both sequences). p0, the first token of the sequence, is never
+predicted.
+"""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass
+
+import torch
+
+from fastdpo.data.tokenize import TokenizedPair
+
+PROMPT, CHOSEN, REJECTED = 0, 1, 2
+
+
+@dataclass
+class PairBatch:
+    """A micro-batch of B pairs.
+
+    Packed layout (`attention_mask is None`): every tensor of length T describes one packed row of T tokens.
+      input_ids, position_ids: (1, T) long; pair_ids: (T,) int32 (-1 for filler); segments: (T,) int8.
+    Padded layout: input_ids, position_ids, attention_mask: (2B, L); rows 0..B-1 prompt+chosen, B..2B-1
+      prompt+rejected; pair_ids and segments are None.
+    Both layouts: src (N,) long indexes the flattened hidden states that predict the N completion targets `tgt` (N,);
+      seq (N,) long maps each target to a sequence: chosen of pair i -> i, rejected -> B + i;
+      lengths (2B,) long completion tokens per sequence; index (B,) long dataset row of each pair.
+    Packed layout only: pair_lengths, on the host, (prompt, chosen, rejected) tokens of each pair in packed order
+      (the attention backends that take sequence offsets build them from it without reading the device).
+    Prompt targets (both layouts, None unless the batch was built with `prompt_targets`): prompt_src (M,) long
+      indexes the flattened hidden states that predict the M prompt tokens `prompt_tgt` (M,) (p_i by p_(i-1),
+      i >= 1; in the padded layout from the chosen rows); prompt_pair (M,) long maps each to its pair;
+      prompt_lengths (B,) long counts them per pair (prompt tokens - 1, or 0 without a prompt).
+    A shard of a packed row (sequence parallelism: some of its tokens, some of its targets) also has offsets (N,)
+      long, each target's position within its sequence in the whole row; lengths stay the whole row's.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    src: torch.Tensor
+    tgt: torch.Tensor
+    seq: torch.Tensor
+    lengths: torch.Tensor
+    index: torch.Tensor
+    pair_ids: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    pair_lengths: tuple[tuple[int, int, int], ...] | None = None
+    prompt_src: torch.Tensor | None = None
+    prompt_tgt: torch.Tensor | None = None
+    prompt_pair: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.index.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> PairBatch:
+        # pinned host memory: the copy is queued behind the running step instead of waiting for it (no host sync)
+        pin = torch.device(device).type == "cuda"
+
+        def move(v):
+            if not isinstance(v, torch.Tensor):
+                return v
+            return (v.pin_memory() if pin and v.device.type == "cpu" else v).to(device, non_blocking=True)
+
+        return PairBatch(**{k: move(v) for k, v in vars(self).items()})
+
+
+_TYPECODES = {torch.long: "q", torch.int32: "i", torch.int8: "b"}
+
+
+def int_tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A 1-D CPU tensor of Python ints, through `array.array`: a few times faster than `torch.tensor` on a list,
+    which the host pays for every micro-batch (thousands of tokens, about a dozen lists)."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
+
+
+def epoch_permutation(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The dataset indices of one epoch in training's order: seeded by (seed, epoch); without `shuffle`, the
+    dataset order."""
+    if not shuffle:
+        return torch.arange(num_rows)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_rows, generator=g)
+
+
+def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
+    """Dataset indices of each optimizer step in one epoch. Depends only on the seed, the epoch and the step size,
+    never on micro-batching or the token budget. The last step of an epoch may be smaller. Without `shuffle`, the
+    dataset order."""
+    perm = epoch_permutation(num_rows, seed, epoch, shuffle).tolist()
+    return [perm[i : i + pairs_per_step] for i in range(0, num_rows, pairs_per_step)]
+
+
+def split_micro_batches(pairs: list[TokenizedPair], max_tokens: int, pairs_per_micro: int) -> list[list[TokenizedPair]]:
+    """Group one step's pairs into micro-batches: first-fit decreasing under a token budget when `max_tokens` > 0
+    (a pair longer than the budget gets its own micro-batch), else consecutive groups of `pairs_per_micro`."""
+    if max_tokens <= 0:
+        return [pairs[i : i + pairs_per_micro] for i in range(0, len(pairs), pairs_per_micro)]
+    bins: list[list[TokenizedPair]] = []
+    room: list[int] = []
+    for p in sorted(pairs, key=lambda p: -p.num_tokens):
+        for b, free in enumerate(room):
+            if p.num_tokens <= free:
+                bins[b].append(p)
+                room[b] -= p.num_tokens
+                break
+        else:
+            bins.append([p])
+            room.append(max_tokens - p.num_tokens)
+    return bins
+
+
+def _targets(start: int, plen: int, clen: int, c_start: int, first_src: int) -> tuple[list[int], list[int]]:
+    """Source hidden-state indices for one completion of length clen starting at c_start (flattened indices).
+    The first completion token is predicted by `first_src` (the last prompt state) unless the prompt is empty."""
+    src = list(range(c_start - 1, c_start + clen - 1))
+    if plen > 0:
+        src[0] = first_src
+        return src, list(range(clen))
+    return src[1:], list(range(1, clen))  # no state predicts the first token of an unprompted completion
+
+
+class _PromptTargets:
+    """Prompt targets collected pair by pair: p_i predicted by the state at flattened index start + i - 1."""
+
+    def __init__(self, num_pairs: int):
+        self.src: list[int] = []
+        self.tgt: list[int] = []
+        self.pair: list[int] = []
+        self.lengths = [0] * num_pairs
+
+    def add(self, i: int, prompt: list[int], start: int) -> None:
+        n = max(len(prompt) - 1, 0)
+        self.src += range(start, start + n)
+        self.tgt += prompt[1:]
+        self.pair += [i] * n
+        self.lengths[i] = n
+
+    def fields(self) -> dict:
+        return dict(prompt_src=int_tensor(self.src), prompt_tgt=int_tensor(self.tgt), prompt_pair=int_tensor(self.pair),
+                    prompt_lengths=int_tensor(self.lengths))
+
+
+def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int = 0,
+               prompt_targets: bool = False) -> PairBatch:
+    """Lay out pairs as [prompt | chosen | rejected] runs in one row, padded with filler up to a multiple; with
+    `prompt_targets`, the prompt tokens' targets too."""
+    ids: list[int] = []
+    pos: list[int] = []
+    pid: list[int] = []
+    seg: list[int] = []
+    src: list[int] = []
+    tgt: list[int] = []
+    seq: list[int] = []
+    b = len(pairs)
+    lengths = [0] * (2 * b)
+    prompt = _PromptTargets(b) if prompt_targets else None
+    for i, p in enumerate(pairs):
+        start, plen, clen, rlen = len(ids), len(p.prompt), len(p.chosen), len(p.rejected)
+        if prompt is not None:
+            prompt.add(i, p.prompt, start)
+        ids += p.prompt + p.chosen + p.rejected
+        pos += list(range(plen + clen)) + list(range(plen, plen + rlen))
+        pid += [i] * (plen + clen + rlen)
+        seg += [PROMPT] * plen + [CHOSEN] * clen + [REJECTED] * rlen
+        last_prompt = start + plen - 1
+        for s, toks, c_start in ((i, p.chosen, start + plen), (b + i, p.rejected, start + plen + clen)):
+            s_idx, t_idx = _targets(start, plen, len(toks), c_start, last_prompt)
+            src += s_idx
+            tgt += [toks[t] for t in t_idx]
+            seq += [s] * len(s_idx)
+            lengths[s] = len(s_idx)
+    filler = (-len(ids)) % pad_to_multiple
+    ids += [pad_id] * filler
+    pos += [0] * filler
+    pid += [-1] * filler
+    seg += [PROMPT] * filler
+    return PairBatch(
+        input_ids=int_tensor(ids).unsqueeze(0),
+        position_ids=int_tensor(pos).unsqueeze(0),
+        src=int_tensor(src),
+        tgt=int_tensor(tgt),
+        seq=int_tensor(seq),
+        lengths=int_tensor(lengths),
+        index=int_tensor([p.index for p in pairs]),
+        pair_ids=int_tensor(pid, torch.int32),
+        segments=int_tensor(seg, torch.int8),
+        pair_lengths=tuple((len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs),
+        **(prompt.fields() if prompt is not None else {}),
+    )
+
+
+def pad_pairs(pairs: list[TokenizedPair], pad_id: int = 0, prompt_targets: bool = False) -> PairBatch:
+    """The conventional layout: 2B right-padded rows, prompt+chosen then prompt+rejected. The reference path. With
+    `prompt_targets`, the prompt tokens' targets too (from the chosen rows)."""
+    b = len(pairs)
+    rows = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
+    width = max(len(r) for r in rows)
+    ids = torch.full((2 * b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((2 * b, width), dtype=torch.long)
+    src: list[int] = []
+    tgt: list[int] = []
+    seq: list[int] = []
+    lengths = [0] * (2 * b)
+    prompt = _PromptTargets(b) if prompt_targets else None
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        mask[r, : len(row)] = 1
+        p = pairs[r % b]
+        if prompt is not None and r < b:
+            prompt.add(r, p.prompt, r * width)
+        comp = p.chosen if r < b else p.rejected
+        plen = len(p.prompt)
+        first = max(plen, 1)  # the first token of a row is never predicted
+        for t in range(first, plen + len(comp)):
+            src.append(r * width + t - 1)
+            tgt.append(row[t])
+            seq.append(r)
+        lengths[r] = plen + len(comp) - first
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    return PairBatch(
+        input_ids=ids,
+        position_ids=positions,
+        src=torch.tensor(src, dtype=torch.long),
+        tgt=torch.tensor(tgt, dtype=torch.long),
+        seq=torch.tensor(seq, dtype=torch.long),
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        index=torch.tensor([p.index for p in pairs], dtype=torch.long),
+        attention_mask=mask,
+        **(prompt.fields() if prompt is not None else {}),
+    )

@@ -1,0 +1,139 @@
+"""Dataset specs -> tokenised pairs, for training or evaluation: read, validate, tokenise (cached, in parallel with
+`--dataset_num_proc`), or stream (`fastdpo.data.stream`). `load_pairs` works for any spec list, so other splits
+(validation sets) load the same way as the training set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastdpo.data.cache import cache_root, data_key, load_cached, save_cached
+from fastdpo.data.columns import RowOptions
+from fastdpo.data.formats import Row
+from fastdpo.data.load import load_rows
+from fastdpo.data.parallel import ordered_map
+from fastdpo.data.template import resolve_template
+from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats, no_pairs_error, tokenize_chunk
+
+log = logging.getLogger("fastdpo")
+CHUNK = 512  # rows per tokenizer call (and per task for worker processes)
+
+
+@dataclass
+class DataOptions:
+    """How to turn dataset specs into pairs. Build it from a TrainConfig with `from_config`."""
+
+    tokenize: TokenizeOptions = field(default_factory=TokenizeOptions)
+    split: str = "train"
+    seed: int = 42
+    num_proc: int = 1
+    use_cache: bool = True
+    cache_dir: str = ""
+    streaming: bool = False
+    num_workers: int = 0
+    shuffle_buffer_size: int = 10_000
+    read: RowOptions = field(default_factory=RowOptions)  # column mapping and prompt handling
+
+    @classmethod
+    def from_config(cls, cfg) -> DataOptions:
+        tok = TokenizeOptions(max_length=cfg.max_length, truncation_strategy=cfg.truncation_strategy,
+                              max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
+                              template=resolve_template(cfg.template), system=cfg.system or None)
+        return cls(tok, split=cfg.split, seed=cfg.seed, num_proc=cfg.dataset_num_proc,
+                   use_cache=cfg.load_from_cache_file, cache_dir=cfg.dataset_cache_dir, streaming=cfg.streaming,
+                   num_workers=cfg.dataloader_num_workers,
+                   shuffle_buffer_size=cfg.shuffle_buffer_size if cfg.shuffle else 1,  # a 1-pair buffer keeps the order
+                   read=RowOptions.from_config(cfg))
+
+    @classmethod
+    def for_scoring(cls, cfg) -> DataOptions:
+        """Tokenisation of a config that scores pairs rather than trains on them (eval, bench): its length limits
+        and template, read like training's, defaults where it has no such flag; nothing cached."""
+        tok = TokenizeOptions(max_length=cfg.max_length,
+                              truncation_strategy=getattr(cfg, "truncation_strategy", "right"),
+                              max_prompt_length=getattr(cfg, "max_prompt_length", 0),
+                              max_completion_length=getattr(cfg, "max_completion_length", 0),
+                              template=resolve_template(getattr(cfg, "template", "")),
+                              system=getattr(cfg, "system", "") or None)
+        return cls(tok, seed=cfg.seed, use_cache=False, read=RowOptions.from_config(cfg))
+
+
+@dataclass
+class DataSummary:
+    """What loading did: rows per format, pairs kept, what the length limits dropped or trimmed."""
+
+    stats: TokenizeStats
+    options: TokenizeOptions
+    datasets: list[str] = field(default_factory=list)
+    cached: bool = False
+
+    def text(self) -> str:
+        s, o = self.stats, self.options
+        formats = ", ".join(f"{k} {v}" for k, v in sorted(s.formats.items()))
+        limits = f"max_length {o.max_length}, truncation {o.truncation_strategy}"
+        if o.max_prompt_length:
+            limits += f", max_prompt_length {o.max_prompt_length}"
+        if o.max_completion_length:
+            limits += f", max_completion_length {o.max_completion_length}"
+        return (f"data: {s.rows} rows ({formats}) -> {s.pairs} pairs{' (from cache)' if self.cached else ''}. "
+                f"{limits}: dropped {s.dropped_prompt_too_long} (prompt fills max_length), {s.dropped_too_long} "
+                f"(over a length limit), {s.dropped_identical} (chosen identical to rejected); completions cut in "
+                f"{s.truncated}, prompts trimmed in {s.prompt_trimmed}.")
+
+    def to_dict(self) -> dict:
+        opts = dataclasses.asdict(self.options)
+        opts["template"] = opts["template"] is not None  # the Jinja text itself is noise here
+        return {"datasets": self.datasets, "options": opts, "cached": self.cached, **dataclasses.asdict(self.stats)}
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    def log(self) -> None:
+        (log.warning if self.stats.dropped or self.stats.truncated or self.stats.prompt_trimmed else log.info)(
+            "%s", self.text())
+
+
+def _tokenize_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats]:
+    tokenizer, options = state
+    start, rows = item
+    return tokenize_chunk(tokenizer, rows, options, start)
+
+
+def load_pairs(specs: list[str], tokenizer, opts: DataOptions) -> tuple[list[TokenizedPair], DataSummary]:
+    """Every pair of the datasets `specs`, tokenised and length-limited, in dataset order (index = row position).
+    Raises FastDPOError on the first bad row or when no pair survives."""
+    pairs, summary = tokenize_pairs(load_rows(specs, opts.seed, opts.split, opts.read), tokenizer, opts)
+    summary.datasets = list(specs)
+    return pairs, summary
+
+
+def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions) -> tuple[list[TokenizedPair], DataSummary]:
+    """Rows -> pairs (index = position in `rows`), from the cache when the same rows were tokenised the same way
+    before, else with `opts.num_proc` processes. Raises on the first bad row or when no pair survives."""
+    root = cache_root(opts.cache_dir)
+    key = data_key(rows, tokenizer, opts.tokenize, opts.read) if opts.use_cache else None
+    if key is not None:
+        hit = load_cached(root, key)
+        if hit is not None:
+            return hit[0], DataSummary(hit[1], opts.tokenize, cached=True)
+    chunks = ((start, rows[start: start + CHUNK]) for start in range(0, len(rows), CHUNK))
+    workers = opts.num_proc if opts.num_proc > 1 else 0
+    stats = TokenizeStats()
+    pairs: list[TokenizedPair] = []
+    for got, part in ordered_map(_tokenize_task, chunks, (tokenizer, opts.tokenize), workers):
+        pairs += got
+        stats.add(part)
+    if not pairs:
+        raise no_pairs_error(opts.tokenize, stats)
+    if key is not None:
+        try:
+            save_cached(root, key, pairs, stats)
+        except OSError as e:  # a read-only or full cache dir must not stop training
+            log.warning("Could not write the tokenisation cache under %s (%s); going on without it (the next run "
+                        "tokenises again). Free space there or choose another dir with --dataset_cache_dir.", root,
+                        e.strerror or e)
+    return pairs, DataSummary(stats, opts.tokenize)

@@ -1,0 +1,86 @@
+"""One raw row as read from a source (`Record`), and how it becomes a `Row`: its dataset's reading, CSV cells holding
+JSON decoded, multimodal and unpaired rows refused, and rows over the size limit (--max_row_mb) refused."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from fastdpo.data.columns import AS_GIVEN, RowOptions
+from fastdpo.data.formats import Row, RowError, to_row
+from fastdpo.data.unsupported import refuse_unsupported
+from fastdpo.errors import FastDPOError
+
+# CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
+CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools", "conversations", "history")
+
+
+@dataclass
+class Record:
+    """One raw row: its location and decoded value, or the problem found while reading it. CSV cells are text
+    (`text_cells`): those of message and tool columns are decoded once the columns have their fastdpo names."""
+
+    where: str
+    value: object = None
+    error: str | None = None
+    text_cells: bool = False
+    dataset: str = ""  # the spec it was read from
+
+    def row(self, read: RowOptions = AS_GIVEN) -> Row:
+        """The record as a Row, read as its dataset's own reading says (--dataset_info), else as `read` says."""
+        if self.error is not None:
+            raise FastDPOError(f"{self.where}: {self.error}")
+        own = read.reading(self.dataset)
+        where = f"{self.where} (dataset {own.name})" if own else self.where
+        value = own.project(self.value, where) if own else read.rename(self.value, where)
+        if self.text_cells:
+            value = {k: _csv_value(k, v) for k, v in value.items()}
+        refuse_unsupported(value, where)  # multimodal and unpaired rows would otherwise be misread
+        row = to_row(value, where, own.formatting if own else None)
+        size = size_over(row, read.max_row_bytes)
+        if size:  # from a source read whole (Parquet, HF datasets, a JSON object of rows)
+            raise RowError(where, None, too_large(size, read.max_row_bytes))
+        return read.adapt(row)
+
+
+def size_over(row: Row, limit: int) -> int:
+    """The bytes of a row's texts (messages: their contents) when they are over `limit`, else 0."""
+    parts = [m.get("content") or "" for part in (row.prompt, row.chosen, row.rejected) if isinstance(part, list)
+             for m in part] + [part for part in (row.prompt, row.chosen, row.rejected) if isinstance(part, str)]
+    chars = sum(map(len, parts))
+    if chars * 4 <= limit:  # a character is at most 4 bytes: counting them is not needed
+        return 0
+    size = sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
+    return size if size > limit else 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB" if n >= 2**10 else f"{n} bytes"
+
+
+def too_large(size: int | None, limit: int, what: str = "row") -> str:
+    """The message for a row over the limit: its size (None: not known), the limit and how to raise it."""
+    return (f"this {what} is {f'{_mib(size)}, ' if size else ''}over the limit of {_mib(limit)} per row (tokenising "
+            "a row needs about 200 bytes of memory per byte of text). Shorten or drop it, or raise --max_row_mb.")
+
+
+def is_turn(m: object) -> bool:
+    return isinstance(m, dict) and ("role" in m or "from" in m)
+
+
+def _csv_value(name: str, cell: str | None) -> object:
+    """A cell of a message or tool column holding JSON (a message list, an alpaca history, a ShareGPT reply
+    object) -> its value; any other cell stays text."""
+    if cell is None or name not in CSV_JSON_COLUMNS or not cell.lstrip().startswith(("[", "{")):
+        return cell
+    try:
+        value = json.loads(cell)
+    except (ValueError, RecursionError):
+        return cell
+    if name == "tools":
+        return value
+    if name == "history":
+        return value if isinstance(value, list) and all(isinstance(p, list) for p in value) else cell
+    if isinstance(value, list) and value and all(is_turn(m) for m in value):
+        return value
+    return value if name in ("chosen", "rejected") and is_turn(value) else cell

@@ -1,0 +1,30 @@
+"""The held-out split: --val_dataset rows, or a seeded --split_dataset_ratio share of the training rows."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from fastdpo.data.columns import RowOptions
+from fastdpo.data.load import Row, load_rows
+from fastdpo.errors import FastDPOError
+
+
+def split_rows(rows: list[Row], ratio: float, seed: int) -> tuple[list[Row], list[Row]]:
+    """Hold out ceil(ratio x rows) rows, chosen with `seed`; both parts keep the file order."""
+    n_val = math.ceil(ratio * len(rows))
+    if n_val >= len(rows):
+        raise FastDPOError(f"--split_dataset_ratio {ratio} leaves no training rows out of {len(rows)}. Lower it.")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_val])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def held_out_rows(cfg, rows: list[Row]) -> tuple[list[Row], list[Row]]:
+    """(training rows, validation rows) per --val_dataset or --split_dataset_ratio (no validation rows otherwise)."""
+    if cfg.val_dataset:
+        return rows, load_rows(cfg.val_dataset, cfg.seed, cfg.val_split, read=RowOptions.from_config(cfg))
+    if cfg.split_dataset_ratio > 0:
+        return split_rows(rows, cfg.split_dataset_ratio, cfg.seed)
+    return rows, []

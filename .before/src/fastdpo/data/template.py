@@ -1,0 +1,167 @@
+"""Chat templates for conversational rows: the tokenizer's `chat_template`, or `--template` (a built-in name or a
+Jinja file), plus `--system`.
+
+The prompt is rendered with the generation prompt, also after a final assistant turn (a prefilled reply): as TRL's
+DPOTrainer renders it, the reply is then a turn of its own and only its tokens are scored, never the end of the
+prefilled turn or the next turn's header. Each completion is what the full conversation's rendering adds after it.
+A template that renders the prompt differently alone than inside the conversation is reported with the row: the
+completion is never silently shifted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastdpo.data.formats import Row, RowError
+from fastdpo.errors import FastDPOError
+
+# The end-of-sequence token closes the final assistant turn in the text templates, as TRL appends it to plain text.
+BUILTIN_TEMPLATES = {
+    "chatml": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + "
+        "(m['content'] or '') | trim + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    # message texts joined as they are: the same tokens as the equivalent plain-text row
+    "identity": (
+        "{{ special_prefix | default('') }}{% for m in messages %}{{ m['content'] or '' }}"
+        "{% if loop.last and m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    ),
+    # Anthropic HH-RLHF text layout
+    "hh": (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ '\n\nHuman: ' }}{% elif m['role'] == 'assistant' %}"
+        "{{ '\n\nAssistant: ' }}{% else %}{{ '\n\n' + m['role'] + ': ' }}{% endif %}{{ m['content'] or '' }}"
+        "{% if loop.last and m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '\n\nAssistant:' }}{% endif %}"
+    ),
+}
+
+
+def resolve_template(value: str) -> str | None:
+    """--template NAME|FILE -> Jinja text; '' -> None (use the tokenizer's own)."""
+    if not value:
+        return None
+    if value in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[value]
+    p = Path(value).expanduser()
+    if p.is_file():
+        try:
+            return p.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FastDPOError(f"--template {value}: cannot read it ({e}). Give a UTF-8 Jinja file.") from None
+    raise FastDPOError(f"--template {value!r} is neither a built-in ({', '.join(sorted(BUILTIN_TEMPLATES))}) "
+                       "nor an existing Jinja file.")
+
+
+def keep_template(tokenizer, template: str) -> None:
+    """--template NAME|FILE becomes the tokenizer's chat template, so generation (and a saved tokenizer) formats
+    prompts as training rendered them; '' keeps the tokenizer's own."""
+    text = resolve_template(template)
+    if text:
+        tokenizer.chat_template = text
+
+
+def special_prefix(tokenizer) -> str:
+    """The specials the tokenizer itself puts before text (e.g. BOS), which the identity template writes out."""
+    return tokenizer.decode(tokenizer("")["input_ids"])
+
+
+def plain_text_note(rows: list[Row], tokenizer, template: str | None = None) -> str | None:
+    """A note when plain-text rows will be tokenised as they are although a chat template is at hand (`template`, or
+    the tokenizer's own). TRL reads such rows that way, and so does fastdpo by default. ms-swift and LLaMA-Factory
+    put the prompt in a user turn and render the template, so a run moved from them would otherwise train on
+    another text layout without a word. Rows whose prompts already end their user turn as the template does (the
+    template's generation prompt is in the text) were rendered beforehand: no note."""
+    plain = [r for r in rows if not r.conversational]
+    if not plain or not (template or getattr(tokenizer, "chat_template", None)):
+        return None
+    marker = turn_end(tokenizer, template)
+    if marker and any(marker in r.prompt for r in plain[:200]):
+        return None
+    return (f"{len(plain)} plain-text rows are tokenised as they are, without the chat template (as TRL reads them). "
+            "ms-swift and LLaMA-Factory put such a prompt in a user turn and render the chat template: pass "
+            "--apply_chat_template true to train that way, or --input_template to wrap prompts yourself.")
+
+
+def turn_end(tokenizer, template: str | None = None) -> str | None:
+    """What the template writes after a user message's text through its generation prompt (e.g. chatml's
+    '<|im_end|>\n<|im_start|>assistant'), stripped; None when it cannot be rendered or writes nothing."""
+    mark = "\x00fastdpo\x00"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], chat_template=template,
+                                             add_generation_prompt=True, tokenize=False,
+                                             special_prefix=special_prefix(tokenizer))
+    except Exception:  # a template is user code: without a rendering, the note stays
+        return None
+    after = text.split(mark, 1)[1].strip() if mark in text else ""
+    return after or None
+
+
+def _first_difference(a: str, b: str) -> int:
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _dropped_call(messages: list[dict], text: str) -> str | None:
+    """The name of a tool call missing from the rendered text (a template without tool-call support drops them)."""
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if isinstance(name, str) and name not in text:
+                return name
+    return None
+
+
+class ChatRenderer:
+    """Renders conversational rows to (prompt, prompt+chosen, prompt+rejected) texts."""
+
+    def __init__(self, tokenizer, template: str | None = None, system: str | None = None):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.system = system or None
+        self.extra = {"special_prefix": special_prefix(tokenizer)}
+
+    @property
+    def available(self) -> bool:
+        return bool(self.template or getattr(self.tokenizer, "chat_template", None))
+
+    def _apply(self, messages: list[dict], row: Row, **kw) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=row.tools, chat_template=self.template,
+                                                      tokenize=False, **kw, **self.extra)
+        except Exception as e:  # a template is user code: any error it raises is about this row or the template
+            raise RowError(row.source, None, f"the chat template failed on this row ({type(e).__name__}: {e}).",
+                           "Fix the row or the template (--template).") from None
+
+    def render(self, row: Row) -> tuple[str, str, str]:
+        if not self.available:
+            fix = f"Pass --template ({', '.join(sorted(BUILTIN_TEMPLATES))}) or a Jinja file."
+            if row.format == "standard":  # a plain-text row made a user turn (--apply_chat_template, ms-swift's reading)
+                fix += " Or read plain-text rows as they are: --apply_chat_template false."
+            raise RowError(row.source, None, "is conversational but the tokenizer has no chat_template.", fix)
+        prompt = list(row.prompt)
+        if self.system and not (prompt and prompt[0]["role"] == "system"):
+            prompt.insert(0, {"role": "system", "content": self.system})
+        text = self._apply(prompt, row, add_generation_prompt=True) if prompt else ""
+        full = [self._apply(prompt + row.chosen, row), self._apply(prompt + row.rejected, row)]
+        for name, f in zip(("chosen", "rejected"), full):
+            if not f.startswith(text):
+                i = _first_difference(text, f)
+                raise RowError(row.source, None, f"the chat template renders the prompt differently alone than before "
+                               f"the {name} reply: from character {i}, alone {text[i:i + 30]!r}, in the conversation "
+                               f"{f[i:i + 30]!r}.", "Use a template whose generation prompt matches how it renders "
+                               "the assistant turn (--template NAME or a Jinja file).")
+        for messages, f in ((prompt + row.chosen, full[0]), (prompt + row.rejected, full[1])):
+            name = _dropped_call(messages, f)
+            if name is not None:
+                raise RowError(row.source, None, f"holds a tool call of {name!r}, but the chat template does not "
+                               "render tool calls: the call would be trained as an empty turn.",
+                               "Use a chat template that renders tool_calls (the model's own, or --template FILE).")
+        return text, full[0], full[1]

@@ -1,0 +1,243 @@
+"""Tokenise pairs. Plain-text rows exactly as TRL 1.x does, so log-probs are comparable on the same rows and model:
+EOS text appended to each completion (unless present), then `tok(prompt)` and `tok(prompt + completion)` with the
+tokenizer's own special tokens; the completion starts where the two token lists diverge.
+
+Conversational rows go through the chat template (`fastdpo.data.template`): the rendered prompt and full
+conversations are tokenised without adding special tokens (the template holds them), and the prompt's tokens must be
+a prefix of the conversation's tokens (else the row is reported).
+
+Length (`max_length` counts prompt + completion of one sequence; DESIGN §1 stores the prompt once):
+- `max_prompt_length` (0: off): longer prompts lose tokens from the left (`delete`: the pair is dropped).
+- `max_completion_length` (0: off): longer completions lose tokens from the right (`delete`: dropped).
+- `truncation_strategy` when prompt + the longer completion exceeds `max_length`:
+  `right` (default, TRL `keep_start`): completions are cut; a pair whose prompt alone fills `max_length` is dropped.
+  `left`: the prompt is trimmed from the left, completions stay whole; dropped when a completion alone fills it.
+  `delete`: the pair is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from fastdpo.data.formats import Row, RowError
+from fastdpo.errors import FastDPOError
+
+TRUNCATION_STRATEGIES = ("right", "left", "delete")
+
+
+@dataclass
+class TokenizedPair:
+    """Token ids of one pair. `index` is the row's position in the dataset (stable across runs)."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    index: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the shared layout: P + C + R."""
+        return len(self.prompt) + len(self.chosen) + len(self.rejected)
+
+
+@dataclass
+class TokenizeOptions:
+    max_length: int = 2048
+    truncation_strategy: str = "right"
+    max_prompt_length: int = 0
+    max_completion_length: int = 0
+    template: str | None = None  # Jinja text; None: the tokenizer's chat_template
+    system: str | None = None
+
+
+@dataclass
+class TokenizeStats:
+    rows: int = 0
+    pairs: int = 0
+    dropped_prompt_too_long: int = 0  # `right`: the prompt alone fills max_length
+    dropped_too_long: int = 0  # `delete`: over a limit; `left`: a completion alone fills max_length
+    dropped_identical: int = 0  # chosen == rejected: no preference to learn
+    truncated: int = 0  # completions cut at the end
+    prompt_trimmed: int = 0  # prompts cut from the left
+    formats: dict = field(default_factory=dict)
+
+    def add(self, other: TokenizeStats) -> None:
+        for f in fields(self):
+            if f.name == "formats":
+                for k, v in other.formats.items():
+                    self.formats[k] = self.formats.get(k, 0) + v
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_prompt_too_long + self.dropped_too_long + self.dropped_identical
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def fit_length(p: list[int], c: list[int], r: list[int], o: TokenizeOptions,
+               stats: TokenizeStats) -> tuple[list[int], list[int], list[int]] | None:
+    """Apply the length limits to one tokenised pair; None when it is dropped (counted in `stats`)."""
+    delete = o.truncation_strategy == "delete"
+    trimmed = cut = False
+    if o.max_prompt_length and len(p) > o.max_prompt_length:
+        if delete:
+            stats.dropped_too_long += 1
+            return None
+        p, trimmed = p[len(p) - o.max_prompt_length:], True
+    if o.max_completion_length and max(len(c), len(r)) > o.max_completion_length:
+        if delete:
+            stats.dropped_too_long += 1
+            return None
+        c, r, cut = c[: o.max_completion_length], r[: o.max_completion_length], True
+    longest = max(len(c), len(r))
+    if len(p) + longest > o.max_length:
+        if delete:
+            stats.dropped_too_long += 1
+            return None
+        if o.truncation_strategy == "left":
+            keep = o.max_length - longest
+            if keep < 1:
+                stats.dropped_too_long += 1
+                return None
+            p, trimmed = p[len(p) - keep:], True
+        else:
+            if len(p) >= o.max_length:
+                stats.dropped_prompt_too_long += 1
+                return None
+            room = o.max_length - len(p)
+            c, r, cut = c[:room], r[:room], True
+    stats.prompt_trimmed += trimmed
+    stats.truncated += cut
+    return p, c, r
+
+
+def _plain_ids(tokenizer, rows: list[Row]) -> list[tuple[list[int], list[int], list[int]]]:
+    """TRL 1.x tokenisation of plain-text rows -> (prompt, chosen, rejected) ids."""
+    eos = tokenizer.eos_token
+    if eos is None:
+        raise FastDPOError(
+            "The tokenizer has no eos_token: completions cannot be terminated. "
+            "Set eos_token in the model dir's tokenizer_config.json."
+        )
+    chosen = [r.chosen if r.chosen.endswith(eos) else r.chosen + eos for r in rows]
+    rejected = [r.rejected if r.rejected.endswith(eos) else r.rejected + eos for r in rows]
+    prompts = [r.prompt for r in rows]
+    p_ids = tokenizer(prompts)["input_ids"]
+    pc_ids = tokenizer([p + c for p, c in zip(prompts, chosen)])["input_ids"]
+    pr_ids = tokenizer([p + r for p, r in zip(prompts, rejected)])["input_ids"]
+    out = []
+    for p, pc, pr in zip(p_ids, pc_ids, pr_ids):
+        plen = min(common_prefix_length(p, pc), common_prefix_length(p, pr))
+        out.append((pc[:plen], pc[plen:], pr[plen:]))
+    return out
+
+
+def _chat_ids(tokenizer, texts: list[tuple[str, str, str]], rows: list[Row]) -> list:
+    """Tokenise rendered (prompt, prompt+chosen, prompt+rejected) texts; a RowError where the prompt's tokens are not a
+    prefix of the conversation's (text merging across the boundary)."""
+    flat = [t for triple in texts for t in triple]
+    ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    out: list = []
+    for k, row in enumerate(rows):
+        p, pc, pr = ids[3 * k: 3 * k + 3]
+        bad = next((n for n, full in (("chosen", pc), ("rejected", pr)) if full[: len(p)] != p), None)
+        if bad:
+            i = common_prefix_length(p, pc if bad == "chosen" else pr)
+            out.append(RowError(row.source, None, f"the prompt's last tokens merge with the {bad} reply's first "
+                                f"tokens ({tokenizer.decode(p[i:])!r} is tokenised differently inside the "
+                                "conversation).", "End the template's generation prompt on a token boundary (a "
+                                "newline or a special token)."))
+        else:
+            out.append((p, pc[len(p):], pr[len(p):]))
+    return out
+
+
+def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_index: int = 0, renderer=None,
+                   problems: list | None = None, lengths: list | None = None) -> tuple[list[TokenizedPair], TokenizeStats]:
+    """Tokenise and length-limit one chunk of rows. Pair indices are `start_index + position in rows`.
+    A bad row raises its RowError, or is skipped and appended to `problems` when that list is given. `lengths`
+    (if given) receives (position in rows, prompt, chosen, rejected token counts) of every tokenised row before
+    length limits."""
+    from fastdpo.data.template import ChatRenderer
+
+    stats = TokenizeStats(rows=len(rows))
+    keep: list[int] = []
+    for k, row in enumerate(rows):
+        stats.formats[row.format] = stats.formats.get(row.format, 0) + 1
+        if row.identical:
+            stats.dropped_identical += 1
+        elif options.system and not row.conversational:
+            err = RowError(row.source, None, "is plain text, but --system applies to conversational rows only "
+                           "(plain text is tokenised without a chat template).",
+                           "Put the system text in the prompt, or give the row as messages.")
+            if problems is None:
+                raise err
+            problems.append(err)
+        else:
+            keep.append(k)
+    ids: dict[int, object] = {}
+    plain = [k for k in keep if not rows[k].conversational]
+    if plain:
+        ids.update(zip(plain, _plain_ids(tokenizer, [rows[k] for k in plain])))
+    chat = [k for k in keep if rows[k].conversational]
+    if chat:
+        renderer = renderer or ChatRenderer(tokenizer, options.template, options.system)
+        texts, ok = [], []
+        for k in chat:
+            try:
+                texts.append(renderer.render(rows[k]))
+                ok.append(k)
+            except RowError as e:
+                ids[k] = e
+        ids.update(zip(ok, _chat_ids(tokenizer, texts, [rows[k] for k in ok])))
+    out: list[TokenizedPair] = []
+    for k in keep:
+        got = ids[k]
+        if isinstance(got, tuple) and not (got[1] and got[2]):
+            got = RowError(rows[k].source, None, "a completion tokenises to nothing after the prompt.",
+                           "Check that chosen/rejected are not contained in the prompt.")
+        if isinstance(got, RowError):
+            if problems is None:
+                raise got
+            problems.append(got)
+            continue
+        if lengths is not None:
+            lengths.append((k, *map(len, got)))
+        fitted = fit_length(*got, options, stats)
+        if fitted is not None:
+            out.append(TokenizedPair(*fitted, start_index + k))
+    stats.pairs = len(out)
+    return out, stats
+
+
+def tokenize_rows(tokenizer, rows: list[Row], max_length: int | None = None, chunk: int = 512,
+                  options: TokenizeOptions | None = None) -> tuple[list[TokenizedPair], TokenizeStats]:
+    """Tokenise rows in batches (see the module doc for the length rules). Raises on the first bad row, or when no
+    pair survives the length limits."""
+    if options is None:
+        options = TokenizeOptions(max_length=max_length if max_length is not None else TokenizeOptions.max_length)
+    assert max_length is None or max_length == options.max_length
+    stats = TokenizeStats()
+    out: list[TokenizedPair] = []
+    for start in range(0, len(rows), chunk):
+        pairs, part = tokenize_chunk(tokenizer, rows[start: start + chunk], options, start)
+        out += pairs
+        stats.add(part)
+    if not out:
+        raise no_pairs_error(options, stats)
+    return out, stats
+
+
+def no_pairs_error(options: TokenizeOptions, stats: TokenizeStats) -> FastDPOError:
+    if stats.rows and stats.dropped_identical == stats.rows:
+        return FastDPOError("Every pair has chosen identical to rejected: there is no preference to learn.")
+    return FastDPOError(f"No pair fits --max_length {options.max_length} (--truncation_strategy "
+                        f"{options.truncation_strategy}): {stats.dropped} of {stats.rows} dropped. Raise --max_length.")

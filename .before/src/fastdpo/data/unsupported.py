@@ -1,0 +1,142 @@
+"""Rows fastdpo cannot train, recognised before they would be read as something else: multimodal rows (ms-swift's and
+LLaMA-Factory's `images` / `videos` / `audios` columns and `<image>` tags, TRL's vision rows with an image column or
+image parts in the messages) would train as text with the media dropped; unpaired rows (KTO's `prompt` /
+`completion` / `label`, ms-swift's `messages` + `label`, LLaMA-Factory's `kto_tag`) have no second completion to
+prefer over. Each is refused with what is unsupported and what to do; over a whole dataset, with counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fastdpo.data.formats import Row, RowError
+from fastdpo.errors import FastDPOError
+
+# columns that hold media, and what they hold
+MEDIA_COLUMNS = {"images": "images", "image": "images", "videos": "videos", "video": "videos", "audios": "audio",
+                 "audio": "audio"}
+# message content parts (TRL / OpenAI style) that are not text
+MEDIA_PARTS = {"image": "images", "image_url": "images", "video": "videos", "video_url": "videos", "audio": "audio",
+               "input_audio": "audio"}
+# ms-swift's and LLaMA-Factory's placeholder of an image in the text (<video> and <audio> are HTML elements too, so
+# only a media column makes those rows multimodal)
+IMAGE_TAG = "<image>"
+PAIR_COLUMNS = ("chosen", "rejected", "rejected_response", "rejected_messages")
+LABEL_COLUMNS = ("label", "kto_tag")
+MULTIMODAL, UNPAIRED = "multimodal", "unpaired"
+SHOWN = 3  # row locations named in a dataset's message
+
+ADVICE = {
+    MULTIMODAL: ("fastdpo trains text-only DPO: the media would be dropped and a tag such as <image> trained as text. "
+                 "Train multimodal DPO with ms-swift or TRL, or remove the media columns and tags for a text-only "
+                 "run."),
+    UNPAIRED: ("fastdpo trains on pairs, a chosen and a rejected completion of the same prompt; these rows hold one "
+               "completion marked good or bad, as KTO trains on. Pair a good and a bad completion of each prompt into "
+               "prompt/chosen/rejected rows, or train KTO with TRL's KTOTrainer or ms-swift (--rlhf_type kto)."),
+}
+
+
+class UnsupportedRow(RowError):
+    """A row of a kind fastdpo does not train (`kind`: multimodal or unpaired); `what` says what it holds."""
+
+    def __init__(self, where: str, kind: str, what: str):
+        super().__init__(where, None, f"{_headline(kind, what)} {ADVICE[kind]}")
+        self.args = (where, kind, what)  # picklable across worker processes
+        self.kind, self.what = kind, what
+
+
+def _headline(kind: str, what: str) -> str:
+    return f"holds {what}." if kind == MULTIMODAL else f"is unpaired ({what})."
+
+
+def _has(value: object) -> bool:
+    return value not in (None, "", [], {}, ())
+
+
+def _media_in(value: object, found: set[str], depth: int = 0) -> None:
+    """Add to `found` what non-text content `value` holds: media parts of messages, <image> tags in its texts."""
+    if depth > 6:
+        return
+    if isinstance(value, str):
+        if IMAGE_TAG in value:
+            found.add("<image> tags")
+    elif isinstance(value, dict):
+        part = value.get("type")
+        if isinstance(part, str) and part in MEDIA_PARTS:
+            found.add(f"{MEDIA_PARTS[part]} in the messages")
+        for v in value.values():
+            _media_in(v, found, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _media_in(v, found, depth + 1)
+
+
+def unsupported_kind(value: object) -> tuple[str, str] | None:
+    """(kind, what it holds) when the record is one fastdpo cannot train, else None."""
+    if not isinstance(value, dict):
+        return None
+    found = {f"the {k} column" for k in MEDIA_COLUMNS if _has(value.get(k))}
+    _media_in({k: v for k, v in value.items() if k not in MEDIA_COLUMNS}, found)
+    if found:
+        return MULTIMODAL, ", ".join(sorted(found))
+    label = next((k for k in LABEL_COLUMNS if value.get(k) is not None), None)
+    if label and not any(value.get(k) is not None for k in PAIR_COLUMNS):
+        shown = ", ".join(k for k in ("prompt", "completion", "messages", label) if k in value)
+        return UNPAIRED, shown
+    return None
+
+
+def refuse_unsupported(value: object, where: str) -> None:
+    """Raise UnsupportedRow for a record fastdpo cannot train."""
+    kind = unsupported_kind(value)
+    if kind is not None:
+        raise UnsupportedRow(where, *kind)
+
+
+class UnsupportedCount:
+    """Counts of unsupported rows in one dataset, by kind, with the first locations; `error()` is one message."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.rows = 0
+        self.found: dict[str, list[UnsupportedRow]] = {}
+
+    def add(self, e: UnsupportedRow) -> None:
+        self.found.setdefault(e.kind, []).append(e)
+
+    def messages(self) -> list[str]:
+        out = []
+        for kind, errors in self.found.items():
+            what = sorted({part for e in errors for part in e.what.split(", ")})
+            where = ", ".join(e.where for e in errors[:SHOWN]) + (" ..." if len(errors) > SHOWN else "")
+            of = f" of {self.rows}" if self.rows else ""
+            name = "multimodal" if kind == MULTIMODAL else "unpaired"
+            out.append(f"{self.label}: {len(errors)}{of} rows are {name} ({', '.join(what)}; {where}). {ADVICE[kind]}")
+        return out
+
+    def error(self) -> FastDPOError:
+        return FastDPOError(" ".join(self.messages()))
+
+
+def read_rows(records: Iterable, read, label: str) -> list[Row]:
+    """`record.row(read)` of every record; at the first unsupported row, the rest are counted too and one error
+    names the dataset, the counts and what to do (rather than an error per row)."""
+    rows: list[Row] = []
+    it = iter(records)
+    for rec in it:
+        try:
+            rows.append(rec.row(read))
+        except UnsupportedRow as e:
+            count = UnsupportedCount(label)
+            count.add(e)
+            count.rows = len(rows) + 1
+            for other in it:
+                count.rows += 1
+                try:
+                    other.row(read)
+                except UnsupportedRow as more:
+                    count.add(more)
+                except FastDPOError:
+                    pass
+            raise count.error() from None
+    return rows

@@ -1,0 +1,339 @@
+"""Lean RMSNorm and SwiGLU for training (the same forward, fewer bytes kept for the backward), and rotary embeddings
+as one kernel.
+
+transformers' RMSNorm casts its input to float32 and autograd keeps that copy, and the normalised bfloat16 result
+too: six bytes per element beyond the input, for every norm (two per layer, plus Qwen3's per-head query and key
+norms). Its SwiGLU MLP keeps the gate, the up projection, the activated gate and their product. Here the norm keeps
+only its input and one float32 inverse RMS per row, and the MLP keeps the gate and up projections, recomputing the
+activation and the product in the backward (a few elementwise kernels, against 30-45 % of a layer's activation
+bytes on the Qwen3 shapes).
+
+The forward runs the modules' own operations in their order, so its results are bit-identical; `fuse_layers`
+checks that on a probe input for each module class before replacing its forward, and leaves a class whose forward
+differs (e.g. Gemma's `1 + weight` norm) as it is. The backward is the analytic gradient, in float32 where the
+original computes in float32.
+
+With `use_kernels` the same formulas run as the Triton kernels of `fastdpo.model.kernels` on CUDA: one pass each
+way instead of eager's five to ten, in the policy's training forward and backward and in the reference's no-grad
+forward alike (so both compute the same numbers). Their forward equals the eager one to the dtype's rounding, not
+bit for bit (a sum's order differs); their tests hold forward and gradients to the float32 computation. Rotary
+embeddings then run as one kernel too: the modeling module's `apply_rotary_pos_emb` (shared by every model of its
+class) is routed through a dispatcher that uses the kernel only inside a fused attention's forward."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+from fastdpo.errors import FastDPOError
+from fastdpo.model import kernels, lora
+from fastdpo.model.load import base_causal_lm
+from fastdpo.model.memory import recomputing
+
+log = logging.getLogger("fastdpo")
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, fast: bool) -> torch.Tensor:
+        ctx.fast = fast
+        if fast:
+            y, rstd = kernels.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
+        xf = x.to(torch.float32)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = (xf * rstd).to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        if ctx.fast:
+            g_x, g_weight = kernels.rms_norm_backward(grad, x, weight, rstd, ctx.needs_input_grad[1])
+            return g_x, g_weight, None, None
+        n = x.to(torch.float32) * rstd
+        g_weight = None
+        if ctx.needs_input_grad[1]:
+            g_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[-1]).sum(0, dtype=torch.float32).to(weight.dtype)
+        g_x = None
+        if ctx.needs_input_grad[0]:
+            g_n = (grad * weight).to(torch.float32)
+            g_x = (rstd * (g_n - n * (g_n * n).mean(-1, keepdim=True))).to(x.dtype)
+        return g_x, g_weight, None, None
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up only."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, fast: bool) -> torch.Tensor:
+        ctx.fast = fast
+        ctx.save_for_backward(gate, up)
+        return kernels.silu_mul(gate, up) if fast else F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        if ctx.fast:
+            g_gate, g_up, _ = kernels.silu_mul_backward(gate, up, grad)
+        else:
+            g_gate, g_up = kernels.silu_mul_grads_torch(gate, up, grad)
+        return g_gate, g_up, None
+
+
+class _SiluMulDown(torch.autograd.Function):
+    """(silu(gate) * up) @ down.T for a plain down projection: the product is recomputed in the backward."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fast: bool,
+                residual: bool = False) -> torch.Tensor:
+        ctx.fast = fast
+        ctx.save_for_backward(gate, up, down)
+        if residual and not torch.compiler.is_compiling() and recomputing():
+            # the output only joins the residual stream, which keeps nothing of it, so a checkpoint's recompute needs
+            # only what this saves: skip the product and the down projection (a quarter of the layer's projection
+            # FLOPs on the Qwen3 shapes)
+            return gate.new_empty((*gate.shape[:-1], down.shape[0]))
+        return F.linear(kernels.silu_mul(gate, up) if fast else F.silu(gate) * up, down)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up, down = ctx.saved_tensors
+        g_p = grad @ down
+        if ctx.fast:  # one pass: both gradients, and the product again for the down projection's
+            g_gate, g_up, p = kernels.silu_mul_backward(gate, up, g_p, product=ctx.needs_input_grad[2])
+        else:
+            p = F.silu(gate) * up if ctx.needs_input_grad[2] else None
+            g_gate, g_up = kernels.silu_mul_grads_torch(gate, up, g_p)
+        g_down = None
+        if ctx.needs_input_grad[2]:
+            g_down = grad.reshape(-1, grad.shape[-1]).t() @ p.reshape(-1, p.shape[-1])
+        return g_gate, g_up, g_down, None, None
+
+
+def _fast(module, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether the Triton kernels serve this call: asked for, on their device, in the weights' dtype, and not
+    inside a torch.compile trace (Inductor fuses the torch path there)."""
+    return (module._fastdpo_kernels and kernels.available(x) and (weight is None or weight.dtype == x.dtype)
+            and not torch.compiler.is_compiling())
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
+    if _fast(self, hidden_states, self.weight):
+        if grad:
+            return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, True)
+        return kernels.rms_norm_forward(hidden_states, self.weight, self.variance_epsilon)[0]
+    if grad and self.training:
+        return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, False)
+    return self._fastdpo_plain_forward(hidden_states)
+
+
+def _plain_linear(m) -> bool:
+    return type(m) is torch.nn.Linear and m.bias is None
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    grad = torch.is_grad_enabled()
+    fast = _fast(self, x, self.down_proj.weight if _plain_linear(self.down_proj) else None)
+    if not fast and not (grad and self.training):
+        return self._fastdpo_plain_forward(x)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if not grad:  # the reference's forward: the kernel alone
+        return self.down_proj(kernels.silu_mul(gate, up))
+    residual = getattr(self, "_fastdpo_residual", False)
+    if _plain_linear(self.down_proj):  # checked per call: LoRA may wrap it after the layers were fused
+        return _SiluMulDown.apply(gate, up, self.down_proj.weight, fast, residual)
+    skip = residual and not torch.compiler.is_compiling() and recomputing()
+    out = lora.silu_mul_down(self.down_proj, gate, up, fast, skip)  # a served LoRA: the product is not kept
+    return out if out is not None else self.down_proj(_SiluMul.apply(gate, up, fast))
+
+
+class _Rope(torch.autograd.Function):
+    """Rotary embeddings of q and k in one kernel each way; keeps only cos and sin (the rotation's transpose is the
+    gradient's)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        ctx.save_for_backward(cos, sin)
+        return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g_q: torch.Tensor, g_k: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return (None if g_q is None else kernels.rope(g_q, cos, sin, backward=True),
+                None if g_k is None else kernels.rope(g_k, cos, sin, backward=True), None, None)
+
+
+_ROPE_KERNELS = contextvars.ContextVar("fastdpo_rope_kernels", default=False)  # set inside a fused attention
+
+
+def _rope_serves(q, k, cos, sin) -> bool:
+    return (not torch.compiler.is_compiling() and _ROPE_KERNELS.get() and q.dim() == 4 and k.dim() == 4
+            and cos.dim() == 3 and cos.shape == sin.shape
+            and q.shape[-1] == k.shape[-1] == cos.shape[-1] and q.shape[-1] % 2 == 0
+            and q.shape[2] == k.shape[2] == cos.shape[1] and q.shape[0] == k.shape[0] and cos.shape[0] in (1, q.shape[0])
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and not (cos.requires_grad or sin.requires_grad)
+            and kernels.available(q) and q.device == cos.device)
+
+
+def _rope_dispatch(plain):
+    """The modeling module's `apply_rotary_pos_emb`, run as the kernel inside a fused attention's forward (policy
+    and reference alike) and as itself everywhere else (other models in the process, other call shapes)."""
+
+    @functools.wraps(plain)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if args or kwargs or not _rope_serves(q, k, cos, sin):
+            return plain(q, k, cos, sin, *args, **kwargs)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return _Rope.apply(q, k, cos, sin)
+        return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
+
+    apply_rotary_pos_emb._fastdpo_plain = plain
+    return apply_rotary_pos_emb
+
+
+def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@functools.cache
+def _rope_module(name: str) -> bool:
+    """Route the modeling module `name`'s `apply_rotary_pos_emb` through `_rope_dispatch`, if it computes the standard
+    rotation (checked on a float32 probe: partial or interleaved rotations keep their own)."""
+    mod = sys.modules.get(name)
+    plain = getattr(mod, "apply_rotary_pos_emb", None)
+    if plain is None or not callable(plain):
+        return False
+    if hasattr(plain, "_fastdpo_plain"):
+        return True
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
+    angles = torch.randn(1, 3, 4, generator=g).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    try:
+        got = plain(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - another signature: not the standard rotation
+        return False
+    c, s_ = cos[:, None], sin[:, None]
+    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)
+            and torch.equal(got[0], _rope_reference(q, c, s_)) and torch.equal(got[1], _rope_reference(k, c, s_))):
+        log.info("%s keeps its own rotary embedding (it is not the standard rotation).", name)
+        return False
+    mod.apply_rotary_pos_emb = _rope_dispatch(plain)
+    return True
+
+
+def _attention_forward(self, *args, **kwargs):
+    if not self._fastdpo_kernels or torch.compiler.is_compiling():  # compiled: Inductor fuses the rotation itself
+        return self._fastdpo_plain_forward(*args, **kwargs)
+    token = _ROPE_KERNELS.set(True)
+    try:
+        return self._fastdpo_plain_forward(*args, **kwargs)
+    finally:
+        _ROPE_KERNELS.reset(token)
+
+
+def _is_rope_attention(m) -> bool:
+    return (type(m).__name__.endswith("Attention") and hasattr(m, "q_proj") and hasattr(m, "k_proj")
+            and _rope_module(type(m).__module__))
+
+
+# decoder layers whose MLP output goes straight into the residual sum (`h = residual + mlp(norm(h))`), where no later
+# operation keeps it for the backward; others (OLMo 2's post-feed-forward norm, MoE routing weights) keep it
+_RESIDUAL_MLP_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+
+
+def _is_norm(m) -> bool:
+    return (type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 1 and hasattr(m, "variance_epsilon"))
+
+
+def _is_swiglu(m) -> bool:
+    act = getattr(getattr(m, "config", None), "hidden_act", None)
+    return (act == "silu" and all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))
+            and isinstance(getattr(m, "act_fn", None), torch.nn.Module))
+
+
+@torch.no_grad()
+def _same_forward(module, width: int) -> bool:
+    """The lean torch forward equals the module's own, bit for bit, on a probe input (grad on, training): the
+    module computes the standard formula, which the kernels compute too (their tests hold them to it)."""
+    p = next(module.parameters())
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(3, width, generator=g).to(device=p.device, dtype=p.dtype).requires_grad_()
+    was, kernels_on = module.training, module._fastdpo_kernels
+    module.train()
+    module._fastdpo_kernels = False
+    try:
+        with torch.enable_grad():
+            want = module._fastdpo_plain_forward(x)
+            got = module.forward(x)
+    finally:
+        module.train(was)
+        module._fastdpo_kernels = kernels_on
+    return want.dtype == got.dtype and torch.equal(want, got)
+
+
+def kernels_wanted(choice: str, device: torch.device, compiling: bool) -> bool:
+    """Resolve --kernels: auto is Triton on CUDA when it is installed and the layers are not compiled."""
+    if choice == "torch":
+        return False
+    usable = device.type == "cuda" and kernels.HAVE_TRITON
+    if choice == "triton" and not usable:
+        raise FastDPOError("--kernels triton needs a CUDA GPU and Triton (installed with torch's CUDA wheels). "
+                           "Use --kernels auto or torch.")
+    return usable and (choice == "triton" or not compiling)
+
+
+def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
+    """Give every RMSNorm and SwiGLU MLP of `model` the lean forward where it reproduces the module's own (checked
+    once per class); returns the class names replaced. `use_kernels`: run them, the rotary embeddings and the
+    log-prob head with the Triton kernels where those serve (CUDA), in training and in no-grad forwards (the
+    reference's) alike. Idempotent; a second call can switch
+    the kernels on. The forwards are bound methods, so a deep copy (the reference) is fused the same way."""
+    done: dict[type, bool] = {}
+    residual = {id(layer.mlp) for layer in model.modules()
+                if type(layer).__name__ in _RESIDUAL_MLP_LAYERS and isinstance(getattr(layer, "mlp", None), torch.nn.Module)}
+    for m in model.modules():
+        kind = "norm" if _is_norm(m) else "mlp" if _is_swiglu(m) else "attention" if _is_rope_attention(m) else None
+        if kind is None:
+            continue
+        if hasattr(m, "_fastdpo_plain_forward"):
+            m._fastdpo_kernels = m._fastdpo_kernels or use_kernels
+            continue
+        m._fastdpo_plain_forward = m.forward
+        m._fastdpo_kernels = use_kernels
+        if kind == "mlp":
+            m._fastdpo_residual = id(m) in residual
+        m.forward = types.MethodType({"norm": _norm_forward, "mlp": _mlp_forward, "attention": _attention_forward}[kind],
+                                     m)
+        if kind == "attention":  # the forward is the module's own; only its rotation may run as the kernel
+            done[type(m)] = True
+            continue
+        if type(m) not in done:
+            width = m.weight.shape[0] if kind == "norm" else m.gate_proj.in_features
+            done[type(m)] = _same_forward(m, width)
+            if not done[type(m)]:
+                log.info("%s keeps its own forward (the lean one differs from it).", type(m).__name__)
+        if not done[type(m)]:
+            del m.forward, m._fastdpo_plain_forward, m._fastdpo_kernels
+            m.__dict__.pop("_fastdpo_residual", None)
+    if use_kernels and isinstance(head := _output_layer(model), torch.nn.Module):
+        head._fastdpo_kernels = True  # the log-prob head's kernels (`fastdpo.model.logprobs`; they check each call)
+    return sorted(t.__name__ for t, ok in done.items() if ok)
+
+
+def _output_layer(model: torch.nn.Module):
+    """The output layer `backend.output_head` reads: the causal LM's (under a PEFT wrapper too), None without one."""
+    get = getattr(base_causal_lm(model), "get_output_embeddings", None)
+    return get() if callable(get) else None

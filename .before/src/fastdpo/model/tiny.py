@@ -1,0 +1,65 @@
+"""Tiny models and tokenizers built locally from configs (no download): for the demo, tests and smoke runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<unk>", "<pad>", "<eos>", "<bos>"]
+
+# Small shapes of each supported family; every one has GQA (2 kv heads for 4 query heads).
+FAMILIES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "mistral": "MistralConfig",
+    "gemma": "GemmaConfig",
+}
+
+
+def word_tokenizer(words: list[str], add_bos: bool = True):
+    """A whitespace word-level tokenizer over `words` with <unk>/<pad>/<eos>/<bos>; prepends <bos> like Llama."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                           special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>")
+
+
+def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, **overrides):
+    import transformers
+
+    cls = getattr(transformers, FAMILIES[family])
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=1,
+              bos_token_id=3, eos_token_id=2, tie_word_embeddings=family in ("qwen3", "gemma"))
+    if family in ("qwen3", "gemma"):
+        kw["head_dim"] = hidden // 4
+    if family == "mistral":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def build_tiny_model(out_dir: str | Path, family: str = "qwen3", words: list[str] | None = None, seed: int = 0,
+                     **overrides) -> Path:
+    """Save a random-init tiny model of `family` with its tokenizer to `out_dir` (an HF model dir)."""
+    from transformers import AutoModelForCausalLM
+
+    words = words if words is not None else [f"w{i}" for i in range(60)]
+    tok = word_tokenizer(words)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, len(tok), **overrides), dtype=torch.float32)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out

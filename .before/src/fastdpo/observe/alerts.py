@@ -1,0 +1,150 @@
+"""Alerts on the vital signs of a DPO run, each with advice, raised once and then rate-limited.
+
+The engine is a pure function of the logged records (plus the expected update gap): feed it every logged step.
+
+| alert | condition | likely meaning |
+|---|---|---|
+| swapped_labels | rewards/margins < 0 and rewards/accuracies < 0.5 for `patience` logged steps | chosen/rejected swapped |
+| kl_ratio | kl_ratio > `kl_ratio_threshold` | the policy drifts from the reference faster than reward grows |
+| grad_spike | grad_norm > `spike_factor` x running median of earlier logged steps | learning rate too high, bad batch |
+| grad_collapse | grad_norm < `collapse_below` for `patience` logged steps | vanished gradients, lr ~ 0 |
+| accuracy_stuck | mean rewards/accuracies within `stuck_band` of 0.5 over 4 x `patience` logged steps | nothing learned |
+| nonfinite | loss or gradients NaN/Inf since the last log (those updates were skipped) | overflow, lr, bad rows |
+| update_gap | optimizer updates per micro-steps differ from gradient accumulation | accumulation logic broken |
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+
+ADVICE = {
+    "swapped_labels": "chosen and rejected may be swapped; check the data (read a few rows, check the column "
+                      "mapping, and that --ref_model is the model the policy started from).",
+    "kl_ratio": "the policy moves away from the reference faster than the chosen reward grows: raise --beta, lower "
+                "--learning_rate, or check data quality (mislabelled pairs push rejected log-probs down).",
+    "grad_spike": "learning rate too high or a noisy batch: lower --learning_rate, add warm-up (--warmup_ratio), keep "
+                  "--max_grad_norm on, and look at the rows of this step.",
+    "grad_collapse": "gradients vanished: the learning rate may have decayed to ~0, the loss saturated (beta too large), "
+                     "or chosen and rejected are identical; check the schedule and the data.",
+    "accuracy_stuck": "no preference is being learned: check that chosen and rejected differ and are not randomly "
+                      "ordered, then try a higher --learning_rate or --beta.",
+    "nonfinite": "the update was skipped. Lower --learning_rate, prefer bfloat16 over float16, keep --max_grad_norm on, "
+                 "and check the rows of that step (empty or extremely long completions).",
+    "update_gap": "optimizer updates do not match the micro-steps consumed: gradient accumulation is not stepping once "
+                  "per accumulation cycle (a wrapper or scaler skipped or added optimizer.step calls).",
+}
+
+
+@dataclass
+class AlertRules:
+    patience: int = 5  # logged steps a sustained condition must hold
+    kl_ratio_threshold: float = 0.3
+    spike_factor: float = 10.0
+    spike_history: int = 50  # logged grad norms the running median covers
+    spike_min_history: int = 5
+    collapse_below: float = 1e-3
+    stuck_band: float = 0.05
+    cooldown: int = 50  # logged steps before the same alert may be raised again
+
+
+@dataclass
+class Alert:
+    name: str
+    step: int
+    message: str
+    advice: str
+    repeats: int = 0  # times the condition held while the alert was rate-limited
+
+    def text(self) -> str:
+        again = f" (held {self.repeats} more times while rate-limited)" if self.repeats else ""
+        return f"alert [{self.name}] step {self.step}: {self.message}{again}. Advice: {self.advice}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+class AlertEngine:
+    """Feed `check` every logged record; it returns the alerts to show now."""
+
+    def __init__(self, rules: AlertRules | None = None):
+        self.rules = rules or AlertRules()
+        self.streaks: dict[str, int] = {}
+        self.norms: deque[float] = deque(maxlen=self.rules.spike_history)
+        self.accuracies: deque[float] = deque(maxlen=4 * self.rules.patience)
+        self.checks = 0
+        self.skipped = 0
+        self.last_raised: dict[str, int] = {}  # name -> check index
+        self.suppressed: dict[str, int] = {}
+        self.raised: dict[str, int] = {}  # name -> times shown (for the summary)
+
+    def _streak(self, name: str, holds: bool) -> int:
+        self.streaks[name] = self.streaks.get(name, 0) + 1 if holds else 0
+        return self.streaks[name]
+
+    def check(self, record: dict, expected_update_gap: float | None = None) -> list[Alert]:
+        r, rules = record, self.rules
+        self.checks += 1
+        found: list[tuple[str, str]] = []
+
+        margin, acc = r.get("rewards/margins"), r.get("rewards/accuracies")
+        if _finite(margin) and _finite(acc):
+            if self._streak("swapped_labels", margin < 0 and acc < 0.5) >= rules.patience:
+                found.append(("swapped_labels", f"rewards/margins {margin:.4g} < 0 and rewards/accuracies {acc:.2f} "
+                                                f"< 0.5 for {self.streaks['swapped_labels']} logged steps"))
+            self.accuracies.append(acc)
+            mean_acc = sum(self.accuracies) / len(self.accuracies)
+            if len(self.accuracies) == self.accuracies.maxlen and abs(mean_acc - 0.5) <= rules.stuck_band:
+                found.append(("accuracy_stuck", f"rewards/accuracies averaged {mean_acc:.3f} over the last "
+                                                f"{len(self.accuracies)} logged steps"))
+
+        ratio = r.get("kl_ratio")
+        if _finite(ratio) and ratio > rules.kl_ratio_threshold:
+            found.append(("kl_ratio", f"kl_ratio {ratio:.3g} > {rules.kl_ratio_threshold:g} (kl {r.get('kl', 0):.4g} "
+                                      f"per token, rewards/chosen {r.get('rewards/chosen', 0):.4g})"))
+
+        norm = r.get("grad_norm")
+        if _finite(norm):
+            if len(self.norms) >= rules.spike_min_history:
+                median = statistics.median(self.norms)
+                if median > 0 and norm > rules.spike_factor * median:
+                    found.append(("grad_spike", f"grad_norm {norm:.4g} is {norm / median:.0f}x the running median "
+                                                f"{median:.3g}"))
+            self.norms.append(norm)
+            if self._streak("grad_collapse", norm < rules.collapse_below) >= rules.patience:
+                found.append(("grad_collapse", f"grad_norm {norm:.3g} < {rules.collapse_below:g} for "
+                                               f"{self.streaks['grad_collapse']} logged steps"))
+
+        skipped = int(r.get("skipped_steps", 0))
+        skipped_now, self.skipped = skipped - self.skipped, skipped
+        loss = r.get("loss")
+        if skipped_now > 0 or (loss is not None and not _finite(loss)):
+            found.append(("nonfinite", f"{skipped_now} step(s) since the last log had a NaN/Inf loss or gradient "
+                                       f"({skipped} in all)"))
+
+        gap = r.get("update_gap")
+        if expected_update_gap is not None and gap is not None and not math.isclose(gap, expected_update_gap,
+                                                                                    rel_tol=1e-6):
+            found.append(("update_gap", f"update_gap {gap:.3g} micro-steps per optimizer update, expected "
+                                        f"{expected_update_gap:.3g}"))
+
+        return [a for name, msg in found if (a := self._rate_limit(name, msg, int(r.get("step", 0)))) is not None]
+
+    def _rate_limit(self, name: str, message: str, step: int) -> Alert | None:
+        last = self.last_raised.get(name)
+        if last is not None and self.checks - last < self.rules.cooldown:
+            self.suppressed[name] = self.suppressed.get(name, 0) + 1
+            return None
+        self.last_raised[name] = self.checks
+        self.raised[name] = self.raised.get(name, 0) + 1
+        return Alert(name, step, message, ADVICE[name], self.suppressed.pop(name, 0))
+
+    def summary(self) -> dict[str, int]:
+        """Times each alert was raised (shown) during the run."""
+        return dict(self.raised)

@@ -1,0 +1,42 @@
+"""This rank's share of a step's pairs (equal counts, balanced tokens), cut into as many micro-batches as every
+other rank has, so the collectives of the micro-steps line up."""
+
+from __future__ import annotations
+
+from fastdpo.data.pack import split_micro_batches
+from fastdpo.data.tokenize import TokenizedPair
+
+
+def split_ranks(pairs: list[TokenizedPair], world: int) -> list[list[TokenizedPair]]:
+    """Deal one optimizer step's pairs to ranks: pair counts differ by at most one (equal when the step divides
+    evenly), tokens balanced by giving each pair, longest first, to the rank with the fewest tokens and room left."""
+    if world == 1:
+        return [list(pairs)]
+    n = len(pairs)
+    room = [n // world + (1 if r < n % world else 0) for r in range(world)]
+    shares: list[list[TokenizedPair]] = [[] for _ in range(world)]
+    load = [0] * world
+    for p in sorted(pairs, key=lambda p: -p.num_tokens):
+        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], r))
+        shares[r].append(p)
+        load[r] += p.num_tokens
+        room[r] -= 1
+    return shares
+
+
+def rank_micro_batches(pairs: list[TokenizedPair], rank: int, world: int, max_tokens: int,
+                       pairs_per_micro: int) -> list[list[TokenizedPair]]:
+    """This rank's micro-batches of one step. Every rank computes every rank's plan (same seed, same pairs), so all
+    agree without communicating on the number of micro-steps: a rank with fewer splits its largest micro-batches;
+    one with fewer pairs than micro-steps gets empty micro-batches, which the loop runs as zero-weight forwards."""
+    plans = [split_micro_batches(share, max_tokens, pairs_per_micro) for share in split_ranks(pairs, world)]
+    count = max(len(p) for p in plans)
+    mine = plans[rank]
+    while len(mine) < count:
+        i = max(range(len(mine)), key=lambda j: len(mine[j]), default=-1)
+        if i < 0 or len(mine[i]) < 2:
+            mine.append([])
+            continue
+        group = mine.pop(i)
+        mine[i:i] = [group[: len(group) // 2], group[len(group) // 2 :]]
+    return mine

@@ -1,0 +1,319 @@
+"""Everything a run needs, built once: tokenizer, data (training and held-out pairs), model, reference, LoRA,
+memory policy, DDP/FSDP2, step counts (`build_setup` from a config, `assemble` around a loaded model)."""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from fastdpo.config import TrainConfig
+from fastdpo.data.load import Row, load_rows
+from fastdpo.data.prepare import DataOptions, tokenize_pairs
+from fastdpo.data.split import held_out_rows
+from fastdpo.data.stream import PairStream
+from fastdpo.data.template import keep_template, plain_text_note
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.dpo.beta import BetaSchedule
+from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
+from fastdpo.errors import FastDPOError
+from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
+from fastdpo.model.fused import fuse_layers, kernels_wanted
+from fastdpo.model.kernels import build_ahead, head_size, norm_widths
+from fastdpo.model.kernels import ready as kernels_ready
+from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
+from fastdpo.model.lora import fuse_lora
+from fastdpo.parallel import sequence
+from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
+from fastdpo.parallel.parallelize import parallelize
+from fastdpo.training.evaluate import held_out_reference
+from fastdpo.training.fit import fit_checkpointing, planned_largest_micro_batch
+
+log = logging.getLogger("fastdpo")
+
+
+SMALL_STEP = 32  # pairs per optimizer step below which a warning says DPO steps get noisy
+
+
+@dataclass
+class Setup:
+    """Everything the loop needs, built once."""
+
+    cfg: TrainConfig
+    dist: Dist
+    device: torch.device
+    model: torch.nn.Module
+    policy: torch.nn.Module  # the model's log-prob forward; wrapped in DDP or sharded by FSDP2 under torchrun
+    tokenizer: object
+    reference: Reference
+    backend: Backend
+    pairs: list[TokenizedPair]
+    total_steps: int
+    steps_per_epoch: int
+    loss_terms: list[tuple[str, float]]  # (loss name, weight)
+    beta: BetaSchedule
+    val_pairs: list[TokenizedPair] = field(default_factory=list)  # held-out pairs for evaluation during training
+    val_reference: Reference | None = None  # their precomputed reference (None: the training reference)
+    stream: PairStream | None = None  # --streaming: training pairs come from here instead of `pairs`
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        # one name per rank, the same in every run: a probe a kill left behind is overwritten and removed next time
+        probe = out / f".fastdpo_write_test.rank{os.environ.get('RANK', '0')}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise FastDPOError(f"--output_dir {out} is not writable ({e.strerror}). Choose another directory.") from None
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id or 0
+
+
+def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPair]]:
+    """The training rows and pairs (held-out rows excluded)."""
+    return load_splits(cfg, tokenizer)[:2]
+
+
+def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
+                ) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
+    """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio). The data
+    summary is logged (and saved in `summary_dir`). With --streaming the training data is read lazily by a
+    PairStream instead: no training rows or pairs here."""
+    opts = DataOptions.from_config(cfg)
+    rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read))
+    pairs: list[TokenizedPair] = []
+    if not cfg.streaming:
+        pairs, summary = tokenize_pairs(rows, tokenizer, opts)
+        summary.log()
+        note = None if cfg.input_template else plain_text_note(rows, tokenizer, opts.tokenize.template)
+        if note:
+            log.warning("data: %s", note)
+        if summary_dir is not None:
+            summary.save(summary_dir / "data_summary.json")
+    val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []
+    return rows, pairs, val_rows, val_pairs
+
+
+def warn_small_steps(cfg: TrainConfig, world_size: int) -> None:
+    """DPO's usual minimum is 32 pairs per optimizer step (a heuristic: below it steps are noisy; warned, not refused)."""
+    pairs = cfg.pairs_per_step * world_size
+    if pairs < SMALL_STEP:
+        log.warning("%d pairs per optimizer step (--per_device_train_batch_size %d x --gradient_accumulation_steps %d"
+                    "%s): DPO is usually trained with at least %d, below which its steps are noisy. Raise "
+                    "--gradient_accumulation_steps to %d for %d.", pairs, cfg.per_device_train_batch_size,
+                    cfg.gradient_accumulation_steps, f" x {world_size} ranks" if world_size > 1 else "", SMALL_STEP,
+                    -(-SMALL_STEP // (cfg.per_device_train_batch_size * world_size)), SMALL_STEP)
+
+
+def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mark=None) -> Setup:
+    """`choose_policy(cfg, rows, device) -> policy` resolves --gradient_checkpointing auto (the measuring is done
+    above this floor, by the code that times training steps). `mark(name)` is told when the data (`data`) and
+    the model (`model`) are loaded."""
+    mark = mark or (lambda name: None)
+    cfg.validate_training()
+    if d is None or d.is_main:
+        warn_small_steps(cfg, d.dp_size if d else 1)
+    out = Path(cfg.output_dir)
+    check_output_dir(out)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.torch_dtype, device)
+    seed_all(cfg.seed)
+    if kernels_wanted(cfg.kernels, device, cfg.torch_compile):
+        build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code, cfg.uses_lora, dropout_rank(cfg))
+
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
+    mark("data")
+    stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
+    keep_template(tokenizer, cfg.template)  # saved with every checkpoint: infer and eval format prompts the same way
+    if cfg.gradient_checkpointing == "auto":
+        if choose_policy is None:
+            raise FastDPOError("--gradient_checkpointing auto is resolved by measuring steps: train with "
+                               "fastdpo.train(cfg) (or `fastdpo train`), or name a policy: none, full, ffn, attn.")
+        dict_rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in rows]
+        cfg.gradient_checkpointing = choose_policy(cfg, dict_rows, device)
+
+    model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
+                       cfg.quant_bits if cfg.train_type == "qlora" else 0)
+    mark("model")
+    fuse_kernels(cfg, model, device)  # before any reference is computed: policy and reference compute alike
+    val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
+    s = assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
+    s.val_pairs, s.val_reference, s.stream = val_pairs, val_reference, stream
+    return s
+
+
+FSDP_MIN_BUDGET = 8192  # tokens per micro-batch below which FSDP2's per-micro-batch costs dominate (README)
+
+
+def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str = "single") -> str | None:
+    """The settings behind the measured speed-ups, named once when a GPU run trains without them. `mode`: single,
+    ddp, fsdp (full_shard: weights gathered for every micro-batch) or fsdp_zero2 (gathered once per step)."""
+    if device.type != "cuda" or backend not in ("flex", "varlen"):
+        return None
+    hints = []
+    budget = cfg.max_tokens_per_batch
+    if mode in ("fsdp", "fsdp_zero2") and 0 < budget < FSDP_MIN_BUDGET:
+        if mode == "fsdp":
+            cost = (f"FSDP2 full_shard gathers every layer's weights twice for each micro-batch: with "
+                    f"--max_tokens_per_batch {budget} that cost is paid often. If the gathered weights fit, "
+                    "--fsdp shard_grad_op gathers them once per optimizer step; otherwise")
+        else:
+            cost = ("FSDP2 runs its hooks on the CPU for every unit of layers and micro-batch: with "
+                    f"--max_tokens_per_batch {budget} the GPUs wait on them. If the activations fit,")
+        hints.append(f"{cost} --max_tokens_per_batch {FSDP_MIN_BUDGET} or more amortises it (README, Several GPUs).")
+    missing = []
+    if not cfg.torch_compile:
+        missing.append("--torch_compile")
+    if not cfg.max_tokens_per_batch and backend == "flex":
+        missing.append("--max_tokens_per_batch 4096 (about a few pairs' tokens)")
+    if cfg.gradient_checkpointing in ("none", "false"):
+        missing.append("--gradient_checkpointing ffn")
+    if not cfg.precompute_ref_log_probs and cfg.needs_reference() and not cfg.sync_ref_model:
+        missing.append("--precompute_ref_log_probs")
+    if missing:
+        hints.append("Faster on this GPU (README, Performance): " + ", ".join(missing) +
+                     "; `fastdpo tune` measures these choices on your model and data.")
+    return " ".join(hints) or None
+
+
+def _config_fields(model: str, trust_remote_code: bool):
+    """The fields of a model's config that the kernels' shapes need: read straight from a local dir's config.json
+    (the builds then start before transformers is even imported), else through AutoConfig."""
+    path = Path(model).expanduser() / "config.json"
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict):
+            if isinstance(raw.get("text_config"), dict):
+                raw["text_config"] = SimpleNamespace(**raw["text_config"])
+            return SimpleNamespace(**raw)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - the model's loading reports what is wrong with it
+        return None
+
+
+def dropout_rank(cfg: TrainConfig) -> int:
+    """The rank of the LoRA adapters whose dropout the lean LoRA linear applies (its kernels are built ahead), else 0
+    (a quantised base's LoRA layers keep PEFT's forward; an adapter dir's rank is known once it loads)."""
+    return cfg.lora_rank if cfg.train_type == "lora" and cfg.lora_dropout > 0 and not cfg.adapters else 0
+
+
+def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+                        lora: bool, lora_dropout_rank: int = 0) -> None:
+    """Start building the Triton kernels for this model's shapes (its config) while data and weights load."""
+    config = _config_fields(model, trust_remote_code)
+    if config is not None and (widths := norm_widths(config)):
+        build_ahead(widths, dtype, device, head_size(config), lora, lora_dropout_rank)
+
+
+def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
+    """--kernels: the Triton norms, MLPs and rotary embeddings where they serve, once they are known to build here (idempotent;
+    logged once per model). A GPU where they cannot be built trains on the model's own layers, with a warning (an
+    error when --kernels triton asked for them)."""
+    if not kernels_wanted(cfg.kernels, device, cfg.torch_compile) or getattr(model, "_fastdpo_fused", False):
+        return
+    lm = base_causal_lm(model)
+    why = kernels_ready(norm_widths(lm.config), lm.get_input_embeddings().weight.dtype, device, head_size(lm.config),
+                        cfg.uses_lora, dropout_rank(cfg))
+    if why is not None:
+        if cfg.kernels == "triton":
+            raise FastDPOError(f"--kernels triton: the Triton kernels cannot be built on this GPU ({why}). Use "
+                               "--kernels torch (the model's own layers).")
+        log.warning("Kernels: the Triton norms, MLPs and rotary embeddings cannot be built on this GPU (%s); training with the "
+                    "model's own layers (--kernels torch).", why)
+        model._fastdpo_fused = True
+        return
+    names = fuse_layers(model, use_kernels=True)
+    model._fastdpo_fused = True
+    log.info("Kernels: Triton norms, SwiGLU MLPs and rotary embeddings for %s; the log-prob head's log-sum-exp and "
+             "its gradient.", ", ".join(names) or "no module of this model (its norms and MLPs differ from the standard "
+             "ones: they keep their own forward)")
+
+
+def epoch_steps(pairs: int, per_step: int, drop_last: bool) -> int:
+    """Optimizer steps in one epoch: the last one takes the pairs left, or with `drop_last` is skipped when short."""
+    if not drop_last:
+        return math.ceil(pairs / per_step)
+    if pairs < per_step:
+        raise FastDPOError(f"--dataloader_drop_last: the data has {pairs} pairs, fewer than one step's {per_step}, so "
+                           "every step would be skipped. Drop the flag or take fewer pairs per step.")
+    return pairs // per_step
+
+
+def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
+             ref_model=None, rows: list[Row] | None = None, d: Dist | None = None,
+             steps: list[list[TokenizedPair]] | None = None) -> Setup:
+    """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts.
+    `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
+    key the on-disk cache of a precomputed reference (without them it is computed but not cached); `steps`: the
+    pairs of each step when the caller chooses them (`Trainer.step(pairs)`), else the run's seeded order, for the
+    memory policy to plan on the micro-batches the run really forms."""
+    d = d or Dist()
+    check_sequence_parallel_size(cfg.sequence_parallel_size, d.world_size)  # e.g. bench/tune: one process
+    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
+    given = cfg.max_tokens_per_batch
+    cfg.max_tokens_per_batch = micro_batch_budget(backend, given, pairs, cfg.per_device_train_batch_size)
+    if cfg.max_tokens_per_batch != given:
+        log.info("FlexAttention: micro-batches use a token budget of %d (about --per_device_train_batch_size %d "
+                 "pairs of this data), so its kernels (and --torch_compile's layers) are built for a few static "
+                 "lengths, not for every batch. Set --max_tokens_per_batch to choose another.",
+                 cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
+    elif backend.name == "flex" and not given:  # a stream: no pairs to size a budget from
+        log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
+                    "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
+    fuse_kernels(cfg, model, device)
+    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, d)
+    if reference.model is not None and reference.model is not model:  # a --ref_model loaded on its own
+        fuse_kernels(cfg, reference.model, device)
+    if cfg.uses_lora:
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
+        if reference.strategy == "ref_adapter":
+            load_ref_adapter(model, cfg.ref_adapters)
+        if cfg.kernels != "torch":
+            fuse_lora(model)
+    if backend.name != "padded":
+        prepare_packed(model, backend)
+    if d.sp_size > 1:
+        d.sp_mode = sequence.resolve_mode(model, cfg.sequence_parallel_mode, d.sp_size, backend)
+        sequence.register()
+        log.info("Sequence parallelism: %s attention over groups of %d ranks.", d.sp_mode, d.sp_size)
+    # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
+    per_step = cfg.pairs_per_step * d.dp_size
+    steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), per_step, cfg.dataloader_drop_last)
+    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    if cfg.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
+        plan = steps
+        if plan is None and not cfg.streaming:
+            plan = planned_largest_micro_batch(pairs, per_step, cfg.per_device_train_batch_size,
+                                               cfg.max_tokens_per_batch, d.dp_size, cfg.seed, cfg.shuffle, total,
+                                               steps_per_epoch)
+        fit_checkpointing(cfg, model, backend, pairs, device, pad_id(tokenizer), cfg.max_memory_gib or None,
+                          shards=d.world_size if d.mode == "fsdp" else 1, sequence_split=d.sp_size,
+                          steps=plan, world=d.dp_size)
+    policy = parallelize(model, reference, backend, cfg, d)  # checkpointing -> compile -> DDP/FSDP2
+
+    beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
+    return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,
+                 cfg.loss_terms(), beta)
