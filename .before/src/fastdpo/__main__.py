@@ -1,3 +1,0 @@
-from fastdpo.cli import main
-
-raise SystemExit(main())

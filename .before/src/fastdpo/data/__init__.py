@@ -1,1 +1,0 @@
-"""Data: load preference rows, tokenise them, pack them into micro-batches."""
