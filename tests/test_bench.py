@@ -436,6 +436,33 @@ def test_trace_gaps_splits_device_time_by_the_hosts_phase(tmp_path):
     assert "fastdpo.update" in gap and "aten::add / fastdpo.update (main)" in gap  # the phase that launched it
 
 
+def test_kernel_diff_sums_device_time_by_kernel_per_step(tmp_path, capsys):
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "kernel_diff", Path(__file__).resolve().parent.parent / "benchmarks" / "kernel_diff.py")
+    kd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kd)
+
+    def trace(name, events):
+        path = tmp_path / name
+        rows = [{"ph": "X", "cat": c, "name": n, "ts": i, "dur": d} for i, (c, n, d) in enumerate(events)]
+        path.write_bytes(gzip.compress(json.dumps({"traceEvents": rows}).encode()))
+        return path
+
+    before = trace("a.json.gz", [("kernel", "gemm", 4000), ("kernel", "gemm", 4000), ("kernel", "mul", 600),
+                                 ("gpu_memcpy", "Memcpy HtoD", 200), ("cpu_op", "aten::mm", 9000)])
+    after = trace("b.json.gz", [("kernel", "gemm", 4000), ("kernel", "gemm", 4200), ("gpu_memcpy", "Memcpy HtoD", 200)])
+    kd.main([str(before), str(after), "--steps", "2"])
+    out = capsys.readouterr().out.splitlines()
+    # per step: before 8.0 + 0.3 + 0.1 (the host's op not counted), after 8.2 + 0.1
+    assert out[0] == "device time per step: before 4.40 ms, after 4.20 ms, change -0.20 ms"
+    assert out[2].split() == ["0.300", "0.000", "-0.300", "mul"]  # the largest change first
+    assert out[3].split() == ["4.000", "4.100", "+0.100", "gemm"]
+
+
 def test_speed_hint_names_the_missing_settings():
     from fastdpo.training.setup import speed_hint
 
