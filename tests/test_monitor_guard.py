@@ -1,7 +1,6 @@
 """The update guard (NaN/Inf: skip, count, stop keeping the last good checkpoint) and the out-of-memory message,
 on short training runs of a tiny CPU model."""
 
-import gc
 import json
 
 import pytest
@@ -130,20 +129,18 @@ def test_simulated_oom_becomes_advice(tmp_path, model_dirs, monkeypatch, capsys,
     assert "--max_tokens_per_batch" in out
 
 
-@pytest.mark.gpu
-def test_real_cuda_oom_becomes_advice(tmp_path, model_dirs):
-    # a cap 0.3 GiB above what earlier tests still hold (it counts against the cap): the model loads, a big step
-    # cannot fit
-    gc.collect()
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 0.3 * 2**30) / total)
-    try:
-        with pytest.raises(FastDPOError) as e:
-            run(tmp_path, model_dirs("qwen3", hidden=512, layers=4), "oom", easy_rows(512, 1) * 8, device="cuda",
-                per_device_train_batch_size=4096, attn_impl="dense")
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
+def _oom_in_a_fresh_process(tmp_path, model):
+    torch.cuda.set_per_process_memory_fraction(0.002)  # ~0.3 GiB of an H200: a big step cannot fit
+    with pytest.raises(FastDPOError) as e:
+        run(tmp_path, model, "oom", easy_rows(512, 1) * 8, device="cuda", per_device_train_batch_size=4096,
+            attn_impl="dense")
     msg = str(e.value)
     assert "Out of GPU memory" in msg and "Peak allocated" in msg and "--gradient_checkpointing ffn" in msg
+
+
+@pytest.mark.gpu
+def test_real_cuda_oom_becomes_advice(tmp_path, model_dirs):
+    """In a process of its own: memory that earlier tests left reserved in this one counts against the cap."""
+    from dist_helpers import run_isolated
+
+    run_isolated(_oom_in_a_fresh_process, tmp_path, model_dirs("qwen3", hidden=512, layers=4), timeout=300)
