@@ -204,11 +204,16 @@ def _attention_on_ranks(rank, world, n, mode, heads, kv_heads, window):
     idx = sequence.zigzag_index(t, n, d.sp_rank)
     fn = sequence.ulysses_attention if mode == "ulysses" else sequence.ring_attention
     got, _ = fn(_Layer(window), q[:, :, idx], k[:, :, idx], v[:, :, idx], None, **mask.kwargs())
-    torch.testing.assert_close(got, want[:, idx], rtol=1e-5, atol=1e-5)
+    where = f"rank {rank} of {world}, {mode}, window {window}, blocks {mask.ctx.blocks if mode == 'ring' else '-'}"
+
+    def context(msg: str) -> str:  # which rank and schedule, should this ever fail
+        return f"{msg}\n{where}"
+
+    torch.testing.assert_close(got, want[:, idx], rtol=1e-5, atol=1e-5, msg=context)
     grads = torch.autograd.grad((got * w[:, idx]).sum(), (q, k, v))
     for a, b in zip(grads, grads_want):  # each rank's gradient is its share: their sum is the full row's
         dist.all_reduce(a, group=d.sp_group)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=context)
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
