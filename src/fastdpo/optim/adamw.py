@@ -87,8 +87,7 @@ class AdamW(torch.optim.Optimizer):
         self._generators: dict[torch.device, torch.Generator] = {}
         self._fused = None  # the Triton update, looked up on the first CUDA step
         self._counted: list[dict] = []  # the states whose step count the last step() advanced
-        self._true: dict[torch.device, torch.Tensor] = {}
-        self._one: dict[torch.device, torch.Tensor] = {}
+        self._ones: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> a constant one-element true or 1.0
 
     def _seed(self, step: int, group: int) -> int:
         return ((self.seed * 1_000_003 + step) * 1_009 + group) % (1 << 62)
@@ -139,8 +138,9 @@ class AdamW(torch.optim.Optimizer):
             for (step, device, dtypes, fused), lists in by_kind.items():
                 dtype = dtypes[0]
                 if fused:
-                    self._fused_steps(lists, group, step, index, dtype == torch.bfloat16, self._flag(finite, device),
-                                      self._scale(grad_scale, device))
+                    ok = self._scalar(finite, device, torch.bool)
+                    scale = self._scalar(grad_scale, device, torch.float32)
+                    self._fused_steps(lists, group, step, index, dtype == torch.bfloat16, ok, scale)
                 elif finite is None or bool(finite):
                     gen = self._generator(device, step, index) if dtype == torch.bfloat16 else None
                     scale = None if grad_scale is None else grad_scale.reshape(()).to(device, torch.float32)
@@ -153,21 +153,14 @@ class AdamW(torch.optim.Optimizer):
             state["step"] -= 1
         self._counted = []
 
-    def _flag(self, finite: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """The kernel's flag on `device`: `finite`, or a constant true one when there is none."""
-        if finite is not None:
-            return finite.reshape(1).to(device, torch.bool, non_blocking=True)
-        if device not in self._true:
-            self._true[device] = torch.ones(1, dtype=torch.bool, device=device)
-        return self._true[device]
-
-    def _scale(self, grad_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """The kernel's gradient scale on `device`, in float32: `grad_scale`, or a constant one."""
-        if grad_scale is not None:
-            return grad_scale.reshape(1).to(device, torch.float32, non_blocking=True)
-        if device not in self._one:
-            self._one[device] = torch.ones(1, dtype=torch.float32, device=device)
-        return self._one[device]
+    def _scalar(self, given: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A one-element tensor the kernel reads on `device`: `given` (the finite flag, the gradients' scale) in
+        `dtype`, or a constant one (true, 1.0) when there is none."""
+        if given is not None:
+            return given.reshape(1).to(device, dtype, non_blocking=True)
+        if (device, dtype) not in self._ones:
+            self._ones[device, dtype] = torch.ones(1, dtype=dtype, device=device)
+        return self._ones[device, dtype]
 
     def _fused_update(self):
         if self._fused is None:
