@@ -389,6 +389,32 @@ def test_a_torch_writer_failure_reads_as_the_disk_being_full(tmp_path, monkeypat
     assert "(the file was cut short: unexpected pos 6419008 vs 6418896)" in str(err)
 
 
+def test_files_are_synced_while_they_are_written_and_the_flusher_stops_on_errors(tmp_path, monkeypatch):
+    """The flusher syncs the files of the directory being written while the writer still writes (so the disk works
+    beside it), leaves the bytes as written, and stops with the block that raised."""
+    import time
+
+    synced = []
+    monkeypatch.setattr(ckpt, "_datasync", lambda fd: synced.append(time.perf_counter()))
+    root = tmp_path / ".final.tmp"
+    root.mkdir()
+    blocks = [bytes([i]) * 4096 for i in range(20)]
+    with ckpt._Flusher(root, interval=0.005) as flusher:
+        with open(root / "model.safetensors", "wb") as f:
+            for block in blocks:
+                f.write(block)
+                f.flush()
+                time.sleep(0.01)
+        written = time.perf_counter()
+    assert flusher.synced >= 3 and sum(t < written for t in synced) >= 3
+    assert (root / "model.safetensors").read_bytes() == b"".join(blocks)
+    assert not flusher._thread.is_alive()
+    with pytest.raises(OSError):
+        with ckpt._Flusher(root, interval=0.005) as flusher:
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert not flusher._thread.is_alive()
+
+
 # ---------------------------------------------------------------- several ranks
 
 

@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -54,6 +55,48 @@ def _fsync_tree(root: Path) -> None:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(Path(dirpath))
+
+
+_datasync = getattr(os, "fdatasync", os.fsync)
+
+
+class _Flusher:
+    """Writes a directory's new data to the disk while it is still being written: a thread that keeps syncing the
+    files under `root`, so that the disk works while the writers fill the page cache, and the fsync before
+    publishing waits only for the tail (without it, the disk starts when the writing ends: a 3.4 GB model took
+    1.8 s to write and 1.5-2 s more to sync). Errors are left to that fsync."""
+
+    def __init__(self, root: Path, interval: float = 0.05):
+        self.root, self.interval = root, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastdpo-flush", daemon=True)
+        self.synced = 0  # file syncs done (for tests)
+
+    def __enter__(self) -> _Flusher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for dirpath, _, files in os.walk(self.root):
+                for name in files:
+                    if self._stop.is_set():
+                        return
+                    try:
+                        fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                    except OSError:
+                        continue
+                    try:
+                        _datasync(fd)
+                        self.synced += 1
+                    except OSError:
+                        pass
+                    finally:
+                        os.close(fd)
 
 
 def _hidden(dest: Path, kind: str) -> Path:
@@ -196,18 +239,19 @@ def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, sched
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        save_model(model, tokenizer, tmp)
-        st = tmp / STATE
-        st.mkdir()
-        torch.save(optimizer.state_dict(), st / "optimizer.pt")
-        torch.save(scheduler.state_dict(), st / "scheduler.pt")
-        torch.save(rng_state(), st / "rng.pt")
-        save_config(config, st / "config.yaml")
-        for name, module in (extra_modules or {}).items():
-            from safetensors.torch import save_model as save_module
+        with _Flusher(tmp):
+            save_model(model, tokenizer, tmp)
+            st = tmp / STATE
+            st.mkdir()
+            torch.save(optimizer.state_dict(), st / "optimizer.pt")
+            torch.save(scheduler.state_dict(), st / "scheduler.pt")
+            torch.save(rng_state(), st / "rng.pt")
+            save_config(config, st / "config.yaml")
+            for name, module in (extra_modules or {}).items():
+                from safetensors.torch import save_model as save_module
 
-            save_module(module, str(st / f"{name}.safetensors"))
-        _write_done(tmp, step, progress)
+                save_module(module, str(st / f"{name}.safetensors"))
+            _write_done(tmp, step, progress)
         _publish(tmp, final)
     except _write_errors() as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,7 +267,8 @@ def save_final(out_dir: Path, model, tokenizer, state_dict: dict | None = None) 
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        save_model(model, tokenizer, tmp, state_dict)
+        with _Flusher(tmp):
+            save_model(model, tokenizer, tmp, state_dict)
         _publish(tmp, final)
     except _write_errors() as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -528,12 +573,13 @@ def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimize
                 shutil.rmtree(tmp)
             (tmp / STATE).mkdir(parents=True)
         dist.barrier()
-        dcp.save(sharded_state(model, optimizer, extra_modules), checkpoint_id=str(tmp / SHARDED))
-        torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
-        # each rank hashes the files it wrote (torch.distributed.checkpoint names them __RANK_N.distcp); rank 0
-        # hashes the rest when it writes the manifest
-        mine = [tmp / STATE / f"rng-{rank}.pt", *sorted((tmp / SHARDED).glob(f"__{rank}_*.distcp"))]
-        digests = {str(f.relative_to(tmp)): d for f, d in manifest.file_digests(mine).items()}
+        with _Flusher(tmp):  # every rank: the disk takes the shards as they are written and hashed
+            dcp.save(sharded_state(model, optimizer, extra_modules), checkpoint_id=str(tmp / SHARDED))
+            torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
+            # each rank hashes the files it wrote (torch.distributed.checkpoint names them __RANK_N.distcp); rank 0
+            # hashes the rest when it writes the manifest
+            mine = [tmp / STATE / f"rng-{rank}.pt", *sorted((tmp / SHARDED).glob(f"__{rank}_*.distcp"))]
+            digests = {str(f.relative_to(tmp)): d for f, d in manifest.file_digests(mine).items()}
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, digests)
         known = {k: v for part in every for k, v in part.items()}

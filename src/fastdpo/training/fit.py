@@ -17,7 +17,12 @@ Each policy keeps a known share of those parts:
 
 The peak is then the memory held now (weights, the reference), the gradients and AdamW's two moments of the
 trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
-with a 10 % margin for the allocator, plus 0.5 GiB. The largest micro-batch is the largest the run will form: its
+with a 10 % margin for the allocator, plus 0.5 GiB. When every step is one micro-batch on one process under a limit
+the user names, the gradients and the activations are not counted as if they coexisted: the backward writes each
+layer's gradients as it frees that layer's activations, so the estimate walks the layers from the last and takes the
+most held at once (`backward_peak`; with gradient accumulation the next micro-batch runs beside all of them). The
+default limit keeps counting them together: it budgets the activations themselves (see `ACTIVATION_SHARE`).
+The largest micro-batch is the largest the run will form: its
 steps are known ahead for data in memory (the seeded order of each epoch, or the steps a caller names). On one rank
 without a token budget that is exact; over ranks, or under a budget, a close bound (`planned_largest_micro_batch`).
 For a stream, the largest any order could form. When not even full checkpointing fits the largest micro-batch of
@@ -78,6 +83,75 @@ class ActivationBytes:
             recomputed = self.layers - kept
             return self.outside + recomputed * self.layer_input + kept * one_layer + (one_layer if recomputed else 0)
         raise ValueError(policy)
+
+
+    def by_layer(self, policy: str) -> list[tuple[float, float]]:
+        """Per token, for each decoder layer in order: what `policy` keeps of it from the forward to its backward,
+        and what exists only while its backward runs (a recompute's tensors)."""
+        n = max(self.layers, 1)
+        one_layer = (self.mlp + self.layer) / n
+        if policy == "none":
+            return [(one_layer, 0.0)] * self.layers
+        if policy == "ffn":
+            return [(self.layer / n + self.layer_input, self.mlp / n)] * self.layers
+        if policy == "full":
+            return [(self.layer_input, one_layer)] * self.layers
+        if policy.startswith("keep:"):
+            kept = min(int(policy.split(":", 1)[1]), self.layers)
+            return [(self.layer_input, one_layer)] * (self.layers - kept) + [(one_layer, 0.0)] * kept
+        raise ValueError(policy)
+
+
+@dataclass
+class GradBytes:
+    """Bytes of the trainable weights' gradients: outside the decoder layers (embeddings, the head, the final norm:
+    written first, at the head, or held from there on) and of each decoder layer, in order. Two transients: the
+    log-prob head sums its weight's gradient in float32 before rounding it (`head_accumulator`), and a tied
+    embedding's gradient from the input side is formed whole before it is added (`tied_embedding`)."""
+
+    outside: int
+    layers: list[int]
+    head_accumulator: int = 0
+    tied_embedding: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.outside + sum(self.layers)
+
+
+def grad_bytes(model) -> GradBytes:
+    """The gradients' bytes of `model`'s trainable weights, by decoder layer (a tied weight counts once)."""
+    per_layer = [sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+                 for layer in decoder_layers(model)]
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    lm = base_causal_lm(model)
+    head = getattr(lm.get_output_embeddings(), "weight", None) if hasattr(lm, "get_output_embeddings") else None
+    embed = getattr(lm.get_input_embeddings(), "weight", None) if hasattr(lm, "get_input_embeddings") else None
+    trained_head = isinstance(head, torch.Tensor) and head.requires_grad
+    return GradBytes(total - sum(per_layer), per_layer,
+                     head_accumulator=head.numel() * 4 if trained_head else 0,
+                     tied_embedding=embed.numel() * embed.element_size() if trained_head and embed is head else 0)
+
+
+def backward_peak(act: ActivationBytes, grads: GradBytes, policy: str, tokens: int, margin: float = MARGIN) -> float:
+    """The most bytes of activations and gradients held at once by a step of one micro-batch of `tokens` tokens (the
+    gradients start from none). The head's backward comes first, beside every kept activation: its float32 sum of
+    the weight's gradient and the rounded gradient. Then the backward walks the layers from the last: at each it
+    holds the gradients written so far, what the layers below it (and it) keep, its transient tensors, and a
+    workspace of about one layer's activations (the gradients of its intermediate tensors); then it frees the
+    layer's activations and writes its weights' gradients. Last, all the gradients, and a tied embedding's second
+    one. Activations take `margin` for the allocator."""
+    terms = act.by_layer(policy)
+    workspace = (act.mlp + act.layer) / max(act.layers, 1)
+    below = act.outside + sum(kept for kept, _ in terms)
+    written = float(grads.outside)
+    peak = written + grads.head_accumulator + margin * tokens * below
+    for i in reversed(range(len(terms))):
+        kept, transient = terms[i]
+        peak = max(peak, written + margin * tokens * (below + transient + workspace))
+        below -= kept
+        written += grads.layers[i] if i < len(grads.layers) else 0
+    return max(peak, float(grads.total + grads.tied_embedding))
 
 
 def _storage_key(t: torch.Tensor):
@@ -232,14 +306,18 @@ def ffn_recompute_share(model) -> float:
 
 
 def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest: int, budget: int,
-               longest: int, ffn_share: float = 1.0) -> Fit:
+               longest: int, ffn_share: float = 1.0, grads: GradBytes | None = None) -> Fit:
     """The fastest candidate whose estimated peak fits `limit` bytes at the largest micro-batch; else full
     checkpointing under a token budget that fits (never below the longest pair, warned when even that is estimated
     not to fit). Between none and full: ffn, which recomputes every layer's MLP (`ffn_share` of a layer's recompute,
     `ffn_recompute_share`), and keep:N, which recomputes all layers but the last N, with the largest N that fits;
-    the one that recomputes less."""
+    the one that recomputes less. `grads`: every step is one micro-batch, so its gradients (counted in `static`) are
+    written as the backward frees the activations (`backward_peak`); None: they coexist with the activations. A
+    token budget set here splits steps into several micro-batches, so it is sized with them coexisting."""
 
     def peak(policy: str, tokens: int) -> float:
+        if grads is not None:
+            return static - grads.total + head + backward_peak(act, grads, policy, tokens) + HEADROOM_GIB * 2**30
         return static + head + act.per_token(policy) * tokens * MARGIN + HEADROOM_GIB * 2**30
 
     kept = max((n for n in range(1, act.layers) if peak(f"keep:{n}", largest) <= limit), default=0)
@@ -317,14 +395,20 @@ def resolve_fit(cfg, model, backend, pairs: list[TokenizedPair], device: torch.d
         limit = min(limit, int(static + head + share + HEADROOM_GIB * 2**30))
     rank_budget = -(-budget // split) if budget > 0 else 0  # tokens of a micro-batch that one rank holds
     ffn_share = ffn_recompute_share(model)
+    # one micro-batch per step on one process, under a limit the user named: the gradients do not coexist with the
+    # activations (the default limit budgets the activations as if they did; DDP's buckets and FSDP2's shards hold
+    # gradients throughout, and accumulation or a token budget runs later micro-batches beside them)
+    one_micro = (not default_limit and world <= 1 and shards <= 1 and split == 1 and budget <= 0
+                 and cfg.gradient_accumulation_steps == 1)
+    grads = grad_bytes(model) if one_micro else None
     fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest, rank_budget,
-                     longest, ffn_share)
+                     longest, ffn_share, grads)
     lean = fit.policy != "none"
     # memory is short: the lean norms and MLPs keep fewer bytes (and cost some speed), so measure again, unless the
     # layers were lean already (the Triton kernels) and the first measurement stands
     if lean and fuse_layers(model):
         fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest,
-                         rank_budget, longest, ffn_share)
+                         rank_budget, longest, ffn_share, grads)
     fit.budget = budget if fit.budget == rank_budget else fit.budget * split  # a rank's tokens -> the micro-batch's
     cfg.gradient_checkpointing = fit.policy
     shown = ", ".join(f"{p} ~{g} GiB" for p, g in fit.estimates_gib.items())
