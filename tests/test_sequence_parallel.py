@@ -209,11 +209,15 @@ def _attention_on_ranks(rank, world, n, mode, heads, kv_heads, window):
     def context(msg: str) -> str:  # which rank and schedule, should this ever fail
         return f"{msg}\n{where}"
 
-    torch.testing.assert_close(got, want[:, idx], rtol=1e-5, atol=1e-5, msg=context)
+    # 2e-4, not float32's 1e-5: on a loaded CPU a process's first float32 block product has been measured off by up to
+    # 9e-5 (about 1 in 50 runs of this test; the same block computed again in the same process, and the chunks the
+    # ring received, were exact). A mask or merge error moves outputs by far more than that.
+    tol = dict(rtol=2e-4, atol=2e-4, msg=context)
+    torch.testing.assert_close(got, want[:, idx], **tol)
     grads = torch.autograd.grad((got * w[:, idx]).sum(), (q, k, v))
     for a, b in zip(grads, grads_want):  # each rank's gradient is its share: their sum is the full row's
         dist.all_reduce(a, group=d.sp_group)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=context)
+        torch.testing.assert_close(a, b, **tol)
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
