@@ -5,38 +5,14 @@ import math
 import pytest
 import torch
 from conftest import random_pairs
-from transformers import AutoModelForCausalLM, Qwen3Config
+from gpu_helpers import logps_and_grads, rel
+from gpu_helpers import qwen3 as qwen3_model
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.model.backend import Backend, prepare_packed, sequence_logps
 from fastdpo.model.memory import compile_layers
 
 pytestmark = pytest.mark.gpu
-
-
-def qwen3_model(dtype, layers=4):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                      max_position_embeddings=4096)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def logps_and_grads(model, batches, backend):
-    model.zero_grad()
-    outs = []
-    for batch in batches:
-        seq, _ = sequence_logps(model, batch.to("cuda"), backend)
-        b = batch.num_pairs
-        (seq[:b] - seq[b:]).sum().backward()
-        outs.append(seq.detach())
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return torch.cat(outs), grads
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -4,37 +4,13 @@ compiled graph for every micro-batch length. Run on a CUDA device: `pytest -m gp
 import pytest
 import torch
 from conftest import easy_rows, random_pairs, write_jsonl
-from transformers import AutoModelForCausalLM, Qwen3Config
+from gpu_helpers import logps_and_grads, qwen3, rel
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.model.backend import Backend, choose_backend, prepare_packed, sequence_logps
 from fastdpo.model.memory import compile_layers
 
 pytestmark = pytest.mark.gpu
-
-
-def qwen3(dtype, layers=4, **kw):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                      max_position_embeddings=8192, **kw)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def logps_and_grads(model, batches, backend):
-    model.zero_grad()
-    outs = []
-    for batch in batches:
-        seq, _ = sequence_logps(model, batch.to("cuda"), backend)
-        b = batch.num_pairs
-        (seq[:b] - seq[b:]).sum().backward()
-        outs.append(seq.detach().float())
-    return torch.cat(outs), {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("compiled", [False, True])
