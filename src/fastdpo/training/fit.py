@@ -84,7 +84,6 @@ class ActivationBytes:
             return self.outside + recomputed * self.layer_input + kept * one_layer + (one_layer if recomputed else 0)
         raise ValueError(policy)
 
-
     def by_layer(self, policy: str) -> list[tuple[float, float]]:
         """Per token, for each decoder layer in order: what `policy` keeps of it from the forward to its backward,
         and what exists only while its backward runs (a recompute's tensors)."""
