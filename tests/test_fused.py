@@ -2,11 +2,14 @@
 to autograd's through the original operations, fewer bytes kept for the backward, and modules whose forward differs
 left alone."""
 
+import logging
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from fastdpo.model.fused import fuse_layers
+from fastdpo.model import fused
+from fastdpo.model.fused import fuse_layers, unfused
 
 
 def model(family, dtype=torch.float32):
@@ -107,6 +110,44 @@ def test_a_module_whose_forward_differs_keeps_it_and_eval_uses_the_plain_path():
     with torch.no_grad():
         x = torch.randn(2, 64)
         assert torch.equal(norm(x), norm._fastdpo_plain_forward(x))
+
+
+def test_a_module_left_on_torch_s_path_is_named_once_in_a_warning(caplog):
+    class ShiftedEpsRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8) * 0.1)
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 2e-6) * self.weight).to(x.dtype)
+
+    with caplog.at_level(logging.WARNING, logger="fastdpo"):
+        fuse_layers(torch.nn.Sequential(ShiftedEpsRMSNorm(), ShiftedEpsRMSNorm()))
+        fuse_layers(torch.nn.Sequential(ShiftedEpsRMSNorm()))
+    said = [r.getMessage() for r in caplog.records if "ShiftedEpsRMSNorm" in r.getMessage()]
+    assert len(said) == 1 and "torch's path" in said[0]
+
+
+def test_the_lean_forwards_survive_a_model_loaded_with_transformers_defaults_and_train_eval_switches(tmp_path):
+    """transformers 5 kernelizes a model loaded with its defaults when the `kernels` package is installed, and
+    rebinds each RMSNorm's forward on every .train(); fusing turns that off, and a forward rebound anyway is bound
+    again by the next fuse_layers and named by `unfused`."""
+    from peft import LoraConfig, get_peft_model
+
+    model("qwen3").save_pretrained(tmp_path)
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "Qwen3RMSNorm" in fuse_layers(lm)
+    lm.train()
+    lm.eval()
+    wrapped = get_peft_model(lm, LoraConfig(r=4, target_modules="all-linear")).train()
+    norm = lm.model.layers[0].input_layernorm
+    assert "forward" in norm.__dict__ and unfused(wrapped) == []
+    del norm.forward  # what a rebinding leaves
+    assert unfused(wrapped) == ["Qwen3RMSNorm"]
+    fuse_layers(wrapped)
+    assert unfused(wrapped) == [] and norm.forward.__func__ is fused._norm_forward
 
 
 def test_checkpointing_wraps_the_lean_forward_and_gives_it_back():

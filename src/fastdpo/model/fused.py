@@ -301,6 +301,7 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
     log-prob head with the Triton kernels where those serve (CUDA), in training and in no-grad forwards (the
     reference's) alike. Idempotent; a second call can switch
     the kernels on. The forwards are bound methods, so a deep copy (the reference) is fused the same way."""
+    _hub_kernels_off(model)
     done: dict[type, bool] = {}
     residual = {id(layer.mlp) for layer in model.modules()
                 if type(layer).__name__ in _RESIDUAL_MLP_LAYERS and isinstance(getattr(layer, "mlp", None), torch.nn.Module)}
@@ -310,27 +311,58 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
             continue
         if hasattr(m, "_fastdpo_plain_forward"):
             m._fastdpo_kernels = m._fastdpo_kernels or use_kernels
+            if "forward" not in m.__dict__:  # rebound by someone else since: bind ours again
+                m.forward = types.MethodType(_FORWARDS[kind], m)
             continue
         m._fastdpo_plain_forward = m.forward
         m._fastdpo_kernels = use_kernels
         if kind == "mlp":
             m._fastdpo_residual = id(m) in residual
-        m.forward = types.MethodType({"norm": _norm_forward, "mlp": _mlp_forward, "attention": _attention_forward}[kind],
-                                     m)
+        m.forward = types.MethodType(_FORWARDS[kind], m)
         if kind == "attention":  # the forward is the module's own; only its rotation may run as the kernel
             done[type(m)] = True
             continue
         if type(m) not in done:
             width = m.weight.shape[0] if kind == "norm" else m.gate_proj.in_features
             done[type(m)] = _same_forward(m, width)
-            if not done[type(m)]:
-                log.info("%s keeps its own forward (the lean one differs from it).", type(m).__name__)
         if not done[type(m)]:
             del m.forward, m._fastdpo_plain_forward, m._fastdpo_kernels
             m.__dict__.pop("_fastdpo_residual", None)
     if use_kernels and isinstance(head := _output_layer(model), torch.nn.Module):
         head._fastdpo_kernels = True  # the log-prob head's kernels (`fastdpo.model.logprobs`; they check each call)
+    if kept := sorted(t.__name__ for t, ok in done.items() if not ok):
+        _say_once(f"{', '.join(kept)} keep their own forward: on a probe input the lean forward (and the Triton "
+                  "kernels) did not reproduce it bit for bit, so they run on torch's path. A transformers release "
+                  "that changes these modules does this; training is correct, only slower and larger.")
     return sorted(t.__name__ for t, ok in done.items() if ok)
+
+
+_FORWARDS = {"norm": _norm_forward, "mlp": _mlp_forward, "attention": _attention_forward}
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning(message)
+
+
+def _hub_kernels_off(model: torch.nn.Module) -> None:
+    """Turn off transformers' hub kernelization (on by default in transformers 5 when the `kernels` package is
+    installed): it fetches layer code from the hub and rebinds each decorated module's forward on every `.train()`,
+    which would silently undo the lean forwards bound here."""
+    for m in model.modules():
+        if isinstance(getattr(type(m), "use_kernels", None), property) and getattr(m, "use_kernels", False):
+            m.use_kernels = False
+            _say_once("transformers' hub kernels are off for this model: fastdpo's own lean layers and kernels "
+                      "replace them.")
+
+
+def unfused(model: torch.nn.Module) -> list[str]:
+    """Class names of the modules `fuse_layers` gave a lean forward that is no longer bound (something rebound
+    the module's forward since): empty when every fused module still runs fastdpo's forward."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if hasattr(m, "_fastdpo_plain_forward") and "forward" not in m.__dict__})
 
 
 def _output_layer(model: torch.nn.Module):

@@ -187,8 +187,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
         extra = {"quantization_config": quant, "device_map": {"": device}} if quant else {}
         if not quant and _loads_onto(device):  # weights read straight onto the GPU: no CPU copy to move after
             extra = {"device_map": {"": device}}
+        # use_kernels=False: transformers 5 kernelizes by default when the `kernels` package is present, fetching
+        # layer code from the hub and rebinding each RMSNorm's forward on every .train(), which would undo ours
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", **extra
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", use_kernels=False,
+            **extra
         )
     except SafetensorError as e:  # a hub download cut short (local dirs are checked above)
         if (snapshot := hub_snapshot(path)) is not None:
