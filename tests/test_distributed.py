@@ -14,9 +14,10 @@ import torch
 from conftest import random_pairs
 from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metrics, run_isolated, run_ranks, start_ranks, weights
 
-from fastdpo.cli import main
-from fastdpo.config import TrainConfig
-from fastdpo.config.launch import wants_launch
+from fastdpo.cli import build_parser, main
+from fastdpo.config import TrainConfig, build_config
+from fastdpo.config.flags import typed_flags
+from fastdpo.config.launch import WORLD_FIELDS, check_world, wants_launch
 from fastdpo.errors import FastDPOError
 from fastdpo.parallel.distributed import parallel_plan
 from fastdpo.parallel.launch import failure_message, torchrun_args
@@ -402,3 +403,84 @@ def test_master_port_flag_is_the_launchers_port(monkeypatch, caplog):
         build("--master_port", "29501")
     with pytest.raises(FastDPOError, match="port number"):
         build("--master_port", "70000")
+
+
+# ---------------------------------------------------------------- launch-time validation
+
+
+@pytest.fixture
+def launcher(monkeypatch, restore_logging):
+    """`NPROC_PER_NODE=N fastdpo train ...` with torchrun's start of the workers replaced by a recorder: each call
+    records the environment the workers would inherit and runs `workers(env)` in it."""
+    import torch.distributed.run
+
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NNODES", "MASTER_PORT", "FASTDPO_LAUNCHED"):
+        monkeypatch.delenv(name, raising=False)
+    spawned: list[dict] = []
+
+    def run(args):
+        spawned.append(dict(os.environ))
+        for hook in launcher_hooks:
+            hook(dict(os.environ))
+
+    launcher_hooks: list = []
+    monkeypatch.setattr(torch.distributed.run, "run", run)
+    return spawned, launcher_hooks
+
+
+def test_world_size_flags_fail_before_any_worker_starts(launcher, monkeypatch, capsys, tmp_path):
+    """ms-swift's --ulysses_num_heads 8 on 2 processes fails in the launcher, naming the flag as typed; a Ulysses
+    size that does not divide a local model's heads too; a command that fits starts the workers."""
+    spawned, _ = launcher
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    train = ["train", "--model", "m", "--dataset", "d.jsonl"]
+    assert main([*train, "--ulysses_num_heads", "8"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--ulysses_num_heads 8 asks for groups of 8 ranks" in out and "NPROC_PER_NODE=2 starts 2" in out
+    assert "--sequence_parallel_size" not in out and "[rank" not in out and not spawned
+    monkeypatch.setenv("NPROC_PER_NODE", "4")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_attention_heads": 6}))
+    assert main(["train", "--model", str(model), "--dataset", "d.jsonl", "--ulysses_num_heads", "4"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--ulysses_num_heads 4 splits the 6 attention heads" in out and not spawned
+    assert main(["train", "--model", str(model), "--dataset", "d.jsonl", "--sequence_parallel_size", "4",
+                 "--sequence_parallel_mode", "ulysses"]) == 1
+    assert "--sequence_parallel_size 4 with --sequence_parallel_mode ulysses splits" in capsys.readouterr().out
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_attention_heads": 8}))
+    assert main(["train", "--model", str(model), "--dataset", "d.jsonl", "--ulysses_num_heads", "4"]) == 0
+    assert len(spawned) == 1
+
+
+def test_world_size_flags_from_yaml_are_named_with_their_file(tmp_path):
+    y = tmp_path / "run.yaml"
+    y.write_text("model: m\ndataset: [d.jsonl]\nulysses_num_heads: 4\n")
+    args = build_parser().parse_args(["train", "--config", str(y)])
+    cfg = build_config(args, TrainConfig)
+    with pytest.raises(FastDPOError, match=rf"--ulysses_num_heads 4 \(in {y}\) asks for groups of 4 .* this run has 6"):
+        check_world(cfg, 6, typed_flags(args, WORLD_FIELDS))
+    check_world(cfg, 8, typed_flags(args, WORLD_FIELDS))
+
+
+def test_flag_notes_print_once_per_launch(launcher, monkeypatch, capsys):
+    """The notes about other tools' flags print in the launcher; the workers it starts (rank 0 too) print none, and
+    under plain torchrun only rank 0 prints them."""
+    spawned, hooks = launcher
+    argv = ["train", "--model", "m", "--dataset", "d.jsonl", "--rlhf_type", "dpo", "--ulysses_num_heads", "2"]
+    note = "ms-swift's meaning for what the command leaves out"
+
+    def workers(env):
+        for rank in ("0", "1"):
+            monkeypatch.setenv("RANK", rank)
+            monkeypatch.setenv("LOCAL_RANK", rank)
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            build_config(build_parser().parse_args(argv), TrainConfig)
+
+    hooks.append(workers)
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    assert main(argv) == 0 and len(spawned) == 1 and spawned[0]["FASTDPO_LAUNCHED"] == "1"
+    assert capsys.readouterr().out.count(note) == 1
+    monkeypatch.delenv("FASTDPO_LAUNCHED")
+    workers({})  # torchrun -m fastdpo train ...: rank 0 speaks for the job
+    assert capsys.readouterr().out.count(note) == 1

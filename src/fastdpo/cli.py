@@ -9,8 +9,8 @@ import sys
 import warnings
 
 from fastdpo.config import TrainConfig, add_config_flags, build_config
-from fastdpo.config.flags import _Parser
-from fastdpo.config.launch import wants_launch
+from fastdpo.config.flags import _Parser, typed_flags
+from fastdpo.config.launch import WORLD_FIELDS, check_world, wants_launch, world_size
 from fastdpo.config.schema import _parse_bool
 from fastdpo.data.anchor import WORKLOADS
 from fastdpo.errors import FastDPOError
@@ -69,6 +69,7 @@ def cmd_train(args: argparse.Namespace, console) -> int:
     from fastdpo.training.loop import train
 
     cfg = build_config(args, TrainConfig)
+    check_world(cfg, world_size(), typed_flags(args, WORLD_FIELDS))  # under torchrun: the flags as typed
     try:
         result = train(cfg, console=console, progress=not cfg.disable_progress)
     except torch.OutOfMemoryError as e:  # while loading (the loop explains its own)
@@ -348,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         _setup_logging(console)
         if args.command == "train" and wants_launch():  # NPROC_PER_NODE=N fastdpo train ...: start N workers
-            build_config(args, TrainConfig).validate_training()  # bad flags fail here once, not once per worker
-            return launch(sys.argv[1:] if argv is None else list(argv))
+            # bad flags fail here once, before any worker starts, not once per worker
+            return launch(sys.argv[1:] if argv is None else list(argv), build_config(args, TrainConfig),
+                          typed_flags(args, WORLD_FIELDS))
         return args.func(args, console)
     except FastDPOError as e:
         where = f"[rank {_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

@@ -4,9 +4,11 @@ mapped through `compat`, and the resolved config written back as YAML."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import yaml
 
 from fastdpo.config.compat import add_foreign_flags, apply_foreign, foreign_flags
+from fastdpo.config.launch import prints_notes
 from fastdpo.config.schema import TrainConfig, _parse_bool, _parse_dict
 from fastdpo.errors import FastDPOError
 
@@ -120,7 +123,8 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     yaml_keys = {name: args.config for name in foreign}  # before the command line's flags join them
     foreign.update({name: getattr(args, name) for name in foreign_names if hasattr(args, name)})
     yaml_keys = {name: path for name, path in yaml_keys.items() if not hasattr(args, name)}
-    apply_foreign(foreign, values, yaml_keys)  # flags of other tools' scripts and configs: mapped, noted, or refused
+    with _notes_once():
+        apply_foreign(foreign, values, yaml_keys)  # flags of other tools' scripts and configs: mapped, noted, or refused
     if cls is TrainConfig:
         _check_adapter_flags(values, asked)
     if "gradient_checkpointing" in values:
@@ -131,6 +135,42 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     if isinstance(values.get("target_modules"), list):
         values["target_modules"] = ",".join(map(str, values["target_modules"]))
     return cls(**values)
+
+
+@contextlib.contextmanager
+def _notes_once():
+    """The notes about other tools' flags print once per job (`prints_notes`): other ranks, and the workers of a
+    launcher that printed them already, keep only warnings and errors."""
+    log = logging.getLogger("fastdpo")
+    level = log.level
+    if not prints_notes():
+        log.setLevel(max(logging.WARNING, level))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def typed_flags(args: argparse.Namespace, fields: dict[str, tuple[str, ...]], cls: type = TrainConfig) -> dict[str, str]:
+    """For each field of `fields` (field -> other tools' flags that set it), the flag as the user typed it
+    (`--ulysses_num_heads 8`, on the command line or in the --config file), so errors name what was typed."""
+    given: dict[str, str] = {}
+    if getattr(args, "config", None):
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in load_yaml(args.config, names, foreign_flags(cls)).items():
+            given[key] = f"--{key} {_shown(value)} (in {args.config})"
+    given.update({name: f"--{name} {_shown(value)}" for name, value in vars(args).items()})
+    out = {}
+    for field, aliases in fields.items():
+        name = next((n for n in (field, *aliases) if n in given), None)
+        if name:
+            out[field] = given[name]
+    return out
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) \
+        else str(value)
 
 
 ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "adapters", "quant_bits")

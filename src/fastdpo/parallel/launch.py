@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 
-from fastdpo.config.launch import _env_int
+from fastdpo.config.launch import LAUNCHED, _env_int, check_world, world_size
 from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
@@ -62,8 +62,10 @@ def failure_message(failures: dict) -> str:
     return f"training failed: {msg}. The whole job was stopped; each rank's own error, if any, is printed above."
 
 
-def launch(argv: list[str]) -> int:
-    """Run `fastdpo <argv>` on NPROC_PER_NODE workers of this node; returns 0 or raises FastDPOError."""
+def launch(argv: list[str], cfg=None, typed: dict[str, str] | None = None) -> int:
+    """Run `fastdpo <argv>` on NPROC_PER_NODE workers of this node; returns 0 or raises FastDPOError. `cfg` (the
+    config the command line builds) is validated here, with the world size the workers will have, before any of them
+    starts: a bad flag fails once, naming the flag as typed (`typed`: field -> flag), not once per rank."""
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -71,6 +73,11 @@ def launch(argv: list[str]) -> int:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     args = torchrun_args(argv, dict(os.environ), gpus)
+    if cfg is not None:
+        cfg.validate_training()
+        nodes = f" x NNODES={os.environ['NNODES']}" if os.environ.get("NNODES", "1") != "1" else ""
+        check_world(cfg, world_size(), typed, f"NPROC_PER_NODE={os.environ['NPROC_PER_NODE']}{nodes}")
+    os.environ[LAUNCHED] = "1"  # the workers inherit it: the notes about the flags were printed here
     if not gpus:
         log.info("No GPU visible: %s CPU worker processes (gloo).", os.environ["NPROC_PER_NODE"])
     try:
