@@ -140,7 +140,7 @@ def _eval_strategy(value: str, values: dict) -> str | None:
 
 def _optim(value: str, values: dict) -> str | None:
     if str(value).lower() in ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"):
-        return None
+        return "fastdpo always trains with AdamW; nothing to do."
     raise FastDPOError(f"--optim {value}: fastdpo trains with AdamW (see --update_rounding for bfloat16 weights). "
                        "Pass --optim adamw_torch or drop the flag.")
 

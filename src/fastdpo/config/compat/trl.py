@@ -24,7 +24,7 @@ def _attn_implementation(value: Any, values: dict) -> str | None:
 def _quant_type(value: Any, values: dict) -> str | None:
     if str(value).lower() != "nf4":
         raise FastDPOError(f"--bnb_4bit_quant_type {value}: fastdpo's 4-bit base is nf4. Pass nf4 or drop the flag.")
-    return None
+    return "fastdpo's 4-bit base is always nf4; nothing to do."
 
 
 def _load_in(bits: int):
@@ -87,7 +87,12 @@ def _peft(given: dict, values: dict) -> list[str]:
             values["target_modules"] = "default"
             notes.append("--use_peft without --lora_target_modules: LoRA on PEFT's default modules for the "
                          "architecture (q_proj,v_proj for Llama and Qwen), as in TRL (--target_modules default).")
-        if bits == 4 and not to_bool(given.get("use_bnb_nested_quant", False)):
+        nested = to_bool(given.get("use_bnb_nested_quant", False))
+        if nested:
+            notes.append("--use_bnb_nested_quant true: the 4-bit base always uses double quantisation here; nothing to "
+                         "do." if bits == 4 else "--use_bnb_nested_quant true: only a 4-bit base (--load_in_4bit) is "
+                         "quantised twice; the flag has no effect.")
+        if bits == 4 and not nested:
             notes.append("--load_in_4bit: the nf4 base is quantised with double quantisation here (TRL: only with "
                          "--use_bnb_nested_quant); it stores the quantisation constants in 8 bits, which moves the "
                          "dequantised weights slightly.")
