@@ -157,18 +157,77 @@ def test_a_checkpoint_past_the_end_of_the_run_is_refused(trained, tmp_path):
         train(cfg, progress=False)
 
 
-def test_a_checkpoint_without_manifest_still_resumes(trained, tmp_path, caplog):
-    """Checkpoints of earlier versions have sizes only."""
-    cfg = resume_copy(trained, tmp_path)
-    c = Path(cfg.output_dir) / "checkpoint-2"
+def as_before_manifests(c: Path) -> None:
+    """Make `c` look like a checkpoint of an earlier version: sizes only, no manifest, no run record."""
     (c / ckpt.MANIFEST).unlink()
     done = c / ckpt.STATE / ckpt.DONE
     state = json.loads(done.read_text())
     del state["manifest"], state["run"]
     done.write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("how", ["removed", "before manifests"])
+def test_a_checkpoint_without_manifest_is_refused_unless_trusted(trained, tmp_path, caplog, how):
+    cfg = resume_copy(trained, tmp_path)
+    c = Path(cfg.output_dir) / "checkpoint-2"
+    shutil.rmtree(c.with_name("checkpoint-3"))
+    cfg.resume_from_checkpoint = str(c)
+    if how == "removed":
+        (c / ckpt.MANIFEST).unlink()
+    else:
+        as_before_manifests(c)
+    with pytest.raises(FastDPOError) as e:
+        train(cfg, progress=False)
+    msg = str(e.value)
+    assert f"{ckpt.MANIFEST} is missing, so its content cannot be verified" in msg, msg
+    assert "--trust_unverified_checkpoint true" in msg, msg
+    assert ckpt.resolve_resume("latest", Path(cfg.output_dir)) == c.with_name("checkpoint-1")  # the verified one
+    cfg.trust_unverified_checkpoint = True
     with caplog.at_level("INFO", logger="fastdpo"):
         train(cfg, progress=False)
-    assert f"Resumed from {c} at step 2" in caplog.text and "compared by path only" in caplog.text
+    assert f"{c} has no content manifest ({ckpt.MANIFEST}): resuming it unverified" in caplog.text
+    assert f"Resumed from {c} at step 2" in caplog.text
+    assert ("compared by path only" in caplog.text) == (how == "before manifests")
+
+
+def stray_weights(c: Path) -> tuple[Path, str]:
+    """A zeroed copy of the embeddings dropped into `c` as another .safetensors file."""
+    state = load_file(str(c / "model.safetensors"))
+    key = next(k for k in state if "embed_tokens" in k)
+    stray = c / "zz-extra.safetensors"
+    save_file({key: torch.zeros_like(state[key])}, str(stray), metadata={"format": "pt"})
+    return stray, key
+
+
+@pytest.mark.parametrize("where", ["zz-extra.safetensors", "state/zz-extra.safetensors"])
+def test_a_file_the_manifest_does_not_list_is_refused_by_name(trained, tmp_path, where):
+    cfg = resume_copy(trained, tmp_path)
+    out = Path(cfg.output_dir)
+    c = out / "checkpoint-3"
+    stray, _ = stray_weights(c)
+    stray.rename(c / where)
+    problem = ckpt.checkpoint_problem(c)
+    assert problem == f"{where} is not listed in {ckpt.MANIFEST}: it was not written with this directory and " \
+                      "would be loaded unverified; remove it", problem
+    with pytest.raises(FastDPOError, match=f"not a complete fastdpo checkpoint \\({where} is not listed"):
+        ckpt.resolve_resume(str(c), out)
+    assert ckpt.resolve_resume("latest", out) == out / "checkpoint-2"
+    (c / where).unlink()
+    assert ckpt.checkpoint_problem(c) is None
+
+
+def test_only_the_model_files_are_loaded_from_an_unverified_checkpoint(trained, tmp_path):
+    """Without a manifest (trusted), a stray .safetensors file is still not read as weights."""
+    from fastdpo.model.load import load_model
+    from fastdpo.training import restore
+
+    c = tmp_path / "checkpoint-2"
+    shutil.copytree(Path(trained.output_dir) / "checkpoint-2", c)
+    _, key = stray_weights(c)
+    model = load_model(trained.model, torch.float32, torch.device("cpu"))
+    restore.load_weights(model, c)
+    saved = load_file(str(c / "model.safetensors"))
+    assert torch.equal(model.state_dict()[key], saved[key]) and saved[key].abs().sum() > 0
 
 
 # ---------------------------------------------------------------- what loads

@@ -41,6 +41,7 @@ def trained(tmp_path_factory, model_dirs):
 def resume_copy(trained: TrainConfig, tmp_path: Path, **changes) -> TrainConfig:
     out = tmp_path / "run"
     shutil.copytree(trained.output_dir, out)
+    shutil.rmtree(out / "checkpoint-4", ignore_errors=True)  # the finished run's last step: resume mid-run instead
     return TrainConfig(**{**trained.to_dict(), "output_dir": str(out), "resume_from_checkpoint": "latest", **changes})
 
 
@@ -170,3 +171,41 @@ def test_a_changed_drop_last_is_refused(trained, tmp_path):
 
     with pytest.raises(FastDPOError, match="written with --dataloader_drop_last false"):
         train(resume_copy(trained, tmp_path, dataloader_drop_last=True), progress=False)
+
+
+# ---------------------------------------------------------------- settings that change the optimisation
+
+
+def test_changed_optimizer_settings_are_refused_listing_each(trained, tmp_path, caplog):
+    from fastdpo.errors import FastDPOError
+
+    changes = dict(torch_dtype="bfloat16", weight_decay=0.1, adam_beta1=0.8, adam_epsilon=1e-6, max_grad_norm=0.5)
+    with pytest.raises(FastDPOError) as e:
+        train(resume_copy(trained, tmp_path, **changes), progress=False)
+    msg = str(e.value)
+    for named in ("--torch_dtype auto → bfloat16", "--weight_decay 0.01 → 0.1", "--adam_beta1 0.9 → 0.8",
+                  "--adam_epsilon 1e-08 → 1e-06", "--max_grad_norm 1.0 → 0.5", "--resume_ignore_changes true"):
+        assert named in msg, (named, msg)
+    shutil.rmtree(tmp_path / "run")
+    del changes["torch_dtype"]  # the rest resumes in float32 on the CPU
+    with caplog.at_level("WARNING", logger="fastdpo"):
+        cfg = resume_copy(trained, tmp_path, resume_ignore_changes=True, **changes)
+        assert train(cfg, progress=False)["final_dir"]
+    assert "--resume_ignore_changes true" in caplog.text and "--adam_beta1 0.9 → 0.8" in caplog.text
+
+
+def test_reporting_saving_and_speed_settings_may_change(trained, tmp_path, caplog):
+    cfg = resume_copy(trained, tmp_path, logging_steps=2, save_total_limit=1, alert_patience=9, length_buckets=8,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=1, disable_progress=True)
+    with caplog.at_level("WARNING", logger="fastdpo"):
+        assert train(cfg, progress=False)["final_dir"]
+    assert "other settings" not in caplog.text
+
+
+def test_every_flag_the_resume_compare_names_exists():
+    import dataclasses
+
+    from fastdpo.training.identity import FREE, GUARDED
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not (set(FREE) | set(GUARDED)) - fields and not set(FREE) & set(GUARDED)

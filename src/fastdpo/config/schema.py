@@ -324,12 +324,17 @@ class TrainConfig(DataReading, ModelSection):
     resume_from_checkpoint: str = _f("", "Checkpoint dir, or `latest` for the newest one in output_dir whose content "
                                      "matches its manifest (each one skipped is named, with why).")
     resume_ignore_changes: bool = _f(False, "Resume even when the checkpoint was trained with another model, other "
-                                     "data, or other settings that change the objective or the data order (loss, "
-                                     "beta, seed, max_length, ...): each difference is logged. Off: such a resume is "
-                                     "refused, naming them. Learning-rate flags may always change.")
+                                     "data, or other settings that change the objective, the optimizer's update or "
+                                     "the data order (loss, beta, torch_dtype, weight_decay, adam_beta1, "
+                                     "max_grad_norm, seed, max_length, ...): each difference is logged. Off: such a "
+                                     "resume is refused, naming each old → new. Learning-rate, length, logging, "
+                                     "saving and speed flags may always change.")
     start_over_if_unusable: bool = _f(False, "With --resume_from_checkpoint latest: when output_dir holds checkpoints "
                                       "but none can be resumed (corrupt, incomplete), train from step 0 instead of "
                                       "stopping.")
+    trust_unverified_checkpoint: bool = _f(False, "Resume a checkpoint that has no content manifest (state/manifest.json: "
+                                           "written by fastdpo before manifests, or removed since); its files are "
+                                           "loaded unverified (logged). Off: such a checkpoint is refused.")
     overwrite_output_dir: bool = _f(False, "A new run (no --resume_from_checkpoint) into an output_dir that holds an "
                                     "earlier run's checkpoints, final/ or metrics.jsonl is refused; true removes "
                                     "those outputs first (logged).")

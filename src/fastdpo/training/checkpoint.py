@@ -276,7 +276,7 @@ def save_final(out_dir: Path, model, tokenizer, state_dict: dict | None = None) 
     return final
 
 
-def _size_problem(ckpt: Path) -> str | None:
+def _size_problem(ckpt: Path, manifest_needed: bool = True) -> str | None:
     """None when every file trainer_state.json lists (and the manifest it names) is there with its recorded size."""
     try:
         state = json.loads((ckpt / STATE / DONE).read_text())
@@ -292,7 +292,7 @@ def _size_problem(ckpt: Path) -> str | None:
             return f"{rel} is missing"
         if actual != size:
             return f"{rel} has {actual} bytes, {size} when written"
-    if state.get("manifest") and not (ckpt / state["manifest"]).is_file():
+    if manifest_needed and state.get("manifest") and not (ckpt / state["manifest"]).is_file():
         return f"{state['manifest']} is missing"
     return None
 
@@ -303,12 +303,21 @@ def is_complete(ckpt: Path) -> bool:
     return _size_problem(ckpt) is None
 
 
-def checkpoint_problem(ckpt: Path) -> str | None:
+def unverified(ckpt: Path) -> bool:
+    """`ckpt` has no content manifest (written by fastdpo before manifests, or the manifest was removed)."""
+    return not (ckpt / MANIFEST).is_file()
+
+
+def checkpoint_problem(ckpt: Path, trust_unverified: bool = False) -> str | None:
     """Why `ckpt` cannot be resumed, in words, or None: files missing or of another size, content that differs from
-    its manifest (a flipped bit, a swapped file), or a step counter that is not a step of this checkpoint."""
+    its manifest (a flipped bit, a swapped file), a file the manifest does not list, no manifest at all (unless
+    `trust_unverified`), or a step counter that is not a step of this checkpoint."""
     if not ckpt.is_dir():
         return "no such directory"
-    problem = _size_problem(ckpt)
+    if unverified(ckpt) and not trust_unverified:
+        return (f"{MANIFEST} is missing, so its content cannot be verified (checkpoints of fastdpo before content "
+                "manifests have none); pass --trust_unverified_checkpoint true to resume it unverified")
+    problem = _size_problem(ckpt, manifest_needed=not trust_unverified)
     if problem:
         return problem
     state = json.loads((ckpt / STATE / DONE).read_text())
@@ -319,9 +328,7 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         value = state.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < (key != "epoch")):
             return f"its {key} ({value!r} in {STATE}/{DONE}) is not a count"
-    if state.get("manifest") or (ckpt / MANIFEST).exists():
-        return manifest.check_manifest(ckpt, MANIFEST)
-    return None
+    return None if unverified(ckpt) else manifest.check_manifest(ckpt, MANIFEST)
 
 
 def complete_checkpoints(out_dir: Path) -> list[Path]:
@@ -412,32 +419,33 @@ def numbered_checkpoints(out_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def resolve_resume(spec: str, out_dir: Path, start_over: bool = False) -> Path | None:
+def resolve_resume(spec: str, out_dir: Path, start_over: bool = False, trust_unverified: bool = False) -> Path | None:
     """The checkpoint --resume_from_checkpoint names, its content verified. `latest`: the newest one that passes
     `checkpoint_problem`, naming each one skipped and why; None when `out_dir` holds no checkpoint (a run that starts
-    from step 0). When checkpoints exist but none is usable, a FastDPOError, unless `start_over` (then None)."""
+    from step 0). When checkpoints exist but none is usable, a FastDPOError, unless `start_over` (then None).
+    `trust_unverified`: a checkpoint without a content manifest may be chosen (with a warning)."""
     if not spec:
         return None
     if spec != "latest":
         p = Path(spec)
-        problem = checkpoint_problem(p)
+        problem = checkpoint_problem(p, trust_unverified)
         if problem:
             raise FastDPOError(
                 f"--resume_from_checkpoint {spec}: not a complete fastdpo checkpoint ({problem}). Use `latest` or one "
                 f"of: {', '.join(c.name for c in complete_checkpoints(out_dir)) or 'none found'}."
             )
-        return p
+        return _trusted(p)
     candidates = numbered_checkpoints(out_dir)
     if not candidates:
         log.info("--resume_from_checkpoint latest: no checkpoint in %s yet; starting from step 0.", out_dir)
         return None
     skipped = []
     for p in candidates:
-        problem = checkpoint_problem(p)
+        problem = checkpoint_problem(p, trust_unverified)
         if problem is None:
             if skipped:
                 log.warning("--resume_from_checkpoint latest: skipped %s; resuming from %s.", "; ".join(skipped), p)
-            return p
+            return _trusted(p)
         skipped.append(f"{p.name} ({problem})")
     text = (f"--resume_from_checkpoint latest: none of the {len(candidates)} checkpoints in {out_dir} can be "
             f"resumed: {'; '.join(skipped)}.")
@@ -446,6 +454,13 @@ def resolve_resume(spec: str, out_dir: Path, start_over: bool = False) -> Path |
         return None
     raise FastDPOError(f"{text} Resume one you trust by its path, remove the broken ones, or pass "
                        "--start_over_if_unusable true to train from step 0.")
+
+
+def _trusted(ckpt: Path) -> Path:
+    if unverified(ckpt):
+        log.warning("%s has no content manifest (%s): resuming it unverified, as --trust_unverified_checkpoint true "
+                    "asks.", ckpt, MANIFEST)
+    return ckpt
 
 
 def check_resume_step(resume: Path, total_steps: int) -> int:

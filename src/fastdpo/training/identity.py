@@ -1,9 +1,10 @@
 """What a run is, recorded in every checkpoint and compared when it is resumed: the model (a content fingerprint of
 --model and of the reference and adapter dirs, with the model's shape), the training data (a fingerprint of the
-tokenised pairs), and, from the checkpoint's saved config, the settings that change the objective or the order of
-the data. A resume that differs in any of them would continue another run's optimizer state on another problem, so
-it is refused with each difference named, unless --resume_ignore_changes true. Learning-rate flags may change (the
-loop follows the new schedule), and so may --beta_kl_window (the beta schedule keeps the latest drifts)."""
+tokenised pairs), and, from the checkpoint's saved config, every setting but those in FREE: what changes the
+objective, the optimizer's update (dtype, weight decay, Adam's betas and epsilon, clipping), what trains, or the data
+and its order. A resume that differs in any of them would continue another run's optimizer state on another problem,
+so it is refused with each difference named, unless --resume_ignore_changes true. Learning-rate flags may change
+(the loop follows the new schedule), and so may --beta_kl_window (the beta schedule keeps the latest drifts)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,28 @@ def _always(c: dict) -> bool:
     return True
 
 
-# flag -> when it matters (a difference counts if it matters in the checkpoint's config or in this run's)
+# Flags a resume may change: where and how the run reports and saves, how long it runs (max_steps and
+# num_train_epochs extend it), how fast it runs (layout, kernels, memory, ranks), the evaluation, and flags checked on
+# their own (learning-rate flags: followed; the step size and drop_last: loop.check_resume_step_size; model and data
+# paths: by fingerprint, below). Any other flag, one added later included, is compared.
+FREE = frozenset({
+    "model", "ref_model", "adapters", "ref_adapters", "dataset", "trust_remote_code", "max_row_mb",
+    "dataset_num_proc", "load_from_cache_file", "dataset_cache_dir", "dataloader_num_workers", "dataloader_drop_last",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "max_tokens_per_batch", "padding_free", "attn_impl",
+    "gradient_checkpointing", "max_memory_gib", "activation_offloading", "torch_compile", "kernels",
+    "max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio",
+    "warmup_steps", "beta_kl_window", "precompute_ref_log_probs", "precompute_ref_batch_size", "ref_cache_dir",
+    "val_dataset", "val_split", "eval_steps", "metric_for_best_model", "greater_is_better",
+    "output_dir", "push_to_hub", "hub_model_id", "hub_private_repo", "logging_steps", "save_steps", "save_total_limit",
+    "resume_from_checkpoint", "resume_ignore_changes", "start_over_if_unusable", "trust_unverified_checkpoint",
+    "overwrite_output_dir", "device", "disable_progress", "profile_steps", "compile_warmup", "length_buckets",
+    "gc_steps", "profile_memory", "report_to", "logging_dir", "run_name", "plot", "alert_patience",
+    "kl_ratio_threshold", "max_nonfinite_steps", "ddp_timeout", "fsdp", "deepspeed", "reduce_dtype",
+    "fsdp_layers_per_unit", "sequence_parallel_size", "sequence_parallel_mode",
+})
+
+# flag -> when it matters (a difference counts if it matters in the checkpoint's config or in this run's); a flag
+# neither here nor in FREE always matters
 GUARDED = {
     # the objective
     "loss_type": _always, "loss_weights": _always, "beta": _always, "beta_schedule": _always,
@@ -147,15 +169,17 @@ def _shape(record: dict) -> str:
 
 
 def setting_changes(saved: dict, cfg: TrainConfig) -> list[str]:
-    """`--flag old → new` for each guarded setting that differs between a checkpoint's saved config and `cfg`."""
+    """`--flag old → new` for each setting not in FREE that differs between a checkpoint's saved config and `cfg`
+    (a flag the saved config lacks, from an earlier version, is not compared)."""
     now = _plain(cfg.to_dict())
     changes = []
     if _loss_terms(saved) != _loss_terms(now):
         changes.append(f"--loss_type {saved.get('loss_type')} (weights {saved.get('loss_weights') or 'default'}) → "
                        f"{now['loss_type']} (weights {now['loss_weights'] or 'default'})")
-    for name, matters in GUARDED.items():
-        if name in ("loss_type", "loss_weights") or name not in saved:
+    for name in now:
+        if name in FREE or name in ("loss_type", "loss_weights") or name not in saved:
             continue
+        matters = GUARDED.get(name, _always)
         if saved[name] != now[name] and (matters(saved) or matters(now)):
             changes.append(f"--{name} {saved[name]} → {now[name]}")
     return changes

@@ -261,7 +261,8 @@ def resume_training(trainer: Trainer, out: Path, identity: RunIdentity) -> tuple
 
     def choose() -> Path | None:
         ckpt.clean_partial(out)  # leftovers of a write or delete a kill interrupted
-        chosen = ckpt.resolve_resume(cfg.resume_from_checkpoint, out, cfg.start_over_if_unusable)
+        chosen = ckpt.resolve_resume(cfg.resume_from_checkpoint, out, cfg.start_over_if_unusable,
+                                     cfg.trust_unverified_checkpoint)
         if chosen is not None:
             ckpt.check_resume_step(chosen, s.total_steps)
             check_resume_identity(chosen, ckpt.load_progress(chosen).get("run"), ckpt.saved_config(chosen), identity)

@@ -95,8 +95,9 @@ def write_manifest(root: Path, where: str, known: dict[str, str] | None = None) 
 
 
 def check_manifest(root: Path, where: str) -> str | None:
-    """None when every file `root/where` lists has its recorded size and content; otherwise what is wrong, in
-    words. Files not listed are not checked (a manifest covers what was written)."""
+    """None when every file `root/where` lists has its recorded size and content and no other file is under `root`;
+    otherwise what is wrong, in words. A file the manifest does not list was not written with the directory, and a
+    loader that reads a directory's files by pattern would take it in unchecked."""
     try:
         manifest = json.loads((root / where).read_text())
         algorithm, files = manifest["algorithm"], manifest["files"]
@@ -117,6 +118,11 @@ def check_manifest(root: Path, where: str) -> str | None:
         if size != entry.get("size"):
             return f"{rel} has {size} bytes, {entry.get('size')} when written"
         paths.append(p)
+    extra = [str(p.relative_to(root)) for p in files_of(root, exclude=(where,)) if str(p.relative_to(root)) not in files]
+    if extra:
+        more = f" (and {len(extra) - 1} more: {', '.join(extra[1:4])})" if len(extra) > 1 else ""
+        return (f"{extra[0]}{more} is not listed in {where}: it was not written with this directory and would be "
+                "loaded unverified; remove it")
     for p, digest in file_digests(paths, algorithm).items():
         rel = str(p.relative_to(root))
         if digest != files[rel].get("hash"):

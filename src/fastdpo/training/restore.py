@@ -27,6 +27,22 @@ def _size_mismatch(e: RuntimeError) -> str | None:
     return None
 
 
+def weight_files(ckpt: Path) -> list[Path]:
+    """The weight files of the model saved in `ckpt`: model.safetensors, or the shards its index names; never any
+    other .safetensors file that happens to lie there."""
+    import json
+
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise FastDPOError(f"{index}: unreadable weight index. Resume from another checkpoint.") from None
+        return [ckpt / n for n in names]
+    single = ckpt / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
 def load_weights(model, ckpt: Path) -> None:
     """Load checkpoint weights into `model` in place (full model or PEFT adapter)."""
     from safetensors import SafetensorError
@@ -46,9 +62,9 @@ def load_weights(model, ckpt: Path) -> None:
         except RuntimeError as e:
             raise _mismatch(ckpt, _size_mismatch(e) or str(e).splitlines()[0]) from None
         return
-    files = sorted(ckpt.glob("*.safetensors"))
+    files = weight_files(ckpt)
     if not files:
-        raise FastDPOError(f"{ckpt} holds no .safetensors weights.")
+        raise FastDPOError(f"{ckpt} holds no model.safetensors weights. Resume from another checkpoint.")
     state = {}
     for f in files:
         state.update(read(f))
@@ -175,7 +191,9 @@ def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler, extra_mod
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     saved = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
+    peft_file = ckpt / "adapter_model.safetensors"
+    files = ([peft_file] if peft_file.is_file() else []) if hasattr(model, "peft_config") else weight_files(ckpt)
+    for f in files:
         saved.update(load_file(str(f)))
     adapter = f".{model.active_adapter}." if hasattr(model, "peft_config") else None
     names = {p: n for n, p in model.named_parameters() if p.requires_grad}
