@@ -23,7 +23,7 @@ from fastdpo.model.backend import Backend, prepare_packed
 from fastdpo.model.load import load_tokenizer
 from fastdpo.model.tiny import build_tiny_model
 from fastdpo.training import checkpoint as ckpt
-from fastdpo.training.evaluate import BestTracker, TrainingEval, preference_metrics, token_kl
+from fastdpo.training.evaluate import BestTracker, TrainingEval, per_token_logps, preference_metrics, token_kl
 from fastdpo.training.loop import train
 
 # ---------------------------------------------------------------- pure pieces
@@ -49,6 +49,26 @@ def test_preference_metrics_by_hand():
     assert free["rewards/chosen"] == pytest.approx(-1.75) and free["rewards/accuracies"] == pytest.approx(0.5)
     weighted = preference_metrics(x, LossParams(beta=0.5), [("sigmoid", 2.0), ("sft", 0.5)])
     assert weighted["loss"] == pytest.approx(2 * dpo + 0.5 * 7.0 / 5.0, rel=1e-6)  # the training loss's weighted terms
+
+
+def test_eval_metrics_have_the_names_and_values_training_logs():
+    """The same pairs through training's step metrics and eval's: every name both report has the same value."""
+    from fastdpo.observe.metrics import StepMetrics
+
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (-torch.rand(5, generator=g) * 20 for _ in range(4))
+    lc, lr = torch.randint(1, 9, (5,), generator=g), torch.randint(1, 9, (5,), generator=g)
+    step = StepMetrics(torch.device("cpu"))
+    step.add(torch.tensor(1.0), 0.1, pc, pr, rc, rr, 50, lc, lr)
+    trained = step.finish()
+    x = LossInputs(pc, pr, rc, rr, lc, lr)
+    evaluated = {**preference_metrics(x, LossParams(beta=0.1), [("sigmoid", 1.0)]), **per_token_logps(x)}
+    shared = (set(trained) & set(evaluated)) - {"loss"}
+    assert {"rewards/chosen", "rewards/margins", "logps/chosen", "logps/chosen_per_token", "logratio/chosen",
+            "logratio/rejected", "logratio/mean"} <= shared
+    for k in shared:
+        assert evaluated[k] == pytest.approx(trained[k], rel=1e-5), k
+    assert "kl" not in trained and "kl" not in evaluated  # `kl` is only the exact KL `fastdpo eval` measures
 
 
 def test_win_rate_counts_ties_half():
@@ -280,8 +300,8 @@ def test_eval_accuracy_rises_after_training(tmp_path, heldout, lora_run):
     assert b["loss"] == pytest.approx(math.log(2), rel=1e-5) and b["kl"] == pytest.approx(0.0, abs=1e-6)
     assert a["rewards/accuracies"] >= 0.9 and a["rewards/margins"] > 0.5 and a["loss"] < 0.5
     assert a["kl"] > 1e-3
-    assert a["logps_per_token/rejected"] < a["ref_logps_per_token/rejected"]
-    assert a["ref_logps_per_token/chosen"] == pytest.approx(b["logps_per_token/chosen"], rel=1e-5)
+    assert a["logps/rejected_per_token"] < a["ref_logps/rejected_per_token"]
+    assert a["ref_logps/chosen_per_token"] == pytest.approx(b["logps/chosen_per_token"], rel=1e-5)
     saved = json.loads((tmp_path / "after" / "eval_report.json").read_text())
     assert saved["metrics"] == a and saved["pairs"] == 16
 

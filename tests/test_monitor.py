@@ -20,7 +20,7 @@ from fastdpo.training.monitor import Monitor, NonFiniteStop, finite_flag
 
 def rec(step, **kw):
     base = {"step": step, "loss": 0.6, "rewards/chosen": 0.1, "rewards/margins": 0.2, "rewards/accuracies": 0.8,
-            "kl": 0.001, "kl_ratio": 0.01, "grad_norm": 1.0, "skipped_steps": 0}
+            "logratio/mean": 0.001, "kl_ratio": 0.01, "grad_norm": 1.0, "skipped_steps": 0}
     return {**base, **kw}
 
 
@@ -31,7 +31,7 @@ def names(alerts):
 # ---------------------------------------------------------------- metrics
 
 
-def test_kl_and_per_token_logps_by_hand():
+def test_logratios_and_per_token_logps_by_hand():
     m = StepMetrics(torch.device("cpu"))
     pc, pr = torch.tensor([-4.0, -6.0]), torch.tensor([-9.0, -3.0])
     rc, rr = torch.tensor([-5.0, -6.5]), torch.tensor([-8.0, -2.0])
@@ -40,11 +40,12 @@ def test_kl_and_per_token_logps_by_hand():
     out = m.finish()
     assert out["logps/chosen_per_token"] == pytest.approx(-10.0 / 5)
     assert out["logps/rejected_per_token"] == pytest.approx(-12.0 / 5)
-    assert out["kl/chosen"] == pytest.approx((1.0 + 0.5) / 5)
-    assert out["kl/rejected"] == pytest.approx((-1.0 - 1.0) / 5)
-    assert out["kl"] == pytest.approx((1.5 - 2.0) / 10)
-    assert out["rewards/chosen"] == pytest.approx(0.1 * 1.5 / 2)
-    assert out["kl_ratio"] == pytest.approx(out["kl"] / out["rewards/chosen"]) and out["kl_ratio"] < 0
+    assert out["logratio/chosen"] == pytest.approx((1.0 + 0.5) / 5)
+    assert out["logratio/rejected"] == pytest.approx((-1.0 - 1.0) / 5)
+    assert out["logratio/mean"] == pytest.approx((1.5 - 2.0) / 10)
+    assert out["rewards/margins"] == pytest.approx(0.1 * (1.5 + 2.0) / 2)
+    assert out["kl_ratio"] == pytest.approx(0.05 / out["rewards/margins"])
+    assert "kl" not in out  # a true KL needs the whole distribution: `fastdpo eval` measures it
 
 
 def test_step_metrics_do_not_depend_on_how_pairs_fall_into_micro_batches():
@@ -62,13 +63,27 @@ def test_step_metrics_do_not_depend_on_how_pairs_fall_into_micro_batches():
         assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k  # float32 sums within a micro-batch
 
 
-def test_kl_ratio_is_guarded_against_zero_rewards():
+def test_kl_ratio_is_drift_per_unit_of_margin_and_guarded_against_zero_margins():
     assert kl_ratio(0.0, 0.0) == 0.0
     assert kl_ratio(1e-4, 0.0) == pytest.approx(1e-4 / KL_RATIO_FLOOR)
-    assert kl_ratio(-0.05, -0.5) == pytest.approx(0.1)  # both falling: drift without reward
-    assert kl_ratio(-0.05, 0.5) == pytest.approx(-0.1)  # rejected pushed down while chosen rises: healthy
+    assert kl_ratio(-0.05, 0.5) == pytest.approx(0.1)  # rejected pushed down while the margin grows: healthy
     assert kl_ratio(0.2, 0.5) == pytest.approx(0.4)
-    assert kl_ratio(0.001, -1e-6) == pytest.approx(-0.1)  # the floor keeps the sign
+    assert kl_ratio(0.001, -1.0) == pytest.approx(0.1)  # a negative margin counts as the floor: drift, no preference
+
+
+def test_falling_log_probs_do_not_raise_kl_ratio():
+    """Chosen and rejected both fall, rejected far more (per token -0.05 and -0.67 over 30 tokens, beta 0.1): the mean
+    log-ratio (-0.36) and rewards/chosen (-0.15) are negative, the margin grows. Their ratio, 2.4, used to raise the
+    alert."""
+    m = StepMetrics(torch.device("cpu"))
+    n = torch.tensor([30, 30])
+    ref = torch.tensor([-40.0, -50.0])
+    m.add(torch.tensor(1.0), 0.1, ref - 1.5, ref - 20.1, ref, ref, 120, n, n)
+    out = m.finish()
+    assert out["logratio/mean"] < 0 and out["rewards/chosen"] < 0 and out["rewards/margins"] > 0
+    assert out["kl_ratio"] == pytest.approx(abs(out["logratio/mean"]) / out["rewards/margins"])
+    assert out["kl_ratio"] < 0.3
+    assert AlertEngine(AlertRules(kl_ratio_threshold=0.3)).check(rec(1, **out)) == []
 
 
 def test_no_kl_without_a_reference():
@@ -76,7 +91,7 @@ def test_no_kl_without_a_reference():
     m.add(torch.tensor(1.0), 0.1, torch.tensor([-1.0]), torch.tensor([-2.0]), None, None, 5, torch.tensor([2]),
           torch.tensor([2]))
     out = m.finish()
-    assert "kl" not in out and "kl_ratio" not in out and out["logps/chosen_per_token"] == -0.5
+    assert "logratio/mean" not in out and "kl_ratio" not in out and out["logps/chosen_per_token"] == -0.5
 
 
 # ---------------------------------------------------------------- the alert engine
@@ -116,13 +131,12 @@ def test_kl_ratio_threshold():
     assert names(a) == ["kl_ratio"] and "--beta" in a[0].advice
 
 
-def test_kl_ratio_help_describes_the_signed_ratio_the_code_computes():
+def test_kl_ratio_help_describes_the_ratio_the_code_computes():
     import dataclasses
 
     help_text = next(f for f in dataclasses.fields(TrainConfig) if f.name == "kl_ratio_threshold").metadata["help"]
-    assert "|per-token KL|" not in help_text and "signed" in help_text, help_text
-    assert kl_ratio(-0.02, 0.04) == pytest.approx(-0.5)  # healthy: rejected falls while chosen rises
-    assert AlertEngine(AlertRules(kl_ratio_threshold=0.3)).check(rec(1, kl_ratio=-0.5)) == []
+    assert "|logratio/mean|" in help_text and "rewards/margins" in help_text, help_text
+    assert kl_ratio(-0.02, 0.04) == pytest.approx(0.5)
 
 
 def test_grad_spike_against_running_median():
@@ -295,3 +309,14 @@ def test_oom_next_steps_follow_the_settings():
     assert not any("precompute" in s or "bfloat16" in s for s in steps)
     full = oom_next_steps(TrainConfig(model="m", dataset=["d"]), longest_micro_tokens=3000)
     assert full[0].startswith("--max_tokens_per_batch 1500") and any("--precompute_ref_log_probs" in s for s in full)
+
+
+def test_runs_logged_with_kl_names_read_back_as_logratios(tmp_path):
+    """metrics.jsonl of earlier versions named the signed mean log-ratios `kl/chosen`, `kl/rejected` and `kl`."""
+    from fastdpo.observe.plot import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "kl/chosen": 0.2, "kl/rejected": -0.4, "kl": -0.1, "kl_ratio": 0.5}) + "\n")
+    rec = read_records(path)[0]
+    assert (rec["logratio/chosen"], rec["logratio/rejected"], rec["logratio/mean"]) == (0.2, -0.4, -0.1)
+    assert "kl" not in rec and rec["kl_ratio"] == 0.5

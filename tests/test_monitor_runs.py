@@ -63,8 +63,8 @@ def test_healthy_run_is_silent(healthy):
     assert rows[-1]["rewards/accuracies"] == 1.0 and rows[-1]["rewards/margins"] > rows[1]["rewards/margins"] > 0
     for r in rows:
         assert r["update_gap"] == 2.0 and r["skipped_steps"] == 0  # micro-steps of 4 pairs per update
-        assert r["kl_ratio"] < 0.3 and math.isfinite(r["kl/chosen"]) and math.isfinite(r["kl/rejected"])
-    assert rows[0]["kl"] == 0.0 and rows[-1]["kl/chosen"] > 0 > rows[-1]["kl/rejected"]  # chosen up, rejected down
+        assert r["kl_ratio"] < 0.3 and math.isfinite(r["logratio/chosen"]) and math.isfinite(r["logratio/rejected"])
+    assert rows[0]["logratio/mean"] == 0.0 and rows[-1]["logratio/chosen"] > 0 > rows[-1]["logratio/rejected"]
 
 
 def test_tensorboard_events_and_end_of_training_plot(healthy):
@@ -75,7 +75,7 @@ def test_tensorboard_events_and_end_of_training_plot(healthy):
     acc = EventAccumulator(str(healthy / "runs"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    for tag in ("loss", "rewards/margins", "kl", "kl_ratio", "grad_norm", "update_gap"):
+    for tag in ("loss", "rewards/margins", "logratio/mean", "kl_ratio", "grad_norm", "update_gap"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("loss")] == list(range(1, 9))
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx([r["loss"] for r in records(healthy)])

@@ -366,9 +366,9 @@ class TrainConfig(DataReading, ModelSection):
     plot: bool = _f(False, "Write the dashboard output_dir/metrics.png (needs matplotlib) at the end of training.")
     alert_patience: int = _f(5, "Logged steps a condition must hold before its alert (negative margins, gradient "
                              "collapse; four times as many for accuracy stuck at 0.5).")
-    kl_ratio_threshold: float = _f(0.3, "Alert when kl_ratio (per-token kl / rewards/chosen, signed; |rewards/chosen| "
-                                        "floored at 0.01) exceeds this. Negative ratios (rejected falling while chosen "
-                                        "rises) never alert.")
+    kl_ratio_threshold: float = _f(0.3, "Alert when kl_ratio (|logratio/mean| per token / rewards/margins, the margin "
+                                        "floored at 0.01) exceeds this: the policy drifts from the reference faster "
+                                        "than the margin grows, whichever way the log-probs move.")
     max_nonfinite_steps: int = _f(5, "Steps with a NaN/Inf loss or gradient skip their update; stop after this many "
                                   "in a row (0: never stop).")
     ddp_timeout: int = _f(1800, "Seconds a distributed collective may wait before the run fails (torch.distributed "

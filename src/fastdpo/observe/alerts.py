@@ -5,7 +5,7 @@ The engine is a pure function of the logged records (plus the expected update ga
 | alert | condition | likely meaning |
 |---|---|---|
 | swapped_labels | rewards/margins < 0 and rewards/accuracies < 0.5 for `patience` logged steps | chosen/rejected swapped |
-| kl_ratio | kl_ratio > `kl_ratio_threshold` | the policy drifts from the reference faster than reward grows |
+| kl_ratio | kl_ratio = abs(logratio/mean) / rewards/margins > `kl_ratio_threshold` | drift outpaces the margin |
 | grad_spike | grad_norm > `spike_factor` x running median of earlier logged steps | learning rate too high, bad batch |
 | grad_collapse | grad_norm < `collapse_below` for `patience` logged steps | vanished gradients, lr ~ 0 |
 | accuracy_stuck | mean rewards/accuracies within `stuck_band` of 0.5 over 4 x `patience` logged steps | nothing learned |
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 ADVICE = {
     "swapped_labels": "chosen and rejected may be swapped; check the data (read a few rows, check the column "
                       "mapping, and that --ref_model is the model the policy started from).",
-    "kl_ratio": "the policy moves away from the reference faster than the chosen reward grows: raise --beta, lower "
+    "kl_ratio": "the policy moves away from the reference faster than the reward margin grows: raise --beta, lower "
                 "--learning_rate, or check data quality (mislabelled pairs push rejected log-probs down).",
     "grad_spike": "learning rate too high or a noisy batch: lower --learning_rate, add warm-up (--warmup_ratio), keep "
                   "--max_grad_norm on, and look at the rows of this step.",
@@ -106,8 +106,9 @@ class AlertEngine:
 
         ratio = r.get("kl_ratio")
         if _finite(ratio) and ratio > rules.kl_ratio_threshold:
-            found.append(("kl_ratio", f"kl_ratio {ratio:.3g} > {rules.kl_ratio_threshold:g} (kl {r.get('kl', 0):.4g} "
-                                      f"per token, rewards/chosen {r.get('rewards/chosen', 0):.4g})"))
+            found.append(("kl_ratio", f"kl_ratio {ratio:.3g} > {rules.kl_ratio_threshold:g} (logratio/mean "
+                                      f"{r.get('logratio/mean', 0):.4g} per token, rewards/margins "
+                                      f"{r.get('rewards/margins', 0):.4g})"))
 
         norm = r.get("grad_norm")
         if _finite(norm):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -13,7 +12,7 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "reward
 # Per-token sums (log-ratio to the reference, log-probs, completion tokens), divided once by the step's completion
 # tokens.
 TOKEN_SUMS = ("logratio/chosen", "logratio/rejected", "logp/chosen", "logp/rejected", "tokens/chosen", "tokens/rejected")
-KL_RATIO_FLOOR = 1e-2  # |rewards/chosen| below this counts as this (sign kept): no blow-up while rewards are ~0
+KL_RATIO_FLOOR = 1e-2  # rewards/margins below this counts as this: no blow-up while the margin is still ~0
 
 
 class StepMetrics:
@@ -86,11 +85,11 @@ class StepMetrics:
         if n_c and n_r:
             out["logps/chosen_per_token"] = s_c / n_c
             out["logps/rejected_per_token"] = s_r / n_r
-            if self.has_reference:
-                out["kl/chosen"] = lr_c / n_c
-                out["kl/rejected"] = lr_r / n_r
-                out["kl"] = (lr_c + lr_r) / (n_c + n_r)
-                out["kl_ratio"] = kl_ratio(out["kl"], out["rewards/chosen"])
+            if self.has_reference:  # signed mean log-ratios, not KL: the completions are the data's, not sampled
+                out["logratio/chosen"] = lr_c / n_c
+                out["logratio/rejected"] = lr_r / n_r
+                out["logratio/mean"] = (lr_c + lr_r) / (n_c + n_r)
+                out["kl_ratio"] = kl_ratio(out["logratio/mean"], out["rewards/margins"])
         return out
 
 
@@ -100,13 +99,12 @@ def padding(busiest_computed: int, tokens: int, ranks: int = 1) -> float:
     return round(busiest_computed * ranks / max(tokens, 1) - 1, 4)
 
 
-def kl_ratio(kl: float, chosen_reward: float) -> float:
-    """kl / rewards/chosen, signed: how far the policy drifted per unit of reward it
-    gained. Positive when both move the same way (drift up with chosen rising, or both falling: likelihood of chosen
-    lost while the policy leaves the reference); negative in the healthy case where the completions' mean log-ratio
-    falls (rejected pushed down) while chosen's reward rises. |rewards/chosen| is floored at KL_RATIO_FLOOR (sign
-    kept) so that the ratio stays finite while rewards are still ~0."""
-    return kl / math.copysign(max(abs(chosen_reward), KL_RATIO_FLOOR), chosen_reward)
+def kl_ratio(logratio_mean: float, margin: float) -> float:
+    """|logratio/mean| / rewards/margins: how far the policy drifted from the reference (per completion token, either
+    way) per unit of preference margin it gained; nonnegative. A margin below KL_RATIO_FLOOR (none gained, or
+    negative) counts as the floor, so drift without a margin gives a large ratio and no division blows up. Rewards
+    that fall together (chosen and rejected log-probs both down, a margin still growing) give a small one."""
+    return abs(logratio_mean) / max(margin, KL_RATIO_FLOOR)
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -15,12 +15,16 @@ PANELS = [
     ("rewards", ["rewards/chosen", "rewards/rejected"], False),
     ("reward margin", ["rewards/margins", "eval_rewards/margins"], False),
     ("reward accuracy", ["rewards/accuracies", "eval_rewards/accuracies"], False),
-    ("KL per token (policy vs reference)", ["kl/chosen", "kl/rejected", "kl"], False),
+    ("log-ratio per token (policy vs reference)", ["logratio/chosen", "logratio/rejected", "logratio/mean"], False),
     ("grad norm", ["grad_norm"], True),
     ("learning rate", ["learning_rate"], False),
     ("pairs / s", ["pairs_per_second"], False),
     ("peak memory (GiB)", ["memory/peak_gib"], False),
 ]
+
+
+# metrics.jsonl of earlier versions logged the signed mean log-ratios under `kl` names
+OLD_NAMES = {"kl/chosen": "logratio/chosen", "kl/rejected": "logratio/rejected", "kl": "logratio/mean"}
 
 
 def _number(v) -> float | None:
@@ -58,6 +62,7 @@ def read_records(path: Path) -> list[dict]:
     by_step: dict[int, dict] = {}
     for _, rec in read_jsonl(path):
         if isinstance(rec, dict) and "step" in rec:
+            rec = {OLD_NAMES.get(k, k): v for k, v in rec.items()}
             by_step[int(rec["step"])] = {**by_step.get(int(rec["step"]), {}), **rec}
     return [by_step[k] for k in sorted(by_step)]
 
@@ -105,7 +110,7 @@ def write_dashboard(out_dir: str | Path, path: str | Path | None = None) -> Path
         if title == "reward accuracy":
             ax.axhline(0.5, color="grey", linestyle=":", linewidth=1)
             ax.set_ylim(-0.05, 1.05)
-        if title in ("reward margin", "KL per token (policy vs reference)"):
+        if title in ("reward margin", "log-ratio per token (policy vs reference)"):
             ax.axhline(0.0, color="grey", linestyle=":", linewidth=1)
         for s in skipped:
             ax.axvline(s, color="red", alpha=0.35, linewidth=1)
@@ -138,7 +143,7 @@ def write_dashboard(out_dir: str | Path, path: str | Path | None = None) -> Path
 _ALERT_PANELS = {
     "swapped_labels": ("rewards",),
     "accuracy_stuck": ("rewards",),
-    "kl_ratio": ("kl",),
+    "kl_ratio": ("logratio",),
     "grad_spike": ("grad_norm",),
     "grad_collapse": ("grad_norm",),
     "nonfinite": ("loss",),

@@ -62,7 +62,7 @@ class Timeline:
 
 
 # the final metrics the summary line names (all of the last logged step go to summary.json)
-SHOWN = ("loss", "rewards/margins", "rewards/accuracies", "kl")
+SHOWN = ("loss", "rewards/margins", "rewards/accuracies", "logratio/mean")
 
 
 def clock(seconds: float | None) -> str:
@@ -144,7 +144,7 @@ def summary_line(summary: dict) -> str:
     """One line for the log: time, steps, rates, peak memory and the final loss and rewards."""
     peak = summary["peak_memory_gib"]
     metrics = summary["final_metrics"]
-    shown = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in SHOWN if k in metrics)
+    shown = "  ".join(f"{k.removesuffix('/mean').split('/')[-1]}={metrics[k]:.4g}" for k in SHOWN if k in metrics)
     return (f"run summary: {summary['steps']} steps in {clock(summary['train_runtime'])} "
             f"({summary['train_runtime']:.1f} s)  {summary['train_samples_per_second']:.2f} pairs/s  "
             f"{summary['tokens_per_second']:.0f} tokens/s  peak memory "

@@ -47,7 +47,7 @@ class ConsoleSink:
     width), ending with the time left once the run's progress is known (`Sinks.follow`); alerts go through the
     `fastdpo` logger."""
 
-    KEYS = ("loss", "rewards/margins", "rewards/accuracies", "kl", "grad_norm", "learning_rate", "pairs_per_second",
+    KEYS = ("loss", "rewards/margins", "rewards/accuracies", "logratio/mean", "grad_norm", "learning_rate", "pairs_per_second",
             "eval_loss", "eval_rewards/margins", "eval_rewards/accuracies")
 
     def __init__(self, console):
@@ -70,9 +70,9 @@ class ConsoleSink:
 
 
 def _label(key: str) -> str:
-    """`rewards/margins` -> `margins`, `eval_rewards/margins` -> `eval_margins`."""
+    """`rewards/margins` -> `margins`, `eval_rewards/margins` -> `eval_margins`, `logratio/mean` -> `logratio`."""
     prefix = "eval_" if key.startswith("eval_") else ""
-    return prefix + key.removeprefix("eval_").split("/")[-1]
+    return prefix + key.removeprefix("eval_").removesuffix("/mean").split("/")[-1]
 
 
 def _fmt(v) -> str:

@@ -124,21 +124,27 @@ def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str,
 
 
 def per_token_logps(x: LossInputs) -> dict:
-    """Mean log-prob per completion token (token-weighted), policy and reference."""
-    out = {"logps_per_token/chosen": float(x.policy_chosen.sum() / x.chosen_tokens.sum()),
-           "logps_per_token/rejected": float(x.policy_rejected.sum() / x.rejected_tokens.sum())}
+    """Per-token means over the completion tokens (token-weighted), as training logs them: the policy's log-probs
+    and, with a reference, its log-probs and the signed log-ratios policy - reference (`logratio/*`, not a KL: the
+    completions are the data's, not sampled from the policy)."""
+    n_c, n_r = x.chosen_tokens.sum(), x.rejected_tokens.sum()
+    out = {"logps/chosen_per_token": float(x.policy_chosen.sum() / n_c),
+           "logps/rejected_per_token": float(x.policy_rejected.sum() / n_r)}
     if x.ref_chosen is not None:
-        out["ref_logps_per_token/chosen"] = float(x.ref_chosen.sum() / x.chosen_tokens.sum())
-        out["ref_logps_per_token/rejected"] = float(x.ref_rejected.sum() / x.rejected_tokens.sum())
+        out["ref_logps/chosen_per_token"] = float(x.ref_chosen.sum() / n_c)
+        out["ref_logps/rejected_per_token"] = float(x.ref_rejected.sum() / n_r)
+        lr_c, lr_r = (x.policy_chosen - x.ref_chosen).sum(), (x.policy_rejected - x.ref_rejected).sum()
+        out["logratio/chosen"], out["logratio/rejected"] = float(lr_c / n_c), float(lr_r / n_r)
+        out["logratio/mean"] = float((lr_c + lr_r) / (n_c + n_r))
     return out
 
 
 @torch.no_grad()
 def token_kl(model, reference: Reference, pairs: list[TokenizedPair], backend: Backend, pad_id: int, device,
              max_tokens: int = 0, batch_size: int = 8, chunk: int = 2048) -> float:
-    """Mean per-token KL(policy || reference) of the next-token distributions at every completion position of the
-    pairs (chosen and rejected, teacher-forced), over the whole vocabulary, in float32, a chunk at a time. Needs a
-    reference model (not a precomputed table)."""
+    """`kl`: the mean per-token KL(policy || reference) of the next-token distributions at every completion position
+    of the pairs (chosen and rejected, teacher-forced), exact over the whole vocabulary (nonnegative), in float32, a
+    chunk at a time. Needs a reference model (not a precomputed table)."""
     assert reference.strategy not in ("none", "precompute"), reference.strategy
     total, count = 0.0, 0
     with _eval_mode(model):
@@ -250,7 +256,8 @@ class TrainingEval:
         x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
                        cfg.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
                        functools.partial(policy_logps, s.policy), needs_prompt_targets(n for n, _ in s.loss_terms))
-        metrics = preference_metrics(x, loss_params(cfg, s.beta.value()), s.loss_terms, cfg.rpo_alpha)
+        metrics = {**preference_metrics(x, loss_params(cfg, s.beta.value()), s.loss_terms, cfg.rpo_alpha),
+                   **per_token_logps(x)}
         dt = time.perf_counter() - t0
         record = {"step": step, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()},
                   "eval_runtime": round(dt, 4), "eval_pairs_per_second": len(self.pairs) / max(dt, 1e-9)}
