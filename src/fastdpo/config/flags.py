@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from fastdpo.config.compat import add_foreign_flags, apply_foreign, foreign_flags
+from fastdpo.config.compat.noop import log_noop_notes
 from fastdpo.config.launch import prints_notes
 from fastdpo.config.schema import TrainConfig, _parse_bool, _parse_dict
 from fastdpo.errors import FastDPOError
@@ -134,7 +135,11 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
             values[name] = [values[name]]
     if isinstance(values.get("target_modules"), list):
         values["target_modules"] = ",".join(map(str, values["target_modules"]))
-    return cls(**values)
+    config = cls(**values)
+    if cls is TrainConfig:
+        with _notes_once():
+            log_noop_notes(config, asked)  # flags set that do nothing here, each said once
+    return config
 
 
 @contextlib.contextmanager
@@ -173,13 +178,13 @@ def _shown(value: Any) -> str:
         else str(value)
 
 
-ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "adapters", "quant_bits")
+ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_dora", "adapters", "quant_bits")
 
 
 def _check_adapter_flags(values: dict, asked: set[str]) -> None:
     """Adapter settings asked for on a full fine-tune would be ignored: ms-swift scripts leave out --train_type
     because lora is its default there, while here the default is full."""
-    given = [name for name in ADAPTER_FLAGS if name in asked and name in values]
+    given = [name for name in ADAPTER_FLAGS if name in asked and name in values and values[name] is not False]
     if given and values.get("train_type", "full") == "full":
         flags = ", ".join(f"--{name}" for name in given)
         raise FastDPOError(f"{flags} set, but --train_type is full (the default here; ms-swift's is lora), which "

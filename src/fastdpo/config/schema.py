@@ -156,6 +156,8 @@ class ModelSection:
     lora_dropout: float = _f(0.05, "LoRA dropout.")
     target_modules: str = _f("all-linear", "LoRA targets: all-linear, default (PEFT's modules for the architecture, "
                              "e.g. q_proj,v_proj) or module names (comma-separated or several values).", nargs="+")
+    use_dora: bool = _f(False, "LoRA: DoRA adapters (weight-decomposed: a trained magnitude per output row beside A "
+                        "and B), through PEFT's own forward (the fused LoRA path serves plain LoRA only).")
     adapters: str = _f("", "LoRA: start the trained adapter from this PEFT adapter dir instead of a fresh one.")
     ref_adapters: str = _f("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
 
@@ -512,6 +514,8 @@ class TrainConfig(DataReading, ModelSection):
     def _validate_reference(self) -> None:
         if self.precompute_ref_batch_size < 0:
             raise FastDPOError(f"--precompute_ref_batch_size must be >= 0, got {self.precompute_ref_batch_size}.")
+        if self.use_dora and not self.uses_lora:
+            raise FastDPOError("--use_dora trains DoRA adapters: it needs --train_type lora (or qlora).")
         if self.adapters and not self.uses_lora:
             raise FastDPOError("--adapters starts a LoRA adapter from a saved one: it needs --train_type lora.")
         if self.ref_adapters and self.ref_model:

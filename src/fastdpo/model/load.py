@@ -227,8 +227,10 @@ def check_adapter_dir(path: str, flag: str) -> Path:
     return p
 
 
-def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, adapters: str = ""):
-    """Wrap `model` with a trainable LoRA adapter named "default": a fresh one, or the one saved in `adapters`."""
+def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, adapters: str = "",
+             use_dora: bool = False):
+    """Wrap `model` with a trainable LoRA adapter named "default": a fresh one (DoRA with `use_dora`), or the one
+    saved in `adapters`."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapters:
@@ -238,7 +240,8 @@ def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, 
         targets = None if target_modules == "default" else target_modules  # None: PEFT's modules for the architecture
     else:
         targets = [t.strip() for t in target_modules.split(",")]
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, use_dora=use_dora,
+                     task_type="CAUSAL_LM")
     try:
         return _name_base(get_peft_model(model, cfg), model)
     except ValueError as e:

@@ -34,6 +34,12 @@ import torch.nn.functional as F
 from fastdpo.model import kernels
 from fastdpo.model.logprobs import has_out_dtype
 
+# DoRA rescales each output row by a trained magnitude over the norm of W + s B A, which the lean forward's GEMMs
+# do not compute: its layers keep PEFT's forward (`_served`)
+DORA_NOTE = ("--use_dora true: DoRA adapters train through PEFT's own forward, not the fused LoRA path (which serves "
+             "plain LoRA only): steps are slower and hold more memory than plain LoRA's; the reference is the model "
+             "with the adapters off, as for LoRA.")
+
 
 def _weight_grad(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """scale * a @ b in `dtype` (an adapter's float32 gradient from bfloat16 factors: written by the GEMM in float32

@@ -30,7 +30,7 @@ from fastdpo.model.fused import fuse_layers, kernels_wanted
 from fastdpo.model.kernels import build_ahead, head_size, norm_widths
 from fastdpo.model.kernels import ready as kernels_ready
 from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
-from fastdpo.model.lora import fuse_lora
+from fastdpo.model.lora import DORA_NOTE, fuse_lora
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
 from fastdpo.parallel.parallelize import parallelize
@@ -288,7 +288,10 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     if reference.model is not None and reference.model is not model:  # a --ref_model loaded on its own
         fuse_kernels(cfg, reference.model, device)
     if cfg.uses_lora:
-        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters)
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters,
+                         cfg.use_dora)
+        if cfg.use_dora:
+            log.info("%s", DORA_NOTE)
         if reference.strategy == "ref_adapter":
             load_ref_adapter(model, cfg.ref_adapters)
         if cfg.kernels != "torch":

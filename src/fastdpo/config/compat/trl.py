@@ -174,8 +174,6 @@ FLAGS: dict[str, Foreign] = {
     "use_rslora": Foreign("TRL: not available (false = off).", refuse_on(
         "--use_rslora {value}: rank-stabilised LoRA scaling is not available; fastdpo scales adapters by "
         "lora_alpha / lora_rank. Drop the flag (and set --lora_alpha for the scale you want)."), bare=True),
-    "use_dora": Foreign("TRL: not available (false = off).", refuse_on(
-        "--use_dora {value}: DoRA is not available; fastdpo trains plain LoRA adapters. Drop the flag."), bare=True),
     "lora_modules_to_save": Foreign("TRL: not available.", refuse_on(
         "--lora_modules_to_save {value}: fastdpo trains only the LoRA adapters, never whole modules beside them. "
         "Drop the flag, or train every weight with --train_type full."), nargs="+"),
