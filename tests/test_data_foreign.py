@@ -184,11 +184,12 @@ def test_columns_rename_before_format_detection():
 def test_a_prompt_in_an_unread_column_is_named_not_dropped():
     """Chosen and rejected sharing no text, next to a text column: that column is the prompt, not read without a
     mapping; training on an empty prompt would be silent."""
-    value = {"question": "w1 w2", "chosen": "w5 w6", "rejected": "w7 w8"}
-    with pytest.raises(RowError, match=f"^{W}: has no prompt.*'question' is not read.*--columns '{{\"question\": "
+    value = {"query": "w1 w2", "chosen": "w5 w6", "rejected": "w7 w8"}
+    with pytest.raises(RowError, match=f"^{W}: has no prompt.*'query' is not read.*--columns '{{\"query\": "
                                        f"\"prompt\"}}'"):
         to_row(value, W)
-    assert Record(W, value).row(read(columns={"question": "prompt"})).prompt == "w1 w2"
+    assert Record(W, value).row(read(columns={"query": "prompt"})).prompt == "w1 w2"
+    # orca's question column is read as the prompt without a mapping (tests/test_data_rejects.py)
     # a shared text is the implicit prompt, whatever other columns hold; with nothing else, an empty prompt stays
     assert to_row({"id": "x", "chosen": "w1 w5", "rejected": "w1 w7"}, W).prompt == "w1"
     assert to_row({"chosen": "w5", "rejected": "w7"}, W).prompt == ""

@@ -13,8 +13,9 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-from fastdpo.data.formats import Row
+from fastdpo.data.formats import Row, RowError
 from fastdpo.data.prepare import DataOptions
+from fastdpo.data.rejects import REJECTS_FILE, by_reason, same_problem
 from fastdpo.data.sources import parse_spec, select
 from fastdpo.data.tokenize import TokenizeOptions, TokenizeStats, tokenize_chunk
 from fastdpo.data.unsupported import UnsupportedCount, UnsupportedRow
@@ -22,6 +23,7 @@ from fastdpo.errors import FastDPOError
 
 CHUNK = 512
 SHOWN = 50  # messages printed per list
+GROUPED = 3  # more rows of a dataset with the same problem than this: one message for them all
 
 
 @dataclass
@@ -34,6 +36,7 @@ class CheckReport:
     stats: TokenizeStats = field(default_factory=TokenizeStats)
     notes: list[str] = field(default_factory=list)  # with a tokenizer: how the rows will be read
     longest: int = 0  # tokens of the longest pair training keeps whole (prompt + chosen + rejected)
+    invalid: dict = field(default_factory=dict)  # reason -> rows training stops at (--strict false: skips)
 
     @property
     def ok(self) -> bool:
@@ -58,6 +61,10 @@ class _Checker:
 
     def error(self, message: str, ordinal: int | None = None) -> None:
         self.errors.append((self.ordinal if ordinal is None else ordinal, message))
+
+    def invalid(self, e: RowError) -> None:
+        """Count a row training would stop at (or skip with --strict false), by reason."""
+        self.report.invalid[e.reason] = self.report.invalid.get(e.reason, 0) + 1
 
     def row(self, row: Row, ordinal: int) -> None:
         """Check one row training would use; a row `#N` repeats is tokenised again but reported once."""
@@ -91,6 +98,7 @@ class _Checker:
         for e in problems:
             if e.where not in self.flagged:
                 self.flagged.add(e.where)
+                self.invalid(e)
                 self.error(str(e), ordinals[e.where])
         for k, p, c, r in lengths:
             if p + max(c, r) <= o.max_length:
@@ -111,6 +119,7 @@ def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, R
 
     items: list[tuple[int, Row | None]] = []
     unsupported, first = UnsupportedCount(spec.label), 0  # rows of a kind fastdpo does not train: one message
+    bad: dict[int, RowError] = {}  # ordinal -> the row's error; the same problem in many rows is named once
     try:
         for rec in iter_records(spec, opts.split, limit=opts.read.max_row_bytes):
             checker.ordinal += 1
@@ -118,7 +127,12 @@ def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, R
                 items.append((checker.ordinal, rec.row(opts.read)))
             except UnsupportedRow as e:
                 unsupported.add(e)
+                checker.invalid(e)
                 first = first or checker.ordinal
+                items.append((checker.ordinal, None))
+            except RowError as e:
+                bad[checker.ordinal] = e
+                checker.invalid(e)
                 items.append((checker.ordinal, None))
             except FastDPOError as e:
                 checker.error(str(e))
@@ -130,6 +144,13 @@ def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, R
         unsupported.rows = len(items)
         for message in unsupported.messages():
             checker.error(message, first)
+        ordinal_of = {id(e): k for k, e in bad.items()}
+        for same in by_reason(list(bad.values())).values():
+            if len(same) > GROUPED:
+                checker.error(same_problem(same, spec.label, len(items)), ordinal_of[id(same[0])])
+            else:
+                for e in same:
+                    checker.error(str(e), ordinal_of[id(e)])
     return items, True
 
 
@@ -178,6 +199,11 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
         count = f"{n} rows" if used == n and "#" not in text else f"{n} rows read, {used} used for training"
         lines.append(f"{text}: {count} ({kinds})")
     lines += [f"note: {n}" for n in report.notes]
+    if report.invalid:
+        n, rows = sum(report.invalid.values()), sum(read for _, read, _, _ in report.sources)
+        counts = ", ".join(f"{k} {r}" for r, k in sorted(report.invalid.items(), key=lambda kv: -kv[1]))
+        lines.append(f"invalid rows: {n} of {rows} ({counts}). Training stops at them; --strict false skips them "
+                     f"and writes them to {REJECTS_FILE} in --output_dir.")
     lines += _listing("errors", report.errors)
     lines += _listing("warnings: duplicate pairs", report.duplicates)
     if model:

@@ -16,6 +16,8 @@ Accepted (detected per row, so files may mix them):
 - LLaMA-Factory sharegpt: `conversations` (`{from, value}` or `{role, content}` turns: an optional leading system
   turn, then user/observation turns alternating with assistant/function_call turns, ending with a user or
   observation turn), `chosen`/`rejected` one message each (or reply texts).
+- orca (Intel/orca_dpo_pairs): `question` is the prompt, `chosen`/`rejected` reply texts; with a `system` column the
+  row is a conversation (system + user turn), else plain text.
 Optional columns: `tools` (a list or its JSON text; passed to the chat template), `system` (conversational rows).
 """
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from fastdpo.errors import FastDPOError
 
 FORMATS = ("standard", "conversational", "implicit_text", "implicit_conversational", "hh_rlhf", "ms_swift", "alpaca",
-           "sharegpt")
+           "sharegpt", "orca")
 ALPACA_FIELDS = ("instruction", "input", "history")
 # LLaMA-Factory's ShareGPT role tags (and their OpenAI names) -> message roles; function_call becomes a tool call
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -36,18 +38,39 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 SHAREGPT_ORDER = ("After an optional leading system turn, conversations alternate human (or observation) and gpt (or "
                   "function_call) turns and end with the human or observation turn that chosen and rejected answer.")
 HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+# columns other datasets use for fastdpo's (Intel/orca_dpo_pairs' question, argilla's chosen_response, ...): named
+# in the error of a row that lacks fastdpo's column, with the --columns mapping that reads them
+COLUMN_ALIASES = {
+    "prompt": ("question", "query", "instruction", "input", "prompt_text", "text"),
+    "chosen": ("chosen_response", "response_chosen", "chosen_text", "response_j", "accepted", "preferred", "good"),
+    "rejected": ("rejected_response", "response_rejected", "rejected_text", "response_k", "dispreferred", "bad"),
+}
 
 
 class RowError(FastDPOError):
-    """A bad row: where it is, which field, what is wrong and how to fix it."""
+    """A bad row: where it is, which field, what is wrong and how to fix it; `kind` names the problem in counts of
+    invalid rows when the field and problem do not (see `reason`)."""
 
-    def __init__(self, where: str, field: str | None, problem: str, fix: str = ""):
-        super().__init__(where, field, problem, fix)  # all in args: picklable across worker processes
-        self.where, self.field, self.problem, self.fix = where, field, problem, fix
+    def __init__(self, where: str, field: str | None, problem: str, fix: str = "", kind: str = ""):
+        super().__init__(where, field, problem, fix, kind)  # all in args: picklable across worker processes
+        self.where, self.field, self.problem, self.fix, self.kind = where, field, problem, fix, kind
 
     def __str__(self) -> str:
         what = f"field {self.field!r} " if self.field else ""
         return f"{self.where}: {what}{self.problem}" + (f" {self.fix}" if self.fix else "")
+
+    @property
+    def reason(self) -> str:
+        """A short name of the problem, the same for every row that has it: 'missing prompt', 'empty chosen', ..."""
+        if self.kind:
+            return self.kind
+        if not self.field:
+            return "invalid row"
+        field = re.sub(r"\[[^\]]*\]", "", self.field)  # conversations[3].from and [5].from count together
+        for start, word in (("is missing", "missing"), ("is empty", "empty")):
+            if self.problem.startswith(start):
+                return f"{word} {field}"
+        return f"invalid {field}"
 
 
 @dataclass
@@ -89,8 +112,21 @@ def _unicode(text: str, name: str, where: str) -> str:
     return text
 
 
+def alias_of(value: dict, name: str) -> str | None:
+    """A column of the row that other datasets use for fastdpo's column `name` (and that is not read as such)."""
+    if name == "rejected" and value.get("messages") is not None:
+        return None  # rejected_response belongs to the ms-swift row
+    return next((a for a in COLUMN_ALIASES.get(name, ()) if isinstance(value.get(a), str) and value[a]), None)
+
+
+def mapping_hint(source: str, target: str) -> str:
+    return f"The row has {source!r}: name it as the {target} with --columns '{{\"{source}\": \"{target}\"}}'."
+
+
 def _missing(value: dict, name: str, where: str) -> RowError:
-    return RowError(where, name, f"is missing (fields present: {_fields(value)}).", "Add it to the row.")
+    alias = alias_of(value, name)
+    return RowError(where, name, f"is missing (fields present: {_fields(value)}).",
+                    mapping_hint(alias, name) if alias else "Add it to the row.")
 
 
 def _kind(x: object) -> str:
@@ -210,11 +246,12 @@ def _implicit_text(c: str, r: str, where: str, value: dict) -> Row:
     cut = max((i for i in range(n) if c[i].isspace()), default=0)  # keep words whole; the space opens the reply
     others = [k for k, v in value.items() if k not in ("chosen", "rejected", "system", "tools")
               and isinstance(v, str) and v.strip()]
+    others.sort(key=lambda k: k not in COLUMN_ALIASES["prompt"])  # a known prompt column first
     if cut == 0 and others:  # no shared text to be the prompt, and a text column that is likely to hold it
         raise RowError(where, None, f"has no prompt: chosen and rejected share no text, and the text in "
                        f"{', '.join(repr(k) for k in others)} is not read.",
                        f"If {others[0]!r} holds the prompt, name it: --columns '{{\"{others[0]}\": \"prompt\"}}' "
-                       f"(or --prompt_key {others[0]}).")
+                       f"(or --prompt_key {others[0]}).", kind="missing prompt")
     chosen, rejected = c[cut:], r[cut:]
     for name, text in (("chosen", chosen), ("rejected", rejected)):
         if not text.strip():
@@ -426,6 +463,26 @@ def _alpaca_row(value: dict, where: str, tools: list | None) -> Row:
     return Row(prompt, replies[0], replies[1], where, tools, "alpaca")
 
 
+def _is_orca(value: dict) -> bool:
+    """Intel/orca_dpo_pairs' layout: `question` (+ `system`) with chosen/rejected texts, and no other prompt column."""
+    return (isinstance(value.get("question"), str) and isinstance(value.get("chosen"), str)
+            and isinstance(value.get("rejected"), str)
+            and all(value.get(k) is None for k in ("prompt", "messages", "conversations", *ALPACA_FIELDS)))
+
+
+def _orca_row(value: dict, where: str, tools: list | None) -> Row:
+    """`question` is the prompt. With a `system` column the row is a conversation (system turn when not empty, the
+    question as the user turn), read through the chat template as LLaMA-Factory and ms-swift read it; without one,
+    plain text like prompt/chosen/rejected."""
+    question = _text(value["question"], "question", where, True)
+    chosen, rejected = (_text(value[name], name, where, True) for name in ("chosen", "rejected"))
+    if "system" not in value:
+        return Row(question, chosen, rejected, where, tools, "standard")
+    prompt = _with_system([{"role": "user", "content": question}], value, where)
+    return Row(prompt, [{"role": "assistant", "content": chosen}], [{"role": "assistant", "content": rejected}], where,
+               tools, "orca")
+
+
 def to_row(value: object, where: str, formatting: str | None = None) -> Row:
     """Normalise one decoded record to a `Row`, in the format detected (or in `formatting`, alpaca or sharegpt, when
     the dataset says which); raise `RowError` naming the field and a fix."""
@@ -437,6 +494,8 @@ def to_row(value: object, where: str, formatting: str | None = None) -> Row:
         return {"alpaca": _alpaca_row, "sharegpt": _sharegpt_row}[formatting](value, where, tools)
     if value.get("conversations") is not None:
         return _sharegpt_row(value, where, tools)
+    if _is_orca(value):
+        return _orca_row(value, where, tools)
     if value.get("instruction") is not None or (value.get("prompt") is None and value.get("messages") is None and any(
             value.get(name) is not None for name in ALPACA_FIELDS)):  # never the implicit prompt: it would drop them
         return _alpaca_row(value, where, tools)

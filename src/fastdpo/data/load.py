@@ -6,9 +6,9 @@ from pathlib import Path
 
 from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row, RowError, to_row
+from fastdpo.data.rejects import Rejects, read_valid
 from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, select, source_kind
 from fastdpo.data.sources import parse_spec as parse_dataset_spec
-from fastdpo.data.unsupported import read_rows
 from fastdpo.errors import FastDPOError
 
 __all__ = ["MAX_SAMPLED_ROWS", "Row", "RowError", "check_row", "load_file", "load_rows", "load_spec", "parse_spec",
@@ -49,18 +49,21 @@ def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
     return sample(rows, n, seed)
 
 
-def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions = AS_GIVEN) -> list[Row]:
-    """Every row of one spec, validated (the first bad row raises), then `#N`-sampled."""
-    rows = read_rows(iter_records(spec, split, limit=read.max_row_bytes), read, spec.label)
+def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions = AS_GIVEN,
+              rejects: Rejects | None = None) -> list[Row]:
+    """Every row of one spec, validated (invalid rows raise one error, or are skipped into `rejects`), then
+    `#N`-sampled."""
+    rows = read_valid(iter_records(spec, split, limit=read.max_row_bytes), read, spec.label, rejects)
     if not rows:
         raise FastDPOError(f"Dataset {spec.label} has no rows.")
     return select(rows, spec, seed, first=read.max_samples)
 
 
-def load_rows(specs: list[str], seed: int = 42, split: str = "train", read: RowOptions = AS_GIVEN) -> list[Row]:
+def load_rows(specs: list[str], seed: int = 42, split: str = "train", read: RowOptions = AS_GIVEN,
+              rejects: Rejects | None = None) -> list[Row]:
     """All rows of all datasets given (`path`, `path#N`, `org/name:subset`), in order, read as `read` says (column
-    mapping, prompt template)."""
+    mapping, prompt template); invalid rows raise, or are skipped into `rejects` when it skips them."""
     rows: list[Row] = []
     for text in specs:
-        rows.extend(load_spec(parse_dataset_spec(text), split, seed, read))
+        rows.extend(load_spec(parse_dataset_spec(text), split, seed, read, rejects))
     return rows

@@ -13,11 +13,13 @@ from pathlib import Path
 
 from fastdpo.data.cache import cache_root, data_key, load_cached, save_cached
 from fastdpo.data.columns import RowOptions
-from fastdpo.data.formats import Row
+from fastdpo.data.formats import Row, RowError
 from fastdpo.data.load import load_rows
 from fastdpo.data.parallel import ordered_map
+from fastdpo.data.rejects import REJECTS_FILE, STRICT_HINT, Rejects, row_record
 from fastdpo.data.template import resolve_template
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats, no_pairs_error, tokenize_chunk
+from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
 CHUNK = 512  # rows per tokenizer call (and per task for worker processes)
@@ -42,7 +44,8 @@ class DataOptions:
     def from_config(cls, cfg) -> DataOptions:
         tok = TokenizeOptions(max_length=cfg.max_length, truncation_strategy=cfg.truncation_strategy,
                               max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
-                              template=resolve_template(cfg.template), system=cfg.system or None)
+                              template=resolve_template(cfg.template), system=cfg.system or None,
+                              template_timeout=cfg.template_timeout)
         return cls(tok, split=cfg.split, seed=cfg.seed, num_proc=cfg.dataset_num_proc,
                    use_cache=cfg.load_from_cache_file, cache_dir=cfg.dataset_cache_dir, streaming=cfg.streaming,
                    num_workers=cfg.dataloader_num_workers,
@@ -58,7 +61,8 @@ class DataOptions:
                               max_prompt_length=getattr(cfg, "max_prompt_length", 0),
                               max_completion_length=getattr(cfg, "max_completion_length", 0),
                               template=resolve_template(getattr(cfg, "template", "")),
-                              system=getattr(cfg, "system", "") or None)
+                              system=getattr(cfg, "system", "") or None,
+                              template_timeout=getattr(cfg, "template_timeout", TokenizeOptions.template_timeout))
         return cls(tok, seed=cfg.seed, use_cache=False, read=RowOptions.from_config(cfg))
 
 
@@ -97,10 +101,26 @@ class DataSummary:
             "%s", self.text())
 
 
-def _tokenize_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats]:
-    tokenizer, options = state
+def log_rejects(rejects: Rejects, out: Path | None) -> None:
+    """When invalid rows are skipped (--strict false): how many and why, logged, and the rows written to
+    `out`/rejects.jsonl (empty when none was skipped, so an earlier run's list does not linger)."""
+    if not rejects.skip:
+        return
+    path = out / REJECTS_FILE if out is not None else None
+    if path is not None:
+        rejects.write(path)
+    if rejects.items:
+        log.warning("data: %s%s.", rejects.summary(), f" (written to {path})" if path else "")
+    else:
+        log.info("data: no invalid rows among %d.", rejects.rows)
+
+
+def _tokenize_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats, list[RowError] | None]:
+    tokenizer, options, skip = state
     start, rows = item
-    return tokenize_chunk(tokenizer, rows, options, start)
+    problems: list[RowError] | None = [] if skip else None
+    pairs, stats = tokenize_chunk(tokenizer, rows, options, start, problems=problems)
+    return pairs, stats, problems
 
 
 def load_pairs(specs: list[str], tokenizer, opts: DataOptions) -> tuple[list[TokenizedPair], DataSummary]:
@@ -111,9 +131,11 @@ def load_pairs(specs: list[str], tokenizer, opts: DataOptions) -> tuple[list[Tok
     return pairs, summary
 
 
-def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions) -> tuple[list[TokenizedPair], DataSummary]:
+def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions,
+                   rejects: Rejects | None = None) -> tuple[list[TokenizedPair], DataSummary]:
     """Rows -> pairs (index = position in `rows`), from the cache when the same rows were tokenised the same way
-    before, else with `opts.num_proc` processes. Raises on the first bad row or when no pair survives."""
+    before, else with `opts.num_proc` processes. Raises on the first row the tokenizer or chat template cannot
+    handle (skipped into `rejects` when it skips them), or when no pair survives."""
     root = cache_root(opts.cache_dir)
     key = data_key(rows, tokenizer, opts.tokenize, opts.read) if opts.use_cache else None
     if key is not None:
@@ -122,14 +144,24 @@ def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions) -> tuple[list[
             return hit[0], DataSummary(hit[1], opts.tokenize, cached=True)
     chunks = ((start, rows[start: start + CHUNK]) for start in range(0, len(rows), CHUNK))
     workers = opts.num_proc if opts.num_proc > 1 else 0
+    skip = rejects is not None and rejects.skip
     stats = TokenizeStats()
     pairs: list[TokenizedPair] = []
-    for got, part in ordered_map(_tokenize_task, chunks, (tokenizer, opts.tokenize), workers):
-        pairs += got
-        stats.add(part)
+    skipped: list[RowError] = []
+    try:
+        for got, part, problems in ordered_map(_tokenize_task, chunks, (tokenizer, opts.tokenize, skip), workers):
+            pairs += got
+            stats.add(part)
+            skipped += problems or []
+    except RowError as e:
+        raise FastDPOError(f"{e} {STRICT_HINT}") from None
+    if skipped:
+        by_source = {r.source: r for r in rows}
+        for e in skipped:
+            rejects.add(e, row_record(by_source[e.where]))
     if not pairs:
         raise no_pairs_error(opts.tokenize, stats)
-    if key is not None:
+    if key is not None and not skipped:  # skipped rows are reported each run, and a strict run must not find them gone
         try:
             save_cached(root, key, pairs, stats)
         except OSError as e:  # a read-only or full cache dir must not stop training

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row, RowError, to_row
 from fastdpo.data.unsupported import refuse_unsupported
-from fastdpo.errors import FastDPOError
 
 # CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
 CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools", "conversations", "history")
@@ -28,8 +27,9 @@ class Record:
 
     def row(self, read: RowOptions = AS_GIVEN) -> Row:
         """The record as a Row, read as its dataset's own reading says (--dataset_info), else as `read` says."""
-        if self.error is not None:
-            raise FastDPOError(f"{self.where}: {self.error}")
+        if self.error is not None:  # the row itself could not be read: invalid JSON or UTF-8, malformed CSV, too large
+            kind = "row too large" if "over the limit of" in self.error else "unreadable row"
+            raise RowError(self.where, None, self.error, kind=kind)
         own = read.reading(self.dataset)
         where = f"{self.where} (dataset {own.name})" if own else self.where
         value = own.project(self.value, where) if own else read.rename(self.value, where)
@@ -39,7 +39,7 @@ class Record:
         row = to_row(value, where, own.formatting if own else None)
         size = size_over(row, read.max_row_bytes)
         if size:  # from a source read whole (Parquet, HF datasets, a JSON object of rows)
-            raise RowError(where, None, too_large(size, read.max_row_bytes))
+            raise RowError(where, None, too_large(size, read.max_row_bytes), kind="row too large")
         return read.adapt(row)
 
 

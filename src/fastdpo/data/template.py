@@ -10,10 +10,17 @@ completion is never silently shifted.
 
 from __future__ import annotations
 
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from fastdpo.data.formats import Row, RowError
 from fastdpo.errors import FastDPOError
+
+log = logging.getLogger("fastdpo")
 
 # The end-of-sequence token closes the final assistant turn in the text templates, as TRL appends it to plain text.
 BUILTIN_TEMPLATES = {
@@ -119,14 +126,62 @@ def _dropped_call(messages: list[dict], text: str) -> str | None:
     return None
 
 
-class ChatRenderer:
-    """Renders conversational rows to (prompt, prompt+chosen, prompt+rejected) texts."""
+class TemplateTimeout(BaseException):
+    """The time limit of a rendering passed. A BaseException, so that no `except Exception` on the way out of the
+    template (Jinja's, transformers') takes it for the template's own error."""
 
-    def __init__(self, tokenizer, template: str | None = None, system: str | None = None):
+
+@contextmanager
+def time_limit(seconds: float, on_slow: Callable[[], None]) -> Iterator[None]:
+    """Interrupt the block with TemplateTimeout after `seconds` (0: no limit). Jinja renders in Python bytecode, so
+    SIGALRM's handler runs inside the template's loops and ends them; a thread could only watch. Where no alarm can
+    be set (not the main thread, no SIGALRM, an interval timer already running), `on_slow` is called from a timer
+    instead: the rendering goes on, but not silently."""
+    if seconds <= 0:
+        yield
+        return
+    if not (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+            and signal.getitimer(signal.ITIMER_REAL)[0] == 0):
+        timer = threading.Timer(seconds, on_slow)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+        return
+    running = True
+
+    def alarm(signum, frame) -> None:
+        if running:  # not after the block ended, before the timer was cleared
+            raise TemplateTimeout
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+        running = False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+
+class ChatRenderer:
+    """Renders conversational rows to (prompt, prompt+chosen, prompt+rejected) texts, each row within `timeout`
+    seconds (0: no limit)."""
+
+    def __init__(self, tokenizer, template: str | None = None, system: str | None = None, timeout: float = 10.0):
         self.tokenizer = tokenizer
         self.template = template
         self.system = system or None
+        self.timeout = timeout
         self.extra = {"special_prefix": special_prefix(tokenizer)}
+
+    @property
+    def template_name(self) -> str:
+        if self.template:
+            return "--template"
+        return f"the chat_template of the tokenizer {getattr(self.tokenizer, 'name_or_path', '') or ''}".rstrip()
 
     @property
     def available(self) -> bool:
@@ -138,14 +193,29 @@ class ChatRenderer:
                                                       tokenize=False, **kw, **self.extra)
         except Exception as e:  # a template is user code: any error it raises is about this row or the template
             raise RowError(row.source, None, f"the chat template failed on this row ({type(e).__name__}: {e}).",
-                           "Fix the row or the template (--template).") from None
+                           "Fix the row or the template (--template).", kind="chat template failed") from None
 
     def render(self, row: Row) -> tuple[str, str, str]:
+        def slow() -> None:
+            log.warning("%s: %s has been rendering this row for %g s (it cannot be interrupted here).", row.source,
+                        self.template_name, self.timeout)
+
+        try:
+            with time_limit(self.timeout, slow):
+                return self._render(row)
+        except TemplateTimeout:
+            raise RowError(row.source, None, f"{self.template_name} took more than {self.timeout:g} s to render this "
+                           "row.", "A template that loops over the messages inside another loop (or a long range) "
+                           "can take that long: simplify it, or raise --template_timeout (0: no limit).",
+                           kind="chat template too slow") from None
+
+    def _render(self, row: Row) -> tuple[str, str, str]:
         if not self.available:
             fix = f"Pass --template ({', '.join(sorted(BUILTIN_TEMPLATES))}) or a Jinja file."
             if row.format == "standard":  # a plain-text row made a user turn (--apply_chat_template, ms-swift's reading)
                 fix += " Or read plain-text rows as they are: --apply_chat_template false."
-            raise RowError(row.source, None, "is conversational but the tokenizer has no chat_template.", fix)
+            raise RowError(row.source, None, "is conversational but the tokenizer has no chat_template.", fix,
+                           kind="no chat template")
         prompt = list(row.prompt)
         if self.system and not (prompt and prompt[0]["role"] == "system"):
             prompt.insert(0, {"role": "system", "content": self.system})
@@ -157,11 +227,13 @@ class ChatRenderer:
                 raise RowError(row.source, None, f"the chat template renders the prompt differently alone than before "
                                f"the {name} reply: from character {i}, alone {text[i:i + 30]!r}, in the conversation "
                                f"{f[i:i + 30]!r}.", "Use a template whose generation prompt matches how it renders "
-                               "the assistant turn (--template NAME or a Jinja file).")
+                               "the assistant turn (--template NAME or a Jinja file).",
+                               kind="prompt rendered differently")
         for messages, f in ((prompt + row.chosen, full[0]), (prompt + row.rejected, full[1])):
             name = _dropped_call(messages, f)
             if name is not None:
                 raise RowError(row.source, None, f"holds a tool call of {name!r}, but the chat template does not "
                                "render tool calls: the call would be trained as an empty turn.",
-                               "Use a chat template that renders tool_calls (the model's own, or --template FILE).")
+                               "Use a chat template that renders tool_calls (the model's own, or --template FILE).",
+                               kind="tool call not rendered")
         return text, full[0], full[1]

@@ -48,6 +48,7 @@ class TokenizeOptions:
     max_completion_length: int = 0
     template: str | None = None  # Jinja text; None: the tokenizer's chat_template
     system: str | None = None
+    template_timeout: float = 10.0  # seconds the chat template may take per row (0: no limit)
 
 
 @dataclass
@@ -154,7 +155,7 @@ def _chat_ids(tokenizer, texts: list[tuple[str, str, str]], rows: list[Row]) -> 
             out.append(RowError(row.source, None, f"the prompt's last tokens merge with the {bad} reply's first "
                                 f"tokens ({tokenizer.decode(p[i:])!r} is tokenised differently inside the "
                                 "conversation).", "End the template's generation prompt on a token boundary (a "
-                                "newline or a special token)."))
+                                "newline or a special token).", kind="prompt tokens merge with the reply"))
         else:
             out.append((p, pc[len(p):], pr[len(p):]))
     return out
@@ -177,7 +178,8 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
         elif options.system and not row.conversational:
             err = RowError(row.source, None, "is plain text, but --system applies to conversational rows only "
                            "(plain text is tokenised without a chat template).",
-                           "Put the system text in the prompt, or give the row as messages.")
+                           "Put the system text in the prompt, or give the row as messages.",
+                           kind="--system on a plain-text row")
             if problems is None:
                 raise err
             problems.append(err)
@@ -189,7 +191,7 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
         ids.update(zip(plain, _plain_ids(tokenizer, [rows[k] for k in plain])))
     chat = [k for k in keep if rows[k].conversational]
     if chat:
-        renderer = renderer or ChatRenderer(tokenizer, options.template, options.system)
+        renderer = renderer or ChatRenderer(tokenizer, options.template, options.system, options.template_timeout)
         texts, ok = [], []
         for k in chat:
             try:
@@ -203,7 +205,7 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
         got = ids[k]
         if isinstance(got, tuple) and not (got[1] and got[2]):
             got = RowError(rows[k].source, None, "a completion tokenises to nothing after the prompt.",
-                           "Check that chosen/rejected are not contained in the prompt.")
+                           "Check that chosen/rejected are not contained in the prompt.", kind="empty completion tokens")
         if isinstance(got, RowError):
             if problems is None:
                 raise got
@@ -241,3 +243,21 @@ def no_pairs_error(options: TokenizeOptions, stats: TokenizeStats) -> FastDPOErr
         return FastDPOError("Every pair has chosen identical to rejected: there is no preference to learn.")
     return FastDPOError(f"No pair fits --max_length {options.max_length} (--truncation_strategy "
                         f"{options.truncation_strategy}): {stats.dropped} of {stats.rows} dropped. Raise --max_length.")
+
+
+def check_vocab(pairs: list[TokenizedPair], rows: list[Row], vocab_size: int, model: str) -> None:
+    """Raise when a token id is outside the model's input embeddings (`vocab_size` rows): the first step would fail
+    with an IndexError (or a device-side assert) far from the cause. `rows[pair.index]` is each pair's row."""
+    for pair in pairs:
+        top = max(max(part, default=-1) for part in (pair.prompt, pair.chosen, pair.rejected))
+        if top < vocab_size:
+            continue
+        part = next(n for n, ids in (("prompt", pair.prompt), ("chosen", pair.chosen), ("rejected", pair.rejected))
+                    if ids and max(ids) == top)
+        raise FastDPOError(f"{rows[pair.index].source}: token id {top} (in the {part}) is outside the vocabulary of "
+                           f"the model{f' {model}' if model else ''}, whose input embeddings have {vocab_size} rows. "
+                           "The tokenizer does not "
+                           "match the model: load the tokenizer saved with these weights (the model dir's "
+                           "tokenizer files), or, if tokens were added to the tokenizer on purpose, resize the "
+                           "model's embeddings to it (model.resize_token_embeddings(len(tokenizer))) and save the "
+                           "model before training.")
