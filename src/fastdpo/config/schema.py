@@ -190,6 +190,8 @@ class DataReading:
                                    "chat template applies to them too (message-list rows always go through it).")
     max_row_mb: float = _f(16.0, "Largest row read from a data file, in MiB (a JSONL line, a JSON array element, a CSV "
                            "record): a larger one is an error naming its line, found before it is held in memory.")
+    template_timeout: float = _f(10.0, "Seconds the chat template may take to render one row (0: no limit): a longer "
+                                 "rendering is an error naming the row and the template, not a silent hang.")
 
     def validate_reading(self) -> None:
         """The reading flags: choices and bounds, the chat template, columns and per-dataset readings."""
@@ -204,6 +206,8 @@ class DataReading:
                 raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
         if not self.max_row_mb > 0:
             raise FastDPOError(f"--max_row_mb must be > 0, got {self.max_row_mb}.")
+        if not self.template_timeout >= 0:
+            raise FastDPOError(f"--template_timeout must be >= 0 seconds (0: no limit), got {self.template_timeout}.")
         resolve_template(self.template)  # raises on an unknown name or a missing file
         check_row_flags(self)
 
@@ -218,6 +222,8 @@ class TrainConfig(DataReading, ModelSection):
     system: str = _f("", "System prompt for conversational rows that have none.")
     max_samples: int = _f(0, "Keep the first N rows of each dataset, --val_dataset's too, after `#N` sampling (0: all), "
                           "as LLaMA-Factory's and OpenRLHF's max_samples (OpenRLHF also caps several datasets' sum).")
+    strict: bool = _f(True, "Invalid rows stop the run with one error per dataset (true), or are skipped, counted by "
+                      "reason and written to rejects.jsonl in --output_dir (false; ms-swift's default).")
     dataset_num_proc: int = _f(1, "Processes that tokenise the dataset.")
     load_from_cache_file: bool = _f(True, "Reuse tokenised data cached under a fingerprint of data, tokenizer, settings.")
     dataset_cache_dir: str = _f("", "Tokenisation cache dir (default: $FASTDPO_CACHE_DIR, else ~/.cache/fastdpo).")

@@ -17,11 +17,12 @@ import torch
 
 from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row, load_rows
-from fastdpo.data.prepare import DataOptions, tokenize_pairs
+from fastdpo.data.prepare import DataOptions, log_rejects, tokenize_pairs
+from fastdpo.data.rejects import Rejects
 from fastdpo.data.split import held_out_rows
 from fastdpo.data.stream import PairStream
 from fastdpo.data.template import keep_template, plain_text_note
-from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.data.tokenize import TokenizedPair, check_vocab
 from fastdpo.dpo.beta import BetaSchedule
 from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
@@ -96,11 +97,14 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
     summary is logged (and saved in `summary_dir`). With --streaming the training data is read lazily by a
     PairStream instead: no training rows or pairs here."""
     opts = DataOptions.from_config(cfg)
-    rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read))
+    rejects = Rejects(skip=not cfg.strict)
+    rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read,
+                                                                           rejects))
     pairs: list[TokenizedPair] = []
     if not cfg.streaming:
-        pairs, summary = tokenize_pairs(rows, tokenizer, opts)
+        pairs, summary = tokenize_pairs(rows, tokenizer, opts, rejects)
         summary.log()
+        log_rejects(rejects, summary_dir)
         note = None if cfg.input_template else plain_text_note(rows, tokenizer, opts.tokenize.template)
         if note:
             log.warning("data: %s", note)
@@ -152,6 +156,9 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
     model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
                        cfg.quant_bits if cfg.train_type == "qlora" else 0)
     mark("model")
+    vocab = model.get_input_embeddings().weight.shape[0]  # ids past it fail at the first step, far from the cause
+    check_vocab(pairs, rows, vocab, cfg.model)
+    check_vocab(val_pairs, val_rows, vocab, cfg.model)
     fuse_kernels(cfg, model, device)  # before any reference is computed: policy and reference compute alike
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
     s = assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
