@@ -81,3 +81,59 @@ def test_plot_errors_are_clear(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FastDPOError, match="pip install matplotlib"):
         write_dashboard(fake_run(tmp_path / "ok", steps=3))
+
+
+def full_disk(monkeypatch):
+    """Every figure write fills the disk part-way through, as PIL meets ENOSPC."""
+    import errno
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    def savefig(self, fname, **kw):
+        if hasattr(fname, "write"):
+            fname.write(b"\x89PNG\r\n\x1a\n cut")
+        else:
+            Path(fname).write_bytes(b"\x89PNG\r\n\x1a\n cut")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+
+
+def test_a_full_disk_leaves_no_partial_png_and_says_so(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    run = fake_run(tmp_path / "run")
+    assert main(["plot", str(run)]) == 0
+    before = (run / "metrics.png").read_bytes()
+    full_disk(monkeypatch)
+    with pytest.raises(FastDPOError) as e:
+        write_dashboard(run)
+    msg = str(e.value)
+    assert f"Writing the dashboard {run / 'metrics.png'} failed (No space left on device)" in msg, msg
+    assert f"rerun `fastdpo plot {run}`" in msg, msg
+    assert (run / "metrics.png").read_bytes() == before  # the earlier dashboard, whole
+    with pytest.raises(FastDPOError):
+        write_dashboard(run, tmp_path / "new.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert not list(run.glob(".metrics.png*"))
+    capsys.readouterr()
+    assert main(["plot", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "No space left on device" in out and "Traceback" not in out, out
+
+
+def test_a_full_disk_while_plotting_ends_a_run_with_a_warning(tmp_path, monkeypatch, capsys, model_dirs):
+    pytest.importorskip("matplotlib")
+    from conftest import easy_rows, run_cli, write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(8, seed=1))
+    out = tmp_path / "run"
+    full_disk(monkeypatch)
+    rc, text = run_cli(capsys, "train", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--output_dir",
+                       str(out), "--max_steps", "2", "--per_device_train_batch_size", "2", "--device", "cpu",
+                       "--plot", "true", "--disable_progress", "true")
+    flat = " ".join(text.split())
+    assert rc == 0 and "Traceback" not in text, text
+    assert f"--plot: Writing the dashboard {out / 'metrics.png'} failed (No space left on device)" in flat, flat
+    assert (out / "final" / "model.safetensors").is_file()
+    assert not (out / "metrics.png").exists() and not list(out.glob(".metrics.png*"))

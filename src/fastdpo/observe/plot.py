@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 
 from fastdpo.config import require_matplotlib
 from fastdpo.errors import FastDPOError
+
+log = logging.getLogger("fastdpo")
 
 # (title, metric names, log scale)
 PANELS = [
@@ -135,8 +139,34 @@ def write_dashboard(out_dir: str | Path, path: str | Path | None = None) -> Path
                     ax.axvline(a["step"], color="orange", linestyle="--", linewidth=1)
     fig.suptitle(subtitle, fontsize=12)
     target = Path(path) if path else out / "metrics.png"
-    fig.savefig(target)
+    save_figure(fig, target, f"The run's metrics are in {metrics}: rerun `fastdpo plot {out}` once the disk has room.")
     return target
+
+
+def save_figure(fig, target: Path, advice: str) -> None:
+    """Write `fig` to `target` through a temporary file beside it, renamed into place: a full disk leaves the old
+    file (or none), never a cut-off image. A failed write is a FastDPOError naming the file, the cause, `advice`."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            fig.savefig(f, format=target.suffix[1:].lower() or "png")
+        os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise FastDPOError(f"Writing the dashboard {target} failed ({e.strerror or e}); no partial file was left. "
+                           f"{advice}") from None
+
+
+def dashboard_after_training(out_dir: str | Path) -> Path | None:
+    """The dashboard of a run whose final model is saved: one that cannot be drawn or written is a warning, not a
+    failed run."""
+    try:
+        path = write_dashboard(out_dir)
+    except FastDPOError as e:
+        log.warning("--plot: %s The final model is saved.", e)
+        return None
+    log.info("Dashboard: %s", path)
+    return path
 
 
 # which metric families an alert concerns (for its marker on the dashboard)

@@ -163,9 +163,9 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     timeline.mark("saved")
     evaluator.best.saved(s.total_steps, final)
     if cfg.plot and d.is_main:
-        from fastdpo.observe.plot import write_dashboard  # matplotlib loads only when asked for
+        from fastdpo.observe.plot import dashboard_after_training  # matplotlib loads only when asked for
 
-        log.info("Dashboard: %s", write_dashboard(out))
+        dashboard_after_training(out)
     run = report_run(bar, last, s, out, final_dir=str(final), timeline_s=timeline.marks, **evaluator.summary())
     if cfg.push_to_hub and d.is_main:
         what = "LoRA adapter" if cfg.uses_lora else "model"
