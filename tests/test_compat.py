@@ -186,6 +186,23 @@ def test_fewer_than_32_pairs_per_step_warns(caplog):
     assert caplog.text == ""
 
 
+@pytest.mark.parametrize("flags, warned", [
+    ((), False),  # fastdpo's own 8 pairs
+    (("--rlhf_type", "dpo"), False),  # ms-swift's 16 pairs, set by its defaults
+    (("--rlhf_type", "dpo", "--per_device_train_batch_size", "2"), False),  # still ms-swift's 16
+    (("--rlhf_type", "dpo", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "4"), True),
+    (("--per_device_train_batch_size", "4"), True),
+])
+def test_small_step_warning_only_for_a_step_size_the_user_chose(caplog, flags, warned):
+    from fastdpo.training.setup import warn_small_steps
+
+    caplog.set_level(logging.WARNING, logger="fastdpo")
+    cfg = parse(*flags)
+    assert cfg.pairs_per_step < 32
+    warn_small_steps(cfg, 1)
+    assert ("pairs per optimizer step" in caplog.text) == warned, caplog.text
+
+
 @pytest.mark.parametrize("lr", ["1e39", "nan", "-1e-5"])
 def test_impossible_learning_rates_are_one_clean_line(capsys, lr):
     """1e39 used to end in a raw overflow traceback inside AdamW's first step."""

@@ -124,6 +124,7 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     yaml_keys = {name: args.config for name in foreign}  # before the command line's flags join them
     foreign.update({name: getattr(args, name) for name in foreign_names if hasattr(args, name)})
     yaml_keys = {name: path for name, path in yaml_keys.items() if not hasattr(args, name)}
+    accumulation_given = "gradient_accumulation_steps" in values
     with _notes_once():
         apply_foreign(foreign, values, yaml_keys)  # flags of other tools' scripts and configs: mapped, noted, or refused
     if cls is TrainConfig:
@@ -137,9 +138,23 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
         values["target_modules"] = ",".join(map(str, values["target_modules"]))
     config = cls(**values)
     if cls is TrainConfig:
+        config.step_chosen = _step_chosen(asked | set(foreign), accumulation_given, values)
         with _notes_once():
             log_noop_notes(config, asked)  # flags set that do nothing here, each said once
     return config
+
+
+# the flags (fastdpo's, HF's, OpenRLHF's) that size an optimizer step
+STEP_FLAGS = {"per_device_train_batch_size", "micro_train_batch_size", "gradient_accumulation_steps", "train_batch_size"}
+
+
+def _step_chosen(given: set[str], accumulation_given: bool, values: dict) -> bool:
+    """Whether the user sized the step: a step flag was given, and not only a micro-batch size whose accumulation a
+    tool's defaults then filled in (ms-swift's 16 pairs per step)."""
+    chosen = STEP_FLAGS & given
+    micro_only = chosen <= {"per_device_train_batch_size", "micro_train_batch_size"}
+    filled_in = not accumulation_given and "gradient_accumulation_steps" in values
+    return bool(chosen) and not (micro_only and filled_in)
 
 
 @contextlib.contextmanager

@@ -398,6 +398,9 @@ class TrainConfig(DataReading, ModelSection):
     sequence_parallel_mode: str = _f("auto", "auto|ulysses|ring: how attention crosses the ranks of a group. ulysses: "
                                      "all-to-all of heads (needs query heads divisible by the size); ring: key/value "
                                      "chunks passed around the group. auto: ulysses where the heads allow, else ring.")
+    # not a field: whether the pairs per step are the user's choice (a flag or YAML key), not a default of fastdpo's or
+    # of the tool whose flags were given; set by `build_config`, None when unknown (a config built in Python)
+    step_chosen = None
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:  # the rate that trains what --train_type trains

@@ -115,9 +115,15 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
 
 
 def warn_small_steps(cfg: TrainConfig, world_size: int) -> None:
-    """DPO's usual minimum is 32 pairs per optimizer step (a heuristic: below it steps are noisy; warned, not refused)."""
+    """DPO's usual minimum is 32 pairs per optimizer step (a heuristic: below it steps are noisy; warned, not refused).
+    Only a step size the user chose is warned about: a default (fastdpo's 8 pairs, ms-swift's 16) is not theirs to
+    defend."""
     pairs = cfg.pairs_per_step * world_size
-    if pairs < SMALL_STEP:
+    chosen = cfg.step_chosen
+    if chosen is None:  # a config built in Python: any step size other than the default is a choice
+        chosen = (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) != (
+            TrainConfig.per_device_train_batch_size, TrainConfig.gradient_accumulation_steps)
+    if pairs < SMALL_STEP and chosen:
         log.warning("%d pairs per optimizer step (--per_device_train_batch_size %d x --gradient_accumulation_steps %d"
                     "%s): DPO is usually trained with at least %d, below which its steps are noisy. Raise "
                     "--gradient_accumulation_steps to %d for %d.", pairs, cfg.per_device_train_batch_size,
