@@ -45,6 +45,7 @@ CASES = {
     "greater_is_better": ("--greater_is_better", "true"),
     "save_total_limit": ("--save_total_limit", "2"),
     "resume_ignore_changes": ("--resume_ignore_changes", "true"),
+    "trust_unverified_checkpoint": ("--trust_unverified_checkpoint", "true"),
     "start_over_if_unusable": ("--start_over_if_unusable", "true"),
     "hub_private_repo": ("--hub_private_repo", "true"),
     "logging_dir": ("--logging_dir", "/tmp/tb"),

@@ -86,6 +86,8 @@ NOOPS: dict[str, Callable[[Any], str | None]] = {
     "save_total_limit": lambda c: None if c.save_steps > 0 or not c.save_total_limit else (
         f"without --save_steps only the final model is saved; {NO_EFFECT}"),
     "resume_ignore_changes": lambda c: None if c.resume_from_checkpoint else _only_with("--resume_from_checkpoint"),
+    "trust_unverified_checkpoint": lambda c: (None if c.resume_from_checkpoint
+                                              else _only_with("--resume_from_checkpoint")),
     "start_over_if_unusable": lambda c: (None if c.resume_from_checkpoint == "latest"
                                          else _only_with("--resume_from_checkpoint latest")),
     "hub_private_repo": lambda c: None if c.push_to_hub else _only_with("--push_to_hub"),
