@@ -84,11 +84,54 @@ def shown_default(f: dataclasses.Field) -> str:
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
-    """One flag per config field, with default SUPPRESS so we can tell what the user set; the help text ends with
-    the field's default."""
-    parser.add_argument("--config", help="YAML file with any of these flags; the command line wins.")
+# The sections of every config's flags, as `--help` groups them and the CLI reference lists them: a field named here
+# opens the section, and the fields declared after it (up to the next one named) belong to it. `Class.field` applies
+# to that config class only. Fields before the first one named land in "Options".
+SECTIONS = {
+    "model": "Model",
+    "train_type": "LoRA and QLoRA",
+    "split": "Data",
+    "per_device_train_batch_size": "Batching and memory",
+    "max_steps": "Optimizer and schedule",
+    "TrainConfig.loss_type": "Loss",
+    "precompute_ref_log_probs": "Reference model",
+    "TrainConfig.val_dataset": "Evaluation during training",
+    "output_dir": "Output and checkpoints",
+    "TrainConfig.device": "Device and progress",
+    "profile_steps": "Profiling and compilation",
+    "report_to": "Logging and monitoring",
+    "fsdp": "Parallelism",
+    "max_new_tokens": "Generation",
+    "InferConfig.prompt": "Prompts and output",
+    "EvalConfig.ref_model": "Preference metrics",
+    "EvalConfig.reward_fn": "Reward function and lm-eval tasks",
+    "EvalConfig.output_dir": "Output and backends",
+    "ExportConfig.output_dir": "Output",
+}
+
+
+def config_sections(cls: type) -> dict[str, list[dataclasses.Field]]:
+    """The fields of a config class by section (`SECTIONS`), sections in the order they first appear."""
+    out: dict[str, list[dataclasses.Field]] = {}
+    title = "Options"
     for f in dataclasses.fields(cls):
+        title = SECTIONS.get(f"{cls.__name__}.{f.name}", SECTIONS.get(f.name, title))
+        out.setdefault(title, []).append(f)
+    return out
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
+    """One flag per config field, grouped by section, with default SUPPRESS so we can tell what the user set; the
+    help text ends with the field's default."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file with any of these flags; the command line wins.")
+    for title, fields in config_sections(cls).items():
+        _add_fields(parser.add_argument_group(title), fields)
+    if foreign_flags(cls):
+        add_foreign_flags(parser, foreign_flags(cls))
+
+
+def _add_fields(parser, fields: list[dataclasses.Field]) -> None:
+    for f in fields:
         text = f.metadata.get("help", "")
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"{text} [default: {shown_default(f)}]"}
         typ = _flag_type(f)
@@ -101,8 +144,6 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type = TrainConfig) -
         else:
             kw["type"] = typ
         parser.add_argument(f"--{f.name}", **kw)
-    if foreign_flags(cls):
-        add_foreign_flags(parser, foreign_flags(cls))
 
 
 def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
