@@ -250,8 +250,8 @@ def test_an_update_skipped_by_the_optimizer_is_not_counted(tmp_path):
 
 def test_report_to_parsing_and_missing_packages(monkeypatch):
     assert report_targets("none") == [] and report_targets("TensorBoard, wandb") == ["tensorboard", "wandb"]
-    with pytest.raises(FastDPOError, match="'mlflow' is not one of"):
-        report_targets("mlflow")
+    with pytest.raises(FastDPOError, match="'neptune' is not one of"):
+        report_targets("neptune")
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert report_targets("all") == []  # all installed ones

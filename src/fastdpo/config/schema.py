@@ -95,12 +95,12 @@ def check_metric_name(name: str) -> None:
                            f"{', '.join(PAIR_METRICS)} (with or without the eval_ prefix).")
 
 
-REPORT_TARGETS = ("tensorboard", "wandb")
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+REPORT_TARGETS = ("tensorboard", "wandb", "mlflow", "trackio", "swanlab")
+_PACKAGES = {t: t for t in REPORT_TARGETS}  # the module each sink imports, and the package that installs it
 
 
 def report_targets(value: str) -> list[str]:
-    """Parse --report_to: `none`, `all` (every installed one), or a comma-separated list of tensorboard / wandb."""
+    """Parse --report_to: `none`, `all` (every installed one), or a comma-separated list of REPORT_TARGETS."""
     v = str(value).strip().lower()
     if v in ("", "none"):
         return []
@@ -367,10 +367,10 @@ class TrainConfig(DataReading, ModelSection):
                               "output_dir/profile/rank{R}/memory.txt names the peak and what was alive at it, by "
                               "source line (memory_snapshot.pickle: the timeline, for pytorch.org/memory_viz).")
     # monitoring
-    report_to: str = _f("none", "Extra metric sinks: none|all (the installed ones)|tensorboard|wandb, comma-separated "
-                        "(metrics.jsonl and the console are always written).")
+    report_to: str = _f("none", "Extra metric sinks: none|all (the installed ones)|tensorboard|wandb|mlflow|trackio|"
+                        "swanlab, comma-separated (metrics.jsonl and the console are always written).")
     logging_dir: str = _f("", "TensorBoard log dir (default: output_dir/runs).")
-    run_name: str = _f("", "Run name for Weights & Biases (default: the output_dir name).")
+    run_name: str = _f("", "Run name for Weights & Biases, MLflow, Trackio and SwanLab (default: the output_dir name).")
     plot: bool = _f(False, "Write the dashboard output_dir/metrics.png (needs matplotlib) at the end of training.")
     alert_patience: int = _f(5, "Logged steps a condition must hold before its alert (negative margins, gradient "
                              "collapse; four times as many for accuracy stuck at 0.5).")

@@ -1,5 +1,7 @@
-"""Where logged steps and alerts go: `metrics.jsonl` (+ `alerts.jsonl`) and the console always; TensorBoard and
-Weights & Biases on request (`--report_to tensorboard,wandb`), several at once."""
+"""Where logged steps and alerts go: `metrics.jsonl` (+ `alerts.jsonl`) and the console always; TensorBoard, Weights &
+Biases, MLflow, Trackio and SwanLab on request (`--report_to tensorboard,wandb,mlflow,trackio,swanlab`), several at
+once. Each tracker gets the same metrics by step and the run's config, and a resumed run continues its own tracker
+run where the tracker can (its id is kept in `output_dir`)."""
 
 from __future__ import annotations
 
@@ -99,6 +101,17 @@ class TensorBoardSink:
         self.writer.close()
 
 
+def _run_id(out_dir: Path, name: str) -> str | None:
+    """The tracker run id a previous start of this run saved in `output_dir/.NAME_run_id` (None: a new run)."""
+    f = out_dir / f".{name}_run_id"
+    return (f.read_text().strip() or None) if f.is_file() else None
+
+
+def _keep_run_id(out_dir: Path, name: str, run_id) -> None:
+    if run_id:
+        (out_dir / f".{name}_run_id").write_text(str(run_id))
+
+
 class WandbSink:
     """A W&B run (project from WANDB_PROJECT, default `fastdpo`; resumed by id when training resumes)."""
 
@@ -106,12 +119,87 @@ class WandbSink:
         import wandb
 
         self.wandb = wandb
-        id_file = out_dir / ".wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else None
+        run_id = _run_id(out_dir, "wandb")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fastdpo"), name=run_name or out_dir.name,
                               dir=str(out_dir), config=config, id=run_id, resume="allow" if run_id else None)
-        if run_id is None and getattr(self.run, "id", None):
-            id_file.write_text(str(self.run.id))
+        if run_id is None:
+            _keep_run_id(out_dir, "wandb", getattr(self.run, "id", None))
+
+    def log(self, record: dict) -> None:
+        self.run.log(_scalars(record), step=record["step"])
+
+    def alert(self, alert) -> None:
+        self.run.log({f"alerts/{alert.name}": 1}, step=alert.step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _params(config: dict, limit: int = 500) -> dict[str, str]:
+    """The config as MLflow params: one string per field (lists and dicts as JSON), cut to MLflow's value limit."""
+    return {k: (v if isinstance(v, str) else json.dumps(v))[:limit] for k, v in config.items()}
+
+
+class MlflowSink:
+    """An MLflow run in the experiment MLFLOW_EXPERIMENT_NAME (default `fastdpo`), at MLFLOW_TRACKING_URI (MLflow's
+    default when unset): the config as params, metrics by step; a resumed run continues the same MLflow run."""
+
+    def __init__(self, out_dir: Path, run_name: str, config: dict):
+        import mlflow
+
+        self.mlflow = mlflow
+        run_id = _run_id(out_dir, "mlflow")
+        if run_id is None:
+            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "fastdpo"))
+        self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name or out_dir.name)
+        _keep_run_id(out_dir, "mlflow", self.run.info.run_id)
+        if run_id is None:  # MLflow refuses to change a logged param; a resume keeps the first start's
+            params = list(_params(config).items())
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
+                mlflow.log_params(dict(params[i:i + 100]))
+
+    def log(self, record: dict) -> None:
+        self.mlflow.log_metrics(_scalars(record), step=record["step"])
+
+    def alert(self, alert) -> None:
+        self.mlflow.log_metric(f"alerts/{alert.name}", 1, step=alert.step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class TrackioSink:
+    """A Trackio run in project TRACKIO_PROJECT (default `fastdpo`; TRACKIO_SPACE_ID logs to a Hugging Face Space), the
+    config with it; a resumed run continues the run of the same name."""
+
+    def __init__(self, out_dir: Path, run_name: str, config: dict, resume: bool):
+        import trackio
+
+        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "fastdpo"), name=run_name or out_dir.name,
+                                config=config, resume="allow" if resume else "never")
+
+    def log(self, record: dict) -> None:
+        self.run.log(_scalars(record), step=record["step"])
+
+    def alert(self, alert) -> None:
+        self.run.log({f"alerts/{alert.name}": 1}, step=alert.step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class SwanlabSink:
+    """A SwanLab experiment in project SWANLAB_PROJECT (default `fastdpo`; SwanLab's own login and SWANLAB_MODE), the
+    config with it; a resumed run continues the same experiment."""
+
+    def __init__(self, out_dir: Path, run_name: str, config: dict):
+        import swanlab
+
+        run_id = _run_id(out_dir, "swanlab")
+        kw = {"id": run_id, "resume": "allow"} if run_id else {}
+        self.run = swanlab.init(project=os.environ.get("SWANLAB_PROJECT", "fastdpo"),
+                                experiment_name=run_name or out_dir.name, config=config, **kw)
+        _keep_run_id(out_dir, "swanlab", getattr(self.run, "id", None))
 
     def log(self, record: dict) -> None:
         self.run.log(_scalars(record), step=record["step"])
@@ -160,4 +248,10 @@ def open_sinks(cfg, out_dir: Path, console, start_step: int) -> Sinks:
         sinks.append(TensorBoardSink(Path(cfg.logging_dir) if cfg.logging_dir else out_dir / "runs", start_step))
     if "wandb" in targets:
         sinks.append(WandbSink(out_dir, cfg.run_name, cfg.to_dict()))
+    if "mlflow" in targets:
+        sinks.append(MlflowSink(out_dir, cfg.run_name, cfg.to_dict()))
+    if "trackio" in targets:
+        sinks.append(TrackioSink(out_dir, cfg.run_name, cfg.to_dict(), resume=start_step > 0))
+    if "swanlab" in targets:
+        sinks.append(SwanlabSink(out_dir, cfg.run_name, cfg.to_dict()))
     return Sinks(sinks)
