@@ -2,7 +2,6 @@
 false; foreign column names named or read (orca's question); token ids outside the model; slow chat templates."""
 
 import json
-import logging
 import threading
 import time
 
@@ -98,6 +97,20 @@ def test_skipped_rows_are_counted_by_reason_and_written_with_their_line(tmp_path
     assert written[0]["row"] == bad_rows()[3] and "is empty" in written[0]["error"]
 
 
+def test_an_unreadable_line_is_skipped_but_not_a_file_whose_rest_cannot_be_read(tmp_path):
+    lines = [json.dumps(r) for r in easy_rows(4)]
+    lines[1] = lines[1][:-1]  # the closing brace cut off
+    f = tmp_path / "data.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    rejects = Rejects(skip=True)
+    assert len(load_rows([str(f)], rejects=rejects)) == 3
+    assert [(r.line, r.reason) for r in rejects.items] == [(2, "unreadable row")]
+    g = tmp_path / "data.json"  # one array: what follows its broken element is never read
+    g.write_text("[\n" + ",\n".join(lines) + "\n]\n")
+    with pytest.raises(FastDPOError, match=rf"{g}:\d+: invalid JSON.*Reading stopped here.*cannot skip it alone"):
+        load_rows([str(g)], rejects=Rejects(skip=True))
+
+
 def test_rows_the_chat_template_fails_on_are_skipped_too():
     failing = ("{% if messages[0]['content'] == 'w13' %}{{ raise_exception('no') }}{% endif %}"
                + BUILTIN_TEMPLATES["chatml"])
@@ -113,16 +126,15 @@ def test_rows_the_chat_template_fails_on_are_skipped_too():
     assert rejects.items[0].row["prompt"] == [user("w13")]
 
 
-def test_training_with_strict_false_skips_logs_and_writes_the_rejects(tmp_path, model_dirs, caplog, one_thread):
-    from fastdpo.training.loop import train
-
+def test_training_with_strict_false_skips_logs_and_writes_the_rejects(tmp_path, model_dirs, capsys, restore_logging,
+                                                                       one_thread):
     f = write_jsonl(tmp_path / "data.jsonl", bad_rows())
     out = tmp_path / "out"
-    cfg = TrainConfig(model=str(model_dirs()), dataset=[str(f)], output_dir=str(out), max_steps=1, strict=False,
-                      per_device_train_batch_size=4, load_from_cache_file=False)
-    with caplog.at_level(logging.WARNING, logger="fastdpo"):
-        train(cfg, progress=False)
-    assert "skipped 3 of 20 rows: 2 missing rejected, 1 empty chosen" in caplog.text
+    code, printed = run_cli(capsys, "train", "--model", model_dirs(), "--dataset", f, "--output_dir", out,
+                            "--max_steps", "1", "--per_device_train_batch_size", "4", "--strict", "false",
+                            "--load_from_cache_file", "false")
+    assert code == 0, printed
+    assert "skipped 3 of 20 rows: 2 missing rejected, 1 empty chosen" in printed, printed
     assert len((out / "rejects.jsonl").read_text().splitlines()) == 3
 
 

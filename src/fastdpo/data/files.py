@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastdpo.data.columns import COLUMN_NAMES, MAX_ROW_BYTES
-from fastdpo.data.records import Record, is_turn, too_large
+from fastdpo.data.records import STOPPED, Record, is_turn, too_large
 from fastdpo.errors import FastDPOError
 
 _WS = re.compile(r"\s*")
@@ -252,7 +252,7 @@ def _line_values(f, limit: int) -> Iterator[_Value]:
         else:
             yield _Value(lineno, value)
     if block is not None:
-        yield _Value(start, error=unclosed.format("by the end of the file"))
+        yield _Value(start, error=unclosed.format("by the end of the file") + f" {STOPPED}")
 
 
 def _utf8_error(data: bytes, e: UnicodeDecodeError) -> str:
@@ -359,7 +359,7 @@ def _json_records(path: Path, limit: int) -> Iterator[Record]:
                 values = _text_values(raw.decode("utf-8-sig"), 1, limit)
             except UnicodeDecodeError as e:
                 line = raw.count(b"\n", 0, e.start) + 1
-                yield Record(f"{path}:{line}", error=_utf8_error(raw, e))
+                yield Record(f"{path}:{line}", error=f"{_utf8_error(raw, e)} {STOPPED}")
                 return
         else:
             f.seek(0)
@@ -376,7 +376,10 @@ def _json_records(path: Path, limit: int) -> Iterator[Record]:
             if rows is not None:
                 yield from (Record(where, value) for where, value in rows)
                 return
+        whole = head[_BYTES_WS.match(head).end():][:1] == b"["  # one text: an error ends the file's reading
         for v in itertools.chain([first], [second] if second else [], values):
+            if whole and v.error is not None:
+                v.error += f" {STOPPED}"
             yield _record(path, v, limit)
 
 
@@ -439,7 +442,7 @@ def _csv_records(path: Path, limit: int) -> Iterator[Record]:
                              "file as UTF-8.")
                 return
             except _LineTooLong as e:
-                yield Record(f"{path}:{e.line}", error=too_large(e.size, limit, "line") + " Reading stopped here.")
+                yield Record(f"{path}:{e.line}", error=f"{too_large(e.size, limit, 'line')} {STOPPED}")
                 return
             except csv.Error as e:
                 at += next((i for i, line in enumerate(lines.kept) if line.strip()), 0)
@@ -447,7 +450,7 @@ def _csv_records(path: Path, limit: int) -> Iterator[Record]:
                     problem = too_large(None, limit, "record")
                 else:
                     problem = f"malformed CSV in the record that starts on this line ({e}). Fix the quoting."
-                yield Record(f"{path}:{at}", error=problem + " Reading stopped here.")
+                yield Record(f"{path}:{at}", error=f"{problem} {STOPPED}")
                 return
             at += next((i for i, line in enumerate(lines.kept) if line.strip()), 0)  # DictReader skips blank lines
             where = f"{path}:{at}"

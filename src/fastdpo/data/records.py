@@ -11,6 +11,8 @@ from fastdpo.data.formats import Row, RowError, to_row
 from fastdpo.data.unsupported import refuse_unsupported
 
 # CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
+# the end of an error after which the rest of the file could not be read: such a row cannot be skipped alone
+STOPPED = "Reading stopped here."
 CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools", "conversations", "history")
 
 
@@ -29,6 +31,7 @@ class Record:
         """The record as a Row, read as its dataset's own reading says (--dataset_info), else as `read` says."""
         if self.error is not None:  # the row itself could not be read: invalid JSON or UTF-8, malformed CSV, too large
             kind = "row too large" if "over the limit of" in self.error else "unreadable row"
+            kind = "unreadable file" if self.error.endswith(STOPPED) else kind
             raise RowError(self.where, None, self.error, kind=kind)
         own = read.reading(self.dataset)
         where = f"{self.where} (dataset {own.name})" if own else self.where

@@ -134,6 +134,9 @@ def read_valid(records: Iterable, read, label: str, rejects: Rejects | None = No
         try:
             rows.append(rec.row(read))
         except RowError as e:
+            if rejects is not None and rejects.skip and e.kind == "unreadable file":
+                raise FastDPOError(f"{e} The rows after this one could not be read, so --strict false cannot skip "
+                                   "it alone: fix the file.") from None
             if rejects is not None and rejects.skip:
                 rejects.add(e, rec.value if rec.error is None else None)
             else:
