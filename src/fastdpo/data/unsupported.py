@@ -7,9 +7,7 @@ prefer over. Each is refused with what is unsupported and what to do; over a who
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from fastdpo.data.formats import Row, RowError
+from fastdpo.data.formats import RowError
 from fastdpo.errors import FastDPOError
 
 # columns that hold media, and what they hold
@@ -117,26 +115,3 @@ class UnsupportedCount:
     def error(self) -> FastDPOError:
         return FastDPOError(" ".join(self.messages()))
 
-
-def read_rows(records: Iterable, read, label: str) -> list[Row]:
-    """`record.row(read)` of every record; at the first unsupported row, the rest are counted too and one error
-    names the dataset, the counts and what to do (rather than an error per row)."""
-    rows: list[Row] = []
-    it = iter(records)
-    for rec in it:
-        try:
-            rows.append(rec.row(read))
-        except UnsupportedRow as e:
-            count = UnsupportedCount(label)
-            count.add(e)
-            count.rows = len(rows) + 1
-            for other in it:
-                count.rows += 1
-                try:
-                    other.row(read)
-                except UnsupportedRow as more:
-                    count.add(more)
-                except FastDPOError:
-                    pass
-            raise count.error() from None
-    return rows
