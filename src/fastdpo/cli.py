@@ -14,6 +14,7 @@ from fastdpo.config.launch import WORLD_FIELDS, check_world, wants_launch, world
 from fastdpo.config.schema import _parse_bool
 from fastdpo.data.anchor import WORKLOADS
 from fastdpo.errors import FastDPOError
+from fastdpo.observe.streams import guard_std_streams
 from fastdpo.parallel.launch import launch
 
 
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for text in LIBRARY_NOISE:
         warnings.filterwarnings("ignore", message=text, category=FutureWarning)
+    guard_std_streams()  # a reader that goes away (`| tee` ended by the same Ctrl-C) never ends the run
     console = _console()
     try:
         parser = build_parser()

@@ -23,6 +23,7 @@ from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
 from fastdpo.observe.profile import StepProfiler
 from fastdpo.observe.progress import KernelBuilds, RunProgress, Timeline, run_summary, save_summary, summary_line
+from fastdpo.observe.streams import run_log
 from fastdpo.optim.optimizer import (
     follow_schedule,
     schedule_changes,
@@ -50,7 +51,8 @@ def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
     cfg.validate_training()
     d = init_distributed(cfg, timeout_s=cfg.ddp_timeout)
     try:
-        with own_output_dir(cfg, d):  # one run per --output_dir, released on any exit
+        # one run per --output_dir, released on any exit; its story in output_dir/train.log
+        with own_output_dir(cfg, d), run_log(Path(cfg.output_dir), bool(cfg.resume_from_checkpoint), d.is_main):
             return run_training(cfg, d, console if d.is_main else None, progress and d.is_main)
     finally:
         shutdown(d)

@@ -1,12 +1,18 @@
 """Graceful stop on SIGTERM / SIGINT (preemption, Ctrl-C): the loop finishes its optimizer step, writes a
 checkpoint and exits. A second SIGINT aborts at once. A repeated SIGTERM is ignored: launchers and schedulers often
-deliver it to every process of a job, and it must not cut short the checkpoint the first one asked for."""
+deliver it to every process of a job, and it must not cut short the checkpoint the first one asked for.
+
+Ctrl-C under `| tee` ends `tee` as well, so the stream the run writes to may be gone by the time it stops: the notice
+goes to whichever standard stream is still open and to the run log (`observe.streams.say`), and SIGPIPE stays
+ignored while the handlers are active, so a write to a closed pipe fails with an error the streams absorb instead of
+killing the process."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
+
+from fastdpo.observe.streams import say
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -35,18 +41,16 @@ class GracefulStop:
                 raise KeyboardInterrupt
             return
         self.signum = signum
-        # os.write, not print/logging: a handler may run while the main thread is inside a write to the same stream
-        msg = (f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint and "
-               "stopping. Press Ctrl-C again to abort at once.\n")
-        try:
-            os.write(2, msg.encode())
-        except OSError:
-            pass
+        # say() writes with os.write, not print/logging: a handler may run while the main thread is inside a write
+        say(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint and "
+            "stopping. Press Ctrl-C again to abort at once.\n")
 
     def install(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread() and not self._previous:
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+            if hasattr(signal, "SIGPIPE"):  # Python's default, unless a library or an embedding program changed it
+                self._previous[signal.SIGPIPE] = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         return self
 
     def restore(self) -> None:
