@@ -14,7 +14,7 @@ from fastdpo.data.formats import Row, RowError, to_row
 from fastdpo.data.load import load_rows
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.data.rejects import Rejects
-from fastdpo.data.template import BUILTIN_TEMPLATES, time_limit
+from fastdpo.data.template import BUILTIN_TEMPLATES, time_limit, turn_end
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, check_vocab, tokenize_chunk
 from fastdpo.errors import FastDPOError
 from fastdpo.model.tiny import build_tiny_model, word_tokenizer
@@ -181,6 +181,12 @@ def test_a_chat_template_that_loops_for_hours_is_stopped_naming_the_row():
                                        "--template_timeout") as e:
         tokenize_chunk(chat_tokenizer(), [row], TokenizeOptions(template=SLOW_TEMPLATE, template_timeout=0.3))
     assert time.monotonic() - start < 5 and e.value.reason == "chat template too slow"
+
+
+def test_the_plain_text_note_does_not_wait_on_a_template_that_loops_for_hours():
+    start = time.monotonic()
+    assert turn_end(chat_tokenizer(), SLOW_TEMPLATE, timeout=0.2) is None
+    assert time.monotonic() - start < 5
 
 
 def test_off_the_main_thread_a_slow_rendering_is_reported_not_silent():

@@ -94,15 +94,17 @@ def plain_text_note(rows: list[Row], tokenizer, template: str | None = None) -> 
             "--apply_chat_template true to train that way, or --input_template to wrap prompts yourself.")
 
 
-def turn_end(tokenizer, template: str | None = None) -> str | None:
+def turn_end(tokenizer, template: str | None = None, timeout: float = 10.0) -> str | None:
     """What the template writes after a user message's text through its generation prompt (e.g. chatml's
-    '<|im_end|>\n<|im_start|>assistant'), stripped; None when it cannot be rendered or writes nothing."""
+    '<|im_end|>\n<|im_start|>assistant'), stripped; None when it cannot be rendered (within `timeout` seconds) or
+    writes nothing."""
     mark = "\x00fastdpo\x00"
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], chat_template=template,
-                                             add_generation_prompt=True, tokenize=False,
-                                             special_prefix=special_prefix(tokenizer))
-    except Exception:  # a template is user code: without a rendering, the note stays
+        with time_limit(timeout, lambda: None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], chat_template=template,
+                                                 add_generation_prompt=True, tokenize=False,
+                                                 special_prefix=special_prefix(tokenizer))
+    except (Exception, TemplateTimeout):  # a template is user code: without a rendering, the note stays
         return None
     after = text.split(mark, 1)[1].strip() if mark in text else ""
     return after or None
