@@ -1,5 +1,5 @@
 """`fastdpo eval`: preference metrics of held-out pairs for a base and a tuned model, generations scored by a reward
-function (win rate), and lm-eval tasks."""
+function or reward model (mean rewards and the win rate), also on files of prompts alone, and lm-eval tasks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fastdpo.config import DataReading, needs_prompt_targets
 from fastdpo.config.schema import _f
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.load import Row, load_rows
+from fastdpo.data.prompts import PromptRow, first_record, is_prompt_only, load_prompts
 from fastdpo.dpo.losses import LOSSES, LossParams
 from fastdpo.dpo.reference import Reference
 from fastdpo.errors import FastDPOError
@@ -33,8 +34,9 @@ class EvalConfig(DataReading, ModelArgs, GenerationArgs):
     """`fastdpo eval`: the model to score (ModelArgs), how answers are generated (GenerationArgs), how rows are read
     (DataReading, the same section as training's), and what is measured."""
 
-    dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train (not needed "
-                           "for --lm_eval_tasks alone).", nargs="+")
+    dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train, or files of "
+                           "prompts alone (prompt, messages ending in a user turn, query, instruction) to answer and "
+                           "score with --reward_fn / --reward_model (not needed for --lm_eval_tasks alone).", nargs="+")
     ref_model: str = _f("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
     dataset_dir: str = _f("", "LLaMA-Factory: names in --dataset are entries of DIR/dataset_info.json, each read with "
                               "its own columns, format and tags, as training's dataset_dir and eval_dataset read them.")
@@ -47,7 +49,10 @@ class EvalConfig(DataReading, ModelArgs, GenerationArgs):
     kl: bool = _f(True, "Also measure the per-token KL(policy || reference) on the held-out completions.")
     reward_fn: str = _f("", "module:function (or path/file.py:function) scoring generated answers; with a base to "
                             "compare, also the win rate of tuned over base.")
-    eval_limit: int = _f(64, "Rows whose prompts are answered for --reward_fn (0: all).")
+    reward_model: str = _f("", "Sequence-classification reward model (dir or hub id) scoring generated answers, like "
+                               "--reward_fn: prompt + answer through its tokenizer's chat template, the score its "
+                               "output. No code from it runs.")
+    eval_limit: int = _f(64, "Rows whose prompts are answered for --reward_fn / --reward_model (0: all).")
     lm_eval_tasks: str = _f("", "Comma-separated lm-evaluation-harness tasks (needs `pip install lm-eval`).")
     lm_eval_limit: int = _f(0, "Examples per lm-eval task (0: all).")
     lm_eval_include_path: str = _f("", "Directory of extra lm-eval task YAMLs (e.g. local tasks).")
@@ -83,10 +88,14 @@ class EvalConfig(DataReading, ModelArgs, GenerationArgs):
         if self.num_gpus > 1:
             raise FastDPOError(f"--num_gpus {self.num_gpus}: fastdpo eval runs on one device (--device cuda:N); "
                                "drop the flag. To score several checkpoints at once, run one eval per GPU.")
-        if not self.dataset and (self.reward_fn or not self.lm_eval_tasks):
-            need = "--reward_fn answers the prompts of --dataset" if self.reward_fn else "--dataset is required"
-            raise FastDPOError(f"{need}: held-out JSONL/JSON files with prompt/chosen/rejected (or give only "
-                               "--lm_eval_tasks to run benchmarks without preference data).")
+        if self.reward_fn and self.reward_model:
+            raise FastDPOError("Give --reward_fn or --reward_model, not both: one scorer per evaluation.")
+        scorer = "--reward_fn" if self.reward_fn else "--reward_model" if self.reward_model else ""
+        if not self.dataset and (scorer or not self.lm_eval_tasks):
+            need = f"{scorer} answers the prompts of --dataset" if scorer else "--dataset is required"
+            raise FastDPOError(f"{need}: held-out JSONL/JSON files with prompt/chosen/rejected, or prompts alone "
+                               "with --reward_fn / --reward_model (or give only --lm_eval_tasks to run benchmarks "
+                               "without preference data).")
         self._adopt_run_reading()
         self._resolve_dataset_names()
         self.validate_reading()
@@ -159,9 +168,19 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
 
     cfg.validate()
     reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None  # fail fast, before loading models
+    read = RowOptions.from_config(cfg)
+    prompts_only = bool(cfg.dataset) and prompt_only_data(cfg, read)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
+    scorer = None
+    if reward_fn is not None:
+        scorer = functools.partial(_score_with, reward_fn, cfg.reward_fn)
+    elif cfg.reward_model:
+        from fastdpo.model.reward_model import RewardModel
+
+        reward_model = RewardModel(cfg.reward_model, device, resolve_dtype(cfg.torch_dtype, device))
+        scorer = reward_model.score
     loaded = load_for_generation(cfg, need_base=bool(cfg.dataset))
     model, tok = loaded.model, loaded.tokenizer
     if not cfg.dataset:  # benchmarks only (--lm_eval_tasks without preference data)
@@ -170,6 +189,17 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
         return _write_report(report, out, console)
     ref_model = load_model(cfg.ref_model, resolve_dtype(cfg.torch_dtype, device), device, cfg.trust_remote_code,
                            flag="ref_model").eval() if cfg.ref_model else loaded.base
+    if prompts_only:  # answers scored, no pairs: no preference metrics
+        rows = load_prompts(cfg.dataset, cfg.seed, cfg.split, read)
+        base = ref_model if not loaded.tuned else None
+        generation = generation_metrics(cfg, loaded, base, [r.prompt for r in rows], prompt_columns(rows), scorer,
+                                        out / "generations.jsonl")
+        report = {"model": cfg.model, "adapters": cfg.adapters, "checkpoint": cfg.checkpoint, "dataset": cfg.dataset,
+                  "scorer": cfg.reward_fn or cfg.reward_model, "prompts": generation["prompts"],
+                  "generation": generation}
+        if cfg.lm_eval_tasks:
+            report["lm_eval"] = run_lm_eval(model, tok, cfg)
+        return _write_report(report, out, console)
     if ref_model is not None:
         reference = Reference("separate", ref_model)
     elif hasattr(model, "disable_adapter"):
@@ -182,7 +212,7 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
         if ref_model is not None:
             prepare_packed(ref_model, backend)
 
-    rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=RowOptions.from_config(cfg))
+    rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=read)
     pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))  # tokenised exactly as training did
     pad_id = tok.pad_token_id or 0
     budget = micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_eval_batch_size)
@@ -195,9 +225,12 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     report = {"model": cfg.model, "adapters": cfg.adapters, "checkpoint": cfg.checkpoint, "dataset": cfg.dataset,
               "reference": reference.strategy, "pairs": len(pairs), "metrics": metrics}
 
-    if reward_fn is not None:
+    if scorer is not None:
         base = ref_model if not loaded.tuned else None  # with no tuned model on top, compare against --ref_model
-        report["generation"] = generation_metrics(cfg, loaded, base, rows, reward_fn, out / "generations.jsonl")
+        rows = rows[: cfg.eval_limit] if cfg.eval_limit else rows
+        report["scorer"] = cfg.reward_fn or cfg.reward_model
+        report["generation"] = generation_metrics(cfg, loaded, base, [r.prompt for r in rows], row_columns(rows),
+                                                  scorer, out / "generations.jsonl")
     if cfg.lm_eval_tasks:
         report["lm_eval"] = run_lm_eval(model, tok, cfg)
     return _write_report(report, out, console)
@@ -211,19 +244,45 @@ def _write_report(report: dict, out: Path, console) -> dict:
     return report
 
 
-def generation_metrics(cfg: EvalConfig, loaded, base, rows: list[Row], reward_fn, path: Path) -> dict:
-    """Answer the rows' prompts with the tuned model (and the base: adapters off, the base of a full checkpoint, or
-    `base`), each prompt going in as training read it (`answer_as_read`), score every answer with the reward
-    function, and compare."""
-    from fastdpo.dpo.rewards import score, win_rate
+def prompt_only_data(cfg: EvalConfig, read: RowOptions) -> bool:
+    """Whether --dataset holds prompts alone (its first row has a prompt and no chosen/rejected); such a file needs a
+    reward function or model to score the answers."""
+    first = first_record(cfg.dataset, cfg.split, read)
+    if first is None or not is_prompt_only(first[1]):
+        return False
+    if not (cfg.reward_fn or cfg.reward_model):
+        raise FastDPOError(f"{first[0]}: a prompt without chosen/rejected, so there are no pairs for preference "
+                           "metrics. To evaluate on prompts alone, add --reward_fn FILE.py:function (your reward "
+                           "function) or --reward_model DIR (a sequence-classification reward model): the tuned and "
+                           "the base model answer each prompt, and their answers are scored and compared.")
+    return True
+
+
+def prompt_columns(rows: list[PromptRow]) -> dict[str, list]:
+    """Columns handed to a reward function: every field that all prompt rows carry (e.g. a reference `answer`)."""
+    shared = set.intersection(*(set(r.fields) for r in rows)) if rows else set()
+    return {k: [r.fields[k] for r in rows] for k in sorted(shared)}
+
+
+def _score_with(reward_fn, spec: str, prompts: list, completions: list[str], columns: dict) -> list[float]:
+    from fastdpo.dpo.rewards import score
+
+    return score(reward_fn, spec, prompts, completions, columns)
+
+
+def generation_metrics(cfg: EvalConfig, loaded, base, prompts: list, columns: dict[str, list], scorer,
+                       path: Path) -> dict:
+    """Answer the prompts with the tuned model (and the base: adapters off, the base of a full checkpoint, or `base`),
+    each prompt going in as training read it (`answers_as_read`), score every answer with `scorer(prompts,
+    completions, columns)`, and compare: mean rewards and the win rate of tuned over base (a tie counts half)."""
+    from fastdpo.dpo.rewards import win_rate
     from fastdpo.model.generate import answers_as_read
 
-    rows = rows[: cfg.eval_limit] if cfg.eval_limit else rows
-    prompts = [r.prompt for r in rows]
-    columns = row_columns(rows)
+    if cfg.eval_limit:
+        prompts, columns = prompts[: cfg.eval_limit], {k: v[: cfg.eval_limit] for k, v in columns.items()}
     tuned_answers = answers_as_read(loaded.model, loaded.tokenizer, prompts, cfg)
     tuned_text = tuned_answers.texts
-    tuned = score(reward_fn, cfg.reward_fn, prompts, tuned_text, columns)
+    tuned = scorer(prompts, tuned_text, columns)
     result = {"prompts": len(prompts), "reward/tuned": sum(tuned) / len(tuned), **answer_counts("tuned", tuned_answers)}
     records = [{"prompt": p, "response": t, "reward": s} for p, t, s in zip(prompts, tuned_text, tuned)]
     problems = [tuned_answers.problems("tuned", cfg)]
@@ -233,7 +292,7 @@ def generation_metrics(cfg: EvalConfig, loaded, base, rows: list[Row], reward_fn
         base_text = base_answers.texts
         result.update(answer_counts("base", base_answers))
         problems.append(base_answers.problems("base", cfg))
-        base_scores = score(reward_fn, cfg.reward_fn, prompts, base_text, columns)
+        base_scores = scorer(prompts, base_text, columns)
         result["reward/base"] = sum(base_scores) / len(base_scores)
         result.update(win_rate(base_scores, tuned))
         for r, t, s in zip(records, base_text, base_scores):
@@ -320,15 +379,20 @@ def _task_manager(include_path: str):
 def show_report(console, report: dict) -> None:
     from rich.table import Table
 
-    title = f"held-out pairs: {report['pairs']} (reference: {report['reference']})" if "pairs" in report else \
-        "benchmarks (no preference data)"
+    if "pairs" in report:
+        title = f"held-out pairs: {report['pairs']} (reference: {report['reference']})"
+    elif "prompts" in report:
+        title = f"prompts: {report['prompts']} (answers scored by {report['scorer']})"
+    else:
+        title = "benchmarks (no preference data)"
     table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v in report.get("metrics", {}).items():
         table.add_row(k, f"{v:.4f}")
     for k, v in report.get("generation", {}).items():
-        table.add_row(f"generation {k}", f"{v:.4f}" if isinstance(v, float) else str(v))
+        label = f"generation {k}" + (" (tuned over base, ties count half)" if k == "win_rate" else "")
+        table.add_row(label, f"{v:.4f}" if isinstance(v, float) else str(v))
     for task, res in report.get("lm_eval", {}).items():
         for k, v in res.items():
             if isinstance(v, float):
