@@ -84,7 +84,6 @@ def test_trl_peft_defaults_and_quantisation(caplog):
 @pytest.mark.parametrize("flags,needle", [
     (("--load_in_4bit",), "--load_in_4bit quantises the base for LoRA adapters: add --use_peft"),
     (("--dataset_config", "en"), "--dataset_config en names a subset of --dataset_name"),
-    (("--use_peft", "--use_dora", "true"), "DoRA is not available"),
     (("--attn_implementation", "flash_attention_3"), "accepted names: auto, varlen, flex"),
     (("--use_peft", "--load_in_4bit", "--bnb_4bit_quant_type", "fp4"), "fastdpo's 4-bit base is nf4"),
     (("--use_peft", "--train_type", "full"), "--use_peft True means --train_type lora, but --train_type is already full"),
