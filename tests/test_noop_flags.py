@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fastdpo"
 CASES = {
     "padding_free": ("--padding_free", "true"),
     "dataloader_num_workers": ("--dataloader_num_workers", "8"),
+    "dataset_num_proc": ("--dataset_num_proc", "4", "--streaming", "true", "--max_steps", "5"),
     "shuffle_buffer_size": ("--shuffle_buffer_size", "64"),
     "dataloader_drop_last": ("--dataloader_drop_last", "true", "--streaming", "true", "--max_steps", "5"),
     "dataset_cache_dir": ("--dataset_cache_dir", "/tmp/c", "--load_from_cache_file", "false"),
@@ -60,6 +61,7 @@ ACTING = {
     "padding_free": ("--padding_free", "false"),
     "dataloader_num_workers": ("--dataloader_num_workers", "2", "--streaming", "true", "--max_steps", "5"),
     "num_train_epochs": ("--num_train_epochs", "3"),
+    "dataset_num_proc": ("--dataset_num_proc", "4"),
     "label_smoothing": ("--label_smoothing", "0.1"),
     "simpo_gamma": ("--simpo_gamma", "1.0", "--loss_type", "simpo"),
     "cpo_alpha": ("--rlhf_type", "simpo", "--cpo_alpha", "0.5"),

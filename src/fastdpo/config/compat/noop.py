@@ -52,6 +52,8 @@ NOOPS: dict[str, Callable[[Any], str | None]] = {
     "dataloader_num_workers": lambda c: None if c.streaming or not c.dataloader_num_workers else (
         "tokenisation happens before training and batches are built in-process; the flag has no effect (with "
         "--streaming it sets the processes that tokenise ahead; --dataset_num_proc tokenises in parallel)"),
+    "dataset_num_proc": lambda c: None if not c.streaming or c.dataset_num_proc <= 1 else (
+        f"--streaming tokenises in --dataloader_num_workers processes; {NO_EFFECT}"),
     "shuffle_buffer_size": lambda c: None if c.streaming else (
         f"pairs in memory are shuffled whole each epoch; only --streaming shuffles through a buffer; {NO_EFFECT}"),
     "dataloader_drop_last": lambda c: (f"a stream has no last step to drop (--streaming); {NO_EFFECT}"
