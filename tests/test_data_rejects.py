@@ -123,6 +123,7 @@ def test_rows_the_chat_template_fails_on_are_skipped_too():
     pairs, _ = tokenize_pairs(rows, chat_tokenizer(), opts, rejects)
     assert [p.index for p in pairs] == [0, 1, 2, 4]
     assert [(r.where, r.reason) for r in rejects.items] == [("d.jsonl:4", "chat template failed")]
+    assert rejects.summary() == "skipped 1 of 5 rows: 1 chat template failed"
     assert rejects.items[0].row["prompt"] == [user("w13")]
 
 

@@ -155,6 +155,8 @@ def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions,
             skipped += problems or []
     except RowError as e:
         raise FastDPOError(f"{e} {STRICT_HINT}") from None
+    if rejects is not None:
+        rejects.rows = max(rejects.rows, len(rows))  # rows given here without load_rows having counted them
     if skipped:
         by_source = {r.source: r for r in rows}
         for e in skipped:
