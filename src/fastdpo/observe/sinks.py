@@ -10,6 +10,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from fastdpo.config import check_installed, report_targets
 from fastdpo.observe.progress import clock
@@ -112,7 +113,23 @@ def _keep_run_id(out_dir: Path, name: str, run_id) -> None:
         (out_dir / f".{name}_run_id").write_text(str(run_id))
 
 
-class WandbSink:
+class _TrackerRun:
+    """A tracker's run object (`self.run`, with log(data, step) and finish()): metrics by step, each alert as
+    `alerts/NAME` = 1 at its step."""
+
+    run: Any
+
+    def log(self, record: dict) -> None:
+        self.run.log(_scalars(record), step=record["step"])
+
+    def alert(self, alert) -> None:
+        self.run.log({f"alerts/{alert.name}": 1}, step=alert.step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class WandbSink(_TrackerRun):
     """A W&B run (project from WANDB_PROJECT, default `fastdpo`; resumed by id when training resumes)."""
 
     def __init__(self, out_dir: Path, run_name: str, config: dict):
@@ -125,19 +142,10 @@ class WandbSink:
         if run_id is None:
             _keep_run_id(out_dir, "wandb", getattr(self.run, "id", None))
 
-    def log(self, record: dict) -> None:
-        self.run.log(_scalars(record), step=record["step"])
-
-    def alert(self, alert) -> None:
-        self.run.log({f"alerts/{alert.name}": 1}, step=alert.step)
-
-    def close(self) -> None:
-        self.run.finish()
-
 
 def _params(config: dict, limit: int = 500) -> dict[str, str]:
     """The config as MLflow params: one string per field (lists and dicts as JSON), cut to MLflow's value limit."""
-    return {k: (v if isinstance(v, str) else json.dumps(v))[:limit] for k, v in config.items()}
+    return {k: (v if isinstance(v, str) else json.dumps(v, default=str))[:limit] for k, v in config.items()}
 
 
 class MlflowSink:
@@ -168,7 +176,7 @@ class MlflowSink:
         self.mlflow.end_run()
 
 
-class TrackioSink:
+class TrackioSink(_TrackerRun):
     """A Trackio run in project TRACKIO_PROJECT (default `fastdpo`; TRACKIO_SPACE_ID logs to a Hugging Face Space), the
     config with it; a resumed run continues the run of the same name."""
 
@@ -178,17 +186,8 @@ class TrackioSink:
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "fastdpo"), name=run_name or out_dir.name,
                                 config=config, resume="allow" if resume else "never")
 
-    def log(self, record: dict) -> None:
-        self.run.log(_scalars(record), step=record["step"])
 
-    def alert(self, alert) -> None:
-        self.run.log({f"alerts/{alert.name}": 1}, step=alert.step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class SwanlabSink:
+class SwanlabSink(_TrackerRun):
     """A SwanLab experiment in project SWANLAB_PROJECT (default `fastdpo`; SwanLab's own login and SWANLAB_MODE), the
     config with it; a resumed run continues the same experiment."""
 
@@ -200,15 +199,6 @@ class SwanlabSink:
         self.run = swanlab.init(project=os.environ.get("SWANLAB_PROJECT", "fastdpo"),
                                 experiment_name=run_name or out_dir.name, config=config, **kw)
         _keep_run_id(out_dir, "swanlab", getattr(self.run, "id", None))
-
-    def log(self, record: dict) -> None:
-        self.run.log(_scalars(record), step=record["step"])
-
-    def alert(self, alert) -> None:
-        self.run.log({f"alerts/{alert.name}": 1}, step=alert.step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class Sinks:
