@@ -43,7 +43,8 @@ def test_train_log_in_a_file_has_one_line_per_step_and_a_summary(tmp_path, model
     assert summary["train_samples_per_second"] > 0 and summary["tokens_per_second"] > 0
     assert summary["peak_memory_gib"] is None and "loss" in summary["final_metrics"]
     line = next(ln for ln in lines if "run summary: 6 steps in" in ln)
-    assert "pairs/s" in line and "peak memory n/a" in line and "final loss=" in line and "summary.json" in line
+    assert "pairs/s" in line and "final loss=" in line and "summary.json" in line
+    assert f"peak RSS {summary['peak_rss_gib']:.2f} GiB" in line  # a CPU run's memory figure
 
 
 def test_the_rate_is_the_runs_not_the_last_windows(monkeypatch):

@@ -35,7 +35,7 @@ def config(root: Path, model: Path, name: str, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, model_dirs):
-    """A finished 4-step run that kept checkpoint-2; copy it before changing it."""
+    """A finished 4-step run that kept checkpoint-2 and checkpoint-4; copy it before changing it."""
     root = tmp_path_factory.mktemp("finished")
     cfg = config(root, model_dirs("qwen3"), "run", max_steps=4, save_steps=2)
     train(cfg, progress=False)
@@ -88,7 +88,7 @@ def test_a_second_run_into_a_held_dir_is_refused_and_the_first_finishes_intact(t
     assert first.returncode == 0, output[-3000:]
     logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, 25))
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"checkpoint-{n}" for n in (4, 8, 12, 16, 20)]
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"checkpoint-{n}" for n in (4, 8, 12, 16, 20, 24)]
     assert all(ckpt.checkpoint_problem(p) is None for p in ckpt.complete_checkpoints(out))
     assert (out / "final" / "model.safetensors").is_file()
     assert not (out / ownership.LOCK).exists()  # released at the end
@@ -141,7 +141,8 @@ def test_the_lock_is_released_on_an_error_and_on_sigterm(tmp_path, model_dirs):
     with pytest.raises(FastDPOError, match="not found"):
         train(cfg, progress=False)
     out = Path(cfg.output_dir)
-    assert out.is_dir() and not (out / ownership.LOCK).exists()
+    assert not out.exists()  # a failed start leaves no dir behind
+    out.mkdir()
 
     before = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -179,7 +180,7 @@ def test_a_fresh_run_into_a_finished_runs_dir_is_refused_with_the_choices(finish
     with pytest.raises(FastDPOError) as e:
         train(cfg, progress=False)
     msg = str(e.value)
-    assert "holds the outputs of an earlier run (checkpoint-2, final/, metrics.jsonl (4 logged steps))" in msg, msg
+    assert "holds the outputs of an earlier run (checkpoint-2, checkpoint-4, final/, metrics.jsonl (4 logged steps))" in msg, msg
     for choice in ("--resume_from_checkpoint latest", "another --output_dir", "--overwrite_output_dir true"):
         assert choice in msg, msg
     assert contents(out) == before  # nothing touched
@@ -189,15 +190,16 @@ def test_a_fresh_run_into_a_dir_with_only_a_metrics_log_is_refused(finished, tmp
     """A finished run without checkpoints: before, it was replaced without a word."""
     cfg = copy_run(finished, tmp_path)
     out = Path(cfg.output_dir)
-    shutil.rmtree(out / "checkpoint-2")
-    shutil.rmtree(out / "final")
+    for name in ("checkpoint-2", "checkpoint-4", "final"):
+        shutil.rmtree(out / name)
     with pytest.raises(FastDPOError, match=r"earlier run \(metrics.jsonl \(4 logged steps\)\)"):
         train(cfg, progress=False)
 
 
 def test_latest_into_a_finished_run_without_checkpoints_is_refused(finished, tmp_path):
     cfg = copy_run(finished, tmp_path, resume_from_checkpoint="latest")
-    shutil.rmtree(Path(cfg.output_dir) / "checkpoint-2")
+    for name in ("checkpoint-2", "checkpoint-4"):
+        shutil.rmtree(Path(cfg.output_dir) / name)
     with pytest.raises(FastDPOError, match="holds a finished run .* but no checkpoint to continue from"):
         train(cfg, progress=False)
 
@@ -206,15 +208,18 @@ def test_overwrite_output_dir_removes_the_earlier_outputs_and_says_so(finished, 
     cfg = copy_run(finished, tmp_path, overwrite_output_dir=True, max_steps=2, save_steps=1)
     out = Path(cfg.output_dir)
     (out / "notes.txt").write_text("mine")  # not a training output: kept
+    (out / "profile").mkdir()  # a name a run writes (--profile_steps), but this run's dir is the user's: kept
+    (out / "profile" / "trace.json").write_text("mine")
     with caplog.at_level("WARNING", logger="fastdpo"):
         train(cfg, progress=False)
     assert "--overwrite_output_dir: removed the earlier run's outputs" in caplog.text
-    assert "checkpoint-2, final, metrics.jsonl" in caplog.text
-    # only this run's outputs: a later `latest` cannot pick up the old run's checkpoint-2
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-1"]
+    assert "checkpoint-2, checkpoint-4, final, metrics.jsonl" in caplog.text
+    # only this run's outputs: a later `latest` cannot pick up the old run's checkpoint-4
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert (out / "notes.txt").read_text() == "mine"
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert (out / "profile" / "trace.json").read_text() == "mine"
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [ownership.RECORD]  # no leftovers
 
 
 def test_a_resume_is_not_refused_for_the_outputs_it_continues(finished, tmp_path):
@@ -242,3 +247,105 @@ def test_the_demo_replaces_only_its_own_dir(tmp_path, finished):
     (tmp_path / "demo" / "demo_result.json").write_text("{}")
     assert _demo_dir(tmp_path / "demo")
     assert not _demo_dir(Path(finished.output_dir))  # a training run's dir is refused as for any run
+
+
+# ---------------------------------------------------------------- files of the user's own
+
+
+def test_a_fresh_run_never_writes_over_files_of_your_own(tmp_path, model_dirs):
+    cfg = config(tmp_path, model_dirs("qwen3"), "run", max_steps=2)
+    out = Path(cfg.output_dir)
+    out.mkdir()
+    (out / "config.yaml").write_text("model: mine\n")
+    (out / "summary.json").write_text("{}")
+    before = contents(out)
+    for overwrite in (False, True):
+        with pytest.raises(FastDPOError) as e:
+            train(TrainConfig(**{**cfg.to_dict(), "overwrite_output_dir": overwrite}), progress=False)
+        msg = str(e.value)
+        assert "holds config.yaml, summary.json, which this run would write over" in msg, msg
+        assert "another --output_dir" in msg, msg
+        assert contents(out) == before
+
+
+def test_the_config_file_in_the_output_dir_is_never_written_over(tmp_path, model_dirs, monkeypatch):
+    """`fastdpo train --config config.yaml --output_dir .`: the run trains there and leaves the file as it was."""
+    cfg = config(tmp_path, model_dirs("qwen3"), "run", max_steps=2, save_steps=2)
+    out = Path(cfg.output_dir)
+    out.mkdir()
+    mine = out / "config.yaml"
+    mine.write_text(f"# my settings\nmodel: {cfg.model}\nmax_steps: 2\n")
+    monkeypatch.setattr(sys, "argv", ["fastdpo", "train", "--config", str(mine), "--output_dir", str(out)])
+    assert train(cfg, progress=False)["final_dir"]
+    assert mine.read_text().startswith("# my settings")
+    # a resume of that run does not write over it either
+    assert train(TrainConfig(**{**cfg.to_dict(), "resume_from_checkpoint": "latest"}), progress=False)["final_dir"]
+    assert mine.read_text().startswith("# my settings")
+
+
+def test_the_record_of_a_killed_run_names_what_it_created():
+    """A run killed before it could update the record: the output names that appeared since it started are its."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d)
+        (out / "notes.txt").write_text("mine")
+        (out / "summary.json").write_text("mine")
+        (out / ownership.RECORD).write_text(json.dumps({"created": ["gone.txt"], "started_with": ["notes.txt",
+                                                                                                 "summary.json"]}))
+        for name in ("metrics.jsonl", "config.yaml"):
+            (out / name).write_text("{}")
+        (out / "checkpoint-3").mkdir()
+        assert ownership.run_outputs(out) == {"metrics.jsonl", "config.yaml", "checkpoint-3"}
+
+
+# ---------------------------------------------------------------- a failed start
+
+
+def test_a_failed_start_leaves_no_dir_it_created(tmp_path, model_dirs, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = config(tmp_path, tmp_path / "modls" / "qwen3", "new/run", max_steps=2)
+    with pytest.raises(FastDPOError, match="modls"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_failed_start_in_an_existing_dir_removes_only_what_it_created(tmp_path, model_dirs, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = config(tmp_path, tmp_path / "modls" / "qwen3", "run", max_steps=2)
+    out = Path(cfg.output_dir)
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FastDPOError, match="modls"):
+        train(cfg, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+# ---------------------------------------------------------------- a lock whose pid now runs another program
+
+
+def test_a_lock_whose_pid_now_runs_another_program_is_taken_over(tmp_path, model_dirs, caplog):
+    """A record with no start time to compare (an older fastdpo's): the pid's command line is not a fastdpo run."""
+    cfg = config(tmp_path, model_dirs("qwen3"), "run", max_steps=2)
+    out = Path(cfg.output_dir)
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / ownership.LOCK).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(),
+                                                      "started": "yesterday", "command": "fastdpo train x"}))
+        with caplog.at_level("WARNING", logger="fastdpo"):
+            assert train(cfg, progress=False)["final_dir"]
+    finally:
+        other.kill()
+        other.wait()
+    assert f"took over the lock of a run that is no longer running (pid {other.pid}" in caplog.text
+
+
+def test_the_holder_is_told_apart_by_boot_and_command_line():
+    me = ownership.Holder.this_process()
+    assert me.cmdline and me.boot_id
+    # the same pid and start ticks in an earlier boot: the host restarted since, the holder is gone
+    assert ownership.Holder(me.pid, me.host, "", "", me.proc_start, "an-earlier-boot", me.cmdline).alive() is False
+    # no start time recorded: the command line decides
+    assert ownership.Holder(me.pid, me.host, "", "", None, "", me.cmdline).alive() is True
+    assert ownership.Holder(me.pid, me.host, "", "", None, "", "python other.py").alive() is False

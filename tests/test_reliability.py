@@ -21,6 +21,7 @@ from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.loop import train
+from fastdpo.training.ownership import RECORD
 from fastdpo.training.signals import GracefulStop
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3,
@@ -62,10 +63,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: identical float 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, model_dirs):
-    """A finished 3-step run that kept checkpoint-1 and checkpoint-2; copy it before changing it."""
+    """A finished 3-step run that kept checkpoint-1 and checkpoint-2 (its last step's checkpoint-3 removed); copy it
+    before changing it."""
     root = tmp_path_factory.mktemp("trained")
     cfg = config(root, model_dirs("qwen3"), "run", max_steps=3, save_steps=1)
     train(cfg, progress=False)
+    ckpt.remove_published(Path(cfg.output_dir) / "checkpoint-3")
     return cfg
 
 
@@ -181,12 +184,12 @@ def test_write_failure_stops_and_names_last_good_checkpoint(tmp_path, model_dirs
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, old_handler)
     out = Path(cfg.output_dir)
-    good = out / ("checkpoint-3" if what == "final" else "checkpoint-2")
+    good = out / ("checkpoint-4" if what == "final" else "checkpoint-2")
     msg = str(e.value)
     assert "failed" in msg and str(good) in msg and "--resume_from_checkpoint latest" in msg, msg
     assert ("the final model" if what == "final" else "checkpoint-3") in msg, msg
     assert ckpt.complete_checkpoints(out)[-1] == good and ckpt.is_complete(good)
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no half-written leftovers
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != RECORD]  # no half-written leftovers
     assert not (out / "final").exists()
 
 
@@ -279,7 +282,7 @@ def test_rewriting_a_checkpoint_replaces_it_whole(trained, tmp_path):
                                 {"epoch": 0}, cfg)
     assert path == out / "checkpoint-2" and ckpt.is_complete(path) and not (path / "stale.txt").exists()
     assert_same_weights(out / "final", path)
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != RECORD]
 
 
 def test_resume_trims_the_metrics_log(tmp_path):

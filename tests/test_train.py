@@ -163,3 +163,13 @@ def test_drop_last_skips_each_epochs_short_step(tmp_path, model_dirs):
     assert build_config(args, TrainConfig).dataloader_drop_last is True
     with pytest.raises(FastDPOError, match="fewer than one step's 64"):
         run(tmp_path, m, "tiny", dataloader_drop_last=True, max_steps=0, per_device_train_batch_size=64)
+
+
+def test_a_cpu_run_reports_its_peak_rss(tmp_path, model_dirs, caplog):
+    """Off CUDA the memory figure is the process's peak resident memory, labelled as RSS."""
+    with caplog.at_level("INFO", logger="fastdpo"):
+        run(tmp_path, model_dirs("qwen3"), "run", max_steps=2, device="cpu")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["peak_memory_gib"] is None and 0.01 < summary["peak_rss_gib"] < 1024
+    assert all(r["memory/peak_rss_gib"] > 0.01 for r in metrics(tmp_path / "run"))
+    assert f"peak RSS {summary['peak_rss_gib']:.2f} GiB" in caplog.text

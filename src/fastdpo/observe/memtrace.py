@@ -1,4 +1,5 @@
-"""--profile_memory: record every GPU allocation over the --profile_steps window, then say what was alive at its peak.
+"""--profile_memory: record every GPU allocation over the --profile_steps window, then say what was alive at its peak
+(and `peak_rss_gib`, the process's peak resident memory, a CPU run's memory figure).
 
 Written per rank into `output_dir/profile/rank{R}/`: `memory_snapshot.pickle` (torch's allocator history; drop it on
 https://pytorch.org/memory_viz for the timeline) and `memory.txt`, which answers the usual question without it: the
@@ -10,6 +11,7 @@ the source line that made them.
 from __future__ import annotations
 
 import pickle
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,6 +19,17 @@ import torch
 
 GiB = 2**30
 NO_FRAME = "(no Python frame: autograd engine or C++)"
+
+
+def peak_rss_gib() -> float | None:
+    """This process's peak resident memory (RSS) in GiB, the memory figure of a CPU run; None where the OS cannot
+    say (no `resource` module)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (GiB if sys.platform == "darwin" else 2**20)
 
 
 def site(frames: list[dict]) -> str:

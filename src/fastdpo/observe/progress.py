@@ -124,9 +124,10 @@ class RunProgress:
             self.bar = None
 
 
-def run_summary(progress: RunProgress, last: dict, peak_gib: float | None, **extra) -> dict:
-    """The end-of-run summary: runtime, steps, the run's rates, peak memory (None off CUDA), the last logged
-    metrics; HF's names for the ones it has."""
+def run_summary(progress: RunProgress, last: dict, peak_gib: float | None, peak_rss_gib: float | None = None,
+                **extra) -> dict:
+    """The end-of-run summary: runtime, steps, the run's rates, peak memory (None off CUDA; a CPU run gives its peak
+    RSS instead), the last logged metrics; HF's names for the ones it has."""
     runtime = progress.elapsed
     steps = progress.done - progress.start
     rate = progress.rate()
@@ -136,19 +137,21 @@ def run_summary(progress: RunProgress, last: dict, peak_gib: float | None, **ext
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 4),
             "tokens_per_second": round(rate["tokens_per_second"], 1),
             "peak_memory_gib": None if peak_gib is None else round(peak_gib, 3),
+            **({} if peak_rss_gib is None else {"peak_rss_gib": round(peak_rss_gib, 3)}),
             "final_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float)) and k != "step"},
             **extra}
 
 
 def summary_line(summary: dict) -> str:
     """One line for the log: time, steps, rates, peak memory and the final loss and rewards."""
-    peak = summary["peak_memory_gib"]
+    peak, rss = summary["peak_memory_gib"], summary.get("peak_rss_gib")
+    memory = f"peak memory {peak:.2f} GiB" if peak is not None else \
+        f"peak RSS {rss:.2f} GiB" if rss is not None else "peak memory n/a"
     metrics = summary["final_metrics"]
     shown = "  ".join(f"{k.removesuffix('/mean').split('/')[-1]}={metrics[k]:.4g}" for k in SHOWN if k in metrics)
     return (f"run summary: {summary['steps']} steps in {clock(summary['train_runtime'])} "
             f"({summary['train_runtime']:.1f} s)  {summary['train_samples_per_second']:.2f} pairs/s  "
-            f"{summary['tokens_per_second']:.0f} tokens/s  peak memory "
-            f"{'n/a' if peak is None else f'{peak:.2f} GiB'}" + (f"  final {shown}" if shown else ""))
+            f"{summary['tokens_per_second']:.0f} tokens/s  {memory}" + (f"  final {shown}" if shown else ""))
 
 
 def save_summary(summary: dict, path: Path) -> None:

@@ -1,9 +1,14 @@
 """A run owns its --output_dir. It holds a lock there for its lifetime (`.fastdpo.lock`: an flock the kernel drops
-when the process ends however it ends, and a record of the holder: pid, host, start time, command), so a second run
-into the same dir stops at once, naming the first. A record left by a process that is gone (a SIGKILL, a crash) is
-taken over with a note. A fresh run (no --resume_from_checkpoint) into a dir that holds another run's checkpoints,
-final model or metrics log is refused with the choices spelled out, or with --overwrite_output_dir true clears
-those outputs first. Under torchrun rank 0 decides and the other ranks follow its decision."""
+when the process ends however it ends, and a record of the holder: pid, host, boot, start time, command), so a second
+run into the same dir stops at once, naming the first. A record left by a process that is gone (a SIGKILL, a crash,
+a reboot, its pid now another program's) is taken over with a note. A fresh run (no --resume_from_checkpoint) into a
+dir that holds another run's checkpoints, final model or metrics log is refused with the choices spelled out, or with
+--overwrite_output_dir true clears those outputs first.
+
+Runs write and delete only their own files: `.fastdpo-outputs.json` lists the names fastdpo runs created in the dir,
+so a fresh run refuses to write over a file of the same name that is not on it (the --config file is never written
+over), --overwrite_output_dir removes only what is on it, and a run that fails before training removes what it
+created. Under torchrun rank 0 decides and the other ranks follow its decision."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fastdpo.config import TrainConfig
+from fastdpo.config import TrainConfig, report_targets, save_config
 from fastdpo.errors import FastDPOError
 from fastdpo.parallel.distributed import Dist
 from fastdpo.training import checkpoint as ckpt
@@ -31,8 +37,11 @@ log = logging.getLogger("fastdpo")
 
 LOCK = ".fastdpo.lock"
 # what a training run writes into its output dir (checkpoint-N/ too); --overwrite_output_dir removes these
-RUN_FILES = ("metrics.jsonl", "alerts.jsonl", "config.yaml", "data_summary.json", "summary.json", "metrics.png")
+RUN_FILES = ("metrics.jsonl", "alerts.jsonl", "config.yaml", "data_summary.json", "summary.json", "metrics.png",
+             "train.log")
 RUN_DIRS = ("final", "runs", "profile")
+RECORD = ".fastdpo-outputs.json"  # the names fastdpo runs created in the dir: only these are ever removed
+_NUMBERED = re.compile(r"^(checkpoint-\d+|metrics\.jsonl\.bak-\d+)$")
 
 
 # ---------------------------------------------------------------- the holder of a lock
@@ -46,6 +55,23 @@ def _proc_start(pid: int) -> int | None:
         return -1 if fields[0] == "Z" else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _boot_id() -> str:
+    """This boot of the host (Linux): /proc start times are ticks since boot, comparable only within one boot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str | None:
+    """The command line process `pid` runs (Linux /proc), arguments joined by spaces; None where /proc cannot say."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", errors="replace")
 
 
 def _command() -> str:
@@ -64,18 +90,22 @@ class Holder:
     started: str
     command: str
     proc_start: int | None = None
+    boot_id: str = ""
+    cmdline: str = ""  # as /proc shows it: tells the holder from a later process given its pid when start times can't
 
     @classmethod
     def this_process(cls) -> Holder:
-        return cls(os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S %z"), _command(),
-                   _proc_start(os.getpid()))
+        pid = os.getpid()
+        return cls(pid, socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S %z"), _command(), _proc_start(pid),
+                   _boot_id(), _cmdline(pid) or "")
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
         try:
             d = json.loads(text)
-            return cls(int(d["pid"]), str(d["host"]), str(d["started"]), str(d["command"]), d.get("proc_start"))
-        except (ValueError, KeyError, TypeError):
+            return cls(int(d["pid"]), str(d["host"]), str(d["started"]), str(d["command"]), d.get("proc_start"),
+                       str(d.get("boot_id") or ""), str(d.get("cmdline") or ""))
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def describe(self) -> str:
@@ -94,7 +124,16 @@ class Holder:
         now = _proc_start(self.pid)
         if now == -1:
             return False
-        return now is None or self.proc_start is None or now == self.proc_start
+        boot = _boot_id()
+        if self.boot_id and boot and self.boot_id != boot:
+            return False  # the host restarted since: no process of the holder's boot runs
+        if now is not None and self.proc_start is not None:
+            return now == self.proc_start
+        # no start time to compare (a record of an older fastdpo): the pid's command line says whether it is a run
+        running = _cmdline(self.pid)
+        if running is None:
+            return True  # /proc cannot say: assume it is the holder
+        return running == self.cmdline if self.cmdline else "fastdpo" in running
 
 
 def _held(out: Path, holder: Holder | None, lock: Path) -> FastDPOError:
@@ -161,7 +200,8 @@ class OutputDirLock:
             if alive or alive is None:  # no flock on this filesystem, or a holder on another host
                 raise _held(self.out, previous, self.path)
             log.warning("--output_dir %s: took over the lock of a run that is no longer running (%s); it ended "
-                        "without releasing it (killed, or its host restarted).", self.out, previous.describe())
+                        "without releasing it (killed, or its host restarted; its pid may now be another program's).",
+                        self.out, previous.describe())
         _write(fd, json.dumps(asdict(self.me)))
         if not flocked:  # nothing excludes a process that read the record at the same moment: let the last write win
             time.sleep(0.05)
@@ -192,6 +232,106 @@ def _write(fd: int, text: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, text.encode(), 0)
     os.fsync(fd)
+
+
+# ---------------------------------------------------------------- which files are a run's
+
+
+def is_output_name(name: str) -> bool:
+    """A name a training run writes in its output dir."""
+    return name in RUN_FILES or name in RUN_DIRS or bool(_NUMBERED.match(name))
+
+
+def _names(out: Path) -> set[str]:
+    try:
+        return set(os.listdir(out))
+    except OSError:
+        return set()
+
+
+def _read_record(out: Path) -> dict | None:
+    try:
+        record = json.loads((out / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("created"), list) else None
+
+
+def run_outputs(out: Path) -> set[str]:
+    """The names in `out` that fastdpo runs created: those on its record, and for a run that ended before it could
+    update the record (killed), the output names that appeared since it started. A dir without a record holding a
+    checkpoint is a run dir of an fastdpo that kept none: its output names count as that run's."""
+    present = _names(out)
+    record = _read_record(out)
+    if record is None:
+        checkpoints = [p for p in ckpt.numbered_checkpoints(out) if (p / ckpt.STATE / ckpt.DONE).is_file()]
+        return {n for n in present if is_output_name(n)} if checkpoints else set()
+    created = set(map(str, record["created"]))
+    before = record.get("started_with")
+    if isinstance(before, list):
+        created |= {n for n in present if is_output_name(n) and n not in before}
+    return created & present
+
+
+def _write_record(out: Path, created: set[str], started_with: set[str] | None) -> None:
+    record = {"created": sorted(created), "started_with": None if started_with is None else sorted(started_with)}
+    tmp = out / f"{RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, out / RECORD)
+
+
+def config_file() -> Path | None:
+    """The --config file of this process's command line, if any."""
+    args = sys.argv[1:]
+    for i, a in enumerate(args):
+        if a == "--config" and i + 1 < len(args):
+            return Path(args[i + 1])
+        if a.startswith("--config="):
+            return Path(a.split("=", 1)[1])
+    return None
+
+
+def _is_config_file(path: Path) -> bool:
+    given = config_file()
+    try:
+        return given is not None and path.exists() and given.exists() and os.path.samefile(given, path)
+    except OSError:
+        return False
+
+
+def names_written(cfg: TrainConfig, out: Path) -> list[str]:
+    """The fixed names this run writes in `out` (checkpoints aside); config.yaml not when it is the --config file."""
+    names = ["config.yaml", "metrics.jsonl", "alerts.jsonl", "summary.json", "train.log", "final"]
+    if _is_config_file(out / "config.yaml"):
+        names.remove("config.yaml")
+    if cfg.streaming:
+        names.append("data_summary.json")
+    if cfg.plot:
+        names.append("metrics.png")
+    if "tensorboard" in report_targets(cfg.report_to) and not cfg.logging_dir:
+        names.append("runs")
+    if cfg.profile_steps:
+        names.append("profile")
+    return names
+
+
+def foreign_files(cfg: TrainConfig, out: Path) -> list[str]:
+    """Names this run would write over in `out` that no fastdpo run created there (the user's own files)."""
+    present, owned = _names(out), run_outputs(out)
+    return [n for n in names_written(cfg, out) if n in present and n not in owned]
+
+
+def save_run_config(cfg: TrainConfig, out: Path) -> None:
+    """Write output_dir/config.yaml, the resolved config, unless that file is the --config file (kept as it is;
+    each checkpoint has the resolved config in state/config.yaml). From here on, a failed run keeps its outputs."""
+    held = _HELD.get(str(out.resolve()))
+    if held is not None:
+        held.training = True
+    if _is_config_file(out / "config.yaml"):
+        log.info("%s is the --config file: kept as it is (the resolved config is saved in each checkpoint).",
+                 out / "config.yaml")
+        return
+    save_config(cfg, out / "config.yaml")
 
 
 # ---------------------------------------------------------------- outputs of an earlier run
@@ -229,24 +369,23 @@ def describe_outputs(found: list[Path]) -> str:
 
 
 def remove_run_outputs(out: Path, cfg: TrainConfig) -> list[str]:
-    """Delete what a training run writes into `out` (checkpoints and final/ first, each renamed to a hidden name
-    before it is removed, so a kill midway leaves no half-deleted checkpoint under its name). Returns the names."""
+    """Delete what fastdpo runs created in `out`, as its record says, never another file (checkpoints and final/
+    first, each renamed to a hidden name before it is removed, so a kill midway leaves no half-deleted checkpoint
+    under its name). Returns the names."""
+    owned = run_outputs(out)
     removed = []
     for p in earlier_outputs(out):
-        if p.is_dir():
+        if p.is_dir() and p.name in owned:
             ckpt.remove_published(p)
             removed.append(p.name)
-    for name in RUN_FILES:
-        if (out / name).is_file():
+    for name in (*RUN_FILES, *sorted(n for n in owned if n.startswith("metrics.jsonl.bak-"))):
+        if name in owned and (out / name).is_file() and not _is_config_file(out / name):
             (out / name).unlink()
             removed.append(name)
-    for p in sorted(out.glob("metrics.jsonl.bak-*")):
-        p.unlink()
-        removed.append(p.name)
     for name in RUN_DIRS:
         if name == "runs" and cfg.logging_dir:  # TensorBoard's default dir only: a --logging_dir is the user's
             continue
-        if (out / name).is_dir():
+        if name in owned and (out / name).is_dir():
             shutil.rmtree(out / name)
             removed.append(name)
     ckpt.clean_partial(out)
@@ -259,27 +398,44 @@ def check_earlier_run(cfg: TrainConfig, out: Path) -> None:
     continue, and it would replace that run's final model and metrics."""
     found = earlier_outputs(out)
     if cfg.resume_from_checkpoint:
-        finished_only = cfg.resume_from_checkpoint == "latest" and found and not any(
-            p.name.startswith("checkpoint-") for p in found) and (out / "final").is_dir()
-        if not finished_only:
+        continues = cfg.resume_from_checkpoint != "latest" or any(p.name.startswith("checkpoint-") for p in found)
+        if continues:
             if cfg.overwrite_output_dir:
                 log.info("--overwrite_output_dir has no effect when resuming (--resume_from_checkpoint %s).",
                          cfg.resume_from_checkpoint)
             return
-    if not found:
-        return
+    foreign = foreign_files(cfg, out)
+    if foreign:
+        raise FastDPOError(
+            f"--output_dir {out} holds {', '.join(foreign)}, which this run would write over, and no fastdpo run "
+            f"wrote {'it' if len(foreign) == 1 else 'them'} there (they are not in {out / RECORD}). fastdpo never writes "
+            "over or deletes files of your own, --overwrite_output_dir true included. Choose another --output_dir, "
+            f"or move {'it' if len(foreign) == 1 else 'them'} out of {out}."
+        )
+    finished = bool(cfg.resume_from_checkpoint) and (out / "final").is_dir()
+    if not found or (cfg.resume_from_checkpoint and not finished):
+        return  # `latest` with no checkpoint yet: a first attempt starts from step 0
     what = describe_outputs(found)
     if cfg.overwrite_output_dir:
         removed = remove_run_outputs(out, cfg)
         log.warning("--overwrite_output_dir: removed the earlier run's outputs from %s (%s).", out, ", ".join(removed))
         return
-    lead = (f"--resume_from_checkpoint latest: {out} holds a finished run ({what}) but no checkpoint to continue "
-            "from" if cfg.resume_from_checkpoint else f"--output_dir {out} holds the outputs of an earlier run ({what})")
+    if finished:
+        raise FastDPOError(
+            f"--resume_from_checkpoint latest: {out} holds a finished run ({what}) but no checkpoint to continue from "
+            "(it ran without --save_steps, so only its final model was kept), so it cannot be continued exactly. To "
+            f"train it further, start a new run from its final model in another dir: `--model {out / 'final'} "
+            f"--output_dir {out}-more` without --resume_from_checkpoint (a LoRA run: keep --model and add `--adapters "
+            f"{out / 'final'}`); or pass --overwrite_output_dir true to remove its outputs and start over. Runs with "
+            "--save_steps keep a checkpoint at their last step and can be extended with --resume_from_checkpoint "
+            "latest and a higher --max_steps or --num_train_epochs."
+        )
+    resume = ("--resume_from_checkpoint latest to continue it (after raising --max_steps or --num_train_epochs, for a "
+              "finished run); " if any(p.name.startswith("checkpoint-") for p in found) else "")
     raise FastDPOError(
-        f"{lead}. A new run there would replace its final model and metrics log, and a later --resume_from_checkpoint "
-        "latest would pick up its checkpoints. Choose one: --resume_from_checkpoint latest to continue it (after "
-        "raising --max_steps or --num_train_epochs, for a finished run); another --output_dir; or "
-        "--overwrite_output_dir true to remove its outputs and start over."
+        f"--output_dir {out} holds the outputs of an earlier run ({what}). A new run there would replace its final "
+        "model and metrics log, and a later --resume_from_checkpoint latest would pick up its checkpoints. Choose "
+        f"one: {resume}another --output_dir; or --overwrite_output_dir true to remove its outputs and start over."
     )
 
 
@@ -327,25 +483,81 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+class _Held:
+    """Rank 0's hold on the dir: what was there when the run took it, and whether training began (`save_run_config`);
+    until then a failure removes what the run created."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.missing = [p for p in (out, *out.parents) if not p.exists()]  # the dirs check_output_dir creates
+        self.before: set[str] | None = None
+        self.training = False
+
+    def take(self) -> None:
+        self.before = _names(self.out)
+        _write_record(self.out, run_outputs(self.out), self.before)
+
+    def end(self, failed: bool) -> None:
+        """Record what the run created; after a failed start, remove it instead (the lock still held)."""
+        if self.before is None:
+            return
+        if failed and not self.training:
+            for name in sorted(_names(self.out) - self.before - {LOCK}):
+                p = self.out / name
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+            if RECORD not in self.before:
+                return
+        with contextlib.suppress(OSError):
+            _write_record(self.out, run_outputs(self.out), None)
+
+    def remove_created_dirs(self) -> None:
+        """After a failed start, once the lock is gone: the dirs it created, each only while empty (another run may
+        have begun there since)."""
+        for p in self.missing:
+            try:
+                p.rmdir()
+            except OSError:
+                return
+
+
+_HELD: dict[str, _Held] = {}  # output dirs this process holds, by resolved path
+
+
 @contextlib.contextmanager
 def own_output_dir(cfg: TrainConfig, d: Dist):
     """Hold --output_dir for the body's lifetime: rank 0 takes the lock and checks for an earlier run's outputs;
-    every rank follows its decision. Released on any exit."""
+    every rank follows its decision. Released on any exit; a run that fails before training (`save_run_config`)
+    leaves no file or dir it created."""
     out = Path(cfg.output_dir)
     lock = OutputDirLock(out)
+    held = _Held(out)
+    key = str(out.resolve())
 
     def take() -> None:
         check_output_dir(out)
         lock.acquire()
         try:
             check_earlier_run(cfg, out)
+            held.take()
         except BaseException:
             lock.release()
+            held.remove_created_dirs()
             raise
+        _HELD[key] = held
 
+    failed = True
     try:
         with _sigterm_unwinds() if d.is_main else contextlib.nullcontext():
             decide_on_main(take, d)
             yield
+        failed = False
     finally:
+        if _HELD.get(key) is held:
+            del _HELD[key]
+            held.end(failed)
         lock.release()
+        if failed and not held.training and held.before is not None:
+            held.remove_created_dirs()
