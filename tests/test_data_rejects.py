@@ -60,7 +60,7 @@ def test_grouped_errors_name_each_problem_and_an_alias_of_chosen(tmp_path):
         load_rows([str(f)])
     text = str(e.value)
     assert f"field 'chosen' is missing in 5 of 25 rows of {f} (lines 1, 2, 3, ...)" in text, text
-    assert """--columns '{"chosen_response": "chosen"}'""" in text, text
+    assert """--columns '{"chosen_response": "chosen", "rejected_response": "rejected"}'""" in text, text
     assert f"Also field 'chosen' is empty in 1 rows (line 9): {f}:9:" in text, text
     assert "Also field 'rejected' is missing in 2 rows (lines 12, 14)" in text, text
 

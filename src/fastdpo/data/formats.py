@@ -119,14 +119,16 @@ def alias_of(value: dict, name: str) -> str | None:
     return next((a for a in COLUMN_ALIASES.get(name, ()) if isinstance(value.get(a), str) and value[a]), None)
 
 
-def mapping_hint(source: str, target: str) -> str:
-    return f"The row has {source!r}: name it as the {target} with --columns '{{\"{source}\": \"{target}\"}}'."
-
-
 def _missing(value: dict, name: str, where: str) -> RowError:
-    alias = alias_of(value, name)
-    return RowError(where, name, f"is missing (fields present: {_fields(value)}).",
-                    mapping_hint(alias, name) if alias else "Add it to the row.")
+    """`name` is missing; when the row holds it under another dataset's name, the --columns mapping that reads it
+    (and the other completion's, when that is missing too: argilla's chosen_response and rejected_response)."""
+    fix = "Add it to the row."
+    if alias_of(value, name):
+        targets = [name] + [t for t in ("chosen", "rejected") if t != name and value.get(t) is None]
+        mapping = {a: t for t in targets if (a := alias_of(value, t))}
+        fix = (f"The row has {' and '.join(map(repr, mapping))}: read {'them' if len(mapping) > 1 else 'it'} with "
+               f"--columns '{json.dumps(mapping)}'.")
+    return RowError(where, name, f"is missing (fields present: {_fields(value)}).", fix)
 
 
 def _kind(x: object) -> str:
