@@ -1,5 +1,8 @@
 """The Python API (`from fastdpo import ...`) and the one training step that train, bench, tune and auto share."""
 
+import json
+
+import pytest
 import torch
 from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
@@ -118,3 +121,158 @@ def test_the_next_step_is_packed_ahead_and_trains_exactly_as_packed_in_turn(tmp_
     other.step(then=other.s.pairs[8:12])
     other.step(other.s.pairs[4:8])  # not what was packed ahead: packed again
     assert packed == [[0, 1], [2, 3], [8, 9], [4, 5], [6, 7]]
+
+
+# ---------------------------------------------------------------- data in memory, the result, callbacks
+
+
+def in_memory_config(tmp_path, model_dir, name, dataset, **kw):
+    from fastdpo import TrainConfig
+
+    base = dict(learning_rate=1e-3, max_steps=2, logging_steps=1, seed=5, per_device_train_batch_size=4,
+                gradient_accumulation_steps=1, dataset_cache_dir=str(tmp_path / "cache"))
+    return TrainConfig(model=str(model_dir), dataset=dataset, output_dir=str(tmp_path / name), **{**base, **kw})
+
+
+def dataset_kinds(tmp_path, rows):
+    """The same rows as each kind `TrainConfig(dataset=...)` takes."""
+    import datasets
+
+    half = len(rows) // 2
+    first, second = write_jsonl(tmp_path / "a.jsonl", rows[:half]), write_jsonl(tmp_path / "b.jsonl", rows[half:])
+    whole = write_jsonl(tmp_path / "all.jsonl", rows)
+    ds = datasets.Dataset.from_list(rows)
+    return {"list of dicts": rows, "Dataset": ds, "DatasetDict": datasets.DatasetDict(train=ds, test=ds.select([0])),
+            "IterableDataset": ds.to_iterable_dataset(), "list of paths": [str(first), str(second)],
+            "path string": str(whole)}
+
+
+def test_every_kind_of_dataset_trains_the_same(tmp_path, model_dirs):
+    """A list of dicts, a Dataset, a DatasetDict (its train split), an IterableDataset, a list of paths and a single
+    path string train alike: the same pairs, the same first losses and the same weights."""
+    from fastdpo import train
+
+    rows = easy_rows(16, seed=2)
+    results = {}
+    for kind, data in dataset_kinds(tmp_path, rows).items():
+        name = kind.replace(" ", "_")
+        result = train(in_memory_config(tmp_path, model_dirs("qwen3"), name, data), progress=False)
+        results[kind] = ([json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").open()],
+                         result.model.state_dict())
+    losses, weights = results.pop("path string")
+    assert len(losses) == 2
+    for kind, (other_losses, other_weights) in results.items():
+        assert other_losses == losses, kind
+        assert all(torch.equal(weights[k], v) for k, v in other_weights.items()), kind
+
+
+def test_in_memory_rows_are_checked_like_files_and_named_by_index(tmp_path, model_dirs):
+    from fastdpo import TrainConfig, train
+    from fastdpo.errors import FastDPOError
+
+    rows = easy_rows(8)
+    rows[3] = {"prompt": "w1", "chosen": "w2"}  # no rejected
+    with pytest.raises(FastDPOError, match="row 3"):
+        train(in_memory_config(tmp_path, model_dirs("qwen3"), "bad", rows), progress=False)
+    with pytest.raises(FastDPOError, match=r"dataset\[1\] is a dict among other entries"):
+        TrainConfig(dataset=["a.jsonl", {"prompt": "p"}])
+    assert TrainConfig(dataset="rows.jsonl").dataset == ["rows.jsonl"]  # one path, not one per character
+
+
+def test_the_tokenisation_cache_keys_rows_in_memory_by_content(tmp_path, model_dirs):
+    import datasets
+
+    from fastdpo.data.load import load_rows
+    from fastdpo.data.prepare import DataOptions, tokenize_pairs
+    from fastdpo.model.load import load_tokenizer
+
+    tok = load_tokenizer(str(model_dirs("qwen3")))
+
+    def tokenise(rows) -> bool:
+        cfg = in_memory_config(tmp_path, model_dirs("qwen3"), "unused", datasets.Dataset.from_list(rows))
+        opts = DataOptions.from_config(cfg)
+        return tokenize_pairs(load_rows(cfg.dataset, read=opts.read), tok, opts)[1].cached
+
+    rows = easy_rows(8, seed=1)
+    assert not tokenise(rows)
+    assert tokenise([dict(r) for r in rows])  # another object, the same content: a hit
+    rows[5]["chosen"] = " w6 w5"
+    assert not tokenise(rows)  # one text changed: a miss
+
+
+def test_train_returns_the_trained_model_equal_to_the_saved_one(tmp_path, model_dirs):
+    from fastdpo import TrainResult, train
+
+    result = train(in_memory_config(tmp_path, model_dirs("qwen3"), "run", easy_rows(16, seed=2)), progress=False)
+    assert isinstance(result, TrainResult) and not result.stopped and result.exit_code == 0
+    assert result.final_dir == str(tmp_path / "run" / "final") and result["final_dir"] == result.final_dir
+    assert result.metrics["step"] == 2 and result.summary is result.info["run_summary"]
+    assert not result.model.training and result.tokenizer is not None
+    saved = load_file(f"{result.final_dir}/model.safetensors")
+    weights = result.model.state_dict()
+    assert saved.keys() <= weights.keys()
+    assert all(torch.equal(v, weights[k]) for k, v in saved.items())
+    moved = load_file(f"{model_dirs('qwen3')}/model.safetensors")
+    assert any(not torch.equal(v, moved[k]) for k, v in saved.items() if k in moved)
+    text = (tmp_path / "run" / "config.yaml").read_text()
+    assert "dataset:\n- '<in-memory: 16 rows, fingerprint " in text  # the label, not the rows
+
+
+def test_a_saved_in_memory_label_is_refused_with_what_to_do(tmp_path):
+    from fastdpo.data.load import load_rows
+    from fastdpo.errors import FastDPOError
+
+    with pytest.raises(FastDPOError, match="given in memory"):
+        load_rows(["<in-memory: 16 rows, fingerprint 0123456789abcdef>"])
+
+
+def test_callbacks_fire_at_their_steps(tmp_path, model_dirs):
+    from fastdpo import train
+
+    calls = []
+
+    class Recorder:
+        def on_train_begin(self, trainer):
+            calls.append(("begin", trainer.global_step))
+
+        def on_evaluate(self, step, metrics):
+            calls.append(("evaluate", step, "eval_loss" in metrics))
+
+        def on_save(self, step, path):
+            calls.append(("save", step, path.name))
+
+        def on_train_end(self, result):
+            calls.append(("end", result.final_dir is not None))
+
+    steps = []
+    rows = easy_rows(16, seed=2)
+    cfg = in_memory_config(tmp_path, model_dirs("qwen3"), "hooks", rows, max_steps=4, logging_steps=2, save_steps=2,
+                           eval_steps=2, val_dataset=rows[:4])
+    train(cfg, progress=False, callbacks=[Recorder(), lambda step, metrics: steps.append((step, metrics["step"]))])
+    assert steps == [(2, 2), (4, 4)]
+    saves = [c[1:] for c in calls if c[0] == "save"]
+    assert saves[0] == (2, "checkpoint-2") and saves[-1] == (4, "final")  # each checkpoint, then the final model
+    assert all(name == f"checkpoint-{step}" for step, name in saves[:-1])
+    assert [c for c in calls if c[0] != "save"] == [("begin", 0), ("evaluate", 2, True), ("evaluate", 4, True),
+                                                    ("end", True)]
+    assert calls.index(("evaluate", 2, True)) < calls.index(("save", 2, "checkpoint-2"))
+
+
+def test_a_callback_stops_the_run_with_a_checkpoint_that_resumes_exactly(tmp_path, model_dirs):
+    """on_step returning "stop" saves a checkpoint and stops; resumed with the same rows (a new object), the run ends
+    with the weights of a run never stopped."""
+    import datasets
+
+    from fastdpo import train
+
+    rows, m = easy_rows(16, seed=2), model_dirs("qwen3")
+    whole = train(in_memory_config(tmp_path, m, "whole", rows, max_steps=4), progress=False)
+    stopped = train(in_memory_config(tmp_path, m, "cut", rows, max_steps=4), progress=False,
+                    callbacks=[lambda step, metrics: "stop" if step == 2 else None])
+    assert stopped.stopped == "callback" and stopped.exit_code == 0 and stopped.final_dir is None
+    assert stopped.checkpoint == str(tmp_path / "cut" / "checkpoint-2")
+    resumed = train(in_memory_config(tmp_path, m, "cut", datasets.Dataset.from_list(rows), max_steps=4,
+                                     resume_from_checkpoint="latest"), progress=False)
+    assert resumed.metrics["step"] == 4
+    weights = resumed.model.state_dict()
+    assert all(torch.equal(v, weights[k]) for k, v in whole.model.state_dict().items())

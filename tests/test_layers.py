@@ -22,7 +22,7 @@ FLOORS = [
     {"parallel"},
     {"training"},
     {"commands"},
-    {"cli"},
+    {"cli", "trl"},
     {"__init__", "__main__"},
 ]
 COMMANDS = "commands"

@@ -4,12 +4,15 @@ The Python API, for people who script::
 
     from fastdpo import TrainConfig, Trainer, train, LOSSES
 
-    cfg = TrainConfig(model="Qwen/Qwen3-0.6B", dataset=["prefs.jsonl"], output_dir="out", max_steps=100)
-    summary = train(cfg)             # the whole run, as `fastdpo train` does it
+    cfg = TrainConfig(model="Qwen/Qwen3-0.6B", dataset="prefs.jsonl", output_dir="out", max_steps=100)
+    result = train(cfg)              # the whole run, as `fastdpo train` does it: result.model is the trained model
 
     trainer = Trainer(cfg)           # or one optimizer step at a time
     result = trainer.step()
     print(result.metrics.finish()["loss"])
+
+`dataset` also takes rows in memory (a list of dicts, an HF Dataset). TRL scripts switch with one line:
+`from fastdpo import DPOConfig, DPOTrainer`.
 
 The names load on first use, so `fastdpo --help` and `import fastdpo.config` do not pay for torch and the model code.
 """
@@ -22,8 +25,12 @@ _API = {
     "train": "fastdpo.training.loop",
     "Trainer": "fastdpo.training.trainer",
     "StepResult": "fastdpo.training.trainer",
+    "TrainResult": "fastdpo.training.result",
+    "DPOConfig": "fastdpo.trl",
+    "DPOTrainer": "fastdpo.trl",
 }
-__all__ = ["LOSSES", "StepResult", "TrainConfig", "Trainer", "__version__", "train"]
+__all__ = ["LOSSES", "DPOConfig", "DPOTrainer", "StepResult", "TrainConfig", "TrainResult", "Trainer", "__version__",
+           "train"]
 
 
 def __getattr__(name: str):

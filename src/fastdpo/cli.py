@@ -72,16 +72,16 @@ def cmd_train(args: argparse.Namespace, console) -> int:
     cfg = build_config(args, TrainConfig)
     check_world(cfg, world_size(), typed_flags(args, WORLD_FIELDS))  # under torchrun: the flags as typed
     try:
-        result = train(cfg, console=console, progress=not cfg.disable_progress)
+        result = train(cfg, console=console, progress=not cfg.disable_progress, keep_model=False)
     except torch.OutOfMemoryError as e:  # while loading (the loop explains its own)
         raise oom_error(e, cfg, torch.device("cuda") if torch.cuda.is_available() else None) from None
-    if result.get("stopped"):
+    if result.stopped:
         if _rank() == 0:
-            console.print(f"[yellow]stopped[/] by {result['stopped']}: checkpoint in {result['checkpoint']}; "
+            console.print(f"[yellow]stopped[/] by {result.stopped}: checkpoint in {result.checkpoint}; "
                           "continue with --resume_from_checkpoint latest", highlight=False)
-        return result["exit_code"]
+        return result.exit_code
     if _rank() == 0:
-        console.print(f"[bold green]done[/]: final model in {result['final_dir']}")
+        console.print(f"[bold green]done[/]: final model in {result.final_dir}")
     return 0
 
 

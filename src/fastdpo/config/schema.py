@@ -218,7 +218,8 @@ class TrainConfig(DataReading, ModelSection):
 
     # data
     dataset: list = _f([], "Datasets: JSONL/JSON/Parquet/CSV files or dirs, HF dataset ids or saved dirs "
-                       "(`name:subset`); `path#N` takes N rows. Row formats: see the README.", nargs="+")
+                       "(`name:subset`); `path#N` takes N rows. Row formats: see the README. In Python also a list of "
+                       "row dicts or an HF Dataset / DatasetDict / IterableDataset.", nargs="+")
     system: str = _f("", "System prompt for conversational rows that have none.")
     max_samples: int = _f(0, "Keep the first N rows of each dataset, --val_dataset's too, after `#N` sampling (0: all), "
                           "as LLaMA-Factory's and OpenRLHF's max_samples (OpenRLHF also caps several datasets' sum).")
@@ -405,6 +406,14 @@ class TrainConfig(DataReading, ModelSection):
     def __post_init__(self) -> None:
         if self.learning_rate is None:  # the rate that trains what --train_type trains
             self.learning_rate = LORA_LEARNING_RATE if self.uses_lora else FULL_LEARNING_RATE
+        self.normalise_datasets()
+
+    def normalise_datasets(self) -> None:
+        """dataset / val_dataset as lists of specs: a single path, rows in memory and HF datasets become specs."""
+        from fastdpo.data.sources import dataset_specs
+
+        self.dataset = dataset_specs(self.dataset, self.split, "dataset")
+        self.val_dataset = dataset_specs(self.val_dataset, self.val_split, "val_dataset")
 
     def validate_training(self) -> None:
         """`validate`, plus what only training (not scoring or generating) cannot do."""
@@ -587,6 +596,7 @@ class TrainConfig(DataReading, ModelSection):
 
     def validate_data(self) -> None:
         """The data flags alone (also used by `fastdpo check-data`)."""
+        self.normalise_datasets()  # set after construction too
         if not self.dataset:
             raise FastDPOError("--dataset is required: one or more dataset files, dirs or HF dataset ids.")
         for name in ("dataset_num_proc", "shuffle_buffer_size"):

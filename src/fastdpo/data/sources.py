@@ -3,6 +3,10 @@ local dataset repos, `save_to_disk` dirs). Each record carries its location for 
 text files, `source index i` (0-based, as `ds[i]` / `df.iloc[i]`) for the others. Local files are read by
 `fastdpo.data.files`.
 
+Data already in memory (a list of dicts, an HF `Dataset` / `DatasetDict` / `IterableDataset`) becomes an
+`InMemoryData` spec: a string that reads `<in-memory: N rows, fingerprint F>` wherever specs are shown or saved, and
+holds the rows; its records are located as `in-memory <kind> row i`.
+
 A dataset spec is `PATH_OR_ID[:SUBSET][#N]`. `#N` takes N rows without replacement (whole copies first when N
 exceeds the size, as ms-swift does); with streaming it takes the first N rows, cycling when the source is shorter.
 UTF-8 with a BOM and CRLF line endings are read silently.
@@ -10,10 +14,14 @@ UTF-8 with a BOM and CRLF line endings are read silently.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from fastdpo.data.columns import MAX_ROW_BYTES
 from fastdpo.data.files import file_records
@@ -36,8 +44,91 @@ class Spec:
         return self.name + (f":{self.subset}" if self.subset else "")
 
 
+class InMemoryData(str):
+    """Rows given as Python objects. The string is an honest label, `<in-memory: N rows, fingerprint F>` (F: a hash
+    of the rows' content), so configs holding it print, save and compare as text: the same rows give the same
+    label, and a resume with the same data matches the saved run. Copies share the rows (they are not changed)."""
+
+    rows: list
+    kind: str
+
+    def __new__(cls, rows: list, kind: str = "list") -> InMemoryData:
+        h = hashlib.blake2b(digest_size=8)
+        for row in rows:
+            h.update(json.dumps(row, sort_keys=True, default=str, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            h.update(b"\n")
+        self = super().__new__(cls, f"{IN_MEMORY}{len(rows)} row{'s' * (len(rows) != 1)}, fingerprint {h.hexdigest()}>")
+        self.rows, self.kind = rows, kind
+        return self
+
+    def __reduce__(self):  # pickled whole (worker processes), not as the bare label
+        return _rebuild, (self.rows, self.kind)
+
+    def __copy__(self) -> InMemoryData:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> InMemoryData:
+        return self
+
+
+def _rebuild(rows: list, kind: str) -> InMemoryData:
+    return InMemoryData(rows, kind)
+
+
+IN_MEMORY = "<in-memory: "
+# a saved config.yaml records the label: the rows themselves stay in the caller's hands
+for _dumper in (yaml.SafeDumper, yaml.Dumper):
+    _dumper.add_representer(InMemoryData, lambda dumper, value: dumper.represent_str(str(value)))
+
+
+def dataset_specs(value: object, split: str = "train", flag: str = "dataset") -> list:
+    """What `TrainConfig(dataset=...)` may be given -> a list of specs: a path or id string, a list of them, a list
+    of dicts (rows), an HF Dataset, DatasetDict (its `split`) or IterableDataset (read whole, now), or a list
+    mixing strings and datasets."""
+    if isinstance(value, str) or _is_hf(value):
+        value = [value]
+    if isinstance(value, tuple):
+        value = list(value)
+    if not isinstance(value, list):
+        raise FastDPOError(f"{flag}= takes a path or dataset id, a list of them, a list of row dicts or an HF "
+                           f"Dataset; got a {type(value).__name__}.")
+    if value and all(isinstance(v, dict) and not _is_hf(v) for v in value):  # a DatasetDict is a dict too
+        return [InMemoryData(value, "list")]
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, str):
+            out.append(v)
+        elif _is_hf(v):
+            out.append(_from_hf(v, split, flag))
+        else:
+            what = "a dict among other entries (give rows as a list holding only dicts)" if isinstance(v, dict) \
+                else f"a {type(v).__name__}"
+            raise FastDPOError(f"{flag}[{i}] is {what}. Each entry is a path or dataset id, or an HF Dataset; rows "
+                               "go in as one list of dicts.")
+    return out
+
+
+def _is_hf(value: object) -> bool:
+    return type(value).__module__.split(".")[0] == "datasets"
+
+
+def _from_hf(ds, split: str, flag: str) -> InMemoryData:
+    import datasets
+
+    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        if split not in ds:
+            raise FastDPOError(f"{flag}= is a DatasetDict without a {split!r} split (splits: {', '.join(ds)}). Pass "
+                               f"the split itself, e.g. ds[{next(iter(ds), 'train')!r}], or set split=.")
+        ds = ds[split]
+    if not isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
+        raise FastDPOError(f"{flag}= is a {type(ds).__name__}; give a Dataset, DatasetDict or IterableDataset.")
+    return InMemoryData(list(ds), type(ds).__name__)
+
+
 def parse_spec(text: str) -> Spec:
     """`data.jsonl#500`, `org/name:subset#100`, `dir/` -> Spec."""
+    if isinstance(text, InMemoryData):
+        return Spec(text, text)
     name, count = text, None
     if "#" in text:
         name, _, n = text.rpartition("#")
@@ -69,7 +160,13 @@ def _stat(name: str) -> tuple[bool, bool, bool]:
 
 
 def source_kind(spec: Spec) -> str:
-    """file | dir (of data files) | saved (`save_to_disk`) | hub (`datasets.load_dataset`: ids and dataset repos)."""
+    """file | dir (of data files) | saved (`save_to_disk`) | hub (`datasets.load_dataset`: ids and dataset repos) |
+    memory (`InMemoryData`)."""
+    if isinstance(spec.name, InMemoryData):
+        return "memory"
+    if spec.text.startswith(IN_MEMORY):  # a saved config.yaml's label: the rows were never written
+        raise FastDPOError(f"Dataset {spec.text} was given in memory, so the saved config records only its label. "
+                           "Pass the same rows in Python (TrainConfig(dataset=rows)), or a file of them.")
     p = Path(spec.name).expanduser()
     exists, is_dir, is_file = _stat(spec.name)
     if exists and not (is_dir or is_file):  # a pipe or device could block or never end
@@ -153,6 +250,9 @@ def _spec_records(spec: Spec, split: str, streaming: bool, limit: int) -> Iterat
     elif kind == "dir":
         for f in data_files(path):
             yield from file_records(f, limit)
+    elif kind == "memory":
+        for i, value in enumerate(spec.name.rows):
+            yield Record(f"in-memory {spec.name.kind} row {i}", value)
     else:
         yield from _hf_records(spec, split, streaming)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastdpo.config import TrainConfig
+from fastdpo.config import TrainConfig, save_config
 from fastdpo.errors import FastDPOError
 from fastdpo.model.load import (
     base_causal_lm,
@@ -20,7 +20,6 @@ from fastdpo.model.load import (
 from fastdpo.model.upload import hub_repo, push_folder
 from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
-from fastdpo.observe.memtrace import peak_rss_gib
 from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
 from fastdpo.observe.profile import StepProfiler
 from fastdpo.observe.progress import KernelBuilds, RunProgress, Timeline, run_summary, save_summary, summary_line
@@ -34,11 +33,13 @@ from fastdpo.parallel.distributed import Dist, barrier, heartbeat, init_distribu
 from fastdpo.parallel.wrap import full_state_dict
 from fastdpo.training import checkpoint as ckpt
 from fastdpo.training import restore
+from fastdpo.training.callbacks import Callbacks
 from fastdpo.training.evaluate import TrainingEval
 from fastdpo.training.identity import RunIdentity, check_resume_identity
 from fastdpo.training.measure import auto_policy
 from fastdpo.training.monitor import Monitor
-from fastdpo.training.ownership import decide_on_main, own_output_dir, save_run_config
+from fastdpo.training.ownership import decide_on_main, own_output_dir
+from fastdpo.training.result import TrainResult
 from fastdpo.training.setup import build_setup, speed_hint
 from fastdpo.training.signals import GracefulStop
 from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
@@ -46,23 +47,33 @@ from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
 log = logging.getLogger("fastdpo")
 
 
-def train(cfg: TrainConfig, console=None, progress: bool = True) -> dict:
-    """Train per `cfg`; returns a summary (final dir, last metrics). Under torchrun every rank calls this; only rank
-    0 logs and writes files other than checkpoint shards."""
+def train(cfg: TrainConfig, console=None, progress: bool = True, callbacks: list | None = None,
+          keep_model: bool = True, preloaded: dict | None = None) -> TrainResult:
+    """Train per `cfg`; returns a TrainResult (the model and tokenizer in memory unless `keep_model` is false, final
+    dir, last metrics). `callbacks`: see `fastdpo.training.callbacks`. `preloaded`: objects already in memory that
+    set-up uses instead of loading (`model`, `ref_model`, `tokenizer`). Under torchrun every rank calls this; only
+    rank 0 logs and writes files other than checkpoint shards."""
     cfg.validate_training()
+    hooks = Callbacks(callbacks)
     d = init_distributed(cfg, timeout_s=cfg.ddp_timeout)
     try:
         # one run per --output_dir, released on any exit; its story in output_dir/train.log
         with own_output_dir(cfg, d), run_log(Path(cfg.output_dir), bool(cfg.resume_from_checkpoint), d.is_main):
-            return run_training(cfg, d, console if d.is_main else None, progress and d.is_main)
+            trainer, info = run_training(cfg, d, console if d.is_main else None, progress and d.is_main, hooks,
+                                         preloaded)
     finally:
         shutdown(d)
+    result = train_result(trainer, info, keep_model)
+    hooks.train_end(result)
+    return result
 
 
-def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
+def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Callbacks | None = None,
+                 preloaded: dict | None = None) -> tuple[Trainer, dict]:
+    hooks = hooks or Callbacks()
     timeline = Timeline()  # seconds since the process started: model ready, first and last step, model saved
     timeline.mark("started")
-    trainer = Trainer(cfg, build_setup(cfg, d, choose_policy=auto_policy, mark=timeline.mark), d)
+    trainer = Trainer(cfg, build_setup(cfg, d, choose_policy=auto_policy, mark=timeline.mark, **(preloaded or {})), d)
     timeline.mark("ready")
     s, out = trainer.s, Path(cfg.output_dir)
     identity = RunIdentity(cfg, s.pairs)  # recorded in every checkpoint, compared on resume
@@ -72,7 +83,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
                              s.val_reference)
     if d.is_main:
-        save_run_config(cfg, out)  # training begins: from here a failed run keeps its output dir
+        save_config(cfg, out / "config.yaml")
     summary = {**model_summary(s.model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
@@ -102,6 +113,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
                  "reuse them.", "the decoder layers (--torch_compile)" if cfg.torch_compile else
                  "FlexAttention for each static micro-batch length")
         bar.building()
+    hooks.train_begin(trainer)
     try:
         for step in range(start, s.total_steps):
             hb.beat(step + 1, "forward")
@@ -122,16 +134,19 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             if done % cfg.logging_steps == 0 or done == s.total_steps:
                 last = logger.record(result, step, pauses.take())
                 monitor.log(last)  # adds the vital signs, raises alerts, writes every sink
+                hooks.step(done, last)
             if evaluator.due(done, s.total_steps):  # every rank evaluates (the forwards are collective)
                 hb.beat(done, "eval")
-                monitor.write(evaluator.run(s, done, round(done / s.steps_per_epoch, 4)))
+                scores = evaluator.run(s, done, round(done / s.steps_per_epoch, 4))
+                monitor.write(scores)
+                hooks.evaluate(done, scores)
             bar.advance(done, len(result.pairs), result.tokens)
             periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
-            stopping = any_rank(stop.requested, d, s.device)  # all ranks stop after the same step
-            stopping = stopping and done < s.total_steps  # a stop at the last step just finishes the run
-            if periodic or stopping:  # the last step too, so a finished run can be extended exactly
+            stopping = any_rank(stop.requested or hooks.should_stop, d, s.device)  # all ranks stop after one step
+            if (periodic or stopping) and done < s.total_steps:
                 hb.beat(done, "save")
                 saved = save_checkpoint(trainer, evaluator, out, done, step // s.steps_per_epoch, identity)
+                hooks.save(done, saved)
                 if stopping:
                     stopped_at = saved
                     break
@@ -151,12 +166,13 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
             s.stream.summary().log()
 
     if stopped_at is not None:
+        by = stop.name or ("callback" if hooks.should_stop else "")
         log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
-                    stop.name or "a signal to another rank", trainer.global_step, stopped_at)
-        run = report_run(bar, last, s, out, stopped=stop.name or "SIGTERM", **evaluator.summary())
-        return {"final_dir": None, "stopped": stop.name or "SIGTERM", "checkpoint": str(stopped_at),
-                "exit_code": stop.exit_code() if stop.requested else 128 + signal.SIGTERM,
-                "last": last, "run_summary": run, **summary, **evaluator.summary()}
+                    by or "a signal or callback on another rank", trainer.global_step, stopped_at)
+        run = report_run(bar, last, s, out, stopped=by or "SIGTERM", **evaluator.summary())
+        code = stop.exit_code() if stop.requested else 0 if hooks.should_stop else 128 + signal.SIGTERM
+        return trainer, {"final_dir": None, "stopped": by or "SIGTERM", "checkpoint": str(stopped_at),
+                         "exit_code": code, "last": last, "run_summary": run, **summary, **evaluator.summary()}
     timeline.mark("last_step")
     weights = full_state_dict(s.model, d)  # FSDP2: every rank sends its shards to rank 0
     final = out / "final"
@@ -166,6 +182,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
     barrier(d)
     timeline.mark("saved")
     evaluator.best.saved(s.total_steps, final)
+    hooks.save(s.total_steps, final)
     if cfg.plot and d.is_main:
         from fastdpo.observe.plot import dashboard_after_training  # matplotlib loads only when asked for
 
@@ -175,16 +192,25 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool) -> dict:
         what = "LoRA adapter" if cfg.uses_lora else "model"
         url = push_folder(final, hub_repo(cfg.hub_model_id, cfg.output_dir), cfg.hub_private_repo, what)
         log.info("--push_to_hub: uploaded the %s in %s to %s.", what, final, url)
-    return {"final_dir": str(final), "last": last, "run_summary": run, **summary, **evaluator.summary()}
+    return trainer, {"final_dir": str(final), "last": last, "run_summary": run, **summary, **evaluator.summary()}
+
+
+def train_result(trainer: Trainer, info: dict, keep_model: bool) -> TrainResult:
+    """The run's result; with `keep_model`, the trained policy (unwrapped, eval mode) and tokenizer in memory."""
+    s = trainer.s
+    model = s.model.eval() if keep_model else None
+    return TrainResult(output_dir=str(trainer.cfg.output_dir), final_dir=info["final_dir"], metrics=info["last"],
+                       summary=info["run_summary"], model=model, tokenizer=s.tokenizer if keep_model else None,
+                       stopped=info.get("stopped"), checkpoint=info.get("checkpoint"),
+                       exit_code=info.get("exit_code", 0), info=info)
 
 
 def report_run(progress: RunProgress, last: dict, s, out: Path, **extra) -> dict:
     """The end-of-run summary (runtime, the run's pairs/s and tokens/s, peak memory over ranks, the last metrics):
     logged in one line and saved as output_dir/summary.json by rank 0."""
     d = s.dist
-    peak, rss = max_over_ranks([peak_memory_gib(s.device), peak_rss_gib() or 0.0], d, s.device)
-    cpu = s.device.type != "cuda"  # a CPU run's memory figure is the process's peak RSS
-    run = run_summary(progress, last, None if cpu else peak, rss if cpu else None, world_size=d.world_size, **extra)
+    peak = max_over_ranks([peak_memory_gib(s.device)], d, s.device)[0] if s.device.type == "cuda" else None
+    run = run_summary(progress, last, peak, world_size=d.world_size, **extra)
     if d.is_main:
         save_summary(run, out / "summary.json")
         log.info("%s (%s)", summary_line(run), out / "summary.json")
@@ -228,11 +254,8 @@ class StepLog:
             record["mfu"] = self.flops / max(time.perf_counter() - t0, 1e-9) / (self.peak * d.world_size)
             self.flops = 0.0
         record.update(self.rate.read())
-        mem, gc_ms, gc_n, busiest, rss = max_over_ranks([peak_memory_gib(s.device), gcs["gc/pause_ms"],
-                                                         gcs["gc/collections"], r.metrics.computed_tokens,
-                                                         peak_rss_gib() or 0.0], d, s.device)
-        if s.device.type != "cuda":
-            record["memory/peak_rss_gib"] = round(rss, 3)
+        mem, gc_ms, gc_n, busiest = max_over_ranks([peak_memory_gib(s.device), gcs["gc/pause_ms"],
+                                                    gcs["gc/collections"], r.metrics.computed_tokens], d, s.device)
         record.update({"memory/peak_gib": round(mem, 3), "gc/pause_ms": round(gc_ms, 3),
                        "gc/collections": int(gc_n), "batch/micro_batches": r.metrics.micro_batches,
                        "batch/padding": padding(int(busiest), r.tokens, d.dp_size)})

@@ -131,10 +131,12 @@ def warn_small_steps(cfg: TrainConfig, world_size: int) -> None:
                     -(-SMALL_STEP // (cfg.per_device_train_batch_size * world_size)), SMALL_STEP)
 
 
-def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mark=None) -> Setup:
+def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mark=None, model=None, ref_model=None,
+                tokenizer=None) -> Setup:
     """`choose_policy(cfg, rows, device) -> policy` resolves --gradient_checkpointing auto (the measuring is done
     above this floor, by the code that times training steps). `mark(name)` is told when the data (`data`) and
-    the model (`model`) are loaded."""
+    the model (`model`) are loaded. `model`, `ref_model`, `tokenizer`: objects already loaded, used (moved to the
+    device) instead of loading `cfg.model`, `cfg.ref_model` and the tokenizer."""
     mark = mark or (lambda name: None)
     cfg.validate_training()
     if d is None or d.is_main:
@@ -147,7 +149,8 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
     if kernels_wanted(cfg.kernels, device, cfg.torch_compile):
         build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code, cfg.uses_lora, dropout_rank(cfg))
 
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
     mark("data")
     stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
@@ -159,15 +162,19 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
         dict_rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in rows]
         cfg.gradient_checkpointing = choose_policy(cfg, dict_rows, device)
 
-    model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
-                       cfg.quant_bits if cfg.train_type == "qlora" else 0)
+    if model is None:
+        model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
+                           cfg.quant_bits if cfg.train_type == "qlora" else 0)
+    else:
+        model = model.to(device)
     mark("model")
     vocab = model.get_input_embeddings().weight.shape[0]  # ids past it fail at the first step, far from the cause
     check_vocab(pairs, rows, vocab, cfg.model)
     check_vocab(val_pairs, val_rows, vocab, cfg.model)
     fuse_kernels(cfg, model, device)  # before any reference is computed: policy and reference compute alike
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
-    s = assemble(cfg, device, model, tokenizer, pairs, rows=rows, d=d)
+    s = assemble(cfg, device, model, tokenizer, pairs, ref_model=None if ref_model is None else ref_model.to(device),
+                 rows=rows, d=d)
     s.val_pairs, s.val_reference, s.stream = val_pairs, val_reference, stream
     return s
 
