@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastdpo.config import TrainConfig, save_config
+from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.model.load import (
     base_causal_lm,
@@ -20,6 +20,7 @@ from fastdpo.model.load import (
 from fastdpo.model.upload import hub_repo, push_folder
 from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
+from fastdpo.observe.memtrace import peak_rss_gib
 from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
 from fastdpo.observe.profile import StepProfiler
 from fastdpo.observe.progress import KernelBuilds, RunProgress, Timeline, run_summary, save_summary, summary_line
@@ -38,7 +39,7 @@ from fastdpo.training.evaluate import TrainingEval
 from fastdpo.training.identity import RunIdentity, check_resume_identity
 from fastdpo.training.measure import auto_policy
 from fastdpo.training.monitor import Monitor
-from fastdpo.training.ownership import decide_on_main, own_output_dir
+from fastdpo.training.ownership import decide_on_main, own_output_dir, save_run_config
 from fastdpo.training.result import TrainResult
 from fastdpo.training.setup import build_setup, speed_hint
 from fastdpo.training.signals import GracefulStop
@@ -83,7 +84,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Call
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
                              s.val_reference)
     if d.is_main:
-        save_config(cfg, out / "config.yaml")
+        save_run_config(cfg, out)  # training begins: from here a failed run keeps its output dir
     summary = {**model_summary(s.model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
@@ -143,7 +144,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Call
             bar.advance(done, len(result.pairs), result.tokens)
             periodic = cfg.save_steps > 0 and done % cfg.save_steps == 0
             stopping = any_rank(stop.requested or hooks.should_stop, d, s.device)  # all ranks stop after one step
-            if (periodic or stopping) and done < s.total_steps:
+            stopping = stopping and done < s.total_steps  # a stop at the last step just finishes the run
+            if periodic or stopping:  # the last step too, so a finished run can be extended exactly
                 hb.beat(done, "save")
                 saved = save_checkpoint(trainer, evaluator, out, done, step // s.steps_per_epoch, identity)
                 hooks.save(done, saved)
@@ -209,8 +211,9 @@ def report_run(progress: RunProgress, last: dict, s, out: Path, **extra) -> dict
     """The end-of-run summary (runtime, the run's pairs/s and tokens/s, peak memory over ranks, the last metrics):
     logged in one line and saved as output_dir/summary.json by rank 0."""
     d = s.dist
-    peak = max_over_ranks([peak_memory_gib(s.device)], d, s.device)[0] if s.device.type == "cuda" else None
-    run = run_summary(progress, last, peak, world_size=d.world_size, **extra)
+    peak, rss = max_over_ranks([peak_memory_gib(s.device), peak_rss_gib() or 0.0], d, s.device)
+    cpu = s.device.type != "cuda"  # a CPU run's memory figure is the process's peak RSS
+    run = run_summary(progress, last, None if cpu else peak, rss if cpu else None, world_size=d.world_size, **extra)
     if d.is_main:
         save_summary(run, out / "summary.json")
         log.info("%s (%s)", summary_line(run), out / "summary.json")
@@ -254,8 +257,11 @@ class StepLog:
             record["mfu"] = self.flops / max(time.perf_counter() - t0, 1e-9) / (self.peak * d.world_size)
             self.flops = 0.0
         record.update(self.rate.read())
-        mem, gc_ms, gc_n, busiest = max_over_ranks([peak_memory_gib(s.device), gcs["gc/pause_ms"],
-                                                    gcs["gc/collections"], r.metrics.computed_tokens], d, s.device)
+        mem, gc_ms, gc_n, busiest, rss = max_over_ranks([peak_memory_gib(s.device), gcs["gc/pause_ms"],
+                                                         gcs["gc/collections"], r.metrics.computed_tokens,
+                                                         peak_rss_gib() or 0.0], d, s.device)
+        if s.device.type != "cuda":
+            record["memory/peak_rss_gib"] = round(rss, 3)
         record.update({"memory/peak_gib": round(mem, 3), "gc/pause_ms": round(gc_ms, 3),
                        "gc/collections": int(gc_n), "batch/micro_batches": r.metrics.micro_batches,
                        "batch/padding": padding(int(busiest), r.tokens, d.dp_size)})
