@@ -4,6 +4,7 @@ same Ctrl-C ends `tee`): the run still saves its checkpoint, exits with the sign
 
 import logging
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -118,9 +119,10 @@ def test_the_stop_message_reaches_the_stream_still_open(tmp_path, model_dirs, cl
 # ---------------------------------------------------------------- the pieces, in process
 
 
-def test_a_broken_stream_is_dropped_once_and_its_text_goes_to_the_other(tmp_path):
-    r, w = os.pipe()
-    os.close(r)  # no reader
+@pytest.mark.parametrize("kind", ["pipe", "terminal"])
+def test_a_broken_stream_is_dropped_once_and_its_text_goes_to_the_other(tmp_path, kind):
+    r, w = os.pipe() if kind == "pipe" else pty.openpty()
+    os.close(r)  # no reader (EPIPE), or the terminal closed (EIO)
     other = GuardedStream(open(tmp_path / "other.txt", "w", buffering=1))
     stream = GuardedStream(os.fdopen(w, "w", buffering=1), other)
     stream.write("first\n")
