@@ -186,12 +186,12 @@ def test_training_evaluates_and_keeps_the_best_checkpoint(tmp_path, model_dirs):
     assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
     assert evals[-1]["eval_rewards/accuracies"] >= 0.9
     best = max(evals, key=lambda r: r["eval_logps/rejected"])
-    assert best["step"] in (2, 4)  # an older checkpoint than the newest (6): protection is exercised
+    assert best["step"] in (2, 4)  # an older checkpoint than the newest (8): protection is exercised
     assert result["best_step"] == best["step"] and result["best_metric"] == best["eval_logps/rejected"]
     assert result["best_model_checkpoint"] == str(out / f"checkpoint-{best['step']}")
     assert result["eval_pairs"] == 12 and result["pairs"] == 36
-    assert _names(out) == sorted([f"checkpoint-{best['step']}", "checkpoint-6"])
-    state = ckpt.load_progress(out / "checkpoint-6")
+    assert _names(out) == sorted([f"checkpoint-{best['step']}", "checkpoint-8"])  # the last step's, kept to extend
+    state = ckpt.load_progress(out / "checkpoint-8")
     assert state["best_model_checkpoint"] == result["best_model_checkpoint"]
     resumed = TrainingEval(cfg, [object()], state)  # a resumed run ranks against the same best
     assert resumed.best.best_step == best["step"] and resumed.best.best_metric == best["eval_logps/rejected"]
