@@ -1,5 +1,5 @@
 """Callbacks of `train(cfg, callbacks=[...])`: plain functions (called as `on_step`) or objects with any of the hooks
-below. Every rank calls them, after the step's collectives, so a hook may read the same metrics on each rank.
+below. Every rank calls them (a hook that writes files or prints should check the rank itself).
 
 A hook that returns `"stop"` stops the run as a signal would: after this step a checkpoint is saved and `train`
 returns with `stopped="callback"` (resume it with `resume_from_checkpoint="latest"`). Any rank asking stops all.
