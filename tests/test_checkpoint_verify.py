@@ -16,7 +16,7 @@ from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.observe import sinks
 from fastdpo.training import checkpoint as ckpt
-from fastdpo.training import manifest
+from fastdpo.training import manifest, ownership
 from fastdpo.training.loop import train
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3, device="cpu")
@@ -404,7 +404,7 @@ def test_rewriting_a_checkpoint_keeps_the_old_or_the_new_copy_at_every_kill_poin
         outcomes.append("new" if all(torch.equal(got[k], new[k]) for k in got) else
                         "old" if all(torch.equal(got[k], old[k]) for k in got) else "mixed")
         assert outcomes[-1] != "mixed", n
-        assert not [p.name for p in out.iterdir() if p.name.startswith(".")], n
+        assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ownership.RECORD], n
         if not killed:
             break
     assert not killed and outcomes[-1] == "new" and "old" in outcomes
@@ -491,9 +491,12 @@ def test_two_ranks_share_rank_0s_decisions_and_verify_sharded_checkpoints(tmp_pa
     assert "state/rng-1.pt" in listed and any(k.startswith("sharded/__1_") for k in listed), sorted(listed)
     # rank 0 refuses a fresh run into the finished dir; rank 1 stops with it instead of waiting in a collective
     assert join_ranks(start_ranks(2, **kw), timeout=120) == [1, 1]
-    # a resume: rank 0 verifies and picks the checkpoint, both ranks load it
+    # a resume: rank 0 verifies and picks the checkpoint, both ranks load it (the last step's checkpoint-6 removed,
+    # so that steps 4-6 are trained again)
+    ckpt.remove_published(out / "checkpoint-6")
     run_ranks(2, **{**kw, "resume_from_checkpoint": "latest"})
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
-    # a flipped bit in rank 1's shard: nothing left to resume, both ranks stop
-    flip_bit(next((c / "sharded").glob("__1_*.distcp")))
+    # a flipped bit in rank 1's shard of each checkpoint: nothing left to resume, both ranks stop
+    for c in ckpt.numbered_checkpoints(out):
+        flip_bit(next((c / "sharded").glob("__1_*.distcp")))
     assert join_ranks(start_ranks(2, **{**kw, "resume_from_checkpoint": "latest"}), timeout=120) == [1, 1]
