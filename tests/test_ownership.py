@@ -349,3 +349,14 @@ def test_the_holder_is_told_apart_by_boot_and_command_line():
     # no start time recorded: the command line decides
     assert ownership.Holder(me.pid, me.host, "", "", None, "", me.cmdline).alive() is True
     assert ownership.Holder(me.pid, me.host, "", "", None, "", "python other.py").alive() is False
+
+
+def test_a_failed_resume_keeps_the_checkpoint_it_put_back(finished, tmp_path):
+    """A kill between the renames of a rewrite left checkpoint-4 as .checkpoint-4.new; the next start puts it back
+    before it fails (here: another --beta), and that checkpoint is not a file the failed start may remove."""
+    cfg = copy_run(finished, tmp_path, resume_from_checkpoint="latest", beta=0.5)
+    out = Path(cfg.output_dir)
+    os.replace(out / "checkpoint-4", out / ".checkpoint-4.new")
+    with pytest.raises(FastDPOError, match="other settings"):
+        train(cfg, progress=False)
+    assert ckpt.checkpoint_problem(out / "checkpoint-4") is None

@@ -42,6 +42,9 @@ RUN_FILES = ("metrics.jsonl", "alerts.jsonl", "config.yaml", "data_summary.json"
 RUN_DIRS = ("final", "runs", "profile")
 RECORD = ".fastdpo-outputs.json"  # the names fastdpo runs created in the dir: only these are ever removed
 _NUMBERED = re.compile(r"^(checkpoint-\d+|metrics\.jsonl\.bak-\d+)$")
+# what a start may put back or keep before training (an interrupted publish, the log trimmed for a resume): never
+# removed after a failed start
+_KEPT = re.compile(r"^(\.?(checkpoint-\d+|final)(\.(tmp|new|old|del))?|metrics\.jsonl\.bak-\d+)$")
 
 
 # ---------------------------------------------------------------- the holder of a lock
@@ -503,6 +506,8 @@ class _Held:
             return
         if failed and not self.training:
             for name in sorted(_names(self.out) - self.before - {LOCK}):
+                if _KEPT.match(name):
+                    continue
                 p = self.out / name
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p, ignore_errors=True)
