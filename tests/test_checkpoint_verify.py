@@ -38,6 +38,7 @@ def trained(tmp_path_factory, model_dirs):
 def resume_copy(trained: TrainConfig, tmp_path: Path, **changes) -> TrainConfig:
     out = tmp_path / "run"
     shutil.copytree(trained.output_dir, out)
+    shutil.rmtree(out / "checkpoint-3", ignore_errors=True)  # the finished run's last step: resume mid-run instead
     return TrainConfig(**{**trained.to_dict(), "output_dir": str(out), "resume_from_checkpoint": "latest", **changes})
 
 
@@ -170,7 +171,6 @@ def as_before_manifests(c: Path) -> None:
 def test_a_checkpoint_without_manifest_is_refused_unless_trusted(trained, tmp_path, caplog, how):
     cfg = resume_copy(trained, tmp_path)
     c = Path(cfg.output_dir) / "checkpoint-2"
-    shutil.rmtree(c.with_name("checkpoint-3"))
     cfg.resume_from_checkpoint = str(c)
     if how == "removed":
         (c / ckpt.MANIFEST).unlink()
@@ -203,7 +203,7 @@ def stray_weights(c: Path) -> tuple[Path, str]:
 def test_a_file_the_manifest_does_not_list_is_refused_by_name(trained, tmp_path, where):
     cfg = resume_copy(trained, tmp_path)
     out = Path(cfg.output_dir)
-    c = out / "checkpoint-3"
+    c = out / "checkpoint-2"
     stray, _ = stray_weights(c)
     stray.rename(c / where)
     problem = ckpt.checkpoint_problem(c)
@@ -211,7 +211,7 @@ def test_a_file_the_manifest_does_not_list_is_refused_by_name(trained, tmp_path,
                       "would be loaded unverified; remove it", problem
     with pytest.raises(FastDPOError, match=f"not a complete fastdpo checkpoint \\({where} is not listed"):
         ckpt.resolve_resume(str(c), out)
-    assert ckpt.resolve_resume("latest", out) == out / "checkpoint-2"
+    assert ckpt.resolve_resume("latest", out) == out / "checkpoint-1"
     (c / where).unlink()
     assert ckpt.checkpoint_problem(c) is None
 
@@ -489,6 +489,10 @@ def test_two_ranks_share_rank_0s_decisions_and_verify_sharded_checkpoints(tmp_pa
     assert ckpt.checkpoint_problem(c) is None
     listed = json.loads((c / ckpt.MANIFEST).read_text())["files"]
     assert "state/rng-1.pt" in listed and any(k.startswith("sharded/__1_") for k in listed), sorted(listed)
+    stray = c / "sharded" / "__2_0.distcp"  # a shard of no rank that wrote this checkpoint
+    stray.write_bytes(b"\0" * 64)
+    assert ckpt.checkpoint_problem(c).startswith(f"sharded/__2_0.distcp is not listed in {ckpt.MANIFEST}")
+    stray.unlink()
     # rank 0 refuses a fresh run into the finished dir; rank 1 stops with it instead of waiting in a collective
     assert join_ranks(start_ranks(2, **kw), timeout=120) == [1, 1]
     # a resume: rank 0 verifies and picks the checkpoint, both ranks load it (the last step's checkpoint-6 removed,
