@@ -263,7 +263,7 @@ def _read_record(out: Path) -> dict | None:
 def run_outputs(out: Path) -> set[str]:
     """The names in `out` that fastdpo runs created: those on its record, and for a run that ended before it could
     update the record (killed), the output names that appeared since it started. A dir without a record holding a
-    checkpoint is a run dir of an fastdpo that kept none: its output names count as that run's."""
+    checkpoint is a run dir of a fastdpo that kept none: its output names count as that run's."""
     present = _names(out)
     record = _read_record(out)
     if record is None:
@@ -304,11 +304,9 @@ def _is_config_file(path: Path) -> bool:
 
 def names_written(cfg: TrainConfig, out: Path) -> list[str]:
     """The fixed names this run writes in `out` (checkpoints aside); config.yaml not when it is the --config file."""
-    names = ["config.yaml", "metrics.jsonl", "alerts.jsonl", "summary.json", "train.log", "final"]
+    names = ["config.yaml", "metrics.jsonl", "alerts.jsonl", "data_summary.json", "summary.json", "train.log", "final"]
     if _is_config_file(out / "config.yaml"):
         names.remove("config.yaml")
-    if cfg.streaming:
-        names.append("data_summary.json")
     if cfg.plot:
         names.append("metrics.png")
     if "tensorboard" in report_targets(cfg.report_to) and not cfg.logging_dir:
