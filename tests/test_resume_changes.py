@@ -196,7 +196,8 @@ def test_changed_optimizer_settings_are_refused_listing_each(trained, tmp_path, 
 
 def test_reporting_saving_and_speed_settings_may_change(trained, tmp_path, caplog):
     cfg = resume_copy(trained, tmp_path, logging_steps=2, save_total_limit=1, alert_patience=9, length_buckets=8,
-                      per_device_train_batch_size=4, gradient_accumulation_steps=1, disable_progress=True)
+                      per_device_train_batch_size=4, gradient_accumulation_steps=1, disable_progress=True,
+                      template_timeout=30.0)
     with caplog.at_level("WARNING", logger="fastdpo"):
         assert train(cfg, progress=False)["final_dir"]
     assert "other settings" not in caplog.text

@@ -48,9 +48,11 @@ def _always(c: dict) -> bool:
 # Flags a resume may change: where and how the run reports and saves, how long it runs (max_steps and
 # num_train_epochs extend it), how fast it runs (layout, kernels, memory, ranks), the evaluation, and flags checked on
 # their own (learning-rate flags: followed; the step size and drop_last: loop.check_resume_step_size; model and data
-# paths: by fingerprint, below). Any other flag, one added later included, is compared.
+# paths: by fingerprint, below; --strict: the rows it lets through are in the data's fingerprint). Any other flag,
+# one added later included, is compared.
 FREE = frozenset({
-    "model", "ref_model", "adapters", "ref_adapters", "dataset", "trust_remote_code", "max_row_mb",
+    "model", "ref_model", "adapters", "ref_adapters", "dataset", "trust_remote_code", "max_row_mb", "template_timeout",
+    "strict",
     "dataset_num_proc", "load_from_cache_file", "dataset_cache_dir", "dataloader_num_workers", "dataloader_drop_last",
     "per_device_train_batch_size", "gradient_accumulation_steps", "max_tokens_per_batch", "padding_free", "attn_impl",
     "gradient_checkpointing", "max_memory_gib", "activation_offloading", "torch_compile", "kernels",
@@ -79,6 +81,7 @@ GUARDED = {
     "ref_model_sync_steps": lambda c: bool(c.get("sync_ref_model")),
     # what trains
     "train_type": _always, "lora_rank": _lora, "lora_alpha": _lora, "lora_dropout": _lora, "target_modules": _lora,
+    "use_dora": _lora,
     "quant_bits": lambda c: c.get("train_type") == "qlora",
     # the data and its order
     "seed": _always, "shuffle": _always, "streaming": _always,
