@@ -27,7 +27,7 @@ from fastdpo.dpo.beta import BetaSchedule
 from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
-from fastdpo.model.fused import fuse_layers, kernels_wanted
+from fastdpo.model.fused import fuse_layers, kernels_wanted, unfused
 from fastdpo.model.kernels import build_ahead, head_size, norm_widths
 from fastdpo.model.kernels import ready as kernels_ready
 from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -316,6 +316,9 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
             load_ref_adapter(model, cfg.ref_adapters)
         if cfg.kernels != "torch":
             fuse_lora(model)
+    if lost := unfused(model):
+        log.warning("Kernels: %s no longer run fastdpo's lean forward (something rebound them after loading); they "
+                    "train on torch's path, correct but slower and larger.", ", ".join(lost))
     if backend.name != "padded":
         prepare_packed(model, backend)
     if d.sp_size > 1:
