@@ -46,8 +46,11 @@ def is_prompt_only(value: object) -> bool:
 
 
 def first_record(specs: list[str], split: str = "train", read: RowOptions = AS_GIVEN) -> tuple[str, object] | None:
-    """(where, value) of the first readable record of the first dataset, with --columns applied; None if empty."""
+    """(where, value) of the first readable record of the first dataset, with --columns applied; None if empty or
+    if that dataset has a reading of its own (--dataset_info)."""
     for text in specs:
+        if read.reading(text) is not None:  # --dataset_info's reading names its own columns: read as it says
+            return None
         for rec in islice(iter_records(parse_dataset_spec(text), split, limit=read.max_row_bytes), 1):
             if rec.error is None:
                 return rec.where, read.rename(rec.value, rec.where)

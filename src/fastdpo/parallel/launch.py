@@ -77,9 +77,10 @@ def launch(argv: list[str], cfg=None, typed: dict[str, str] | None = None) -> in
         cfg.validate_training()
         nodes = f" x NNODES={os.environ['NNODES']}" if os.environ.get("NNODES", "1") != "1" else ""
         check_world(cfg, world_size(), typed, f"NPROC_PER_NODE={os.environ['NPROC_PER_NODE']}{nodes}")
-    os.environ[LAUNCHED] = "1"  # the workers inherit it: the notes about the flags were printed here
     if not gpus:
         log.info("No GPU visible: %s CPU worker processes (gloo).", os.environ["NPROC_PER_NODE"])
+    before = os.environ.get(LAUNCHED)
+    os.environ[LAUNCHED] = "1"  # the workers inherit it: the notes about the flags were printed here
     try:
         run(parse_args(args))
     except ChildFailedError as e:
@@ -88,4 +89,9 @@ def launch(argv: list[str], cfg=None, typed: dict[str, str] | None = None) -> in
         log.warning("%s: workers stopped after a checkpoint. Continue with --resume_from_checkpoint latest.",
                     e.sigval.name)
         return 128 + int(e.sigval)
+    finally:  # for the workers only: this process (a Python caller's) prints its later notes
+        if before is None:
+            os.environ.pop(LAUNCHED, None)
+        else:
+            os.environ[LAUNCHED] = before
     return 0
