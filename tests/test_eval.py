@@ -15,10 +15,10 @@ from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.split import split_rows
 from fastdpo.data.tokenize import tokenize_rows
-from fastdpo.dpo.losses import LossInputs, LossParams
 from fastdpo.dpo.reference import Reference
 from fastdpo.dpo.rewards import load_reward_fn, score, win_rate
 from fastdpo.errors import FastDPOError
+from fastdpo.losses import LossInputs, LossParams
 from fastdpo.model.backend import Backend, prepare_packed
 from fastdpo.model.load import load_tokenizer
 from fastdpo.model.tiny import build_tiny_model

@@ -11,7 +11,7 @@ from conftest import easy_rows, write_jsonl
 
 from fastdpo.config import TrainConfig
 from fastdpo.dpo.beta import BetaSchedule
-from fastdpo.dpo.losses import LossInputs
+from fastdpo.losses import LossInputs
 from fastdpo.optim.optimizer import lr_lambda
 from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.loop import train

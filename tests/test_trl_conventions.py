@@ -13,8 +13,8 @@ import torch
 from data_helpers import assistant, chat_tokenizer, user
 
 from fastdpo.cli import build_parser
-from fastdpo.config import TrainConfig, build_config, mean_logp_rewards
-from fastdpo.dpo.losses import LossParams, loss_inputs, sequence_nll
+from fastdpo.config import TrainConfig, build_config
+from fastdpo.losses import LossParams, loss_inputs, mean_logp_rewards, sequence_nll
 from fastdpo.model.seqlogps import SeqLogps, summarise
 from fastdpo.observe.metrics import StepMetrics
 from fastdpo.training.evaluate import TrainingEval, preference_metrics

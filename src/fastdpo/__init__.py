@@ -21,7 +21,7 @@ from fastdpo.version import __version__
 
 _API = {
     "TrainConfig": "fastdpo.config",
-    "LOSSES": "fastdpo.dpo.losses",
+    "LOSSES": "fastdpo.losses",
     "train": "fastdpo.training.loop",
     "Trainer": "fastdpo.training.trainer",
     "StepResult": "fastdpo.training.trainer",

@@ -10,14 +10,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastdpo.config import DataReading, needs_prompt_targets
+from fastdpo.config import DataReading
 from fastdpo.config.schema import _f
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.prompts import PromptRow, first_record, is_prompt_only, load_prompts
-from fastdpo.dpo.losses import LOSSES, LossParams
 from fastdpo.dpo.reference import Reference
 from fastdpo.errors import FastDPOError
+from fastdpo.losses import LOSSES, LossParams, needs_prompt_targets
 from fastdpo.model.generate import GenerationArgs, ModelArgs
 from fastdpo.training.evaluate import pair_logps, per_token_logps, preference_metrics, token_kl
 

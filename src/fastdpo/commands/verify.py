@@ -27,7 +27,8 @@ from fastdpo.config import checkpoint_policy
 from fastdpo.data.load import load_rows
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
-from fastdpo.dpo.losses import LossInputs, LossParams, dpo_sigmoid_loss
+from fastdpo.losses import LossInputs, LossParams
+from fastdpo.losses.with_reference import dpo_sigmoid_loss
 from fastdpo.model.backend import Backend, choose_backend, prepare_packed, sequence_logps
 from fastdpo.model.load import base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.model.memory import apply_checkpointing, compile_layers, decoder_layers

@@ -36,49 +36,13 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 # ---------------------------------------------------------------- names other layers implement
 
-@dataclass(frozen=True)
-class LossTraits:
-    """What a --loss_type needs and allows; `dpo.losses` holds the function of each name."""
+def registered_losses() -> dict:
+    """The losses by --loss_type name, with their traits (`fastdpo.losses.LOSSES`: each loss registers itself where
+    it is defined). Imported on use, not at the top of this module: the losses load torch, and `fastdpo --help` must
+    not. The import points down the floors (the losses sit below config)."""
+    from fastdpo.losses import LOSSES
 
-    needs_reference: bool = True
-    f_divergence: bool = False  # defined for every --f_divergence_type (built on the reward difference h)
-    sorts_step: bool = False  # couples the pairs of a step: needs the step's log-probs before the backward
-    mean_logps: bool = False  # its implicit reward is beta x the per-token mean log-prob: logged so, as TRL logs it
-    prompt_nll: bool = False  # its NLL term covers the chosen sequence's prompt too: batches carry prompt targets
-
-
-LOSS_TRAITS: dict[str, LossTraits] = {
-    "sigmoid": LossTraits(f_divergence=True),
-    "robust": LossTraits(f_divergence=True),
-    "ipo": LossTraits(f_divergence=True),
-    "hinge": LossTraits(f_divergence=True),
-    "exo_pair": LossTraits(f_divergence=True),
-    "nca_pair": LossTraits(),
-    "bco_pair": LossTraits(),
-    "sppo_hard": LossTraits(),
-    "aot": LossTraits(sorts_step=True),
-    "aot_unpaired": LossTraits(sorts_step=True),
-    "apo_zero": LossTraits(),
-    "apo_down": LossTraits(),
-    "discopop": LossTraits(f_divergence=True),
-    "sigmoid_norm": LossTraits(f_divergence=True),
-    "sft": LossTraits(needs_reference=False, f_divergence=True),
-    "simpo": LossTraits(needs_reference=False, mean_logps=True),
-    "cpo": LossTraits(needs_reference=False),
-    "orpo": LossTraits(needs_reference=False, mean_logps=True, prompt_nll=True),
-}
-def mean_logp_rewards(names) -> bool:
-    """Whether the losses `names` log their log-probs and rewards as per-token means (beta x mean log-prob), as TRL's
-    CPOTrainer logs SimPO and its ORPOTrainer logs ORPO; losses with a reference (and CPO) log sums, as TRL's
-    trainers do."""
-    traits = [LOSS_TRAITS[n] for n in names]
-    return any(t.mean_logps for t in traits) and not any(t.needs_reference for t in traits)
-
-
-def needs_prompt_targets(names) -> bool:
-    """Whether the losses `names` need the prompt tokens' log-probs (ORPO's NLL, over prompt + chosen as in TRL's
-    ORPOTrainer). Without such a loss the batches carry no prompt targets and the output head sees none."""
-    return any(LOSS_TRAITS[n].prompt_nll for n in names)
+    return LOSSES
 
 
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
@@ -502,10 +466,11 @@ class TrainConfig(DataReading, ModelSection):
         parallel_plan(self.fsdp, self.deepspeed, self)  # raises on what cannot be honoured
 
     def _validate_loss(self) -> None:
-        specs = {name: LOSS_TRAITS[name] for name, _ in self.loss_terms()}
+        losses = registered_losses()
+        specs = {name: losses[name] for name, _ in self.loss_terms()}
         _choice("f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
         if self.f_divergence_type != "reverse_kl" and not all(sp.f_divergence for sp in specs.values()):
-            ok = ", ".join(n for n, sp in LOSS_TRAITS.items() if sp.f_divergence)
+            ok = ", ".join(n for n, sp in losses.items() if sp.f_divergence)
             raise FastDPOError(f"--f_divergence_type {self.f_divergence_type} is defined only for the losses built on "
                                f"the reward difference ({ok}). Drop it or change --loss_type.")
         if self.use_weighting and any(sp.sorts_step for sp in specs.values()):
@@ -556,9 +521,10 @@ class TrainConfig(DataReading, ModelSection):
         names = [str(n).strip() for n in raw if str(n).strip()]
         if not names:
             raise FastDPOError("--loss_type is empty. Give a loss name, e.g. sigmoid.")
+        losses = registered_losses()
         for name in names:
-            if name not in LOSS_TRAITS:
-                raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSS_TRAITS))}.")
+            if name not in losses:
+                raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(losses))}.")
         w = self.loss_weights
         raw_w = w if isinstance(w, list) else [w] if isinstance(w, (int, float)) else str(w).split(",")
         raw_w = [x for x in raw_w if str(x).strip()]
@@ -572,7 +538,8 @@ class TrainConfig(DataReading, ModelSection):
         return list(zip(names, weights))
 
     def needs_reference(self) -> bool:
-        return any(LOSS_TRAITS[name].needs_reference for name, _ in self.loss_terms())
+        losses = registered_losses()
+        return any(losses[name].needs_reference for name, _ in self.loss_terms())
 
     def _validate_eval(self) -> None:
         if not 0 <= self.split_dataset_ratio < 1:

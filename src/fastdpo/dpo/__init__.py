@@ -1,2 +1,2 @@
-"""The preference objective: losses as pure functions with a registry, the beta schedule, the reference (online,
-precomputed, adapters off) and its on-disk cache."""
+"""The preference objective around the losses (`fastdpo.losses`): the beta schedule, the reference (online,
+precomputed, adapters off) and its on-disk cache, and the reward functions of generation metrics."""

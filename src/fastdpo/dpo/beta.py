@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from fastdpo.dpo.losses import LossInputs, logratios
+from fastdpo.losses import LossInputs, logratios
 
 RATE = 0.2
 log = logging.getLogger("fastdpo")

@@ -188,7 +188,7 @@ def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device,
                prompt_targets: bool = False) -> PairBatch:
     """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
     padded to one of a few static lengths (`flex_length`). `prompt_targets`: with the prompt tokens' targets (a loss
-    whose NLL covers the prompt, `config.needs_prompt_targets`)."""
+    whose NLL covers the prompt, `losses.needs_prompt_targets`)."""
     if backend.name == "padded":
         batch = pad_pairs(pairs, pad_id, prompt_targets)
     elif backend.name == "flex":

@@ -17,7 +17,7 @@ KL_RATIO_FLOOR = 1e-2  # rewards/margins below this counts as this: no blow-up w
 
 class StepMetrics:
     """Sums on the device during a step (no host sync); `finish` divides and reads them once. With `mean_logps`
-    (SimPO, ORPO: `config.mean_logp_rewards`), `logps/*` are each completion's per-token mean and the rewards beta x
+    (SimPO, ORPO: `losses.mean_logp_rewards`), `logps/*` are each completion's per-token mean and the rewards beta x
     that mean, as TRL logs them; otherwise log-prob sums. `extra` names the loss-specific metrics (ORPO's
     `nll_loss`, `log_odds_ratio`, `log_odds_chosen`): per-pair values (`add_pair_values`), logged as their mean over
     the step's pairs."""

@@ -105,7 +105,7 @@ def gather_step_view(view, d: Dist, device: torch.device):
         return view, 0
     import torch.distributed as dist
 
-    from fastdpo.dpo.losses import StepView
+    from fastdpo.losses import StepView
 
     names = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected")
     local = torch.stack([getattr(view, n) for n in names]) if view is not None else torch.zeros(4, 0, device=device)

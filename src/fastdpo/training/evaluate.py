@@ -17,12 +17,21 @@ from pathlib import Path
 
 import torch
 
-from fastdpo.config import mean_logp_rewards, needs_prompt_targets
 from fastdpo.data.load import Row
 from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
-from fastdpo.dpo.losses import LOSSES, LossInputs, LossParams, loss_inputs, loss_metrics, loss_params, total_loss
 from fastdpo.dpo.reference import REF_ADAPTER, Reference, active_adapter, precomputed_table
+from fastdpo.losses import (
+    LOSSES,
+    LossInputs,
+    LossParams,
+    loss_inputs,
+    loss_metrics,
+    loss_params,
+    mean_logp_rewards,
+    needs_prompt_targets,
+    total_loss,
+)
 from fastdpo.model.backend import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
 from fastdpo.model.logprobs import _chunk_logits
 from fastdpo.model.seqlogps import completion_logps

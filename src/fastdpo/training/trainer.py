@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function as phase  # names the loop's phases in --profile_steps traces
 
-from fastdpo.config import TrainConfig, mean_logp_rewards, needs_prompt_targets
+from fastdpo.config import TrainConfig
 from fastdpo.data.pack import PairBatch, step_order
 from fastdpo.data.tokenize import TokenizedPair
-from fastdpo.dpo.losses import (
+from fastdpo.losses import (
     LOSSES,
     StepView,
     at,
@@ -23,6 +23,8 @@ from fastdpo.dpo.losses import (
     loss_metric_names,
     loss_metrics,
     loss_params,
+    mean_logp_rewards,
+    needs_prompt_targets,
     step_view,
     total_loss,
 )

@@ -14,7 +14,7 @@ from fastdpo.errors import FastDPOError
 log = logging.getLogger("fastdpo")
 
 NO_EFFECT = "the flag has no effect"
-# the losses that read --label_smoothing (`dpo.losses`)
+# the losses that read --label_smoothing (`fastdpo.losses`)
 SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired", "simpo", "cpo")
 
 

@@ -11,8 +11,8 @@ import torch
 
 from fastdpo.config import TrainConfig
 from fastdpo.dpo.beta import BetaSchedule
-from fastdpo.dpo.losses import LOSSES, LossInputs, LossParams, at, loss_inputs, step_view, total_loss
 from fastdpo.errors import FastDPOError
+from fastdpo.losses import LOSSES, LossInputs, LossParams, at, loss_inputs, step_view, total_loss
 from fastdpo.model.seqlogps import SeqLogps, summarise, token_offsets
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
