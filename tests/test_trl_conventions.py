@@ -87,7 +87,7 @@ def test_reference_free_losses_log_as_trl(loss):
 
 
 def test_trl_sigmoid_ignores_label_smoothing_and_a_trl_command_is_told(caplog):
-    from test_losses import our_loss, random_layout, trl_dpo_loss
+    from losses.test_losses import our_loss, random_layout, trl_dpo_loss
 
     t, o = random_layout(seed=7)
     assert trl_dpo_loss(t, ["sigmoid"], label_smoothing=0.1) == pytest.approx(trl_dpo_loss(t, ["sigmoid"]), rel=1e-7)

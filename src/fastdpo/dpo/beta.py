@@ -61,6 +61,20 @@ class BetaSchedule:
         self._drift += (lr_c.abs().sum() + lr_r.abs().sum()).double()
         self._tokens += (x.chosen_tokens.sum() + x.rejected_tokens.sum()).double()
 
+    def step_sums(self) -> torch.Tensor | None:
+        """The drift and token count the current step has added so far, (2,) float64 on the device; None unless
+        adaptive. Under torchrun the ranks sum them and hand the totals back (`take_step_sums`) before `step`, so
+        every rank sets the same next beta."""
+        if not self.adaptive:
+            return None
+        return torch.stack([self._drift, self._tokens])
+
+    @torch.no_grad()
+    def take_step_sums(self, sums: torch.Tensor) -> None:
+        """Replace the current step's drift and token count with `sums` (their totals over all ranks, (2,))."""
+        self._drift.copy_(sums[0])
+        self._tokens.copy_(sums[1])
+
     @torch.no_grad()
     def step(self) -> None:
         """Close the step: record its drift and set beta for the next step."""

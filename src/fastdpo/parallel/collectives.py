@@ -1,5 +1,6 @@
-"""The step's numbers over all ranks: the gradient norm and clipping (sharded or not), the summed metrics, beta's
-drift, the step-wide log-prob view the sorting losses need, and small any/max reductions the loop decides on."""
+"""Reductions over all ranks, for the step and the loop to wire: the gradient norm and clipping (sharded or not), sums
+of device tensors over the data-parallel groups, columns gathered from every group (the step-wide log-prob view the
+sorting losses need), and small any/max reductions the loop decides on. Each is a no-op on one process."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import torch
 
+from fastdpo.losses import StepView
 from fastdpo.optim.adamw import local_shard
 from fastdpo.parallel.distributed import Dist
 
@@ -68,57 +70,50 @@ def _shard_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return total.sqrt()
 
 
-def reduce_metrics(metrics, d: Dist, pairs: int, tokens: int) -> None:
-    """Sum a StepMetrics' per-pair sums over all ranks (in place, on the device: no host sync), before `finish`.
-    The step's pair and token counts over all ranks, `pairs` and `tokens`, are known on every rank from the
-    step's pairs."""
+def sum_over_groups(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """`t` summed over the data-parallel groups, in place (on the device: no host sync), and returned. The ranks of a
+    sequence-parallel group hold the same values, so each group counts once."""
     if d.world_size == 1:
-        return
+        return t
     import torch.distributed as dist
 
-    if not d.speaks_for_group:  # the ranks of a sequence-parallel group hold the same sums: count them once
-        metrics.sums.zero_()
-    dist.all_reduce(metrics.sums)
-    metrics.pairs, metrics.tokens = pairs, tokens
+    if not d.speaks_for_group:
+        t.zero_()
+    dist.all_reduce(t)
+    return t
 
 
-def reduce_beta_drift(beta, d: Dist) -> None:
-    """kl_adaptive beta: sum the step's drift and token count over all ranks before the schedule closes the step, so
-    every rank (and a run on one rank) sets the same next beta."""
-    if d.world_size == 1 or not beta.adaptive:
-        return
-    import torch.distributed as dist
-
-    both = torch.stack([beta._drift, beta._tokens])
-    if not d.speaks_for_group:  # counted once per sequence-parallel group
-        both.zero_()
-    dist.all_reduce(both)
-    beta._drift.copy_(both[0])
-    beta._tokens.copy_(both[1])
-
-
-def gather_step_view(view, d: Dist, device: torch.device):
-    """The step-wide StepView over all ranks' pairs (rank order; `view` is this rank's, None without pairs), and
-    the position of this rank's first pair in it. Sorting losses (aot) then rank pairs over the whole step. Under
-    sequence parallelism the pairs are the data-parallel groups' (the first rank of each group speaks for it)."""
+def gather_columns(local: torch.Tensor, d: Dist) -> tuple[torch.Tensor, int]:
+    """The columns of every data-parallel group's `local` (R, n_g) float32, n_g may differ (0 too), side by side in
+    rank order (R, sum n_g), and the index of this rank's first column in it. The first rank of each
+    sequence-parallel group speaks for it."""
     if d.world_size == 1:
-        return view, 0
+        return local, 0
     import torch.distributed as dist
 
-    from fastdpo.losses import StepView
-
-    names = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected")
-    local = torch.stack([getattr(view, n) for n in names]) if view is not None else torch.zeros(4, 0, device=device)
+    device = local.device
     sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(d.world_size)]
     dist.all_gather(sizes, torch.tensor([local.shape[1]], device=device))
     sizes = [int(n) for n in sizes]
-    padded = torch.zeros(4, max(sizes), dtype=torch.float32, device=device)
+    padded = torch.zeros(local.shape[0], max(sizes), dtype=torch.float32, device=device)
     padded[:, : local.shape[1]] = local
     parts = [torch.empty_like(padded) for _ in range(d.world_size)]
     dist.all_gather(parts, padded)
     keep = range(0, d.world_size, d.sp_size)  # one copy per sequence-parallel group
     full = torch.cat([parts[r][:, : sizes[r]] for r in keep], dim=1)
-    return StepView(*full.unbind(0)), sum(sizes[r] for r in keep if r < d.dp_rank * d.sp_size)
+    return full, sum(sizes[r] for r in keep if r < d.dp_rank * d.sp_size)
+
+
+def gather_step_view(view: StepView | None, d: Dist, device: torch.device) -> tuple[StepView | None, int]:
+    """The step-wide StepView over all ranks' pairs (rank order; `view` is this rank's, None without pairs), and
+    the position of this rank's first pair in it. Sorting losses (aot) then rank pairs over the whole step. Under
+    sequence parallelism the pairs are the data-parallel groups' (`gather_columns`)."""
+    if d.world_size == 1:
+        return view, 0
+    names = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected")
+    local = torch.stack([getattr(view, n) for n in names]) if view is not None else torch.zeros(4, 0, device=device)
+    full, start = gather_columns(local, d)
+    return StepView(*full.unbind(0)), start
 
 
 def any_rank(flag: bool, d: Dist, device: torch.device) -> bool:

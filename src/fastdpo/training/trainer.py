@@ -42,8 +42,7 @@ from fastdpo.parallel.collectives import (
     clip_coef,
     clip_grad_norm,
     gather_step_view,
-    reduce_beta_drift,
-    reduce_metrics,
+    sum_over_groups,
     total_grad_norm,
 )
 from fastdpo.parallel.distributed import Dist
@@ -278,7 +277,8 @@ class Trainer:
         tokens = sum(p.num_tokens for p in step_pairs)
         # the step's sums over all ranks (the guard below decides alike everywhere); counts are known here
         with phase("fastdpo.metrics"):
-            reduce_metrics(metrics, s.dist, len(step_pairs), tokens)
+            sum_over_groups(metrics.sums, s.dist)
+            metrics.pairs, metrics.tokens = len(step_pairs), tokens  # the step's, known on every rank from its pairs
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")  # 0: no clipping
         with phase("fastdpo.clip"):
             if scales_gradients(self.optimizer):  # the update scales the gradients as it reads them
@@ -297,7 +297,9 @@ class Trainer:
         self.global_step += 1
         if self.global_step < s.total_steps:  # full_shard: the next forward's first weights, gathered under host work
             gather_step_start(s.policy)
-        reduce_beta_drift(s.beta, s.dist)
+        drift = s.beta.step_sums()
+        if drift is not None:  # kl_adaptive: the drift over all ranks, so every rank sets the same next beta
+            s.beta.take_step_sums(sum_over_groups(drift, s.dist))
         s.beta.step()
         nxt = then if then else self.next_pairs() if pairs is None and s.stream is None else None
         if nxt and self.pack_ahead and self.global_step < s.total_steps:
