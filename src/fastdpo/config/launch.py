@@ -15,7 +15,8 @@ def wants_launch(env: dict | None = None) -> bool:
     return bool(env.get("NPROC_PER_NODE")) and "LOCAL_RANK" not in env
 
 
-def _env_int(env: dict, name: str, default: int | None = None, low: int = 0) -> int:
+def env_int(env: dict, name: str, default: int | None = None, low: int = 0) -> int:
+    """The launcher's variable `name` of `env` as an integer >= `low` (`default` when unset); a user error if not."""
     raw = env.get(name)
     if raw in (None, ""):
         assert default is not None
@@ -34,9 +35,9 @@ def world_size(env: dict | None = None) -> int:
     else 1."""
     env = os.environ if env is None else env
     if env.get("WORLD_SIZE"):
-        return _env_int(env, "WORLD_SIZE", low=1)
+        return env_int(env, "WORLD_SIZE", low=1)
     if env.get("NPROC_PER_NODE"):
-        return _env_int(env, "NPROC_PER_NODE", low=1) * _env_int(env, "NNODES", 1, low=1)
+        return env_int(env, "NPROC_PER_NODE", low=1) * env_int(env, "NNODES", 1, low=1)
     return 1
 
 

@@ -10,7 +10,7 @@ import difflib
 from dataclasses import dataclass
 
 from fastdpo.data.dataset_info import DatasetRead
-from fastdpo.data.formats import Row, RowError, _fields
+from fastdpo.data.formats import Row, RowError, fields_present
 from fastdpo.errors import FastDPOError
 
 # the columns fastdpo reads (see fastdpo.data.formats): what --columns may rename a dataset column to
@@ -114,7 +114,7 @@ class RowOptions:
         out = {k: v for k, v in value.items() if k not in mapped}
         for source, target in self.columns:
             if source not in value:
-                raise RowError(where, source, f"is missing (fields present: {_fields(value)}), but the column "
+                raise RowError(where, source, f"is missing (fields present: {fields_present(value)}), but the column "
                                f"mapping renames it to {target}.", "Fix --columns (or --prompt_key / --chosen_key / "
                                "--rejected_key): it applies to every row of every dataset, --val_dataset included.")
             if target in out:

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastdpo.data.formats import RowError, _fields
+from fastdpo.data.formats import RowError, fields_present
 from fastdpo.errors import FastDPOError
 
 INFO_FILE = "dataset_info.json"
@@ -78,7 +78,7 @@ class DatasetRead:
             if value.get(source) is not None:
                 out[target] = value[source]
             elif target in REQUIRED:
-                raise RowError(where, source, f"is missing (fields present: {_fields(value)}); dataset "
+                raise RowError(where, source, f"is missing (fields present: {fields_present(value)}); dataset "
                                f"{self.name!r} reads its {target} from it.", f"Fix the columns of {self.name!r} in "
                                f"{INFO_FILE}, or the row.")
         if self.formatting == "sharegpt":

@@ -98,7 +98,8 @@ class Row:
         return json.dumps([self.prompt, self.chosen, self.rejected, self.tools], sort_keys=True, ensure_ascii=False)
 
 
-def _fields(value: dict) -> str:
+def fields_present(value: dict) -> str:
+    """The field names of a record, sorted and printable, for error messages ("none" when it has none)."""
     return ", ".join(sorted(map(str, value))).encode("utf-8", "backslashreplace").decode() or "none"
 
 
@@ -128,7 +129,7 @@ def _missing(value: dict, name: str, where: str) -> RowError:
         mapping = {a: t for t in targets if (a := alias_of(value, t))}
         fix = (f"The row has {' and '.join(map(repr, mapping))}: read {'them' if len(mapping) > 1 else 'it'} with "
                f"--columns '{json.dumps(mapping)}'.")
-    return RowError(where, name, f"is missing (fields present: {_fields(value)}).", fix)
+    return RowError(where, name, f"is missing (fields present: {fields_present(value)}).", fix)
 
 
 def _kind(x: object) -> str:
@@ -265,7 +266,7 @@ def _implicit_text(c: str, r: str, where: str, value: dict) -> Row:
 def _swift_rejected_error(value: dict, where: str) -> RowError:
     """`messages` with a `rejected` field: an ms-swift row whose rejected reply is under TRL's name."""
     return RowError(where, "rejected", "is given with messages; with messages the rejected reply goes in "
-                    f"rejected_response or rejected_messages (fields present: {_fields(value)}).",
+                    f"rejected_response or rejected_messages (fields present: {fields_present(value)}).",
                     "Rename rejected to rejected_response (the rejected reply as text), or give the whole rejected "
                     "conversation as rejected_messages.")
 
@@ -324,7 +325,7 @@ def _swift_row(value: dict, where: str, tools: list | None) -> Row:
         rej = _messages(value["rejected_messages"], "rejected_messages", where)
         prompt, chosen, rejected = _split_common(msgs, rej, ("messages", "rejected_messages"), where)
         return Row(_with_system(prompt, value, where), chosen, rejected, where, tools, "ms_swift")
-    raise RowError(where, "rejected_response", f"is missing (fields present: {_fields(value)}).",
+    raise RowError(where, "rejected_response", f"is missing (fields present: {fields_present(value)}).",
                    "An ms-swift row needs rejected_response (text) or rejected_messages (the rejected conversation).")
 
 
@@ -443,10 +444,10 @@ def _alpaca_row(value: dict, where: str, tools: list | None) -> Row:
     """LLaMA-Factory alpaca: the history turns, then instruction and input (joined by a newline) as the user turn."""
     for name in ("prompt", "messages"):
         if value.get(name) is not None:
-            raise RowError(where, name, f"is given with LLaMA-Factory alpaca fields (fields present: {_fields(value)}).",
+            raise RowError(where, name, f"is given with LLaMA-Factory alpaca fields (fields present: {fields_present(value)}).",
                            "Keep one form: instruction/input or prompt (rename columns with --columns).")
     if value.get("instruction") is None:
-        raise RowError(where, "instruction", f"is missing (fields present: {_fields(value)}); input and history "
+        raise RowError(where, "instruction", f"is missing (fields present: {fields_present(value)}); input and history "
                        "belong to LLaMA-Factory alpaca rows.", "Add the instruction, or name the prompt column with "
                        "--columns (e.g. '{\"input\": \"prompt\"}').")
     parts = [_string(value.get(name) or "", name, where) for name in ("instruction", "input")]
@@ -507,6 +508,6 @@ def to_row(value: object, where: str, formatting: str | None = None) -> Row:
         return _swift_row(value, where, tools)
     if "prompt" in value:
         raise _missing(value, "chosen", where)
-    raise RowError(where, None, f"has no preference fields (fields present: {_fields(value)}).",
+    raise RowError(where, None, f"has no preference fields (fields present: {fields_present(value)}).",
                    "Give prompt/chosen/rejected, chosen/rejected, messages + rejected_response, instruction + "
                    "chosen/rejected or conversations + chosen/rejected (or name your columns with --columns).")

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 
-from fastdpo.config.launch import LAUNCHED, _env_int, check_world, world_size
+from fastdpo.config.launch import LAUNCHED, check_world, env_int, world_size
 from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
@@ -18,9 +18,9 @@ log = logging.getLogger("fastdpo")
 
 def torchrun_args(argv: list[str], env: dict, visible_gpus: int) -> list[str]:
     """The torchrun command line (without `torchrun`) that runs `fastdpo <argv>` as the env vars describe."""
-    nproc = _env_int(env, "NPROC_PER_NODE", low=1)
-    nnodes = _env_int(env, "NNODES", 1, low=1)
-    node_rank = _env_int(env, "NODE_RANK", 0)
+    nproc = env_int(env, "NPROC_PER_NODE", low=1)
+    nnodes = env_int(env, "NNODES", 1, low=1)
+    node_rank = env_int(env, "NODE_RANK", 0)
     if visible_gpus and nproc > visible_gpus:
         raise FastDPOError(
             f"NPROC_PER_NODE={nproc} but only {visible_gpus} GPUs are visible "
