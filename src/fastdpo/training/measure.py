@@ -1,6 +1,7 @@
 """Timing the real training step: `run_fastdpo` runs `Trainer.step` for warm-up and timed steps and reports pairs/s,
 MFU and peak memory (`fastdpo bench`); `measure` does it for checkpointing policies x token budgets and `choose`
-picks the fastest that fits (`fastdpo tune`, `--gradient_checkpointing auto`)."""
+picks the fastest that fits (`fastdpo tune`, `--gradient_checkpointing auto`). `pairs_flops` and `mfu` are the one
+account of FLOPs and MFU, for these numbers and the training loop's logged `mfu`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
+from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.model.load import base_causal_lm, resolve_device, resolve_dtype
 from fastdpo.model.shapes import bench_model
@@ -27,6 +29,19 @@ from fastdpo.training.setup import assemble, seed_all
 from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
 
 log = logging.getLogger("fastdpo")
+
+
+def pairs_flops(lm_config, pairs: list[TokenizedPair], with_reference: bool) -> float:
+    """Useful FLOPs of an optimizer step over `pairs` (`observe.metrics.step_flops`: every token of the policy's
+    forward and backward, the reference's forward when it runs online, the output head over completion tokens,
+    attention over the (query, key) pairs the layout allows)."""
+    return step_flops(lm_config, sum(p.num_tokens for p in pairs), sum(len(p.chosen) + len(p.rejected) for p in pairs),
+                      sum(attended_pairs(p) for p in pairs), with_reference)
+
+
+def mfu(flops: float, seconds: float, peak: float, devices: int = 1) -> float:
+    """Model FLOPs utilisation: `flops` done in `seconds` over what `devices` devices of `peak` FLOP/s could do."""
+    return flops / seconds / (peak * devices)
 
 
 def _sync(device: torch.device) -> None:
@@ -87,9 +102,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                 waited.append(ran.waited_s)
                 n_pairs += len(step_pairs)
                 rates.append(len(step_pairs) / (times[-1] - prev))
-                flops += step_flops(lm_cfg, sum(p.num_tokens for p in step_pairs),
-                                    sum(len(p.chosen) + len(p.rejected) for p in step_pairs),
-                                    sum(attended_pairs(p) for p in step_pairs), s.reference.online)
+                flops += pairs_flops(lm_cfg, step_pairs, s.reference.online)
         gc_pauses = pauses.take()
     finally:
         pauses.stop()
@@ -102,7 +115,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         # medians: the host's time to queue a step, then its wait for the device (near zero: bound by the CPU)
         "host_queue_ms": round(1e3 * statistics.median(queued), 1), "device_wait_ms": round(1e3 * statistics.median(waited), 1),
         "s_per_step": round(dt / steps, 4), "padding": padding(computed, tokens),
-        "mfu": round(flops / dt / peak, 4) if peak else None,
+        "mfu": round(mfu(flops, dt, peak), 4) if peak else None,
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "first_step_s": round(t_first, 1), "gc_pause_ms": gc_pauses["gc/pause_ms"],
         "gc_collections": gc_pauses["gc/collections"], "backend": s.backend.name, "reference": s.reference.strategy,
