@@ -10,6 +10,7 @@ import torch
 from conftest import WORDS, easy_rows, run_cli, write_jsonl
 from transformers import AutoModelForCausalLM
 
+from fastdpo import checkpoint as ckpt
 from fastdpo.commands.evaluate import EvalConfig, run_eval
 from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row, load_rows
@@ -22,7 +23,6 @@ from fastdpo.losses import LossInputs, LossParams
 from fastdpo.model.backend import Backend, prepare_packed
 from fastdpo.model.load import load_tokenizer
 from fastdpo.model.tiny import build_tiny_model
-from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.evaluate import BestTracker, TrainingEval, per_token_logps, preference_metrics, token_kl
 from fastdpo.training.loop import train
 

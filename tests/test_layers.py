@@ -20,6 +20,7 @@ FLOORS = [
     {"observe"},
     {"dpo"},
     {"parallel"},
+    {"checkpoint"},
     {"training"},
     {"commands"},
     {"cli", "trl"},

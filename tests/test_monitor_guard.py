@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 import fastdpo.training.loop as train_mod
 import fastdpo.training.trainer as step_mod
+from fastdpo import checkpoint as ckpt
+from fastdpo.checkpoint import restore
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
-from fastdpo.training import checkpoint as ckpt
-from fastdpo.training import restore
 from fastdpo.training.monitor import NonFiniteStop
 
 

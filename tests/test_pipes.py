@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from test_reliability import BASE, config, logged
 
+from fastdpo import checkpoint as ckpt
 from fastdpo.cli import main
 from fastdpo.errors import FastDPOError
 from fastdpo.observe.streams import GuardedStream, run_log
-from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: identical float summation order across runs

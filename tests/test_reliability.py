@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import reseal
 from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
-from test_checkpoint_verify import reseal
 
+from fastdpo import checkpoint as ckpt
+from fastdpo.checkpoint.outputs import RECORD
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
-from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.loop import train
-from fastdpo.training.ownership import RECORD
 from fastdpo.training.signals import GracefulStop
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3,
@@ -196,7 +196,7 @@ def test_write_failure_stops_and_names_last_good_checkpoint(tmp_path, model_dirs
 def test_preflight_refuses_a_too_full_disk(tmp_path, model_dirs, monkeypatch):
     cfg = config(tmp_path, model_dirs("qwen3"), "run", max_steps=2)
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=200 * 1024))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=200 * 1024))
     with pytest.raises(FastDPOError, match=r"only 0\.2 MiB free, but one checkpoint needs about .* MiB"):
         train(cfg, progress=False)
     assert not (Path(cfg.output_dir) / "metrics.jsonl").exists()  # refused before training
@@ -358,7 +358,7 @@ def test_custom_model_code_needs_trust_remote_code(tmp_path, model_dirs):
 
 
 def test_a_write_probe_left_by_a_kill_is_removed_by_the_next_run(tmp_path, monkeypatch):
-    from fastdpo.training.setup import check_output_dir
+    from fastdpo.checkpoint.ownership import check_output_dir
 
     out = tmp_path / "out"
     out.mkdir()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from conftest import easy_rows, write_jsonl
 
-from fastdpo.training.ownership import RECORD
+from fastdpo.checkpoint.outputs import RECORD
 
 MIN_KILLS = 20
 STEPS = 36
@@ -102,7 +102,7 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 
 def _newest(out: Path) -> int:
-    from fastdpo.training.checkpoint import complete_checkpoints
+    from fastdpo.checkpoint.layout import complete_checkpoints
 
     found = complete_checkpoints(out)
     return int(found[-1].name.split("-")[1]) if found else 0
@@ -113,7 +113,7 @@ def _check_loadable(out: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from fastdpo.training.checkpoint import complete_checkpoints
+    from fastdpo.checkpoint.layout import complete_checkpoints
 
     found = complete_checkpoints(out)
     if found:

@@ -118,7 +118,7 @@ class EvalConfig(DataReading, ModelArgs, GenerationArgs):
         of these flags left at its default here (once: `_run_read` marks it done)."""
         import dataclasses
 
-        from fastdpo.training.saved_run import run_config
+        from fastdpo.checkpoint.saved_run import run_config
 
         tuned = self.adapters or self.checkpoint
         if not tuned or getattr(self, "_run_read", False):

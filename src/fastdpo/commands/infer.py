@@ -14,10 +14,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastdpo.checkpoint.saved_run import run_config
 from fastdpo.config.schema import _f
 from fastdpo.errors import FastDPOError
 from fastdpo.model.generate import GenerationArgs, ModelArgs, Prompt, answer_as_read, generate_texts, load_for_generation
-from fastdpo.training.saved_run import run_config
 
 log = logging.getLogger("fastdpo")
 

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import torch
 
+from fastdpo import checkpoint as ckpt
+from fastdpo.checkpoint import restore
+from fastdpo.checkpoint.identity import RunIdentity, check_resume_identity
+from fastdpo.checkpoint.ownership import decide_on_main, own_output_dir, save_run_config
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.model.load import (
@@ -32,14 +36,10 @@ from fastdpo.optim.optimizer import (
 from fastdpo.parallel.collectives import any_rank, max_over_ranks
 from fastdpo.parallel.distributed import Dist, barrier, heartbeat, init_distributed, shutdown
 from fastdpo.parallel.wrap import full_state_dict
-from fastdpo.training import checkpoint as ckpt
-from fastdpo.training import restore
 from fastdpo.training.callbacks import Callbacks
 from fastdpo.training.evaluate import TrainingEval
-from fastdpo.training.identity import RunIdentity, check_resume_identity
 from fastdpo.training.measure import auto_policy
 from fastdpo.training.monitor import Monitor
-from fastdpo.training.ownership import decide_on_main, own_output_dir, save_run_config
 from fastdpo.training.result import TrainResult
 from fastdpo.training.setup import build_setup, speed_hint
 from fastdpo.training.signals import GracefulStop
@@ -280,7 +280,7 @@ def save_checkpoint(trainer: Trainer, evaluator: TrainingEval, out: Path, done: 
         state["run"] = identity.record()
     if d.sharded:
         saved = ckpt.save_sharded_checkpoint(out, done, s.model, s.tokenizer, trainer.optimizer, trainer.scheduler,
-                                             state, cfg, d.rank, extra)
+                                             state, cfg, d, extra)
     else:
         saved = ckpt.save_checkpoint(out, done, s.model, s.tokenizer, trainer.optimizer, trainer.scheduler, state, cfg,
                                      extra)

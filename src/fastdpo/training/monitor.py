@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
+from fastdpo import checkpoint as ckpt
 from fastdpo.errors import FastDPOError
 from fastdpo.observe.alerts import ADVICE, AlertEngine, AlertRules
 from fastdpo.observe.sinks import Sinks, open_sinks
-from fastdpo.training import checkpoint as ckpt
 
 log = logging.getLogger("fastdpo")
 

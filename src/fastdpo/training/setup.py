@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from fastdpo.checkpoint.ownership import check_output_dir
 from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.prepare import DataOptions, log_rejects, tokenize_pairs
@@ -69,17 +69,6 @@ class Setup:
 def seed_all(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def check_output_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        # one name per rank, the same in every run: a probe a kill left behind is overwritten and removed next time
-        probe = out / f".fastdpo_write_test.rank{os.environ.get('RANK', '0')}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise FastDPOError(f"--output_dir {out} is not writable ({e.strerror}). Choose another directory.") from None
 
 
 def pad_id(tokenizer) -> int:

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import easy_rows, write_jsonl
 
+from fastdpo import checkpoint as ckpt
 from fastdpo.config import TrainConfig
 from fastdpo.dpo.beta import BetaSchedule
 from fastdpo.losses import LossInputs
 from fastdpo.optim.optimizer import lr_lambda
-from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.loop import train
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3,
@@ -206,7 +206,7 @@ def test_reporting_saving_and_speed_settings_may_change(trained, tmp_path, caplo
 def test_every_flag_the_resume_compare_names_exists():
     import dataclasses
 
-    from fastdpo.training.identity import FREE, GUARDED
+    from fastdpo.checkpoint.identity import FREE, GUARDED
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert not (set(FREE) | set(GUARDED)) - fields and not set(FREE) & set(GUARDED)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import yaml
 
+from fastdpo.checkpoint import manifest
 from fastdpo.config import TrainConfig
 from fastdpo.data.sources import data_files, parse_spec, source_kind
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.dpo.refcache import WEIGHT_FILES, local_model_dir, tokens_fingerprint
 from fastdpo.errors import FastDPOError
-from fastdpo.training import manifest
 
 log = logging.getLogger("fastdpo")
 

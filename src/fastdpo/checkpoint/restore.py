@@ -9,8 +9,16 @@ from pathlib import Path
 
 import torch
 
+from fastdpo.checkpoint.layout import SHARDED, STATE
+from fastdpo.checkpoint.rng import set_rng_state
 from fastdpo.errors import FastDPOError
-from fastdpo.training.checkpoint import SHARDED, STATE, set_rng_state, sharded_state
+from fastdpo.parallel.sharded_state import (
+    load_sharded,
+    set_full_module_state,
+    set_full_state,
+    set_sharded_state,
+    sharded_state,
+)
 
 
 def _mismatch(ckpt: Path, detail: str) -> FastDPOError:
@@ -159,25 +167,14 @@ def load_extra_module(ckpt: Path, name: str, module) -> None:
 def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, rank: int, extra_modules: dict | None = None) -> None:
     """Load a sharded checkpoint into `model` and `optimizer` as they are now laid out (plain, DDP or FSDP2 on any
     number of ranks), then the scheduler and this rank's RNG state (rank 0's when the checkpoint had fewer ranks)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
     state = sharded_state(model, optimizer, extra_modules)
-    with warnings.catch_warnings():  # one process reading shards of many is what we mean
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(state, checkpoint_id=str(ckpt / SHARDED))
-        except (OSError, RuntimeError, ValueError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise FastDPOError(f"{ckpt / SHARDED}: not loadable into this model ({first}). Resume with the --model "
-                               "and --train_type it was trained with, or from another checkpoint.") from None
-    # strict=False: frozen weights are absent by design; dcp.load has already failed on any trainable key missing
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    for name, module in (extra_modules or {}).items():
-        set_model_state_dict(module, state["extra"][name])
+    try:
+        load_sharded(state, ckpt / SHARDED)
+    except (OSError, RuntimeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FastDPOError(f"{ckpt / SHARDED}: not loadable into this model ({first}). Resume with the --model "
+                           "and --train_type it was trained with, or from another checkpoint.") from None
+    set_sharded_state(model, optimizer, state, extra_modules)
     st = ckpt / STATE
     scheduler.load_state_dict(_load_state(st / "scheduler.pt"))
     rng = st / f"rng-{rank}.pt"
@@ -188,7 +185,6 @@ def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler, extra_mod
     """Load a checkpoint written by one process (HF weights or PEFT adapter + optimizer.pt) into a model laid out
     over several ranks (DDP or FSDP2): every rank reads the full tensors and keeps its shard."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     saved = {}
     peft_file = ckpt / "adapter_model.safetensors"
@@ -213,12 +209,11 @@ def load_unsharded_into_ranks(ckpt: Path, model, optimizer, scheduler, extra_mod
     raw = _load_state(ckpt / STATE / "optimizer.pt", map_location="cpu")
     optim = {"state": {order[i]: v for i, v in raw["state"].items()},
              "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in raw["param_groups"]]}
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
-                   options=StateDictOptions(full_state_dict=True, strict=False))
+    set_full_state(model, optimizer, weights, optim)
     for name, module in (extra_modules or {}).items():
         path = ckpt / STATE / f"{name}.safetensors"
         if not path.is_file():
             raise FastDPOError(f"{ckpt} has no saved {name} ({path.name}). Resume with the settings it was trained with.")
-        set_model_state_dict(module, load_file(str(path)), options=StateDictOptions(full_state_dict=True, strict=False))
+        set_full_module_state(module, load_file(str(path)))
     scheduler.load_state_dict(_load_state(ckpt / STATE / "scheduler.pt"))
     load_rng(ckpt / STATE / "rng.pt")

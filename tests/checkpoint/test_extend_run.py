@@ -11,9 +11,9 @@ import torch
 from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
+from fastdpo import checkpoint as ckpt
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
-from fastdpo.training import checkpoint as ckpt
 from fastdpo.training.loop import train
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3, device="cpu",

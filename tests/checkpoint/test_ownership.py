@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from conftest import easy_rows, write_jsonl
 
+from fastdpo import checkpoint as ckpt
+from fastdpo.checkpoint import lock, outputs, ownership
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.parallel.distributed import Dist
-from fastdpo.training import checkpoint as ckpt
-from fastdpo.training import ownership
 from fastdpo.training.loop import train
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3, device="cpu")
@@ -91,7 +91,7 @@ def test_a_second_run_into_a_held_dir_is_refused_and_the_first_finishes_intact(t
     assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"checkpoint-{n}" for n in (4, 8, 12, 16, 20, 24)]
     assert all(ckpt.checkpoint_problem(p) is None for p in ckpt.complete_checkpoints(out))
     assert (out / "final" / "model.safetensors").is_file()
-    assert not (out / ownership.LOCK).exists()  # released at the end
+    assert not (out / lock.LOCK).exists()  # released at the end
 
 
 def test_a_lock_record_of_a_live_process_is_refused_naming_it(tmp_path, model_dirs):
@@ -101,9 +101,9 @@ def test_a_lock_record_of_a_live_process_is_refused_naming_it(tmp_path, model_di
     out.mkdir()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        holder = ownership.Holder(sleeper.pid, socket.gethostname(), "2030-01-02 03:04:05 +0000", "fastdpo train x",
-                                  ownership._proc_start(sleeper.pid))
-        (out / ownership.LOCK).write_text(json.dumps(holder.__dict__))
+        holder = lock.Holder(sleeper.pid, socket.gethostname(), "2030-01-02 03:04:05 +0000", "fastdpo train x",
+                                  lock._proc_start(sleeper.pid))
+        (out / lock.LOCK).write_text(json.dumps(holder.__dict__))
         with pytest.raises(FastDPOError, match=rf"in use by another run: pid {sleeper.pid} on .*started 2030-01-02 "
                                                r"03:04:05 \+0000, running `fastdpo train x`"):
             train(cfg, progress=False)
@@ -118,22 +118,22 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path, mode
     out = Path(cfg.output_dir)
     out.mkdir()
     pid = dead_pid()
-    (out / ownership.LOCK).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "yesterday",
+    (out / lock.LOCK).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "yesterday",
                                                   "command": "fastdpo train killed", "proc_start": 1}))
     with caplog.at_level("WARNING", logger="fastdpo"):
         assert train(cfg, progress=False)["final_dir"]
     assert f"took over the lock of a run that is no longer running (pid {pid}" in caplog.text
-    assert not (out / ownership.LOCK).exists()
+    assert not (out / lock.LOCK).exists()
 
 
 def test_a_reused_pid_is_not_mistaken_for_the_holder():
     """The record keeps the holder's start time: a live process that got the same pid later is not the holder."""
-    me = ownership.Holder.this_process()
+    me = lock.Holder.this_process()
     assert me.alive() is True
-    assert ownership.Holder(me.pid, me.host, me.started, me.command, (me.proc_start or 0) + 1).alive() is (
+    assert lock.Holder(me.pid, me.host, me.started, me.command, (me.proc_start or 0) + 1).alive() is (
         me.proc_start is None)
-    assert ownership.Holder(dead_pid(), me.host, "", "").alive() is False
-    assert ownership.Holder(me.pid, "another-host.example", "", "").alive() is None
+    assert lock.Holder(dead_pid(), me.host, "", "").alive() is False
+    assert lock.Holder(me.pid, "another-host.example", "", "").alive() is None
 
 
 def test_the_lock_is_released_on_an_error_and_on_sigterm(tmp_path, model_dirs):
@@ -149,14 +149,14 @@ def test_the_lock_is_released_on_an_error_and_on_sigterm(tmp_path, model_dirs):
     try:
         with pytest.raises(SystemExit) as e:
             with ownership.own_output_dir(cfg, Dist()):
-                assert (out / ownership.LOCK).is_file()
+                assert (out / lock.LOCK).is_file()
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(1)
         assert e.value.code == 128 + signal.SIGTERM
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert not (out / ownership.LOCK).exists()
+    assert not (out / lock.LOCK).exists()
 
 
 def test_one_process_cannot_hold_a_dir_twice(tmp_path):
@@ -165,7 +165,7 @@ def test_one_process_cannot_hold_a_dir_twice(tmp_path):
         with pytest.raises(FastDPOError, match=f"in use by another run: pid {os.getpid()}"):
             with ownership.own_output_dir(cfg, Dist()):
                 pass
-        assert (tmp_path / "run" / ownership.LOCK).is_file()
+        assert (tmp_path / "run" / lock.LOCK).is_file()
     with ownership.own_output_dir(cfg, Dist()):
         pass
 
@@ -219,7 +219,7 @@ def test_overwrite_output_dir_removes_the_earlier_outputs_and_says_so(finished, 
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "profile" / "trace.json").read_text() == "mine"
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [ownership.RECORD]  # no leftovers
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [outputs.RECORD]  # no leftovers
 
 
 def test_a_resume_is_not_refused_for_the_outputs_it_continues(finished, tmp_path):
@@ -291,12 +291,12 @@ def test_the_record_of_a_killed_run_names_what_it_created():
         out = Path(d)
         (out / "notes.txt").write_text("mine")
         (out / "summary.json").write_text("mine")
-        (out / ownership.RECORD).write_text(json.dumps({"created": ["gone.txt"], "started_with": ["notes.txt",
+        (out / outputs.RECORD).write_text(json.dumps({"created": ["gone.txt"], "started_with": ["notes.txt",
                                                                                                  "summary.json"]}))
         for name in ("metrics.jsonl", "config.yaml"):
             (out / name).write_text("{}")
         (out / "checkpoint-3").mkdir()
-        assert ownership.run_outputs(out) == {"metrics.jsonl", "config.yaml", "checkpoint-3"}
+        assert outputs.run_outputs(out) == {"metrics.jsonl", "config.yaml", "checkpoint-3"}
 
 
 # ---------------------------------------------------------------- a failed start
@@ -331,7 +331,7 @@ def test_a_lock_whose_pid_now_runs_another_program_is_taken_over(tmp_path, model
     out.mkdir()
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        (out / ownership.LOCK).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(),
+        (out / lock.LOCK).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(),
                                                       "started": "yesterday", "command": "fastdpo train x"}))
         with caplog.at_level("WARNING", logger="fastdpo"):
             assert train(cfg, progress=False)["final_dir"]
@@ -342,13 +342,13 @@ def test_a_lock_whose_pid_now_runs_another_program_is_taken_over(tmp_path, model
 
 
 def test_the_holder_is_told_apart_by_boot_and_command_line():
-    me = ownership.Holder.this_process()
+    me = lock.Holder.this_process()
     assert me.cmdline and me.boot_id
     # the same pid and start ticks in an earlier boot: the host restarted since, the holder is gone
-    assert ownership.Holder(me.pid, me.host, "", "", me.proc_start, "an-earlier-boot", me.cmdline).alive() is False
+    assert lock.Holder(me.pid, me.host, "", "", me.proc_start, "an-earlier-boot", me.cmdline).alive() is False
     # no start time recorded: the command line decides
-    assert ownership.Holder(me.pid, me.host, "", "", None, "", me.cmdline).alive() is True
-    assert ownership.Holder(me.pid, me.host, "", "", None, "", "python other.py").alive() is False
+    assert lock.Holder(me.pid, me.host, "", "", None, "", me.cmdline).alive() is True
+    assert lock.Holder(me.pid, me.host, "", "", None, "", "python other.py").alive() is False
 
 
 def test_a_failed_resume_keeps_the_checkpoint_it_put_back(finished, tmp_path):

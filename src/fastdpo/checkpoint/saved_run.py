@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from fastdpo.checkpoint.layout import read_config, saved_config
 from fastdpo.config import TrainConfig
-from fastdpo.training.checkpoint import read_config, saved_config
 
 
 def run_config(tuned: str) -> tuple[TrainConfig | None, Path]:

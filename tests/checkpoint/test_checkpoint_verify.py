@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import reseal
 from conftest import easy_rows, run_cli, write_jsonl
 from safetensors.torch import load_file, save_file
 
+from fastdpo import checkpoint as ckpt
+from fastdpo.checkpoint import outputs, publish
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.observe import sinks
-from fastdpo.training import checkpoint as ckpt
-from fastdpo.training import manifest, ownership
 from fastdpo.training.loop import train
 
 BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3, device="cpu")
@@ -46,18 +47,6 @@ def flip_bit(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-
-
-def reseal(c: Path) -> None:
-    """Make trainer_state.json's sizes and the manifest agree with the files as they are now: an edit that is
-    consistent (another tool's file, or an older checkpoint), so what loads is checked, not the manifest."""
-    done = c / ckpt.STATE / ckpt.DONE
-    state = json.loads(done.read_text())
-    skip = {f"{ckpt.STATE}/{ckpt.DONE}", ckpt.MANIFEST}
-    state["files"] = {str(p.relative_to(c)): p.stat().st_size for p in sorted(c.rglob("*"))
-                      if p.is_file() and str(p.relative_to(c)) not in skip}
-    done.write_text(json.dumps(state))
-    manifest.write_manifest(c, ckpt.MANIFEST)
 
 
 def perturbed_copy(src: Path, dst: Path, scale: float = 1.01) -> Path:
@@ -218,8 +207,8 @@ def test_a_file_the_manifest_does_not_list_is_refused_by_name(trained, tmp_path,
 
 def test_only_the_model_files_are_loaded_from_an_unverified_checkpoint(trained, tmp_path):
     """Without a manifest (trusted), a stray .safetensors file is still not read as weights."""
+    from fastdpo.checkpoint import restore
     from fastdpo.model.load import load_model
-    from fastdpo.training import restore
 
     c = tmp_path / "checkpoint-2"
     shutil.copytree(Path(trained.output_dir) / "checkpoint-2", c)
@@ -404,7 +393,7 @@ def test_rewriting_a_checkpoint_keeps_the_old_or_the_new_copy_at_every_kill_poin
         outcomes.append("new" if all(torch.equal(got[k], new[k]) for k in got) else
                         "old" if all(torch.equal(got[k], old[k]) for k in got) else "mixed")
         assert outcomes[-1] != "mixed", n
-        assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ownership.RECORD], n
+        assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != outputs.RECORD], n
         if not killed:
             break
     assert not killed and outcomes[-1] == "new" and "old" in outcomes
@@ -440,10 +429,10 @@ def test_disk_full_while_appending_metrics_is_one_clear_error(trained, tmp_path,
 
 def test_a_torch_writer_failure_reads_as_the_disk_being_full(tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=1024))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1024))
     err = ckpt.write_failed("checkpoint-3", tmp_path, RuntimeError(" . unexpected pos 6419008 vs 6418896"))
     assert "(no space left on device)" in str(err) and "unexpected pos" not in str(err)
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=1 << 40))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1 << 40))
     err = ckpt.write_failed("checkpoint-3", tmp_path, RuntimeError(" . unexpected pos 6419008 vs 6418896"))
     assert "(the file was cut short: unexpected pos 6419008 vs 6418896)" in str(err)
 
@@ -454,11 +443,11 @@ def test_files_are_synced_while_they_are_written_and_the_flusher_stops_on_errors
     import time
 
     synced = []
-    monkeypatch.setattr(ckpt, "_datasync", lambda fd: synced.append(time.perf_counter()))
+    monkeypatch.setattr(publish, "_datasync", lambda fd: synced.append(time.perf_counter()))
     root = tmp_path / ".final.tmp"
     root.mkdir()
     blocks = [bytes([i]) * 4096 for i in range(20)]
-    with ckpt._Flusher(root, interval=0.005) as flusher:
+    with publish.Flusher(root, interval=0.005) as flusher:
         with open(root / "model.safetensors", "wb") as f:
             for block in blocks:
                 f.write(block)
@@ -469,7 +458,7 @@ def test_files_are_synced_while_they_are_written_and_the_flusher_stops_on_errors
     assert (root / "model.safetensors").read_bytes() == b"".join(blocks)
     assert not flusher._thread.is_alive()
     with pytest.raises(OSError):
-        with ckpt._Flusher(root, interval=0.005) as flusher:
+        with publish.Flusher(root, interval=0.005) as flusher:
             raise OSError(errno.ENOSPC, "No space left on device")
     assert not flusher._thread.is_alive()
 
