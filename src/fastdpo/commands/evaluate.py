@@ -13,7 +13,7 @@ from pathlib import Path
 from fastdpo.config import DataReading
 from fastdpo.config.schema import _f
 from fastdpo.data.columns import RowOptions
-from fastdpo.data.load import Row, load_rows
+from fastdpo.data.load import Row, load_rows, records_by_location
 from fastdpo.data.prompts import PromptRow, first_record, is_prompt_only, load_prompts
 from fastdpo.dpo.reference import Reference
 from fastdpo.errors import FastDPOError
@@ -324,8 +324,6 @@ def warn_answers(problems: list[str], prompts: list, cfg: EvalConfig, tokenizer,
 def row_columns(rows: list[Row]) -> dict[str, list]:
     """Columns handed to a reward function: chosen, rejected, and every other field that all rows' source records
     carry (e.g. a reference `answer`), read back from the JSON/JSONL files the rows came from."""
-    from fastdpo.data.load import _records
-
     columns: dict[str, list] = {"chosen": [r.chosen for r in rows], "rejected": [r.rejected for r in rows]}
     records: dict[str, dict[str, object]] = {}
     extras = []
@@ -334,7 +332,7 @@ def row_columns(rows: list[Row]) -> dict[str, list]:
         path = where.rpartition(":")[0]
         if path not in records:
             p = Path(path)
-            records[path] = _records(p) if path and p.is_file() and p.suffix in (".json", ".jsonl") else {}
+            records[path] = records_by_location(p) if path and p.is_file() and p.suffix in (".json", ".jsonl") else {}
         rec = records[path].get(where)
         extras.append(rec if isinstance(rec, dict) else {})
     shared = set.intersection(*(set(e) for e in extras)) - {"prompt", "chosen", "rejected"} if extras else set()

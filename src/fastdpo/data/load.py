@@ -12,7 +12,7 @@ from fastdpo.data.sources import parse_spec as parse_dataset_spec
 from fastdpo.errors import FastDPOError
 
 __all__ = ["MAX_SAMPLED_ROWS", "Row", "RowError", "check_row", "load_file", "load_rows", "load_spec", "parse_spec",
-           "sample_rows"]
+           "records_by_location", "sample_rows"]
 
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
@@ -26,7 +26,7 @@ def check_row(value: object, where: str) -> Row:
     return to_row(value, where)
 
 
-def _records(path: Path) -> dict[str, object]:
+def records_by_location(path: Path) -> dict[str, object]:
     """{location: decoded value} of the rows of a JSONL / JSON file, located as `Row.source` locates them."""
     out = {}
     for rec in file_records(path):
