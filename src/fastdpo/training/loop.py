@@ -25,7 +25,7 @@ from fastdpo.model.upload import hub_repo, push_folder
 from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.memtrace import peak_rss_gib
-from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib, step_flops
+from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib
 from fastdpo.observe.profile import StepProfiler
 from fastdpo.observe.progress import KernelBuilds, RunProgress, Timeline, run_summary, save_summary, summary_line
 from fastdpo.observe.streams import run_log
@@ -38,12 +38,12 @@ from fastdpo.parallel.distributed import Dist, barrier, heartbeat, init_distribu
 from fastdpo.parallel.wrap import full_state_dict
 from fastdpo.training.callbacks import Callbacks
 from fastdpo.training.evaluate import TrainingEval
-from fastdpo.training.measure import auto_policy
+from fastdpo.training.measure import auto_policy, mfu, pairs_flops
 from fastdpo.training.monitor import Monitor
 from fastdpo.training.result import TrainResult
 from fastdpo.training.setup import build_setup, speed_hint
 from fastdpo.training.signals import GracefulStop
-from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
+from fastdpo.training.trainer import StepResult, Trainer
 
 log = logging.getLogger("fastdpo")
 
@@ -244,8 +244,7 @@ class StepLog:
     def add(self, r: StepResult) -> None:
         self.rate.add(len(r.pairs), r.tokens)
         if self.peak:
-            self.flops += step_flops(self.lm_config, r.tokens, sum(len(p.chosen) + len(p.rejected) for p in r.pairs),
-                                     sum(attended_pairs(p) for p in r.pairs), self.t.s.reference.online)
+            self.flops += pairs_flops(self.lm_config, r.pairs, self.t.s.reference.online)
 
     def record(self, r: StepResult, step: int, gcs: dict) -> dict:
         s, d = self.t.s, self.t.s.dist
@@ -254,7 +253,7 @@ class StepLog:
                   **r.metrics.finish(), "grad_norm": float(r.grad_norm), "learning_rate": r.learning_rate,
                   "beta": r.beta}
         if self.peak:
-            record["mfu"] = self.flops / max(time.perf_counter() - t0, 1e-9) / (self.peak * d.world_size)
+            record["mfu"] = mfu(self.flops, max(time.perf_counter() - t0, 1e-9), self.peak, d.world_size)
             self.flops = 0.0
         record.update(self.rate.read())
         mem, gc_ms, gc_n, busiest, rss = max_over_ranks([peak_memory_gib(s.device), gcs["gc/pause_ms"],
