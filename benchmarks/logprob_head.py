@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-import fastdpo.model.logprobs as lp  # noqa: E402
+import fastdpo.kernels.logprob_head as lp  # noqa: E402
 
 
 def main() -> None:

@@ -211,7 +211,7 @@ def test_fused_adamw_kernel_matches_the_float32_update():
 
 
 def test_fused_adamw_rounding_is_unbiased():
-    from fastdpo.optim.adamw_kernel import adamw_update_
+    from fastdpo.kernels.adamw import adamw_update_
 
     # weight 1.0 (bfloat16 spacing 2^-7 above it): an update of +0.3 spacing must round up 30 % of the time
     n = 1 << 20
@@ -235,7 +235,7 @@ def test_fused_adamw_one_launch_updates_each_tensor_as_its_own_launch_would():
     """The table and program map of the one launch: tensors of many sizes (empty, a partial chunk, several chunks,
     smaller than one block) updated together get the bits that one launch per tensor gives them, stochastic rounding
     noise included; float32 weights too."""
-    from fastdpo.optim.adamw_kernel import BLOCK, ITERS, adamw_update_
+    from fastdpo.kernels.adamw import BLOCK, ITERS, adamw_update_
 
     torch.manual_seed(0)
     sizes = [3 * BLOCK * ITERS + 17, 0, 64, BLOCK * ITERS, BLOCK + 1, 5]
@@ -264,7 +264,7 @@ def test_fused_adamw_kernel_obeys_the_device_flag():
     optimizer level a skipped NaN step changes nothing, for fastdpo's kernel and torch's fused AdamW."""
     from test_adamw import check_skipped_step
 
-    from fastdpo.optim.adamw_kernel import adamw_update_
+    from fastdpo.kernels.adamw import adamw_update_
 
     w = torch.randn(5000, device="cuda").bfloat16()
     m, v = torch.randn_like(w) * 1e-3, torch.rand_like(w) * 1e-6
@@ -361,7 +361,7 @@ def test_head_gradient_accumulates_in_float32_inside_the_gemm(monkeypatch):
     """The chunked log-prob backward adds each chunk's head gradient into the float32 sum inside the GEMM (bf16
     inputs, float32 output): closer to the float64 gradient than forming each chunk's product in bf16 and adding it,
     the path it replaced (kept for other devices); the hidden-state gradient is unchanged."""
-    import fastdpo.model.logprobs as lp
+    import fastdpo.kernels.logprob_head as lp
 
     assert lp.has_out_dtype()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -467,8 +467,8 @@ def test_fused_adamw_scales_the_gradients_it_reads():
     """`scale` (clipping's coefficient, on the device) multiplies each gradient as the kernel reads it: the update of
     gradients scaled beforehand in float32, and the gradients themselves left as they were. Not bit for bit: the
     compiler fuses the product into the moments' multiply-adds (one rounding fewer), so the two differ by float32
-    rounding (Triton's interpreter, which fuses nothing, gives the same bits: tests/interpreted_kernels.py)."""
-    from fastdpo.optim.adamw_kernel import adamw_update_
+    rounding (Triton's interpreter, which fuses nothing, gives the same bits: tests/kernels/test_adamw_kernel.py)."""
+    from fastdpo.kernels.adamw import adamw_update_
 
     torch.manual_seed(0)
     ok = torch.ones(1, dtype=torch.bool, device="cuda")

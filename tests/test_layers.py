@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "fastdpo"
 # lowest first; subpackages on one floor may not import each other
 FLOORS = [
     {"errors", "version"},
-    {"data", "losses"},
+    {"data", "kernels", "losses"},
     {"config"},
     {"model", "optim"},
     {"observe"},

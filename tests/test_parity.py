@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.kernels.logprob_head import token_logps
 from fastdpo.model import seqlogps
 from fastdpo.model.backend import Backend, choose_backend, prepare_packed, sequence_logps
-from fastdpo.model.logprobs import token_logps
 
 FAMILIES = [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}), ("mistral", {"sliding_window": 6}),
             ("gemma", {})]

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from fastdpo.data.pack import PROMPT, PairBatch, int_tensor
-from fastdpo.model import kernels
+from fastdpo.kernels.gather_rows import gather_rows_backward
+from fastdpo.kernels.launch import available as kernels_available
 
 ATTN_NAME = "fastdpo"
 VARLEN_NAME = "fastdpo_varlen"
@@ -332,7 +333,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 class _GatherKeys(torch.autograd.Function):
     """x.index_select(0, index) whose backward adds each row's at most two gradient rows in one kernel pass
-    (`kernels.gather_rows_backward`), where index_select's backward adds them one by one with atomics."""
+    (`gather_rows_backward`), where index_select's backward adds them one by one with atomics."""
 
     @staticmethod
     def forward(ctx, x, index, first, second):
@@ -342,14 +343,14 @@ class _GatherKeys(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         first, second = ctx.saved_tensors
-        return kernels.gather_rows_backward(grad, first, second), None, None, None
+        return gather_rows_backward(grad, first, second), None, None, None
 
 
 def gather_keys(module, x: torch.Tensor, index: torch.Tensor, kw: dict) -> torch.Tensor:
     """x (T, Hkv, D) gathered into the keys' sequence-by-sequence order; through `_GatherKeys` where the module runs
     the Triton kernels (a fused attention) and the mask carries each token's places, else through index_select."""
     first, second = kw.get("fastdpo_key_first"), kw.get("fastdpo_key_second")
-    if (first is None or not getattr(module, "_fastdpo_kernels", False) or not kernels.available(x)
+    if (first is None or not getattr(module, "_fastdpo_kernels", False) or not kernels_available(x)
             or torch.compiler.is_compiling()):
         return x.index_select(0, index)
     return _GatherKeys.apply(x, index, first, second)

@@ -11,9 +11,10 @@ import torch
 
 from fastdpo.data.pack import PairBatch, pack_pairs, pad_pairs
 from fastdpo.errors import FastDPOError
+from fastdpo.kernels.logprob_head import token_logps
 from fastdpo.model import attention
 from fastdpo.model.load import base_causal_lm
-from fastdpo.model.logprobs import sequence_sums, token_logps
+from fastdpo.model.logprobs import sequence_sums
 
 log = logging.getLogger("fastdpo")
 

@@ -1,19 +1,19 @@
 """Lean RMSNorm and SwiGLU for training (the same forward, fewer bytes kept for the backward), and rotary embeddings
-as one kernel.
+as one kernel: the modules' forwards that call the ops of `fastdpo.kernels`.
 
 transformers' RMSNorm casts its input to float32 and autograd keeps that copy, and the normalised bfloat16 result
 too: six bytes per element beyond the input, for every norm (two per layer, plus Qwen3's per-head query and key
 norms). Its SwiGLU MLP keeps the gate, the up projection, the activated gate and their product. Here the norm keeps
-only its input and one float32 inverse RMS per row, and the MLP keeps the gate and up projections, recomputing the
-activation and the product in the backward (a few elementwise kernels, against 30-45 % of a layer's activation
-bytes on the Qwen3 shapes).
+only its input and one float32 inverse RMS per row (`fastdpo.kernels.rms_norm`), and the MLP keeps the gate and up
+projections, recomputing the activation and the product in the backward (`fastdpo.kernels.swiglu`: a few
+elementwise kernels, against 30-45 % of a layer's activation bytes on the Qwen3 shapes).
 
 The forward runs the modules' own operations in their order, so its results are bit-identical; `fuse_layers`
 checks that on a probe input for each module class before replacing its forward, and leaves a class whose forward
 differs (e.g. Gemma's `1 + weight` norm) as it is. The backward is the analytic gradient, in float32 where the
 original computes in float32.
 
-With `use_kernels` the same formulas run as the Triton kernels of `fastdpo.model.kernels` on CUDA: one pass each
+With `use_kernels` the same formulas run as the Triton kernels of `fastdpo.kernels` on CUDA: one pass each
 way instead of eager's five to ten, in the policy's training forward and backward and in the reference's no-grad
 forward alike (so both compute the same numbers). Their forward equals the eager one to the dtype's rounding, not
 bit for bit (a sum's order differs); their tests hold forward and gradients to the float32 computation. Rotary
@@ -29,100 +29,20 @@ import sys
 import types
 
 import torch
-import torch.nn.functional as F
 
 from fastdpo.errors import FastDPOError
-from fastdpo.model import kernels, lora
+from fastdpo.kernels import launch, rms_norm, rope, swiglu
+from fastdpo.model import lora
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.memory import recomputing
 
 log = logging.getLogger("fastdpo")
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, fast: bool) -> torch.Tensor:
-        ctx.fast = fast
-        if fast:
-            y, rstd = kernels.rms_norm_forward(x, weight, eps)
-            ctx.save_for_backward(x, weight, rstd)
-            return y
-        xf = x.to(torch.float32)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        y = (xf * rstd).to(x.dtype)
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        if ctx.fast:
-            g_x, g_weight = kernels.rms_norm_backward(grad, x, weight, rstd, ctx.needs_input_grad[1])
-            return g_x, g_weight, None, None
-        n = x.to(torch.float32) * rstd
-        g_weight = None
-        if ctx.needs_input_grad[1]:
-            g_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[-1]).sum(0, dtype=torch.float32).to(weight.dtype)
-        g_x = None
-        if ctx.needs_input_grad[0]:
-            g_n = (grad * weight).to(torch.float32)
-            g_x = (rstd * (g_n - n * (g_n * n).mean(-1, keepdim=True))).to(x.dtype)
-        return g_x, g_weight, None, None
-
-
-class _SiluMul(torch.autograd.Function):
-    """silu(gate) * up, keeping gate and up only."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, fast: bool) -> torch.Tensor:
-        ctx.fast = fast
-        ctx.save_for_backward(gate, up)
-        return kernels.silu_mul(gate, up) if fast else F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        if ctx.fast:
-            g_gate, g_up, _ = kernels.silu_mul_backward(gate, up, grad)
-        else:
-            g_gate, g_up = kernels.silu_mul_grads_torch(gate, up, grad)
-        return g_gate, g_up, None
-
-
-class _SiluMulDown(torch.autograd.Function):
-    """(silu(gate) * up) @ down.T for a plain down projection: the product is recomputed in the backward."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fast: bool,
-                residual: bool = False) -> torch.Tensor:
-        ctx.fast = fast
-        ctx.save_for_backward(gate, up, down)
-        if residual and not torch.compiler.is_compiling() and recomputing():
-            # the output only joins the residual stream, which keeps nothing of it, so a checkpoint's recompute needs
-            # only what this saves: skip the product and the down projection (a quarter of the layer's projection
-            # FLOPs on the Qwen3 shapes)
-            return gate.new_empty((*gate.shape[:-1], down.shape[0]))
-        return F.linear(kernels.silu_mul(gate, up) if fast else F.silu(gate) * up, down)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate, up, down = ctx.saved_tensors
-        g_p = grad @ down
-        if ctx.fast:  # one pass: both gradients, and the product again for the down projection's
-            g_gate, g_up, p = kernels.silu_mul_backward(gate, up, g_p, product=ctx.needs_input_grad[2])
-        else:
-            p = F.silu(gate) * up if ctx.needs_input_grad[2] else None
-            g_gate, g_up = kernels.silu_mul_grads_torch(gate, up, g_p)
-        g_down = None
-        if ctx.needs_input_grad[2]:
-            g_down = grad.reshape(-1, grad.shape[-1]).t() @ p.reshape(-1, p.shape[-1])
-        return g_gate, g_up, g_down, None, None
-
-
 def _fast(module, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """Whether the Triton kernels serve this call: asked for, on their device, in the weights' dtype, and not
     inside a torch.compile trace (Inductor fuses the torch path there)."""
-    return (module._fastdpo_kernels and kernels.available(x) and (weight is None or weight.dtype == x.dtype)
+    return (module._fastdpo_kernels and launch.available(x) and (weight is None or weight.dtype == x.dtype)
             and not torch.compiler.is_compiling())
 
 
@@ -130,10 +50,10 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
     if _fast(self, hidden_states, self.weight):
         if grad:
-            return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, True)
-        return kernels.rms_norm_forward(hidden_states, self.weight, self.variance_epsilon)[0]
+            return rms_norm.RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, True)
+        return rms_norm.rms_norm_forward(hidden_states, self.weight, self.variance_epsilon)[0]
     if grad and self.training:
-        return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, False)
+        return rms_norm.RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, False)
     return self._fastdpo_plain_forward(hidden_states)
 
 
@@ -148,29 +68,14 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fastdpo_plain_forward(x)
     gate, up = self.gate_proj(x), self.up_proj(x)
     if not grad:  # the reference's forward: the kernel alone
-        return self.down_proj(kernels.silu_mul(gate, up))
-    residual = getattr(self, "_fastdpo_residual", False)
+        return self.down_proj(swiglu.silu_mul(gate, up))
+    # a checkpoint's recompute of an output that only joins the residual stream, which keeps nothing of it: the
+    # down projection need not run
+    skip = getattr(self, "_fastdpo_residual", False) and not torch.compiler.is_compiling() and recomputing()
     if _plain_linear(self.down_proj):  # checked per call: LoRA may wrap it after the layers were fused
-        return _SiluMulDown.apply(gate, up, self.down_proj.weight, fast, residual)
-    skip = residual and not torch.compiler.is_compiling() and recomputing()
+        return swiglu.SiluMulDownFunction.apply(gate, up, self.down_proj.weight, fast, skip)
     out = lora.silu_mul_down(self.down_proj, gate, up, fast, skip)  # a served LoRA: the product is not kept
-    return out if out is not None else self.down_proj(_SiluMul.apply(gate, up, fast))
-
-
-class _Rope(torch.autograd.Function):
-    """Rotary embeddings of q and k in one kernel each way; keeps only cos and sin (the rotation's transpose is the
-    gradient's)."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        ctx.save_for_backward(cos, sin)
-        return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
-
-    @staticmethod
-    def backward(ctx, g_q: torch.Tensor, g_k: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return (None if g_q is None else kernels.rope(g_q, cos, sin, backward=True),
-                None if g_k is None else kernels.rope(g_k, cos, sin, backward=True), None, None)
+    return out if out is not None else self.down_proj(swiglu.SiluMulFunction.apply(gate, up, fast))
 
 
 _ROPE_KERNELS = contextvars.ContextVar("fastdpo_rope_kernels", default=False)  # set inside a fused attention
@@ -182,7 +87,7 @@ def _rope_serves(q, k, cos, sin) -> bool:
             and q.shape[-1] == k.shape[-1] == cos.shape[-1] and q.shape[-1] % 2 == 0
             and q.shape[2] == k.shape[2] == cos.shape[1] and q.shape[0] == k.shape[0] and cos.shape[0] in (1, q.shape[0])
             and q.dtype == k.dtype == cos.dtype == sin.dtype and not (cos.requires_grad or sin.requires_grad)
-            and kernels.available(q) and q.device == cos.device)
+            and launch.available(q) and q.device == cos.device)
 
 
 def _rope_dispatch(plain):
@@ -194,8 +99,8 @@ def _rope_dispatch(plain):
         if args or kwargs or not _rope_serves(q, k, cos, sin):
             return plain(q, k, cos, sin, *args, **kwargs)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            return _Rope.apply(q, k, cos, sin)
-        return kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
+            return rope.RopeFunction.apply(q, k, cos, sin)
+        return rope.rope(q, cos, sin), rope.rope(k, cos, sin)
 
     apply_rotary_pos_emb._fastdpo_plain = plain
     return apply_rotary_pos_emb
@@ -288,7 +193,7 @@ def kernels_wanted(choice: str, device: torch.device, compiling: bool) -> bool:
     """Resolve --kernels: auto is Triton on CUDA when it is installed and the layers are not compiled."""
     if choice == "torch":
         return False
-    usable = device.type == "cuda" and kernels.HAVE_TRITON
+    usable = device.type == "cuda" and launch.HAVE_TRITON
     if choice == "triton" and not usable:
         raise FastDPOError("--kernels triton needs a CUDA GPU and Triton (installed with torch's CUDA wheels). "
                            "Use --kernels auto or torch.")
@@ -329,7 +234,7 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
             del m.forward, m._fastdpo_plain_forward, m._fastdpo_kernels
             m.__dict__.pop("_fastdpo_residual", None)
     if use_kernels and isinstance(head := _output_layer(model), torch.nn.Module):
-        head._fastdpo_kernels = True  # the log-prob head's kernels (`fastdpo.model.logprobs`; they check each call)
+        head._fastdpo_kernels = True  # the log-prob head's kernels (`fastdpo.kernels.logprob_head`; they check each call)
     if kept := sorted(t.__name__ for t, ok in done.items() if not ok):
         _say_once(f"{', '.join(kept)} keep their own forward: on a probe input the lean forward (and the Triton "
                   "kernels) did not reproduce it bit for bit, so they run on torch's path. A transformers release "

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from fastdpo.data.pack import PairBatch
+from fastdpo.kernels.logprob_head import token_logps
 from fastdpo.model.backend import Backend, output_head, target_hidden
-from fastdpo.model.logprobs import sequence_sums, token_log_sum_sq_probs, token_logps
+from fastdpo.model.logprobs import sequence_sums, token_log_sum_sq_probs
 
 
 @dataclass

@@ -9,7 +9,7 @@ float32 master copy in memory. Moments stay in the parameter's dtype, as torch.o
 the same. Parameters of other dtypes get the same float32 update, rounded to nearest.
 
 Works on plain tensors and on FSDP2's sharded DTensor parameters (the update runs on each rank's local shard).
-On CUDA with Triton, the update of all tensors is one kernel launch (`fastdpo.optim.adamw_kernel`, one read and one write
+On CUDA with Triton, the update of all tensors is one kernel launch (`fastdpo.kernels.adamw`, one read and one write
 of each tensor); elsewhere it is the float32 foreach computation below, in slices of at most CHUNK elements.
 State keys (`step`, `exp_avg`, `exp_avg_sq`) match torch.optim.AdamW, so checkpoints load either way.
 """
@@ -24,9 +24,9 @@ CHUNK = 1 << 25  # elements per group of float32 temporaries (4 of them: ≈ 512
 
 
 def _kernel():
-    """fastdpo.optim.adamw_kernel's update function, or None where Triton is not installed."""
+    """fastdpo.kernels.adamw's update function, or None where Triton is not installed."""
     try:
-        from fastdpo.optim.adamw_kernel import adamw_update_
+        from fastdpo.kernels.adamw import adamw_update_
     except ImportError:
         return None
     return adamw_update_

@@ -21,6 +21,7 @@ from fastdpo.data.load import Row
 from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.dpo.reference import REF_ADAPTER, Reference, active_adapter, precomputed_table
+from fastdpo.kernels.logprob_head import chunk_logits as _chunk_logits
 from fastdpo.losses import (
     LOSSES,
     LossInputs,
@@ -33,7 +34,6 @@ from fastdpo.losses import (
     total_loss,
 )
 from fastdpo.model.backend import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
-from fastdpo.model.logprobs import _chunk_logits
 from fastdpo.model.seqlogps import completion_logps
 
 log = logging.getLogger("fastdpo")

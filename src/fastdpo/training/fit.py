@@ -42,10 +42,10 @@ import torch
 
 from fastdpo.data.pack import epoch_permutation, split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.kernels.logprob_head import DEFAULT_CHUNK
 from fastdpo.model.backend import build_mask, make_batch
 from fastdpo.model.fused import fuse_layers
 from fastdpo.model.load import base_causal_lm
-from fastdpo.model.logprobs import DEFAULT_CHUNK
 from fastdpo.model.memory import decoder_layers
 from fastdpo.model.seqlogps import completion_logps
 from fastdpo.parallel.split import split_ranks

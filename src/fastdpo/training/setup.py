@@ -26,10 +26,10 @@ from fastdpo.data.tokenize import TokenizedPair, check_vocab
 from fastdpo.dpo.beta import BetaSchedule
 from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
+from fastdpo.kernels.warmup import build_ahead, head_size, norm_widths
+from fastdpo.kernels.warmup import ready as kernels_ready
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
 from fastdpo.model.fused import fuse_layers, kernels_wanted, unfused
-from fastdpo.model.kernels import build_ahead, head_size, norm_widths
-from fastdpo.model.kernels import ready as kernels_ready
 from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.model.lora import DORA_NOTE, fuse_lora
 from fastdpo.parallel import sequence

@@ -1,4 +1,5 @@
-"""The lean LoRA forward (`fastdpo.model.lora`) against PEFT's own, and against the plain float32 computation."""
+"""The lean LoRA forward (`fastdpo.model.lora`, its Functions in `fastdpo.kernels.lora`) against PEFT's own, and
+against the plain float32 computation; on torch's path here, on the kernels in tests/model/test_fused_kernels.py."""
 
 import copy
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from fastdpo.kernels import lora as lora_kernels
 from fastdpo.model import lora
 from fastdpo.model.load import load_model
 
@@ -59,11 +61,11 @@ def test_the_lean_forward_gives_peft_s_outputs_and_gradients(model_dirs, monkeyp
                 m.base_layer.__class__ = Other
     ids = ids_for(model)
     want, g_want = run(model, ids)
-    calls = count_calls(monkeypatch, lora._LoraAdd, lora._LoraLinear)
+    calls = count_calls(monkeypatch, lora_kernels.LoraAddFunction, lora_kernels.LoraLinearFunction)
     n = lora.fuse_lora(model)
     assert n == 7 * model.config.num_hidden_layers and lora.fuse_lora(model) == n  # idempotent
     got, g_got = run(model, ids)
-    assert calls == [("_LoraAdd" if base == "other" else "_LoraLinear")] * n
+    assert calls == [("LoraAddFunction" if base == "other" else "LoraLinearFunction")] * n
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert g_got.keys() == g_want.keys() and any("lora_A" in k for k in g_got)
     for k in g_want:  # float32 sums in another order: within a few units of the last place of the tensor's scale
@@ -161,7 +163,7 @@ def test_what_the_lean_forward_does_not_serve_runs_peft_s(model_dirs, monkeypatc
     ids = ids_for(model)
     plain = copy.deepcopy(model)
     lora.fuse_lora(model)
-    calls = count_calls(monkeypatch, lora._LoraAdd, lora._LoraLinear)
+    calls = count_calls(monkeypatch, lora_kernels.LoraAddFunction, lora_kernels.LoraLinearFunction)
     with torch.no_grad():
         if case == "disabled":
             with model.disable_adapter(), plain.disable_adapter():
@@ -252,8 +254,8 @@ def test_a_lean_mlp_s_lora_down_projection_keeps_no_product_and_gives_peft_s_gra
     model.load_state_dict(plain.state_dict())
     ids = ids_for(model)
     calls = []
-    apply = lora._SiluMulLoraDown.apply
-    monkeypatch.setattr(lora._SiluMulLoraDown, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
+    apply = lora_kernels.SiluMulLoraDownFunction.apply
+    monkeypatch.setattr(lora_kernels.SiluMulLoraDownFunction, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
     want, g_want = run(plain, ids)
     got, g_got = run(model, ids)
     assert calls == [False] * model.config.num_hidden_layers  # every layer, none skipped outside a recompute
@@ -306,8 +308,8 @@ def test_a_recompute_skips_the_lora_down_s_base_gemm_and_gives_the_gradients_of_
     from fastdpo.model.memory import apply_checkpointing
 
     skips = []
-    apply = lora._SiluMulLoraDown.apply
-    monkeypatch.setattr(lora._SiluMulLoraDown, "apply", lambda *a: skips.append(a[-1]) or apply(*a))
+    apply = lora_kernels.SiluMulLoraDownFunction.apply
+    monkeypatch.setattr(lora_kernels.SiluMulLoraDownFunction, "apply", lambda *a: skips.append(a[-1]) or apply(*a))
 
     weights = mlp_lora_model(model_dirs, dropout=dropout).state_dict()
 

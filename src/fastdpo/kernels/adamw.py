@@ -1,4 +1,5 @@
-"""One Triton launch for `fastdpo.optim.adamw.AdamW` on CUDA: the whole update of a list of tensors in a single pass.
+"""The fused AdamW step for `fastdpo.optim.adamw.AdamW` on CUDA: one Triton launch updates a list of tensors in a
+single pass, writing bfloat16 weights with stochastic rounding.
 
 The plain-torch update reads and writes float32 copies of the weight, gradient and both moments several times
 (about 150 bytes of memory traffic per parameter); this kernel reads each tensor once in its own dtype, computes in
@@ -10,7 +11,8 @@ step has 310). The rounding noise comes from Philox (`tl.randint`)
 keyed by the tensor's seed and the element's index in its tensor, so it is a pure function of (seed, step, group,
 tensor, element), as the plain path's seeded generator is.
 
-Imported only when a CUDA device and Triton are present.
+Triton is imported here unguarded: importing this module without Triton raises ImportError, which the optimizer
+takes to mean the foreach path.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Lean RMSNorm and SwiGLU (`fastdpo.model.fused`): the forward bit-identical to the modules' own, the backward equal
 to autograd's through the original operations, fewer bytes kept for the backward, and modules whose forward differs
-left alone."""
+left alone. The fused layers on the Triton kernels: tests/model/test_fused_kernels.py."""
 
 import logging
 
@@ -268,7 +268,7 @@ def test_a_non_standard_rotation_keeps_its_own_function(monkeypatch):
 def test_the_kernels_shapes_are_read_from_a_local_config_without_transformers(tmp_path):
     import json
 
-    from fastdpo.model.kernels import head_size, norm_widths
+    from fastdpo.kernels.warmup import head_size, norm_widths
     from fastdpo.training.setup import _config_fields
 
     real = model("qwen3").config

@@ -1,0 +1,69 @@
+"""RMSNorm's kernels (`fastdpo.kernels.rms_norm`) against the float32 computation: under Triton's interpreter on the
+CPU (odd widths, row counts off the block, no rows) and compiled for CUDA at the real models' widths."""
+
+import pytest
+import torch
+from interpreter_helpers import interpreted, rel, run_interpreted
+
+from fastdpo.kernels import rms_norm
+
+
+def test_rms_norm_under_the_interpreter():
+    run_interpreted(__file__)
+
+
+def norm_reference(x, w, eps):
+    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+    return xf, wf, wf * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@interpreted
+@pytest.mark.parametrize("width", [128, 1000, 2048])
+@pytest.mark.parametrize("rows", [1, 37])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_rms_norm_forward_and_backward_equal_float32(width, rows, dtype, tol):
+    g = torch.Generator().manual_seed(width + rows)
+    x = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    w = (1 + 0.2 * torch.randn(width, generator=g)).to(dtype)
+    grad = torch.randn(rows, width, generator=g).to(dtype)
+    y, rstd = rms_norm.rms_norm_forward(x, w, 1e-6)
+    xf, wf, want = norm_reference(x, w, 1e-6)
+    want.backward(grad.float())
+    assert y.dtype == dtype and y.shape == x.shape and rstd.dtype == torch.float32
+    assert rel(y, want) < tol
+    assert rel(rstd, torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)) < 1e-6
+    dx, dw = rms_norm.rms_norm_backward(grad, x, w, rstd, weight_grad=True)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert rel(dx, xf.grad) < tol and rel(dw, wf.grad) < tol
+    dx2, none = rms_norm.rms_norm_backward(grad, x, w, rstd, weight_grad=False)
+    assert none is None and torch.equal(dx2, dx)
+
+
+@interpreted
+def test_rms_norm_of_a_head_view_and_of_no_rows():
+    x = torch.randn(2, 5, 3, 16)  # (batch, tokens, heads, head_dim): Qwen3's per-head norms
+    w = torch.rand(16) + 0.5
+    y, _ = rms_norm.rms_norm_forward(x, w, 1e-6)
+    assert y.shape == x.shape and rel(y, norm_reference(x, w, 1e-6)[2]) < 1e-6
+    y0, r0 = rms_norm.rms_norm_forward(torch.zeros(0, 16), w, 1e-6)
+    assert y0.shape == (0, 16) and r0.shape == (0,)
+    dx, dw = rms_norm.rms_norm_backward(torch.zeros(0, 16), torch.zeros(0, 16), w, r0, weight_grad=True)
+    assert dx.shape == (0, 16) and torch.equal(dw, torch.zeros(16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [128, 2048, 4096, 5120])
+@pytest.mark.parametrize("rows", [1, 3001])
+def test_rms_norm_kernels_equal_float32(width, rows):
+    g = torch.Generator(device="cuda").manual_seed(width)
+    x = torch.randn(rows, width, device="cuda", generator=g).mul(3).bfloat16()
+    w = (1 + 0.2 * torch.randn(width, device="cuda", generator=g)).bfloat16()
+    grad = torch.randn(rows, width, device="cuda", generator=g).bfloat16()
+    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+    want = wf * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+    want.backward(grad.float())
+    y, rstd = rms_norm.rms_norm_forward(x, w, 1e-6)
+    dx, dw = rms_norm.rms_norm_backward(grad, x, w, rstd, weight_grad=True)
+    assert rel(y, want) < 1e-2 and rel(dx, xf.grad) < 1e-2 and rel(dw, wf.grad) < 1e-2
+    plain = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    assert (y.float() - plain.float()).abs().max() <= plain.float().abs().max() * 2**-7  # eager's result but an ulp

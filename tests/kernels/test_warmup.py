@@ -1,0 +1,142 @@
+"""Building the kernels ahead (`fastdpo.kernels.warmup`): the launches built while a run loads are those training
+makes, a failed build turns the kernels off, and on CUDA a fused stack built ahead builds nothing more for any
+micro-batch length."""
+
+import pytest
+import torch
+from conftest import random_pairs
+from interpreter_helpers import interpreted, rel, run_interpreted
+
+from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
+from fastdpo.kernels import gather_rows, launch, logprob_head, lora, rms_norm, rope, swiglu, warmup
+from fastdpo.model.backend import Backend, choose_backend, prepare_packed, sequence_logps
+from fastdpo.model.fused import fuse_layers
+
+OPS = (rms_norm, swiglu, rope, logprob_head, gather_rows, lora)
+
+
+def test_warmup_under_the_interpreter():
+    run_interpreted(__file__)
+
+
+def record_launches(monkeypatch, seen: set) -> None:
+    """Record in `seen` each launch the ops make, by kernel, argument dtypes and compile-time constants (what makes
+    Triton build a kernel anew, short of integer specialisation), before making it."""
+
+    def recorded(kernel, grid, *args, num_warps=4, **constexprs):
+        dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+        seen.add((kernel.__name__, dtypes, tuple(sorted({"num_warps": num_warps, **constexprs}.items()))))
+        return launch.launch(kernel, grid, *args, num_warps=num_warps, **constexprs)
+
+    for op in OPS:
+        monkeypatch.setattr(op, "launch", recorded)
+
+
+@interpreted
+@pytest.mark.parametrize("lora_run", [False, True])
+def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, lora_run):
+    """Every kernel a fused model launches in training (the varlen path's stand-in, policy forward and backward, a
+    no-grad forward; full fine-tuning, or LoRA with dropout on every linear layer) was built ahead by `_launches` for that model's
+    config: same kernel, argument dtypes and constants. A launch with other constants would be built again in the
+    first step."""
+    from test_varlen import stand_in
+
+    from fastdpo.model import attention
+    from fastdpo.model.load import load_model
+
+    monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
+    model = load_model(str(model_dirs("qwen3")), torch.bfloat16, torch.device("cpu"))
+    fuse_layers(model, use_kernels=True)
+    if lora_run:
+        from peft import LoraConfig, get_peft_model
+
+        from fastdpo.model.lora import fuse_lora
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear")).train()
+        assert fuse_lora(model)
+    built, used = set(), set()
+    record_launches(monkeypatch, built)
+    config = model.config
+    for thunk in warmup._launches(warmup.norm_widths(config), torch.bfloat16, torch.device("cpu"),
+                                  warmup.head_size(config), lora=lora_run, dropout_rank=4 if lora_run else 0):
+        thunk()
+    record_launches(monkeypatch, used)
+    backend = Backend("varlen")
+    prepare_packed(model, backend)
+    batch = pack_pairs(random_pairs(3, model.config.vocab_size, seed=6), 1)
+    seq, _ = sequence_logps(model, batch, backend)
+    seq.sum().backward()
+    with torch.no_grad():
+        sequence_logps(model, batch, backend)
+    assert {name for name, *_ in used} >= {"_rms_fwd", "_rms_bwd", "_silu_mul_fwd", "_silu_mul_bwd", "_rope",
+                                            "_logp_fwd", "_logp_bwd", "_gather_rows_bwd"}
+    if lora_run:  # the adapters' dropout on its kernels
+        assert {name for name, *_ in used} >= {"_lora_drop_down", "_lora_drop_dx", "_lora_drop_da"}
+    assert used <= built, sorted(used - built)
+
+
+@interpreted
+def test_ready_waits_for_the_build_and_a_failed_build_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setattr(warmup, "_builds", {})
+    monkeypatch.setattr(launch, "_failed", [])
+    thread = warmup.build_ahead([64, 16], torch.bfloat16, torch.device("cpu"), 16)
+    assert thread is not None and warmup.build_ahead([64, 16], torch.bfloat16, torch.device("cpu"), 16) is thread
+    assert warmup.ready([64, 16], torch.bfloat16, torch.device("cpu"), 16) is None and launch.available(torch.zeros(1))
+
+    def broken(*a):
+        raise RuntimeError("ptxas fatal: unsupported architecture\nmore")
+
+    monkeypatch.setattr(warmup, "_build", broken)
+    why = warmup.ready([32], torch.bfloat16, torch.device("cpu"))
+    assert why == "RuntimeError: ptxas fatal: unsupported architecture"
+    assert not launch.available(torch.zeros(1))  # nothing uses them once a build failed
+
+
+@interpreted
+def test_launches_are_pruned_to_the_kind_of_training():
+    def kinds(lora):
+        return sorted((f.func.__name__, f.args[-1]) for f in warmup._launches([32], torch.float32, torch.device("cpu"),
+                                                                              8, lora)
+                      if f.func.__name__ in ("rms_norm_backward", "silu_mul_backward"))
+
+    assert kinds(False) == [("rms_norm_backward", True), ("silu_mul_backward", True)]  # full: weights train, plain down
+    assert kinds(True) == [("rms_norm_backward", False), ("silu_mul_backward", False), ("silu_mul_backward", True)]
+    assert len(kinds(None)) == 4
+
+
+def built(fn) -> int:
+    """Kernels Triton has built for the jitted `fn` (its per-device caches; older releases call them `cache`)."""
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:
+        return sum(len(c[0]) for c in caches.values())
+    return sum(len(c) for c in fn.cache.values())
+
+
+@pytest.mark.gpu
+def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_nothing_per_length():
+    """Built ahead (as training does while it loads), the kernels serve micro-batches of every length without a
+    single further build."""
+    from gpu_helpers import logps_and_grads, qwen3
+
+    kernels = {"_rms_fwd": rms_norm._rms_fwd, "_rms_bwd": rms_norm._rms_bwd, "_silu_mul_fwd": swiglu._silu_mul_fwd,
+               "_silu_mul_bwd": swiglu._silu_mul_bwd, "_rope": rope._rope}
+    pairs = random_pairs(24, 151936, seed=0, max_prompt=300, max_comp=300)
+    groups = split_micro_batches(pairs[:12], 2048, 0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    slow, g_slow = logps_and_grads(qwen3(torch.float32), [pad_pairs(g) for g in groups], Backend("padded"))
+    model = qwen3(torch.bfloat16).train()
+    warmup.build_ahead([1024, 128], torch.bfloat16, torch.device("cuda"), 128).join()
+    builds = {k: built(fn) for k, fn in kernels.items()}
+    assert set(fuse_layers(model, use_kernels=True)) == {"Qwen3RMSNorm", "Qwen3MLP", "Qwen3Attention"}
+    backend = choose_backend(model, "auto", True, torch.device("cuda"))
+    prepare_packed(model, backend)
+    fast, g_fast = logps_and_grads(model, [pack_pairs(g, 1) for g in groups], backend)
+    assert rel(fast, slow) < 1e-2
+    worst = max(rel(g_fast[n], g_slow[n]) for n in g_slow)
+    assert worst < 5e-2, worst
+    more = split_micro_batches(pairs[12:], 1536, 0)
+    logps_and_grads(model, [pack_pairs(g, 1) for g in more], backend)
+    with torch.no_grad():  # the reference's forward
+        sequence_logps(model, pack_pairs(more[0], 1).to("cuda"), backend)
+    lengths = {pack_pairs(g, 1).num_tokens for g in groups + more}
+    assert len(lengths) >= 4 and {k: built(fn) for k, fn in kernels.items()} == builds, lengths
