@@ -245,24 +245,22 @@ def _environ(pid: int) -> dict:
 # ---------------------------------------------------------------- the precomputed reference, shared by ranks
 
 
-def test_each_rank_precomputes_its_share(tmp_path, model_dirs, monkeypatch):
+def test_each_rank_precomputes_its_share(tmp_path, model_dirs):
     from fastdpo.data.tokenize import TokenizedPair
     from fastdpo.dpo import reference
     from fastdpo.model.backend import choose_backend
     from fastdpo.model.load import load_model, load_tokenizer
-    from fastdpo.parallel.distributed import Dist
 
     path = str(model_dirs("qwen3"))
     model = load_model(path, torch.float32, torch.device("cpu"))
     backend = choose_backend(model, "auto", True, torch.device("cpu"))
     pairs = [TokenizedPair(prompt=[5, 6, 7], chosen=[8 + i % 5], rejected=[9, 10], index=i) for i in range(7)]
-    decided = []
-    monkeypatch.setattr(reference, "_everyone", lambda flag, world: decided.append((flag, world)) or flag)
-    monkeypatch.setattr(reference, "_gather", lambda table, device: table)
+    exchanged = []  # what this rank hands the others: whether it found the cache, then its share of the table
+    ranks = reference.Ranks(rank=1, world=3, gather=lambda obj: exchanged.append(obj) or [obj])
     cfg = TrainConfig(model=path, dataset=["x"], precompute_ref_log_probs=True)
     table = reference.precomputed_table(cfg, lambda: (model, backend), pairs, None, load_tokenizer(path).pad_token_id,
-                                        d=Dist(rank=1, world_size=3, mode="ddp"))
-    assert decided == [(False, 3)]
+                                        ranks=ranks)
+    assert exchanged[0] is False and len(exchanged) == 2
     assert sorted(table.index.tolist()) == [1, 4]  # rank 1 of 3: pairs 1, 4
     full = reference.precomputed_table(cfg, lambda: (model, backend), pairs, None, 0)
     torch.testing.assert_close(table.logps[[1, 4]], full.logps[[1, 4]], rtol=1e-6, atol=1e-6)

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,6 +98,20 @@ class Reference:
             ref[name].lerp_(p.detach().to(ref[name].dtype), alpha)
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """The processes that share a precompute pass: this one is `rank` of `world`, and `gather` gives every rank's
+    object in rank order (`parallel.objects.gather_objects` bound to the run's ranks: the reference sits below
+    `parallel/`, so the caller passes the exchange in). The default is one process."""
+
+    rank: int = 0
+    world: int = 1
+    gather: Callable[[Any], list[Any]] = lambda obj: [obj]
+
+
+ONE_PROCESS = Ranks()
+
+
 def _freeze(model: torch.nn.Module) -> torch.nn.Module:
     model.eval()
     for p in model.parameters():
@@ -126,10 +141,11 @@ def _check_same_shapes(ref, policy) -> None:
 
 
 def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[TokenizedPair], rows: list[Row] | None,
-                    pad_id: int, ref_model=None, d=None) -> Reference:
+                    pad_id: int, ref_model=None, ranks: Ranks = ONE_PROCESS) -> Reference:
     """Choose and build the strategy. `policy` must not yet carry the trained LoRA adapter: it is the reference's
     starting point for copy, adapter_off and precompute. `ref_model`: an already loaded --ref_model (else it is
-    loaded here, and only if needed). `rows` key the precompute cache; None computes without caching."""
+    loaded here, and only if needed). `rows` key the precompute cache; None computes without caching. `ranks`
+    share a precompute pass."""
     if not cfg.needs_reference():
         unused = [f"--{k}" for k in ("ref_model", "ref_adapters", "precompute_ref_log_probs") if getattr(cfg, k)]
         if unused:
@@ -137,7 +153,7 @@ def build_reference(cfg: TrainConfig, policy, backend: Backend, pairs: list[Toke
                         ", ".join(unused))
         return Reference("none")
     if cfg.precompute_ref_log_probs:
-        table = precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id, ref_model, d)
+        table = precomputed_table(cfg, lambda: (policy, backend), pairs, rows, pad_id, ref_model, ranks)
         return Reference("precompute", table=table)
     if cfg.uses_lora and not cfg.ref_model and ref_model is None:
         return Reference("ref_adapter" if cfg.ref_adapters else "adapter_off")
@@ -181,18 +197,18 @@ def cache_path(cfg: TrainConfig, pairs: list[TokenizedPair], rows: list[Row]) ->
 
 def precomputed_table(cfg: TrainConfig, get_policy: Callable[[], tuple[torch.nn.Module, Backend]],
                       pairs: list[TokenizedPair], rows: list[Row] | None, pad_id: int, ref_model=None,
-                      d=None) -> RefTable:
+                      ranks: Ranks = ONE_PROCESS) -> RefTable:
     """The reference table from the on-disk cache, or computed and cached. `get_policy` gives the policy (before
     LoRA) and its backend; it is called only when the cache misses. Without `rows` (a model built in memory) or
     with a `ref_model` given in memory, nothing identifies the weights on disk: computed, not cached.
-    Under torchrun (`d` with several ranks) each rank computes every world_size-th pair and the shares are
+    Under torchrun (`ranks` with several) each rank computes every world_size-th pair and the shares are
     exchanged, so the pass takes 1/world_size of the time; rank 0 writes the cache."""
     device = resolve_device(cfg.device)
-    world, rank = (d.world_size, d.rank) if d is not None else (1, 0)
+    world, rank = ranks.world, ranks.rank
     path, parts = cache_path(cfg, pairs, rows) if rows is not None and ref_model is None else (None, {})
     table = load_table(path, device) if path is not None else None
     hit = table is not None and set(table.index.tolist()) >= {p.index for p in pairs}
-    if _everyone(hit, world):  # ranks decide together: one computing alone would leave the others waiting
+    if all(ranks.gather(hit)):  # ranks decide together: one computing alone would leave the others waiting
         log.info("Reference log-probs reused from %s.", path)
         return table
 
@@ -200,28 +216,11 @@ def precomputed_table(cfg: TrainConfig, get_policy: Callable[[], tuple[torch.nn.
              f" ({world} ranks, each a share)" if world > 1 else "")
     table = _compute(cfg, get_policy, pairs[rank::world], pad_id, ref_model, device)
     if world > 1:
-        table = _gather(table, device)
+        shares = ranks.gather((table.index, table.values))
+        table = RefTable(torch.cat([i for i, _ in shares]), torch.cat([v for _, v in shares]), device)
     if path is not None and rank == 0:
         save_table(path, table, {**parts, "pairs": len(pairs)})
     return table
-
-
-def _everyone(flag: bool, world: int) -> bool:
-    if world <= 1:
-        return flag
-    import torch.distributed as dist
-
-    flags = [None] * world
-    dist.all_gather_object(flags, flag)
-    return all(flags)
-
-
-def _gather(table: RefTable, device) -> RefTable:
-    import torch.distributed as dist
-
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (table.index, table.values))
-    return RefTable(torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts]), device)
 
 
 def _compute(cfg: TrainConfig, get_policy, pairs: list[TokenizedPair], pad_id: int, ref_model, device) -> RefTable:

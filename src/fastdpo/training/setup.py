@@ -24,7 +24,7 @@ from fastdpo.data.stream import PairStream
 from fastdpo.data.template import keep_template, plain_text_note
 from fastdpo.data.tokenize import TokenizedPair, check_vocab
 from fastdpo.dpo.beta import BetaSchedule
-from fastdpo.dpo.reference import Reference, build_reference, load_ref_adapter
+from fastdpo.dpo.reference import Ranks, Reference, build_reference, load_ref_adapter
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels.warmup import build_ahead, head_size, norm_widths
 from fastdpo.kernels.warmup import ready as kernels_ready
@@ -34,6 +34,7 @@ from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokeni
 from fastdpo.model.lora import DORA_NOTE, fuse_lora
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
+from fastdpo.parallel.objects import gather_objects
 from fastdpo.parallel.parallelize import parallelize
 from fastdpo.training.evaluate import held_out_reference
 from fastdpo.training.fit import fit_checkpointing, planned_largest_micro_batch
@@ -293,7 +294,8 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
                     "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
     fuse_kernels(cfg, model, device)
-    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, d)
+    ranks = Ranks(d.rank, d.world_size, lambda obj: gather_objects(obj, d))  # they share a precompute pass
+    reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, ranks)
     if reference.model is not None and reference.model is not model:  # a --ref_model loaded on its own
         fuse_kernels(cfg, reference.model, device)
     if cfg.uses_lora:
