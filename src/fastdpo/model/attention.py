@@ -116,14 +116,15 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _check_window(kwargs: dict, window: int | None) -> None:
+def check_window(kwargs: dict, window: int | None) -> None:
+    """The layer's sliding window (transformers' `sliding_window` keyword) is the one the mask was built with."""
     sw = kwargs.get("sliding_window")
     assert sw is None or sw == window, f"layer asks for sliding window {sw}, mask was built with {window}"
 
 
 def fastdpo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function. query (B, H, T, D), key/value (B, Hkv, T, D) -> ((B, T, H, D), None)."""
-    _check_window(kwargs, getattr(module, "_fastdpo_window", None))
+    check_window(kwargs, getattr(module, "_fastdpo_window", None))
     if attention_mask is None:
         raise RuntimeError("fastdpo attention needs the packed-layout mask; call through fastdpo.model.load.forward_hidden")
     gqa = query.shape[1] != key.shape[1]
@@ -316,7 +317,7 @@ def _varlen_kernel(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | N
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: query (1, H, T, D), key/value (1, Hkv, T, D) -> ((1, T, H, D), None)."""
     window = getattr(module, "_fastdpo_window", None)
-    _check_window(kwargs, window)
+    check_window(kwargs, window)
     if "fastdpo_key_index" not in kwargs:
         raise RuntimeError("fastdpo varlen attention needs the micro-batch's offsets; call through "
                            "fastdpo.model.backend.target_hidden")

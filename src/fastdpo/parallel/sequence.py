@@ -403,7 +403,7 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
     ((1, t, H, D), None); key/value chunks go around the group, blocks merged by their log-sum-exp."""
     ctx: SequenceContext = kwargs.pop("fastdpo_sp")
     window = getattr(module, "_fastdpo_window", None)
-    attention._check_window(kwargs, window)
+    attention.check_window(kwargs, window)
     if dropout and module.training:
         raise FastDPOError(f"the model's attention dropout ({dropout}) is not applied by ring attention's blocks. "
                            "Use --sequence_parallel_mode ulysses, or a config with attention_dropout 0.")
