@@ -171,22 +171,9 @@ def test_every_floor_exists(unit):
 # ---------------------------------------------------------------- no hidden couplings
 
 # Private names (`_x`; dunders such as __version__ are public) taken from another module, still to be made public by
-# those restructuring the modules that define them: the config's field and parsing helpers. Each entry is
-# (importing module, name); remove an entry once its use is gone (a test fails while a stale one is left).
-PENDING_PRIVATE = {
-    ("fastdpo.cli", "_Parser"),
-    ("fastdpo.cli", "_parse_bool"),
-    ("fastdpo.commands.evaluate", "_choice"),
-    ("fastdpo.commands.evaluate", "_f"),
-    ("fastdpo.commands.export", "_choice"),
-    ("fastdpo.commands.export", "_f"),
-    ("fastdpo.commands.infer", "_f"),
-    ("fastdpo.config.compat.base", "_parse_bool"),
-    ("fastdpo.config.flags", "_parse_bool"),
-    ("fastdpo.config.flags", "_parse_dict"),
-    ("fastdpo.model.generate", "_choice"),
-    ("fastdpo.model.generate", "_f"),
-}
+# those restructuring the modules that define them. Each entry is (importing module, name); remove an entry once its
+# use is gone (a test fails while a stale one is left).
+PENDING_PRIVATE: set[tuple[str, str]] = set()
 # Modules outside parallel/ that still import torch.distributed, until their collectives move there. Remove an entry
 # once its import is gone.
 PENDING_DISTRIBUTED: set[str] = set()

@@ -1,7 +1,7 @@
 """mkdocs hook: the CLI reference page, rendered at build time from the real command-line parsers.
 
 `fastdpo.cli.build_parser()` is walked as `fastdpo --help` would be: one section per subcommand, and within it one
-part per argument group (the config sections of `fastdpo.config.flags.SECTIONS`, then the flags accepted from other
+part per argument group (the config sections, `fastdpo.config.sections`, then the flags accepted from other
 tools), each flag with its value, default and help text. A group that a command shares with one listed before it
 (`check-data` takes every flag of `train`) is linked, not repeated. So the page lists exactly the flags each command
 accepts and cannot drift from them. Flags are HTML definition lists; `.cli-flag` names, and one-word code spans

@@ -9,9 +9,9 @@ import sys
 import warnings
 
 from fastdpo.config import TrainConfig, add_config_flags, build_config
-from fastdpo.config.flags import _Parser, typed_flags
+from fastdpo.config.fields import parse_bool
+from fastdpo.config.flags import Parser, typed_flags
 from fastdpo.config.launch import WORLD_FIELDS, check_world, wants_launch, world_size
-from fastdpo.config.schema import _parse_bool
 from fastdpo.data.anchor import WORKLOADS
 from fastdpo.errors import FastDPOError
 from fastdpo.observe.streams import guard_std_streams
@@ -223,10 +223,10 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fastdpo", description="Fast, memory-lean DPO training on a packed, prefix-shared layout.",
+    p = Parser(prog="fastdpo", description="Fast, memory-lean DPO training on a packed, prefix-shared layout.",
                 allow_abbrev=False)
     p.add_argument("--version", action="store_true", help="Print the version and exit.")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", parser_class=Parser)
     t = sub.add_parser("train", help="Train with DPO.", allow_abbrev=False)
     add_config_flags(t, TrainConfig)
     t.set_defaults(func=cmd_train)
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--policies", default="full,ffn,attn,every:2",
                    help="Checkpointing policies to verify, comma-separated: none, full, ffn, attn, every:K "
                         "(true = full, false = none).")
-    v.add_argument("--compile", type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
+    v.add_argument("--compile", type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
                    help="Also verify compiled decoder layers, as --torch_compile trains (default: on CUDA only).")
     v.add_argument("--seed", type=int, default=42, help="Seed for `path#N` sampling.")
     v.add_argument("--trust_remote_code", action="store_true", help="Allow model code from the model dir / hub.")

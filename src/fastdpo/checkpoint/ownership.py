@@ -17,7 +17,7 @@ from pathlib import Path
 from fastdpo.checkpoint.lock import LOCK, OutputDirLock
 from fastdpo.checkpoint.outputs import RECORD, is_config_file, names_in, run_outputs, write_record
 from fastdpo.checkpoint.overwrite import check_earlier_run
-from fastdpo.config import TrainConfig, save_config
+from fastdpo.config import RunPlan, TrainConfig, save_config
 from fastdpo.errors import FastDPOError
 from fastdpo.parallel.distributed import Dist
 from fastdpo.parallel.objects import broadcast_object
@@ -41,12 +41,15 @@ def check_output_dir(out: Path) -> None:
         raise FastDPOError(f"--output_dir {out} is not writable ({e.strerror}). Choose another directory.") from None
 
 
-def save_run_config(cfg: TrainConfig, out: Path) -> None:
-    """Write output_dir/config.yaml, the resolved config, unless that file is the --config file (kept as it is;
-    each checkpoint has the resolved config in state/config.yaml). From here on, a failed run keeps its outputs."""
+def save_run_config(cfg: TrainConfig, out: Path, plan: RunPlan | None = None) -> None:
+    """Write output_dir/config.yaml, the config as given (defaults filled in), unless that file is the --config file
+    (kept as it is; each checkpoint has the config in state/config.yaml), and output_dir/plan.json, what set-up
+    resolved from it. From here on, a failed run keeps its outputs."""
     held = _HELD.get(str(out.resolve()))
     if held is not None:
         held.training = True
+    if plan is not None:
+        plan.save(out)
     if is_config_file(out / "config.yaml"):
         log.info("%s is the --config file: kept as it is (the resolved config is saved in each checkpoint).",
                  out / "config.yaml")

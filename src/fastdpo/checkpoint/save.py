@@ -72,14 +72,17 @@ def write_published(out_dir: Path, name: str, what: str, own: WriteOwn, shared: 
 
 
 def write_checkpoint(out_dir: Path, step: int, own: WriteOwn, scheduler, progress: dict, config,
-                     d: Dist | None = None, tokenizer=None) -> Path:
+                     d: Dist | None = None, tokenizer=None, plan=None) -> Path:
     """checkpoint-{step} through `write_published`: every rank's `own` files, then rank 0 writes the scheduler
-    state, the resolved config, `tokenizer` (when given) and, last, trainer_state.json and the manifest."""
+    state, the config and the run's `plan` (what set-up resolved from it), `tokenizer` (when given) and, last,
+    trainer_state.json and the manifest."""
 
     def shared(tmp: Path, known: dict[str, str]) -> None:
         st = tmp / STATE
         torch.save(scheduler.state_dict(), st / "scheduler.pt")
         save_config(config, st / "config.yaml")
+        if plan is not None:
+            plan.save(st)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_done(tmp, step, progress, known)
@@ -98,7 +101,7 @@ def write_done(tmp: Path, step: int, progress: dict, known: dict[str, str] | Non
 
 
 def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
-                    extra_modules: dict | None = None) -> Path:
+                    extra_modules: dict | None = None, plan=None) -> Path:
     """Write checkpoint-{step} of a one-process run atomically and return its path. `extra_modules` (name -> module)
     are saved as state/{name}.safetensors (e.g. a reference model that training updates). A failed write raises a
     FastDPOError that names the last good checkpoint; the previous checkpoints are untouched."""
@@ -114,11 +117,11 @@ def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, sched
             save_module(module, str(st / f"{name}.safetensors"))
         return {}
 
-    return write_checkpoint(out_dir, step, own, scheduler, progress, config)
+    return write_checkpoint(out_dir, step, own, scheduler, progress, config, plan=plan)
 
 
 def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, progress: dict, config,
-                            d: Dist, extra_modules: dict | None = None) -> Path:
+                            d: Dist, extra_modules: dict | None = None, plan=None) -> Path:
     """Write checkpoint-{step} from all ranks of `d` (each must call this) and return its path. `extra_modules`
     (name -> module, e.g. a reference that training updates) are saved in the shards too."""
 
@@ -130,7 +133,7 @@ def save_sharded_checkpoint(out_dir: Path, step: int, model, tokenizer, optimize
         mine = [tmp / STATE / f"rng-{d.rank}.pt", *sorted((tmp / SHARDED).glob(f"__{d.rank}_*.distcp"))]
         return {str(f.relative_to(tmp)): digest for f, digest in manifest.file_digests(mine).items()}
 
-    return write_checkpoint(out_dir, step, own, scheduler, progress, config, d, tokenizer)
+    return write_checkpoint(out_dir, step, own, scheduler, progress, config, d, tokenizer, plan)
 
 
 def save_final(out_dir: Path, model, tokenizer, state_dict: dict | None = None) -> Path:

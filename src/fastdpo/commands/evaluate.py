@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastdpo.config import DataReading
-from fastdpo.config.schema import _f
+from fastdpo.config.fields import Section, check_choice, option
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.load import Row, load_rows, records_by_location
 from fastdpo.data.prompts import PromptRow, first_record, is_prompt_only, load_prompts
@@ -30,43 +30,74 @@ RUN_READING = ("apply_chat_template", "input_template", "template", "system", "c
 
 
 @dataclass
-class EvalConfig(DataReading, ModelArgs, GenerationArgs):
+class EvalData(DataReading):
+    """The held-out rows `fastdpo eval` reads, read as training reads them (`DataReading`)."""
+
+    dataset: list = option([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train, or files of "
+                           "prompts alone (prompt, messages ending in a user turn, query, instruction) to answer and "
+                           "score with --reward_fn / --reward_model (not needed for --lm_eval_tasks alone).", nargs="+")
+    dataset_dir: str = option("", "LLaMA-Factory: names in --dataset are entries of DIR/dataset_info.json, each read with "
+                              "its own columns, format and tags, as training's dataset_dir and eval_dataset read them.")
+
+
+@dataclass
+class EvalPairs(Section):
+    """The preference metrics of held-out pairs: the loss, rewards and KL against a reference."""
+
+    name = "metrics"
+    title = "Preference metrics"
+
+    ref_model: str = option("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
+    loss_type: str = option("sigmoid", "Preference loss reported as `loss`.")
+    beta: float = option(0.1, "DPO beta of the implicit rewards (use the training value).")
+    label_smoothing: float = option(0.0, "Label smoothing of the reported loss.")
+    per_device_eval_batch_size: int = option(8, "Pairs per packed micro-batch.")
+    max_tokens_per_batch: int = option(0, "Token budget per packed micro-batch (0: per_device_eval_batch_size pairs).")
+    attn_impl: str = option("auto", "auto|flex|dense|padded, as in training.")
+    kl: bool = option(True, "Also measure the per-token KL(policy || reference) on the held-out completions.")
+
+
+@dataclass
+class EvalScoring(Section):
+    """Generated answers scored by a reward function or model, and lm-evaluation-harness tasks."""
+
+    name = "scoring"
+    title = "Reward function and lm-eval tasks"
+
+    reward_fn: str = option("", "module:function (or path/file.py:function) scoring generated answers; with a base to "
+                            "compare, also the win rate of tuned over base.")
+    reward_model: str = option("", "Sequence-classification reward model (dir or hub id) scoring generated answers, like "
+                               "--reward_fn: prompt + answer through its tokenizer's chat template, the score its "
+                               "output. No code from it runs.")
+    eval_limit: int = option(64, "Rows whose prompts are answered for --reward_fn / --reward_model (0: all).")
+    lm_eval_tasks: str = option("", "Comma-separated lm-evaluation-harness tasks (needs `pip install lm-eval`).")
+    lm_eval_limit: int = option(0, "Examples per lm-eval task (0: all).")
+    lm_eval_include_path: str = option("", "Directory of extra lm-eval task YAMLs (e.g. local tasks).")
+
+
+@dataclass
+class EvalOutput(Section):
+    """Where the report goes, and the flags of other tools' evaluation that name backends."""
+
+    name = "output"
+    title = "Output and backends"
+
+    output_dir: str = option("eval_output", "Where eval_report.json and generations.jsonl go.")
+    eval_backend: str = option("", "ms-swift's evaluation backend: only lm-evaluation-harness runs here (see "
+                               "--lm_eval_tasks).")
+    eval_dataset: str = option("", "ms-swift's benchmark list: name the tasks with --lm_eval_tasks instead.")
+    infer_backend: str = option("pt", "pt: transformers generate (the one backend here).")
+    vllm_max_model_len: int = option(0, "ms-swift's vLLM context length: vLLM is not used here (see --infer_backend).")
+    num_gpus: int = option(0, "ms-swift's GPU count for evaluation: fastdpo eval runs on one device (--device).")
+
+
+@dataclass
+class EvalConfig(EvalOutput, EvalScoring, EvalPairs, EvalData, ModelArgs, GenerationArgs):
     """`fastdpo eval`: the model to score (ModelArgs), how answers are generated (GenerationArgs), how rows are read
     (DataReading, the same section as training's), and what is measured."""
 
-    dataset: list = _f([], "Held-out preference files (prompt/chosen/rejected), like --dataset of train, or files of "
-                           "prompts alone (prompt, messages ending in a user turn, query, instruction) to answer and "
-                           "score with --reward_fn / --reward_model (not needed for --lm_eval_tasks alone).", nargs="+")
-    ref_model: str = _f("", "Reference model. Default: the adapters switched off, or --model under a full --checkpoint.")
-    dataset_dir: str = _f("", "LLaMA-Factory: names in --dataset are entries of DIR/dataset_info.json, each read with "
-                              "its own columns, format and tags, as training's dataset_dir and eval_dataset read them.")
-    loss_type: str = _f("sigmoid", "Preference loss reported as `loss`.")
-    beta: float = _f(0.1, "DPO beta of the implicit rewards (use the training value).")
-    label_smoothing: float = _f(0.0, "Label smoothing of the reported loss.")
-    per_device_eval_batch_size: int = _f(8, "Pairs per packed micro-batch.")
-    max_tokens_per_batch: int = _f(0, "Token budget per packed micro-batch (0: per_device_eval_batch_size pairs).")
-    attn_impl: str = _f("auto", "auto|flex|dense|padded, as in training.")
-    kl: bool = _f(True, "Also measure the per-token KL(policy || reference) on the held-out completions.")
-    reward_fn: str = _f("", "module:function (or path/file.py:function) scoring generated answers; with a base to "
-                            "compare, also the win rate of tuned over base.")
-    reward_model: str = _f("", "Sequence-classification reward model (dir or hub id) scoring generated answers, like "
-                               "--reward_fn: prompt + answer through its tokenizer's chat template, the score its "
-                               "output. No code from it runs.")
-    eval_limit: int = _f(64, "Rows whose prompts are answered for --reward_fn / --reward_model (0: all).")
-    lm_eval_tasks: str = _f("", "Comma-separated lm-evaluation-harness tasks (needs `pip install lm-eval`).")
-    lm_eval_limit: int = _f(0, "Examples per lm-eval task (0: all).")
-    lm_eval_include_path: str = _f("", "Directory of extra lm-eval task YAMLs (e.g. local tasks).")
-    output_dir: str = _f("eval_output", "Where eval_report.json and generations.jsonl go.")
-    eval_backend: str = _f("", "ms-swift's evaluation backend: only lm-evaluation-harness runs here (see "
-                               "--lm_eval_tasks).")
-    eval_dataset: str = _f("", "ms-swift's benchmark list: name the tasks with --lm_eval_tasks instead.")
-    infer_backend: str = _f("pt", "pt: transformers generate (the one backend here).")
-    vllm_max_model_len: int = _f(0, "ms-swift's vLLM context length: vLLM is not used here (see --infer_backend).")
-    num_gpus: int = _f(0, "ms-swift's GPU count for evaluation: fastdpo eval runs on one device (--device).")
-
     def validate(self) -> None:
         from fastdpo.config import ATTN_IMPLS
-        from fastdpo.config.schema import _choice
 
         self.validate_model()
         self.validate_generation()
@@ -99,7 +130,7 @@ class EvalConfig(DataReading, ModelArgs, GenerationArgs):
         self._adopt_run_reading()
         self._resolve_dataset_names()
         self.validate_reading()
-        _choice("attn_impl", self.attn_impl, ATTN_IMPLS)
+        check_choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         for name in ("per_device_eval_batch_size",):
             if getattr(self, name) < 1:
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")

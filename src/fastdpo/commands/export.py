@@ -11,46 +11,54 @@ from pathlib import Path
 import torch
 
 from fastdpo.config import DTYPES
-from fastdpo.config.schema import _choice, _f, check_push
+from fastdpo.config.fields import Section, check_choice, option
+from fastdpo.config.sections.generation import base_of_adapter
+from fastdpo.config.sections.output import HubSection
 from fastdpo.errors import FastDPOError
 from fastdpo.model.upload import hub_repo, push_folder
 
 
 @dataclass
-class ExportConfig:
-    model: str = _f("", "Base model the adapter was trained on: local HF model dir or hub id (default: the one its "
-                        "adapter_config.json names).")
-    adapters: str = _f("", "PEFT adapter dir (a LoRA run's output_dir/final or checkpoint-N).")
-    merge_lora: bool = _f(False, "Merge the adapter into the base weights (the export this command performs).")
-    output_dir: str = _f("", "New directory for the merged model (default: the adapter dir's path + -merged, as "
-                             "ms-swift names it).")
-    torch_dtype: str = _f("auto", "dtype of the merged weights: auto (the base's stored dtype)|float32|bfloat16|float16.")
-    trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
-    push_to_hub: bool = _f(False, "Upload the merged model to a Hugging Face Hub model repo, created if missing "
-                                  "(huggingface_hub; log in with `hf auth login` or HF_TOKEN).")
-    hub_model_id: str = _f("", "The repo --push_to_hub uploads to: NAME or OWNER/NAME (default: the --output_dir "
-                                "name).")
-    hub_private_repo: bool = _f(False, "Create the --push_to_hub repo as a private one.")
+class ExportSection(Section):
+    """Which adapter is merged into which base, and where the merged model goes."""
 
-    def validate(self) -> None:
+    name = "export"
+    title = "Model and output"
+
+    model: str = option("", "Base model the adapter was trained on: local HF model dir or hub id (default: the one its "
+                        "adapter_config.json names).")
+    adapters: str = option("", "PEFT adapter dir (a LoRA run's output_dir/final or checkpoint-N).")
+    merge_lora: bool = option(False, "Merge the adapter into the base weights (the export this command performs).")
+    output_dir: str = option("", "New directory for the merged model (default: the adapter dir's path + -merged, as "
+                             "ms-swift names it).")
+    torch_dtype: str = option("auto", "dtype of the merged weights: auto (the base's stored dtype)|float32|bfloat16|float16.")
+    trust_remote_code: bool = option(False, "Allow model code from the model dir / hub (off unless asked).")
+
+    def validate_export(self) -> None:
         if not self.adapters:
             raise FastDPOError("--adapters is required: the LoRA adapter dir to merge.")
         if not self.model:
-            from fastdpo.model.generate import base_of_adapter
-
             self.model = base_of_adapter(self.adapters, "adapters")
         if not self.merge_lora:
             raise FastDPOError("Nothing to export: add --merge_lora to fold the adapter into the base weights.")
         if not self.output_dir:  # ms-swift's default: next to the adapter
             self.output_dir = str(Path(self.adapters.rstrip("/\\")).expanduser()) + "-merged"
-        _choice("torch_dtype", self.torch_dtype, DTYPES)
+        check_choice("torch_dtype", self.torch_dtype, DTYPES)
         out = Path(self.output_dir).resolve()
         for name, src in (("--model", self.model), ("--adapters", self.adapters)):
             if Path(src).exists() and Path(src).resolve() == out:
                 raise FastDPOError(f"--output_dir is the same directory as {name}; choose a new one.")
         if out.exists() and any(out.iterdir()):
             raise FastDPOError(f"--output_dir {self.output_dir} exists and is not empty; choose a new directory.")
-        check_push(self.push_to_hub, self.hub_model_id)
+
+
+@dataclass
+class ExportConfig(HubSection, ExportSection):
+    """`fastdpo export`: a LoRA adapter merged into its base, saved, and uploaded (`HubSection`, as training's)."""
+
+    def validate(self) -> None:
+        self.validate_export()
+        self.validate_hub()
 
 
 def merge_lora(cfg: ExportConfig, console=None) -> Path:

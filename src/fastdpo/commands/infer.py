@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastdpo.checkpoint.saved_run import run_config
-from fastdpo.config.schema import _f
+from fastdpo.config.fields import option
 from fastdpo.errors import FastDPOError
 from fastdpo.model.generate import GenerationArgs, ModelArgs, Prompt, answer_as_read, generate_texts, load_for_generation
 
@@ -24,23 +24,28 @@ log = logging.getLogger("fastdpo")
 
 @dataclass
 class InferConfig(ModelArgs, GenerationArgs):
-    prompt: str = _f("", "One prompt; the answer is streamed to the terminal.")
-    prompts: str = _f("", "JSONL file, one object per line with `prompt` (text) or `messages` (chat), optional `system`.")
-    messages: str = _f("", "One conversation as JSON, a list of {role, content} (as ms-swift's --messages); the last "
+    """`fastdpo infer`: the model to run (ModelArgs), how answers are sampled (GenerationArgs), and which prompts."""
+
+    name = "infer"
+    title = "Prompts and output"
+
+    prompt: str = option("", "One prompt; the answer is streamed to the terminal.")
+    prompts: str = option("", "JSONL file, one object per line with `prompt` (text) or `messages` (chat), optional `system`.")
+    messages: str = option("", "One conversation as JSON, a list of {role, content} (as ms-swift's --messages); the last "
                            "turn is answered and streamed like --prompt.")
-    infer_backend: str = _f("pt", "pt: transformers generate (the one backend here; ms-swift's default).")
-    compare: bool = _f(False, "Also answer with the base model (adapters off / --model) and print both side by side.")
-    result_path: str = _f("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
-    stream: bool = _f(True, "Print a single prompt's answer as it is generated (ms-swift's --stream); false prints it "
-                            "when done. Answers to a --prompts file are written when done either way.")
-    val_dataset: list = _f([], "Preference datasets whose prompts are answered (any format and source --dataset of "
+    infer_backend: str = option("pt", "pt: transformers generate (the one backend here; ms-swift's default).")
+    compare: bool = option(False, "Also answer with the base model (adapters off / --model) and print both side by side.")
+    result_path: str = option("", "Where batch answers go (JSONL). Default: next to --prompts as NAME.infer.jsonl.")
+    stream: bool = option(True, "Print a single prompt's answer as it is generated (ms-swift's --stream); false prints it "
+                          "when done. Answers to a --prompts file are written when done either way.")
+    val_dataset: list = option([], "Preference datasets whose prompts are answered (any format and source --dataset of "
                                "train takes), as ms-swift's --val_dataset; the answers, with chosen and rejected, go "
                                "to --result_path (default: next to the first as NAME.infer.jsonl).", nargs="+")
-    load_data_args: bool = _f(False, "Answer the held-out prompts of the run that wrote --adapters / --checkpoint (its "
-                                     "saved --val_dataset, or its --split_dataset_ratio share of --dataset), as "
-                                     "ms-swift's --load_data_args; answers go to --result_path (default: "
-                                     "infer_held_out.jsonl in the run's output_dir).")
-    template: str = _f("", "Chat template for the prompts: chatml|llama3|identity|hh or a Jinja file (default: the "
+    load_data_args: bool = option(False, "Answer the held-out prompts of the run that wrote --adapters / --checkpoint (its "
+                                  "saved --val_dataset, or its --split_dataset_ratio share of --dataset), as "
+                                  "ms-swift's --load_data_args; answers go to --result_path (default: "
+                                  "infer_held_out.jsonl in the run's output_dir).")
+    template: str = option("", "Chat template for the prompts: chatml|llama3|identity|hh or a Jinja file (default: the "
                            "tokenizer's own; a model trained here saves the --template it trained with).")
 
     def validate(self) -> None:

@@ -17,15 +17,16 @@ import yaml
 
 from fastdpo.config.compat import add_foreign_flags, apply_foreign, foreign_flags
 from fastdpo.config.compat.noop import log_noop_notes
+from fastdpo.config.fields import parse_bool, parse_dict
 from fastdpo.config.launch import prints_notes
-from fastdpo.config.schema import TrainConfig, _parse_bool, _parse_dict
+from fastdpo.config.train import TrainConfig
 from fastdpo.errors import FastDPOError
 
 
 def _flag_type(f: dataclasses.Field) -> Any:
     t = f.type if isinstance(f.type, str) else f.type.__name__
     t = t.replace(" | None", "")
-    return {"bool": _parse_bool, "int": int, "float": float, "dict": _parse_dict, "list": str}.get(t, str)
+    return {"bool": parse_bool, "int": int, "float": float, "dict": parse_dict, "list": str}.get(t, str)
 
 
 class _LiteralHelp(argparse.HelpFormatter):
@@ -35,7 +36,7 @@ class _LiteralHelp(argparse.HelpFormatter):
         return self._get_help_string(action)
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse that raises FastDPOError (with a close-match hint) instead of printing usage and exiting, and prints
     help texts as written."""
 
@@ -84,39 +85,24 @@ def shown_default(f: dataclasses.Field) -> str:
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-# The sections of every config's flags, as `--help` groups them and the CLI reference lists them: a field named here
-# opens the section, and the fields declared after it (up to the next one named) belong to it. `Class.field` applies
-# to that config class only. Fields before the first one named land in "Options".
-SECTIONS = {
-    "model": "Model",
-    "train_type": "LoRA and QLoRA",
-    "split": "Data",
-    "per_device_train_batch_size": "Batching and memory",
-    "max_steps": "Optimizer and schedule",
-    "TrainConfig.loss_type": "Loss",
-    "precompute_ref_log_probs": "Reference model",
-    "TrainConfig.val_dataset": "Evaluation during training",
-    "output_dir": "Output and checkpoints",
-    "TrainConfig.device": "Device and progress",
-    "profile_steps": "Profiling and compilation",
-    "report_to": "Logging and monitoring",
-    "fsdp": "Parallelism",
-    "max_new_tokens": "Generation",
-    "InferConfig.prompt": "Prompts and output",
-    "EvalConfig.ref_model": "Preference metrics",
-    "EvalConfig.reward_fn": "Reward function and lm-eval tasks",
-    "EvalConfig.output_dir": "Output and backends",
-    "ExportConfig.output_dir": "Output",
-}
-
-
 def config_sections(cls: type) -> dict[str, list[dataclasses.Field]]:
-    """The fields of a config class by section (`SECTIONS`), sections in the order they first appear."""
+    """The fields of a config class by section, as `--help` groups them and the CLI reference lists them: each field
+    under the `title` of the section class that first declares it (a field the config class declares itself: under
+    the config's own title), sections in the order their first field appears."""
     out: dict[str, list[dataclasses.Field]] = {}
-    title = "Options"
     for f in dataclasses.fields(cls):
-        title = SECTIONS.get(f"{cls.__name__}.{f.name}", SECTIONS.get(f.name, title))
-        out.setdefault(title, []).append(f)
+        owner = next((k for k in reversed(cls.__mro__) if f.name in k.__dict__.get("__annotations__", {})), cls)
+        out.setdefault(getattr(owner, "title", "Options"), []).append(f)
+    return out
+
+
+def section_names(cls: type) -> dict[str, set[str]]:
+    """A nested YAML file's section keys (`loss:`, `model:` ...) -> the flags each may hold."""
+    out: dict[str, set[str]] = {}
+    for f in dataclasses.fields(cls):
+        owner = next((k for k in reversed(cls.__mro__) if f.name in k.__dict__.get("__annotations__", {})), cls)
+        if getattr(owner, "name", ""):
+            out.setdefault(owner.name, set()).add(f.name)
     return out
 
 
@@ -135,8 +121,8 @@ def _add_fields(parser, fields: list[dataclasses.Field]) -> None:
         text = f.metadata.get("help", "")
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"{text} [default: {shown_default(f)}]"}
         typ = _flag_type(f)
-        if typ is _parse_bool:
-            kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+        if typ is parse_bool:
+            kw.update(nargs="?", const=True, type=parse_bool, metavar="BOOL")
         elif f.metadata.get("bare"):  # also given without a value, as OpenRLHF writes --gradient_checkpointing
             kw.update(nargs="?", const=f.metadata["bare"], type=typ)
         elif f.metadata.get("nargs"):
@@ -153,7 +139,7 @@ def build_config(args: argparse.Namespace, cls: type = TrainConfig) -> Any:
     foreign_names = foreign_flags(cls)
     foreign: dict[str, Any] = {}
     if getattr(args, "config", None):
-        for key, value in load_yaml(args.config, names, foreign_names).items():
+        for key, value in load_yaml(args.config, names, foreign_names, cls).items():
             (foreign if key in foreign_names else values)[key] = value
     # what the user asked for: a flag on the command line, or a YAML value other than the default (a saved
     # config.yaml lists every field)
@@ -218,7 +204,7 @@ def typed_flags(args: argparse.Namespace, fields: dict[str, tuple[str, ...]], cl
     given: dict[str, str] = {}
     if getattr(args, "config", None):
         names = {f.name: f for f in dataclasses.fields(cls)}
-        for key, value in load_yaml(args.config, names, foreign_flags(cls)).items():
+        for key, value in load_yaml(args.config, names, foreign_flags(cls), cls).items():
             given[key] = f"--{key} {_shown(value)} (in {args.config})"
     given.update({name: f"--{name} {_shown(value)}" for name, value in vars(args).items()})
     out = {}
@@ -248,8 +234,9 @@ def _check_adapter_flags(values: dict, asked: set[str]) -> None:
                            "or drop them.")
 
 
-def load_yaml(path: str, fields: dict[str, dataclasses.Field], extra=()) -> dict:
-    """Flag values of a YAML file; `extra` names more keys that are passed through as they are."""
+def load_yaml(path: str, fields: dict[str, dataclasses.Field], extra=(), cls: type | None = None) -> dict:
+    """Flag values of a YAML file, flat or nested by the sections of `cls`; `extra` names more keys that are passed
+    through as they are."""
     p = Path(path)
     if not p.is_file():
         raise FastDPOError(f"Config file {path} not found. Check the path given to --config.")
@@ -261,6 +248,7 @@ def load_yaml(path: str, fields: dict[str, dataclasses.Field], extra=()) -> dict
         raise FastDPOError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)}). Fix the syntax.") from None
     if not isinstance(data, dict):
         raise FastDPOError(f"{path}: expected a mapping of flag names to values at the top level.")
+    data = _flatten_sections(path, data, fields, section_names(cls) if cls else None)
     out = {}
     for key, value in data.items():
         if key in extra:
@@ -277,16 +265,40 @@ def load_yaml(path: str, fields: dict[str, dataclasses.Field], extra=()) -> dict
                 out[key] = None
             continue
         try:
-            if typ is _parse_bool and not isinstance(value, bool):
-                value = _parse_bool(value)
+            if typ is parse_bool and not isinstance(value, bool):
+                value = parse_bool(value)
             elif typ in (int, float) and not isinstance(value, bool):
                 value = typ(value)
-            elif typ is _parse_dict and isinstance(value, str):
-                value = _parse_dict(value)
+            elif typ is parse_dict and isinstance(value, str):
+                value = parse_dict(value)
         except (ValueError, argparse.ArgumentTypeError) as e:
             raise FastDPOError(f"{path}: key {key!r} has a bad value {value!r} ({e}).") from None
         out[key] = value
     return out
+
+
+def _flatten_sections(path: str, data: dict, fields: dict[str, dataclasses.Field],
+                      sections: dict[str, set[str]] | None) -> dict:
+    """A YAML file nested by section (`loss: {beta: 0.1, loss_type: sigmoid}`) as flat flags; flat files pass as
+    they are, and the two forms mix. A key that is both a section and a flag (`model`) is the section when its value
+    is a mapping."""
+    owners = sections or {}
+    flat: dict = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key in owners and not (key in fields and _flag_type(fields[key]) is parse_dict):
+            for name, inner in value.items():
+                if name not in owners[key]:
+                    close = difflib.get_close_matches(str(name), sorted(owners[key]), n=1)
+                    hint = f" Did you mean {close[0]!r}?" if close else f" Its keys: {', '.join(sorted(owners[key]))}."
+                    raise FastDPOError(f"{path}: {key}.{name} is not a flag of the {key} section.{hint}")
+                if name in flat:
+                    raise FastDPOError(f"{path}: {name} is given twice (at the top level and under {key}:). Keep one.")
+                flat[name] = inner
+        else:
+            if key in flat:
+                raise FastDPOError(f"{path}: {key} is given twice (at the top level and in a section). Keep one.")
+            flat[key] = value
+    return flat
 
 
 def save_config(config: Any, path: Path) -> None:

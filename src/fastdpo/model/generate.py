@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fastdpo.config.schema import _f
+from fastdpo.config.sections.generation import GenerationArgs, ModelArgs
 from fastdpo.data.template import keep_template, special_prefix, turn_end
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import use_model_attention
@@ -22,59 +21,6 @@ from fastdpo.model.load import load_model, load_tokenizer, resolve_device, resol
 log = logging.getLogger("fastdpo")
 
 Prompt = str | list  # plain prompt text, or a list of chat messages {"role", "content"}
-
-
-@dataclass
-class ModelArgs:
-    """Which model to run: a base, optionally with a PEFT adapter or a fastdpo checkpoint on top."""
-
-    model: str = _f("", "Base model: local HF model dir or hub id (default with an adapter: the base its "
-                        "adapter_config.json names).")
-    adapters: str = _f("", "PEFT adapter dir (e.g. a LoRA run's output_dir/final or checkpoint-N) to apply to --model.")
-    checkpoint: str = _f("", "fastdpo checkpoint or final dir: a LoRA adapter (applied to --model) or a full model.")
-    torch_dtype: str = _f("auto", "float32|bfloat16|float16|auto (bf16 on GPU, fp32 on CPU).")
-    device: str = _f("auto", "auto|cpu|cuda|cuda:N.")
-    trust_remote_code: bool = _f(False, "Allow model code from the model dir / hub (off unless asked).")
-
-    def validate_model(self) -> None:
-        if not self.model:
-            tuned = self.adapters or self.checkpoint
-            if not tuned or not (Path(tuned).expanduser() / "adapter_config.json").is_file():
-                raise FastDPOError("--model is required: the base model (local HF model dir or hub id).")
-            self.model = base_of_adapter(tuned, "adapters" if self.adapters else "checkpoint")
-        if self.adapters and self.checkpoint:
-            raise FastDPOError("Give --adapters or --checkpoint, not both (--checkpoint accepts an adapter dir too).")
-        from fastdpo.config import DTYPES
-        from fastdpo.config.schema import _choice
-
-        _choice("torch_dtype", self.torch_dtype, DTYPES)
-
-
-@dataclass
-class GenerationArgs:
-    """Sampling settings; temperature 0 is greedy decoding (deterministic)."""
-
-    max_new_tokens: int = _f(256, "Most tokens to generate per answer.")
-    temperature: float = _f(0.0, "Sampling temperature; 0 = greedy (deterministic).")
-    top_p: float = _f(1.0, "Nucleus sampling mass (1 = off).")
-    top_k: int = _f(0, "Sample among the K most likely tokens (0 = off).")
-    repetition_penalty: float = _f(1.0, "Repetition penalty (1 = off).")
-    system: str = _f("", "System prompt (needs a tokenizer with a chat template).")
-    use_chat_template: bool = _f(True, "Format prompts with the tokenizer's chat template when it has one.")
-    max_batch_size: int = _f(16, "Prompts generated together in one batch.")
-    seed: int = _f(42, "Seed for sampling (temperature > 0).")
-
-    def validate_generation(self) -> None:
-        if self.max_new_tokens < 1:
-            raise FastDPOError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}.")
-        if self.temperature < 0:
-            raise FastDPOError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise FastDPOError(f"--top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise FastDPOError(f"--top_k must be >= 0 (0 = off), got {self.top_k}.")
-        if self.max_batch_size < 1:
-            raise FastDPOError(f"--max_batch_size must be >= 1, got {self.max_batch_size}.")
 
 
 @dataclass
@@ -100,29 +46,6 @@ class Loaded:
 def _adapter_off(model):
     with model.disable_adapter():
         yield model
-
-
-def base_of_adapter(adapter: str, flag: str) -> str:
-    """The base model an adapter dir names (PEFT's `base_model_name_or_path`), used when --model is left out, as
-    ms-swift does; a clear error when it names none, or a local path that is not there."""
-    path = Path(adapter).expanduser() / "adapter_config.json"
-    if not path.is_file():
-        raise FastDPOError(f"--{flag} {adapter}: no adapter_config.json there, so not a PEFT adapter dir (a LoRA run's "
-                           "output_dir/final or checkpoint-N).")
-    try:
-        named = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        named = {}
-    base = named.get("base_model_name_or_path") if isinstance(named, dict) else None
-    if not isinstance(base, str) or not base:
-        raise FastDPOError(f"--model is required: {adapter}/adapter_config.json names no base model. Pass the model "
-                           "the adapter was trained on.")
-    local = base.startswith(("/", ".", "~")) or base.count("/") > 1
-    if local and not Path(base).expanduser().exists():
-        raise FastDPOError(f"--model is required: --{flag} {adapter} was trained on {base}, which is not there from "
-                           "here. Pass --model with that model's directory.")
-    log.info("--model %s: the base model --%s %s names.", base, flag, adapter)
-    return base
 
 
 def checkpoint_kind(path: str, flag: str) -> str:

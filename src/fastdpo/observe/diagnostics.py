@@ -36,10 +36,12 @@ def reference_strategy(cfg) -> str:
     return "adapter_off" if cfg.train_type in ("lora", "qlora") else "copy"
 
 
-def oom_next_steps(cfg, longest_micro_tokens: int | None) -> list[str]:
-    """Concrete changes, most effective first, that apply to these settings."""
+def oom_next_steps(cfg, longest_micro_tokens: int | None, plan=None) -> list[str]:
+    """Concrete changes, most effective first, that apply to these settings (`plan`: the run's resolved
+    checkpointing and token budget, when set-up got that far)."""
     steps = []
-    budget = cfg.max_tokens_per_batch
+    plan = plan or cfg
+    budget = plan.max_tokens_per_batch
     if budget:
         steps.append(f"--max_tokens_per_batch {max(16, budget // 2)} (now {budget}): fewer tokens per micro-batch; "
                      "the optimizer step still covers the same pairs.")
@@ -50,14 +52,14 @@ def oom_next_steps(cfg, longest_micro_tokens: int | None) -> list[str]:
         steps.append(f"a smaller --per_device_train_batch_size (now {cfg.per_device_train_batch_size}) with a larger "
                      "--gradient_accumulation_steps, or a --max_tokens_per_batch budget.")
     try:
-        policy, _ = checkpoint_policy(cfg.gradient_checkpointing)
+        policy, _ = checkpoint_policy(plan.gradient_checkpointing)
     except FastDPOError:  # `auto`: resolved at start; the next step down is still `full`
         policy = "auto"
     if policy == "none":
         steps.append("--gradient_checkpointing ffn (MLP activations recomputed, small slowdown) or full (lowest "
                      "activation memory).")
     elif policy != "full":
-        steps.append(f"--gradient_checkpointing full (now {cfg.gradient_checkpointing}).")
+        steps.append(f"--gradient_checkpointing full (now {plan.gradient_checkpointing}).")
     fields = {f.name for f in dataclasses.fields(cfg)}
     if reference_strategy(cfg) in ("copy", "separate"):
         flag = " (--precompute_ref_log_probs)" if "precompute_ref_log_probs" in fields else ""
@@ -74,8 +76,10 @@ def oom_next_steps(cfg, longest_micro_tokens: int | None) -> list[str]:
     return steps
 
 
-def oom_error(e: BaseException, cfg, device: torch.device | None, step_pairs=None) -> FastDPOError:
-    """A FastDPOError explaining out-of-memory error `e` raised while training with `cfg`."""
+def oom_error(e: BaseException, cfg, device: torch.device | None, step_pairs=None, plan=None) -> FastDPOError:
+    """A FastDPOError explaining out-of-memory error `e` raised while training with `cfg` (and the run's resolved
+    `plan`, once set-up made one)."""
+    resolved = plan or cfg
     first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
     asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]iB)", str(e))
     longest_micro = None
@@ -83,17 +87,17 @@ def oom_error(e: BaseException, cfg, device: torch.device | None, step_pairs=Non
     if step_pairs:
         from fastdpo.data.pack import split_micro_batches
 
-        groups = split_micro_batches(step_pairs, cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
+        groups = split_micro_batches(step_pairs, resolved.max_tokens_per_batch, cfg.per_device_train_batch_size)
         longest_micro = max(sum(p.num_tokens for p in g) for g in groups)
         where = (f"in a step of {len(step_pairs)} pairs (longest pair {max(p.num_tokens for p in step_pairs)} tokens, "
                  f"largest micro-batch {longest_micro} tokens)")
     settings = (f"per_device_train_batch_size {cfg.per_device_train_batch_size}, gradient_accumulation_steps "
-                f"{cfg.gradient_accumulation_steps}, max_tokens_per_batch {cfg.max_tokens_per_batch}, max_length "
-                f"{cfg.max_length}, gradient_checkpointing {cfg.gradient_checkpointing}, train_type {cfg.train_type}, "
+                f"{cfg.gradient_accumulation_steps}, max_tokens_per_batch {resolved.max_tokens_per_batch}, max_length "
+                f"{cfg.max_length}, gradient_checkpointing {resolved.gradient_checkpointing}, train_type {cfg.train_type}, "
                 f"reference {reference_strategy(cfg)}, torch_dtype {cfg.torch_dtype}")
     lines = [f"Out of GPU memory {where}" + (f": tried to allocate {asked.group(1)}." if asked else f": {first}"),
              memory_facts(device), f"Settings: {settings}.", "Next steps, most effective first:"]
-    lines += [f"  - {s}" for s in oom_next_steps(cfg, longest_micro)]
+    lines += [f"  - {s}" for s in oom_next_steps(cfg, longest_micro, plan)]
     lines.append("`fastdpo tune` measures which checkpointing policy and token budget fit fastest; `fastdpo verify` "
                  "shows what each policy saves.")
     return FastDPOError("\n".join(lines))

@@ -22,10 +22,12 @@ from fastdpo.parallel.wrap import wrap_models
 log = logging.getLogger("fastdpo")
 
 
-def parallelize(model: torch.nn.Module, reference, backend, cfg: TrainConfig, d: Dist) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, reference, backend, cfg: TrainConfig, d: Dist,
+                checkpointing: str) -> torch.nn.Module:
     """Apply the layers above to `model` (in place) and return the module the loop calls for the policy's
-    log-probs (the model itself on one process without sharding)."""
-    apply_checkpointing(model, cfg.gradient_checkpointing, reentrant=d.world_size == 1)  # no DDP/FSDP2 hooks to follow
+    log-probs (the model itself on one process without sharding). `checkpointing`: the policy the run's plan
+    resolved."""
+    apply_checkpointing(model, checkpointing, reentrant=d.world_size == 1)  # no DDP/FSDP2 hooks to follow
     if cfg.torch_compile:
         compile_layers(model, lengths=cfg.length_buckets, dynamic=backend.name == "varlen")
         settings = compile_vars()  # they change compile time and speed (e.g. TORCHINDUCTOR_CPP_WRAPPER=1): say so

@@ -263,7 +263,7 @@ class TrainingEval:
         from fastdpo.parallel.wrap import policy_logps
 
         x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
-                       cfg.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
+                       s.plan.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
                        functools.partial(policy_logps, s.policy), needs_prompt_targets(n for n, _ in s.loss_terms))
         metrics = {**preference_metrics(x, loss_params(cfg, s.beta.value()), s.loss_terms, cfg.rpo_alpha),
                    **per_token_logps(x)}

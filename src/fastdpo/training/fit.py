@@ -347,10 +347,10 @@ def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest
 ACTIVATION_SHARE = 1.0  # the default limit: activations may take about as many bytes as the model's weights
 
 
-def fit_checkpointing(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int,
+def fit_checkpointing(cfg, plan, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int,
                       limit_gib: float | None, shards: int = 1, sequence_split: int = 1,
                       steps: Iterable[list[TokenizedPair]] | int | None = None, world: int = 1) -> None:
-    """Resolve `--gradient_checkpointing fit` in `cfg` (and set --max_tokens_per_batch when a budget is needed);
+    """Resolve `--gradient_checkpointing fit` of `cfg` into the run's `plan` (and its token budget when one is needed);
     off CUDA memory is not the constraint: no checkpointing. `shards`: FSDP2's ranks, over which weights, gradients
     and moments are divided; `sequence_split`: the sequence-parallel group, over which a micro-batch's tokens are.
     `limit_gib` None: the default limit, at most 90 % of the GPU, under which the activations take about the model's
@@ -360,11 +360,11 @@ def fit_checkpointing(cfg, model, backend, pairs: list[TokenizedPair], device: t
     tokens when already planned (`planned_largest_micro_batch`); None when not known ahead (a stream), then the
     largest any order could form."""
     if device.type != "cuda" or not pairs:
-        cfg.gradient_checkpointing = "none"
+        plan.gradient_checkpointing = "none"
         return
     gpu = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
     limit = int(limit_gib * 2**30) if limit_gib else gpu
-    resolve_fit(cfg, model, backend, pairs, device, pad_id, limit, static_bytes(model, device), shards,
+    resolve_fit(cfg, plan, model, backend, pairs, device, pad_id, limit, static_bytes(model, device), shards,
                 sequence_split, default_limit=not limit_gib, steps=steps, world=world)
 
 
@@ -372,12 +372,12 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def resolve_fit(cfg, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int, limit: int,
+def resolve_fit(cfg, plan, model, backend, pairs: list[TokenizedPair], device: torch.device, pad_id: int, limit: int,
                 static: int, shards: int = 1, sequence_split: int = 1, default_limit: bool = False,
                 steps: Iterable[list[TokenizedPair]] | int | None = None, world: int = 1) -> None:
     """`fit_checkpointing` given the memory `limit` and the `static` bytes of one unsharded process, in bytes
     (`default_limit`: `limit` is the GPU's, and the default share for activations lowers it)."""
-    budget = cfg.max_tokens_per_batch
+    budget = plan.max_tokens_per_batch
     split = max(sequence_split, 1)
     per_micro = cfg.per_device_train_batch_size
     if steps is None:
@@ -409,10 +409,10 @@ def resolve_fit(cfg, model, backend, pairs: list[TokenizedPair], device: torch.d
         fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest,
                          rank_budget, longest, ffn_share, grads)
     fit.budget = budget if fit.budget == rank_budget else fit.budget * split  # a rank's tokens -> the micro-batch's
-    cfg.gradient_checkpointing = fit.policy
+    plan.gradient_checkpointing = fit.policy
     shown = ", ".join(f"{p} ~{g} GiB" for p, g in fit.estimates_gib.items())
     if fit.budget != budget:
-        cfg.max_tokens_per_batch = fit.budget
+        plan.max_tokens_per_batch = fit.budget
         log.info("Memory: micro-batches of %d tokens would not fit in %.1f GiB even with full checkpointing (%s): "
                  "training with --gradient_checkpointing full --max_tokens_per_batch %d.", largest, limit / 2**30,
                  shown, fit.budget)

@@ -84,11 +84,11 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Call
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
                              s.val_reference)
     if d.is_main:
-        save_run_config(cfg, out)  # training begins: from here a failed run keeps its output dir
+        save_run_config(cfg, out, s.plan)  # training begins: from here a failed run keeps its output dir
     summary = {**model_summary(s.model), "backend": s.backend.name, "reference": s.reference.strategy,
                "pairs": len(s.pairs), "total_steps": s.total_steps}
     log.info("Training: %s", summary)
-    hint = speed_hint(cfg, s.device, s.backend.name, "fsdp_zero2" if d.keeps_gathered else d.mode)
+    hint = speed_hint(cfg, s.plan, s.device, s.backend.name, "fsdp_zero2" if d.keeps_gathered else d.mode)
     if hint and d.is_main:
         log.info(hint)
     if cfg.compile_warmup:
@@ -153,7 +153,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Call
                     stopped_at = saved
                     break
     except torch.OutOfMemoryError as e:
-        raise oom_error(e, cfg, s.device, trainer.current_pairs) from None
+        raise oom_error(e, cfg, s.device, trainer.current_pairs, s.plan) from None
     finally:
         pauses.stop()
         hb.stop()
@@ -279,10 +279,10 @@ def save_checkpoint(trainer: Trainer, evaluator: TrainingEval, out: Path, done: 
         state["run"] = identity.record()
     if d.sharded:
         saved = ckpt.save_sharded_checkpoint(out, done, s.model, s.tokenizer, trainer.optimizer, trainer.scheduler,
-                                             state, cfg, d, extra)
+                                             state, cfg, d, extra, plan=s.plan)
     else:
         saved = ckpt.save_checkpoint(out, done, s.model, s.tokenizer, trainer.optimizer, trainer.scheduler, state, cfg,
-                                     extra)
+                                     extra, plan=s.plan)
     if d.is_main:
         ckpt.rotate(out, cfg.save_total_limit, evaluator.best.best_model_checkpoint, keep=saved)
     return saved

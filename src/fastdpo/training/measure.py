@@ -119,7 +119,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "first_step_s": round(t_first, 1), "gc_pause_ms": gc_pauses["gc/pause_ms"],
         "gc_collections": gc_pauses["gc/collections"], "backend": s.backend.name, "reference": s.reference.strategy,
-        "gradient_checkpointing": s.cfg.gradient_checkpointing, "max_tokens_per_batch": s.cfg.max_tokens_per_batch,
+        "gradient_checkpointing": s.plan.gradient_checkpointing, "max_tokens_per_batch": s.plan.max_tokens_per_batch,
         "params": sum(p.numel() for p in s.model.parameters()),
         "flops_per_token_fwd": model_flops_per_token(lm_cfg),
         **({"profile": profile} if profile else {}),

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from fastdpo.checkpoint.ownership import check_output_dir
-from fastdpo.config import TrainConfig
+from fastdpo.config import RunPlan, TrainConfig
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.prepare import DataOptions, log_rejects, tokenize_pairs
 from fastdpo.data.rejects import Rejects
@@ -65,6 +65,7 @@ class Setup:
     val_pairs: list[TokenizedPair] = field(default_factory=list)  # held-out pairs for evaluation during training
     val_reference: Reference | None = None  # their precomputed reference (None: the training reference)
     stream: PairStream | None = None  # --streaming: training pairs come from here instead of `pairs`
+    plan: RunPlan | None = None  # what set-up resolved from cfg (checkpointing, token budget, ...); set by `assemble`
 
 
 def seed_all(seed: int) -> None:
@@ -145,12 +146,13 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
     mark("data")
     stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
     keep_template(tokenizer, cfg.template)  # saved with every checkpoint: infer and eval format prompts the same way
+    plan = RunPlan.of(cfg)
     if cfg.gradient_checkpointing == "auto":
         if choose_policy is None:
             raise FastDPOError("--gradient_checkpointing auto is resolved by measuring steps: train with "
                                "fastdpo.train(cfg) (or `fastdpo train`), or name a policy: none, full, ffn, attn.")
         dict_rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in rows]
-        cfg.gradient_checkpointing = choose_policy(cfg, dict_rows, device)
+        plan.gradient_checkpointing = choose_policy(cfg, dict_rows, device)
 
     if model is None:
         model = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.model_type,
@@ -164,7 +166,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
     fuse_kernels(cfg, model, device)  # before any reference is computed: policy and reference compute alike
     val_reference = held_out_reference(cfg, model, device, val_pairs, val_rows, pad_id(tokenizer))
     s = assemble(cfg, device, model, tokenizer, pairs, ref_model=None if ref_model is None else ref_model.to(device),
-                 rows=rows, d=d)
+                 rows=rows, d=d, plan=plan)
     s.val_pairs, s.val_reference, s.stream = val_pairs, val_reference, stream
     return s
 
@@ -172,13 +174,13 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
 FSDP_MIN_BUDGET = 8192  # tokens per micro-batch below which FSDP2's per-micro-batch costs dominate (README)
 
 
-def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str = "single") -> str | None:
+def speed_hint(cfg: TrainConfig, plan: RunPlan, device: torch.device, backend: str, mode: str = "single") -> str | None:
     """The settings behind the measured speed-ups, named once when a GPU run trains without them. `mode`: single,
     ddp, fsdp (full_shard: weights gathered for every micro-batch) or fsdp_zero2 (gathered once per step)."""
     if device.type != "cuda" or backend not in ("flex", "varlen"):
         return None
     hints = []
-    budget = cfg.max_tokens_per_batch
+    budget = plan.max_tokens_per_batch
     if mode in ("fsdp", "fsdp_zero2") and 0 < budget < FSDP_MIN_BUDGET:
         if mode == "fsdp":
             cost = (f"FSDP2 full_shard gathers every layer's weights twice for each micro-batch: with "
@@ -191,9 +193,9 @@ def speed_hint(cfg: TrainConfig, device: torch.device, backend: str, mode: str =
     missing = []
     if not cfg.torch_compile:
         missing.append("--torch_compile")
-    if not cfg.max_tokens_per_batch and backend == "flex":
+    if not plan.max_tokens_per_batch and backend == "flex":
         missing.append("--max_tokens_per_batch 4096 (about a few pairs' tokens)")
-    if cfg.gradient_checkpointing in ("none", "false"):
+    if plan.gradient_checkpointing in ("none", "false"):
         missing.append("--gradient_checkpointing ffn")
     if not cfg.precompute_ref_log_probs and cfg.needs_reference() and not cfg.sync_ref_model:
         missing.append("--precompute_ref_log_probs")
@@ -274,22 +276,27 @@ def epoch_steps(pairs: int, per_step: int, drop_last: bool) -> int:
 
 def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: list[TokenizedPair],
              ref_model=None, rows: list[Row] | None = None, d: Dist | None = None,
-             steps: list[list[TokenizedPair]] | None = None) -> Setup:
+             steps: list[list[TokenizedPair]] | None = None, plan: RunPlan | None = None) -> Setup:
     """Wire a loaded model into a training setup: backend, reference, LoRA, memory policy, DDP/FSDP2, step counts.
     `ref_model`: an already loaded reference (else --ref_model is loaded when needed); `rows`: the text rows, which
     key the on-disk cache of a precomputed reference (without them it is computed but not cached); `steps`: the
     pairs of each step when the caller chooses them (`Trainer.step(pairs)`), else the run's seeded order, for the
-    memory policy to plan on the micro-batches the run really forms."""
+    memory policy to plan on the micro-batches the run really forms. `plan`: what the caller resolved already (the
+    checkpointing policy `auto` measured), else the config's own values; set-up resolves the rest into it."""
     d = d or Dist()
+    plan = plan or RunPlan.of(cfg)
     check_sequence_parallel_size(cfg.sequence_parallel_size, d.world_size)  # e.g. bench/tune: one process
     backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
-    given = cfg.max_tokens_per_batch
-    cfg.max_tokens_per_batch = micro_batch_budget(backend, given, pairs, cfg.per_device_train_batch_size)
-    if cfg.max_tokens_per_batch != given:
+    given = plan.max_tokens_per_batch
+    plan.max_tokens_per_batch = micro_batch_budget(backend, given, pairs, cfg.per_device_train_batch_size)
+    plan.device, plan.attention = str(device), backend.name
+    plan.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    plan.kernels = "triton" if kernels_wanted(cfg.kernels, device, cfg.torch_compile) else "torch"
+    if plan.max_tokens_per_batch != given:
         log.info("FlexAttention: micro-batches use a token budget of %d (about --per_device_train_batch_size %d "
                  "pairs of this data), so its kernels (and --torch_compile's layers) are built for a few static "
                  "lengths, not for every batch. Set --max_tokens_per_batch to choose another.",
-                 cfg.max_tokens_per_batch, cfg.per_device_train_batch_size)
+                 plan.max_tokens_per_batch, cfg.per_device_train_batch_size)
     elif backend.name == "flex" and not given:  # a stream: no pairs to size a budget from
         log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
                     "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
@@ -320,17 +327,17 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     per_step = cfg.pairs_per_step * d.dp_size
     steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), per_step, cfg.dataloader_drop_last)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    if cfg.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
-        plan = steps
-        if plan is None and not cfg.streaming:
-            plan = planned_largest_micro_batch(pairs, per_step, cfg.per_device_train_batch_size,
-                                               cfg.max_tokens_per_batch, d.dp_size, cfg.seed, cfg.shuffle, total,
-                                               steps_per_epoch)
-        fit_checkpointing(cfg, model, backend, pairs, device, pad_id(tokenizer), cfg.max_memory_gib or None,
+    if plan.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
+        planned = steps
+        if planned is None and not cfg.streaming:
+            planned = planned_largest_micro_batch(pairs, per_step, cfg.per_device_train_batch_size,
+                                                  plan.max_tokens_per_batch, d.dp_size, cfg.seed, cfg.shuffle, total,
+                                                  steps_per_epoch)
+        fit_checkpointing(cfg, plan, model, backend, pairs, device, pad_id(tokenizer), cfg.max_memory_gib or None,
                           shards=d.world_size if d.mode == "fsdp" else 1, sequence_split=d.sp_size,
-                          steps=plan, world=d.dp_size)
-    policy = parallelize(model, reference, backend, cfg, d)  # checkpointing -> compile -> DDP/FSDP2
+                          steps=planned, world=d.dp_size)
+    policy = parallelize(model, reference, backend, cfg, d, plan.gradient_checkpointing)  # checkpointing -> compile -> DDP
 
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
     return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,
-                 cfg.loss_terms(), beta)
+                 cfg.loss_terms(), beta, plan=plan)

@@ -81,7 +81,7 @@ def step_logps(s: Setup, groups: list[list[TokenizedPair]], filler: list[Tokeniz
     kept. Also returns where this rank's pairs start in the step-wide view."""
     parts, refs = [], []
     for group in groups:
-        batch = make_batch(group or filler, s.backend, pad_id(s.tokenizer), s.device, s.cfg.max_tokens_per_batch)
+        batch = make_batch(group or filler, s.backend, pad_id(s.tokenizer), s.device, s.plan.max_tokens_per_batch)
         batch, mask = split_micro_batch(batch, s.backend, s.dist, pad_id(s.tokenizer))
         pol = policy_logps(s.policy, batch, mask)
         refs.append(s.reference.logps(s.model, batch, s.backend, mask))
@@ -98,7 +98,7 @@ def warm_up_lengths(s: Setup) -> int:
     the number of lengths."""
     if s.backend.name == "varlen":  # its kernels take any length: nothing to build ahead
         return 0
-    budget = s.cfg.max_tokens_per_batch
+    budget = s.plan.max_tokens_per_batch
     cuda = s.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state(s.device) if cuda else None
     lengths = sorted({flex_length(t, budget, s.backend.lengths) for t in range(FLEX_PAD, budget + 1, FLEX_PAD)})
@@ -145,7 +145,7 @@ def step_groups(s: Setup, step_pairs: list[TokenizedPair]) -> list[list[Tokenize
     """This rank's micro-batches of a step: pairs dealt over the data-parallel groups (the ranks of a
     sequence-parallel group share each micro-batch)."""
     cfg, d = s.cfg, s.dist
-    return rank_micro_batches(step_pairs, d.dp_rank, d.dp_size, cfg.max_tokens_per_batch,
+    return rank_micro_batches(step_pairs, d.dp_rank, d.dp_size, s.plan.max_tokens_per_batch,
                               cfg.per_device_train_batch_size)
 
 
@@ -155,7 +155,7 @@ def pack_micro_batch(s: Setup, group: list[TokenizedPair], step_pairs: list[Toke
     becomes this rank's share of the row's tokens."""
     with phase("fastdpo.pack"):
         whole = make_batch(group or step_pairs[:1], s.backend, pad_id(s.tokenizer), s.device,
-                           s.cfg.max_tokens_per_batch, with_prompt_targets(s))
+                           s.plan.max_tokens_per_batch, with_prompt_targets(s))
         batch, mask = split_micro_batch(whole, s.backend, s.dist, pad_id(s.tokenizer))
     return Packed(whole, batch, mask)
 

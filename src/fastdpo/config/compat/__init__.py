@@ -32,7 +32,7 @@ assert len(FOREIGN) == sum(len(s.flags) for s in SOURCES), "a flag belongs to on
 def foreign_flags(cls: type) -> dict[str, Foreign]:
     """The other tools' flags a config class takes: all of them for training; the column keys for any command that
     reads rows with a column mapping (`fastdpo eval`)."""
-    from fastdpo.config.schema import TrainConfig
+    from fastdpo.config.train import TrainConfig
 
     if cls is TrainConfig:
         return FOREIGN

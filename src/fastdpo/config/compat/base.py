@@ -47,12 +47,12 @@ class Source:
 
 
 def to_bool(value: Any) -> bool:
-    from fastdpo.config.schema import _parse_bool
+    from fastdpo.config.fields import parse_bool
 
     if isinstance(value, bool):
         return value
     try:
-        return _parse_bool(str(value))
+        return parse_bool(str(value))
     except Exception:
         raise Unnamed("expected true or false.") from None
 

@@ -23,7 +23,7 @@ def _losses(c) -> set[str]:
 
 
 def _targets(c) -> list[str]:
-    from fastdpo.config.schema import report_targets
+    from fastdpo.config.sections.monitoring import report_targets
 
     return report_targets(c.report_to)
 

@@ -225,7 +225,7 @@ def _step_size(values: dict) -> list[str]:
     size). Micro-batches do not change fastdpo's step (accumulation is
     exact), so without a batch size of its own the step is formed from fewer, larger micro-batches."""
     from fastdpo.config.launch import world_size
-    from fastdpo.config.schema import TrainConfig
+    from fastdpo.config.train import TrainConfig
 
     if "gradient_accumulation_steps" in values:
         return []

@@ -12,7 +12,7 @@ from fastdpo.errors import FastDPOError
 
 
 def _attn_implementation(value: Any, values: dict) -> str | None:
-    from fastdpo.config.schema import ATTN_IMPLS
+    from fastdpo.config.sections.batching import ATTN_IMPLS
 
     if str(value) not in ATTN_IMPLS:
         raise FastDPOError(f"--attn_implementation {value}: fastdpo runs its own attention on the packed layout "
