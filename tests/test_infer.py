@@ -7,9 +7,9 @@ import shutil
 import pytest
 from conftest import WORDS, run_cli, write_jsonl
 
-from fastdpo.commands.infer import GenerationArgs, InferConfig, ModelArgs, generate_texts, load_for_generation, run_infer
+from fastdpo.commands.infer import GenerationArgs, InferConfig, ModelArgs, run_infer
 from fastdpo.errors import FastDPOError
-from fastdpo.model.generate import generate_ids, prompt_ids
+from fastdpo.model.generate import generate_ids, generate_texts, load_for_generation, prompt_ids
 from fastdpo.model.tiny import build_tiny_model
 
 PROMPTS = ["w10 w11", "w12", "w13 w14 w15 w16 w17", "w40 w22 w31"]

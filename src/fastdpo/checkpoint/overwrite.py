@@ -11,7 +11,7 @@ from pathlib import Path
 from fastdpo.checkpoint.layout import numbered_checkpoints
 from fastdpo.checkpoint.outputs import RECORD, RUN_DIRS, RUN_FILES, foreign_files, is_config_file, run_outputs
 from fastdpo.checkpoint.publish import clean_partial, remove_published
-from fastdpo.config import TrainConfig
+from fastdpo.config import MonitoringSection, TrainConfig
 from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
@@ -48,7 +48,7 @@ def describe_outputs(found: list[Path]) -> str:
     return ", ".join(parts)
 
 
-def remove_run_outputs(out: Path, cfg: TrainConfig) -> list[str]:
+def remove_run_outputs(out: Path, cfg: MonitoringSection) -> list[str]:
     """Delete what fastdpo runs created in `out`, as its record says, never another file (checkpoints and final/
     first, each renamed to a hidden name before it is removed, so a kill midway leaves no half-deleted checkpoint
     under its name). Returns the names."""

@@ -12,14 +12,12 @@ from pathlib import Path
 
 from fastdpo.config import DataReading
 from fastdpo.config.fields import Section, check_choice, option
+from fastdpo.config.sections.loss import registered_losses
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.load import Row, load_rows, records_by_location
 from fastdpo.data.prompts import PromptRow, first_record, is_prompt_only, load_prompts
-from fastdpo.dpo.reference import Reference
 from fastdpo.errors import FastDPOError
-from fastdpo.losses import LOSSES, LossParams, needs_prompt_targets
-from fastdpo.model.generate import GenerationArgs, ModelArgs
-from fastdpo.training.evaluate import pair_logps, per_token_logps, preference_metrics, token_kl
+from fastdpo.config.sections.generation import GenerationArgs, ModelArgs
 
 log = logging.getLogger("fastdpo")
 
@@ -136,9 +134,10 @@ class EvalConfig(EvalOutput, EvalScoring, EvalPairs, EvalData, ModelArgs, Genera
                 raise FastDPOError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.beta <= 0:
             raise FastDPOError(f"--beta must be > 0, got {self.beta}.")
+        losses = registered_losses()
         for name in self.loss_type.split(","):
-            if name not in LOSSES:
-                raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(LOSSES))}.")
+            if name not in losses:
+                raise FastDPOError(f"--loss_type {name!r} is unknown. Choose from: {', '.join(sorted(losses))}.")
         if self.eval_limit < 0 or self.lm_eval_limit < 0:
             raise FastDPOError("--eval_limit and --lm_eval_limit must be >= 0 (0: all).")
 
@@ -192,10 +191,13 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     """`fastdpo eval`: held-out preference metrics, generation metrics under --reward_fn, lm-eval tasks; writes
     output_dir/eval_report.json (and generations.jsonl) and prints a table."""
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
+    from fastdpo.dpo.reference import Reference
     from fastdpo.dpo.rewards import load_reward_fn
+    from fastdpo.losses import LossParams, needs_prompt_targets
     from fastdpo.model.backend import choose_backend, micro_batch_budget, prepare_packed
     from fastdpo.model.generate import load_for_generation
     from fastdpo.model.load import load_model, resolve_device, resolve_dtype
+    from fastdpo.training.evaluate import pair_logps, per_token_logps, preference_metrics, token_kl
 
     cfg.validate()
     reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None  # fail fast, before loading models

@@ -8,8 +8,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from fastdpo.config import DTYPES
 from fastdpo.config.fields import Section, check_choice, option
 from fastdpo.config.sections.generation import base_of_adapter
@@ -64,6 +62,8 @@ class ExportConfig(HubSection, ExportSection):
 def merge_lora(cfg: ExportConfig, console=None) -> Path:
     """Load base + adapter on the CPU, merge, save atomically into cfg.output_dir; returns the directory."""
     from fastdpo.model.generate import has_tokenizer, load_adapter
+    import torch
+
     from fastdpo.model.load import load_model, load_tokenizer
 
     cfg.validate()
@@ -101,8 +101,9 @@ def merge_lora(cfg: ExportConfig, console=None) -> Path:
     return out
 
 
-def _stored_dtype(path: str, trust_remote_code: bool) -> torch.dtype:
-    """The dtype the base's config says its weights are stored in (float32 when it does not say)."""
+def _stored_dtype(path: str, trust_remote_code: bool):
+    """The torch dtype the base's config says its weights are stored in (float32 when it does not say)."""
+    import torch
     from transformers import AutoConfig
 
     try:

@@ -2,7 +2,7 @@
 (plain text without one), generate with transformers `generate`, stream single answers, compare base and tuned side by
 side, or write a batch to JSONL (`fastdpo infer`).
 
-`generate_texts(model, tokenizer, prompts, GenerationArgs(...))` is the one entry point other commands (eval, demo)
+`fastdpo.model.generate.generate_texts(model, tokenizer, prompts, GenerationArgs(...))` is the one entry point other commands (eval, demo)
 use: greedy at temperature 0, answers returned in prompt order.
 """
 
@@ -14,10 +14,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastdpo.checkpoint.saved_run import run_config
 from fastdpo.config.fields import option
 from fastdpo.errors import FastDPOError
-from fastdpo.model.generate import GenerationArgs, ModelArgs, Prompt, answer_as_read, generate_texts, load_for_generation
+from fastdpo.config.sections.generation import GenerationArgs, ModelArgs
 
 log = logging.getLogger("fastdpo")
 
@@ -125,6 +124,7 @@ def val_rows(cfg: InferConfig) -> list[dict]:
     --columns, --input_template, --apply_chat_template), or as given without such a run."""
     import dataclasses
 
+    from fastdpo.checkpoint.saved_run import run_config
     from fastdpo.data.columns import AS_GIVEN, RowOptions
     from fastdpo.data.load import load_rows
 
@@ -138,6 +138,7 @@ def val_rows(cfg: InferConfig) -> list[dict]:
 def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
     """The held-out rows of the run that wrote `tuned` (its final/ or a checkpoint-N/), read as training read them,
     as prompt rows (with their chosen and rejected kept); and the run's output_dir."""
+    from fastdpo.checkpoint.saved_run import run_config
     from fastdpo.data.columns import RowOptions
     from fastdpo.data.load import load_rows
     from fastdpo.data.split import held_out_rows
@@ -161,13 +162,15 @@ def prompt_rows(rows: list) -> list[dict]:
              "rejected": r.rejected, "source": r.source} for r in rows]
 
 
-def _row_prompt(row: dict) -> Prompt:
+def _row_prompt(row: dict):
     return row["prompt"] if isinstance(row.get("prompt"), str) else row["messages"]
 
 
 def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     """`fastdpo infer`: answers (and base answers with --compare) for --prompt or each row of --prompts."""
     from transformers import TextStreamer
+
+    from fastdpo.model.generate import answer_as_read, generate_texts, load_for_generation
 
     cfg.validate()
     loaded = load_for_generation(cfg, need_base=cfg.compare)
@@ -196,7 +199,7 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
                  "chat template (a run trained with --apply_chat_template reads them as user turns).", plain)
     stream = cfg.stream and bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
 
-    def answer(model, prompts: list[Prompt], gen: InferConfig) -> list[str]:
+    def answer(model, prompts: list, gen: InferConfig) -> list[str]:
         if from_pairs:
             return answer_as_read(model, loaded.tokenizer, prompts, gen)
         streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None

@@ -6,13 +6,15 @@ import math
 
 import torch
 
-from fastdpo.config import TrainConfig
+from fastdpo.config import OptimizerSection
 from fastdpo.errors import FastDPOError
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerSection, device: torch.device,
+                    seed: int = 0) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not on norms, biases or other vectors). With bfloat16 trainable weights
-    and --update_rounding stochastic (the default), fastdpo's AdamW (`fastdpo.optim.adamw`), else torch's (fused on CUDA)."""
+    and --update_rounding stochastic (the default), fastdpo's AdamW (`fastdpo.optim.adamw`, its rounding drawn from
+    `seed`), else torch's (fused on CUDA)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -25,7 +27,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     if cfg.update_rounding == "stochastic" and any(p.dtype == torch.bfloat16 for p in decay + no_decay):
         from fastdpo.optim.adamw import AdamW
 
-        return AdamW(groups, seed=cfg.seed, **hyper)
+        return AdamW(groups, seed=seed, **hyper)
     return torch.optim.AdamW(groups, fused=device.type == "cuda", **hyper)
 
 
@@ -73,7 +75,7 @@ def undo_step_count(optimizer: torch.optim.Optimizer) -> None:
         optimizer.rewind()
 
 
-def lr_lambda(cfg: TrainConfig, total_steps: int):
+def lr_lambda(cfg: OptimizerSection, total_steps: int):
     """Multiplier of the peak learning rate at each step, HF-compatible schedules."""
     warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
     kind = cfg.lr_scheduler_type
@@ -104,7 +106,7 @@ def lr_lambda(cfg: TrainConfig, total_steps: int):
     return f
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimizerSection, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
 
 
@@ -118,17 +120,17 @@ def _overridden(name: str, flags: dict) -> bool:
             or (name == "warmup_ratio" and flags.get("warmup_steps", 0) > 0))
 
 
-def schedule_changes(saved: dict, cfg: TrainConfig) -> list[tuple[str, object, object]]:
+def schedule_changes(saved: dict, cfg: OptimizerSection) -> list[tuple[str, object, object]]:
     """(flag, old, new) for each flag that shapes the learning-rate schedule and differs between a checkpoint's saved
     config and `cfg`; a flag another one overrides in both (num_train_epochs under max_steps, warmup_ratio under
     warmup_steps) does not count."""
-    now = cfg.to_dict()
+    now = {name: getattr(cfg, name) for name in SCHEDULE_FLAGS}
     return [(name, saved[name], now[name]) for name in SCHEDULE_FLAGS
             if name in saved and saved[name] != now[name]
             and not (_overridden(name, saved) and _overridden(name, now))]
 
 
-def follow_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig, total_steps: int) -> None:
+def follow_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimizerSection, total_steps: int) -> None:
     """Put a restored scheduler on the schedule `cfg` defines, at the step it has reached: as if it had been built
     from `cfg`. The optimizer's moments and step counts stay as they are."""
     fn = lr_lambda(cfg, total_steps)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdpo.config import ParallelSection
 from fastdpo.config.parallel import parallel_plan
 from fastdpo.errors import FastDPOError
 
@@ -163,7 +164,7 @@ class _NoHeartbeat:
         pass
 
 
-def heartbeat(cfg, d: Dist):
+def heartbeat(cfg: ParallelSection, d: Dist):
     """The cross-rank heartbeat of heartbeat.py (stall after min(300 s, --ddp_timeout / 3)); a no-op on one process."""
     if d.world_size == 1:
         return _NoHeartbeat()

@@ -234,7 +234,7 @@ class Trainer:
         self.cfg = cfg
         self.s = setup if setup is not None else build_setup(cfg, dist)
         s = self.s
-        self.optimizer = build_optimizer(s.model, cfg, s.device)
+        self.optimizer = build_optimizer(s.model, cfg, s.device, seed=cfg.seed)
         self.scheduler = build_scheduler(self.optimizer, cfg, s.total_steps)
         self.trainable = [p for p in s.model.parameters() if p.requires_grad]
         self.pairs_per_step = cfg.pairs_per_step * s.dist.dp_size  # the whole step, all data-parallel groups
