@@ -448,8 +448,8 @@ def test_eval_during_training_on_flex_matches_the_padded_eval(tmp_path, model_di
 
 def test_eval_tokenises_like_training(tmp_path, model_dirs, monkeypatch):
     """--template and the length limits mean the same in eval as in training: the scored pairs are training's."""
-    from fastdpo.training import evaluate  # run_eval scores through training's pair_logps
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
+    from fastdpo.training import evaluate  # run_eval scores through training's pair_logps
 
     words = WORDS[4:40]
     rows = [{"prompt": [{"role": "user", "content": " ".join(words[i:i + 6])}],
@@ -484,8 +484,8 @@ def test_eval_reads_the_split_it_is_given(tmp_path, model_dirs, monkeypatch):
     from datasets import Dataset, DatasetDict
 
     from fastdpo.cli import build_parser
-    from fastdpo.training import evaluate
     from fastdpo.config import build_config
+    from fastdpo.training import evaluate
 
     rows = easy_rows(5, seed=3)
     DatasetDict({"train": Dataset.from_list(rows[:2]), "test": Dataset.from_list(rows[2:])}).save_to_disk(
@@ -521,8 +521,8 @@ def test_ms_swift_eval_flags_get_clear_answers(flags, needle, capsys):
 def test_eval_on_flex_without_a_budget_gets_one(tmp_path, heldout, model_dirs, monkeypatch):
     """FlexAttention builds kernels per micro-batch length: `fastdpo eval` without --max_tokens_per_batch scores in
     micro-batches under a budget of about --per_device_eval_batch_size pairs, so they take a few static lengths."""
-    import fastdpo.training.evaluate as ev
     import fastdpo.model.backend as model_mod
+    import fastdpo.training.evaluate as ev
 
     seen = {}
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from fastdpo.config import DataReading
 from fastdpo.config.fields import Section, check_choice, option
+from fastdpo.config.sections.generation import GenerationArgs, ModelArgs
 from fastdpo.config.sections.loss import registered_losses
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.load import Row, load_rows, records_by_location
 from fastdpo.data.prompts import PromptRow, first_record, is_prompt_only, load_prompts
 from fastdpo.errors import FastDPOError
-from fastdpo.config.sections.generation import GenerationArgs, ModelArgs
 
 log = logging.getLogger("fastdpo")
 

@@ -61,9 +61,9 @@ class ExportConfig(HubSection, ExportSection):
 
 def merge_lora(cfg: ExportConfig, console=None) -> Path:
     """Load base + adapter on the CPU, merge, save atomically into cfg.output_dir; returns the directory."""
-    from fastdpo.model.generate import has_tokenizer, load_adapter
     import torch
 
+    from fastdpo.model.generate import has_tokenizer, load_adapter
     from fastdpo.model.load import load_model, load_tokenizer
 
     cfg.validate()

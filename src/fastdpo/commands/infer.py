@@ -2,8 +2,8 @@
 (plain text without one), generate with transformers `generate`, stream single answers, compare base and tuned side by
 side, or write a batch to JSONL (`fastdpo infer`).
 
-`fastdpo.model.generate.generate_texts(model, tokenizer, prompts, GenerationArgs(...))` is the one entry point other commands (eval, demo)
-use: greedy at temperature 0, answers returned in prompt order.
+`fastdpo.model.generate.generate_texts(model, tokenizer, prompts, GenerationArgs(...))` is the one entry point other
+commands (eval, demo) use: greedy at temperature 0, answers returned in prompt order.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastdpo.config.fields import option
-from fastdpo.errors import FastDPOError
 from fastdpo.config.sections.generation import GenerationArgs, ModelArgs
+from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
 
