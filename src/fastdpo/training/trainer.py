@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function as phase  # names the loop's phases in --profile_steps traces
 
-from fastdpo.config import TrainConfig
+from fastdpo.config import RunPlan, TrainConfig
 from fastdpo.data.pack import PairBatch, step_order
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.losses import (
@@ -243,6 +243,12 @@ class Trainer:
         self.current_pairs: list[TokenizedPair] = []  # the step running (or last run): named if it runs out of memory
         self.pack_ahead = True  # pack the next step's first micro-batch before waiting for this one's update
         self._ahead: Ahead | None = None
+
+    @property
+    def plan(self) -> RunPlan | None:
+        """What set-up resolved from the config (checkpointing policy, token budget, device, dtype, attention,
+        kernels); the config itself is left as written."""
+        return self.s.plan
 
     def next_pairs(self) -> list[TokenizedPair]:
         """The pairs of optimizer step `global_step + 1`: the seeded order of its epoch, or the stream's next ones."""
