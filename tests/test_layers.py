@@ -259,3 +259,49 @@ def test_the_coupling_checks_can_fail(tmp_path):
     (pkg / "parallel" / "d.py").write_text("import torch.distributed as dist\n")
     assert private_imports(pkg) == {("fastdpo.model.b", "_hidden"), ("fastdpo.model.b", "_inner")}
     assert distributed_imports(pkg) == {"fastdpo.model.c"}
+
+
+# the rooms inside floors
+
+KERNEL_HELPERS = {"__init__", "launch", "warmup"}  # shared by every op: the launcher checks and the builds ahead
+
+
+def section_imports(root: Path = ROOT) -> set[tuple[str, str]]:
+    """(section module, config module) for each import a config section makes of the config floor beyond the
+    field helpers and the other sections: a section stands alone, the joined configs are built from it."""
+    files = {module_name(p, root) for p in root.rglob("*.py")}
+    out = set()
+    for path in (root / "config" / "sections").glob("*.py"):
+        mod = module_name(path, root)
+        for target in imports_of(path, files):
+            if target.startswith("fastdpo.config") and target not in ("fastdpo.config.fields",) \
+                    and not target.startswith("fastdpo.config.sections"):
+                out.add((mod, target))
+    return out
+
+
+def test_config_sections_stand_alone():
+    bad = sorted(section_imports())
+    assert not bad, "a config section imports the configs built on it:\n" + "\n".join(map(str, bad))
+
+
+def test_the_section_check_can_fail(tmp_path):
+    pkg = tmp_path / "fastdpo"
+    (pkg / "config" / "sections").mkdir(parents=True)
+    for rel in ("__init__.py", "config/__init__.py", "config/fields.py", "config/train.py", "config/sections/__init__.py"):
+        (pkg / rel).write_text("")
+    (pkg / "config" / "sections" / "loss.py").write_text(
+        "from fastdpo.config.fields import option\nfrom fastdpo.config.train import TrainConfig\n")
+    assert section_imports(pkg) == {("fastdpo.config.sections.loss", "fastdpo.config.train")}
+
+
+def test_each_kernel_op_has_its_file_test_and_benchmark():
+    """One op per file in kernels/ (Triton kernels, launcher, autograd Function), with a test file of its own under
+    tests/kernels/ and a benchmark of its own under benchmarks/kernels/."""
+    tests_dir = Path(__file__).resolve().parent / "kernels"
+    bench_dir = ROOT.parents[1] / "benchmarks" / "kernels"
+    ops = sorted(p.stem for p in (ROOT / "kernels").glob("*.py") if p.stem not in KERNEL_HELPERS)
+    assert len(ops) >= 7, ops
+    missing = [op for op in ops if not list(tests_dir.glob(f"test_{op}*.py"))]
+    missing += [f"benchmarks/kernels/{op}.py" for op in ops if not (bench_dir / f"{op}.py").is_file()]
+    assert not missing, f"kernel ops without their own test or benchmark: {missing}"
