@@ -31,7 +31,7 @@ def main() -> None:
     h = torch.randn(a.rows, a.hidden, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(a.vocab, a.hidden, device="cuda", generator=g) / 32).bfloat16().requires_grad_()
     t = torch.randint(0, a.vocab, (a.rows,), device="cuda", generator=g)
-    fused = lp._has_out_dtype
+    fused = lp.has_out_dtype
 
     def once() -> float:
         h.grad = w.grad = None
@@ -46,7 +46,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in paths}
     peaks: dict[str, float] = {}
     for name, has in paths.items():  # warm-up and peak, each path alone
-        lp._has_out_dtype = has
+        lp.has_out_dtype = has
         once()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -54,9 +54,9 @@ def main() -> None:
         peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
     for _ in range(a.repeat):
         for name, has in paths.items():
-            lp._has_out_dtype = has
+            lp.has_out_dtype = has
             times[name].append(once())
-    lp._has_out_dtype = fused
+    lp.has_out_dtype = fused
     print(f"{a.rows} rows, head {a.vocab} x {a.hidden}, chunk {lp.DEFAULT_CHUNK}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, GEMM with out_dtype: {fused()}")
     for name in paths:

@@ -78,12 +78,13 @@ def test_a_fused_model_through_the_packed_varlen_path_equals_the_plain_dense_pat
     gathered with the kernel backward, the log-prob head's kernels) against the plain model's dense path."""
     from test_varlen import stand_in
 
+    from fastdpo.kernels import gather_rows
     from fastdpo.model import attention
     from fastdpo.model.load import load_model
 
     monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
     spied = []
-    spy(monkeypatch, spied, (attention, "gather_rows_backward"))
+    spy(monkeypatch, spied, (gather_rows, "gather_rows_backward"))
     results = []
     for fused, name in ((False, "dense"), (True, "varlen")):
         model = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))

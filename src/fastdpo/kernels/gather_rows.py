@@ -47,3 +47,24 @@ def gather_rows_backward(grad: torch.Tensor, first: torch.Tensor, second: torch.
         launch(_gather_rows_bwd, (rows,), g, first.contiguous(), second.contiguous(), out, width, num_warps=4,
                BLOCK=GATHER_BLOCK)
     return out
+
+
+class GatherRows(torch.autograd.Function):
+    """x.index_select(0, index) whose backward adds each row's at most two gradient rows in one kernel pass
+    (`gather_rows_backward`, from `first` and `second`: the places each row of x was taken to, `second` -1 where
+    it was taken once), where index_select's backward adds them one by one with atomics."""
+
+    @staticmethod
+    def forward(ctx, x, index, first, second):
+        ctx.save_for_backward(first, second)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        first, second = ctx.saved_tensors
+        return gather_rows_backward(grad, first, second), None, None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """`x.index_select(0, index)` with the one-pass backward (`GatherRows`)."""
+    return GatherRows.apply(x, index, first, second)

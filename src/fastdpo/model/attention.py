@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdpo.data.pack import PROMPT, PairBatch, int_tensor
-from fastdpo.kernels.gather_rows import gather_rows_backward
+from fastdpo.kernels.gather_rows import gather_rows
 from fastdpo.kernels.launch import available as kernels_available
 
 ATTN_NAME = "fastdpo"
@@ -332,29 +332,14 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.unsqueeze(0), None
 
 
-class _GatherKeys(torch.autograd.Function):
-    """x.index_select(0, index) whose backward adds each row's at most two gradient rows in one kernel pass
-    (`gather_rows_backward`), where index_select's backward adds them one by one with atomics."""
-
-    @staticmethod
-    def forward(ctx, x, index, first, second):
-        ctx.save_for_backward(first, second)
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        first, second = ctx.saved_tensors
-        return gather_rows_backward(grad, first, second), None, None, None
-
-
 def gather_keys(module, x: torch.Tensor, index: torch.Tensor, kw: dict) -> torch.Tensor:
-    """x (T, Hkv, D) gathered into the keys' sequence-by-sequence order; through `_GatherKeys` where the module runs
+    """x (T, Hkv, D) gathered into the keys' sequence-by-sequence order; through `fastdpo.kernels.gather_rows` where the module runs
     the Triton kernels (a fused attention) and the mask carries each token's places, else through index_select."""
     first, second = kw.get("fastdpo_key_first"), kw.get("fastdpo_key_second")
     if (first is None or not getattr(module, "_fastdpo_kernels", False) or not kernels_available(x)
             or torch.compiler.is_compiling()):
         return x.index_select(0, index)
-    return _GatherKeys.apply(x, index, first, second)
+    return gather_rows(x, index, first, second)
 
 
 def register() -> None:
