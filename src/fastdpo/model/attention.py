@@ -333,8 +333,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def gather_keys(module, x: torch.Tensor, index: torch.Tensor, kw: dict) -> torch.Tensor:
-    """x (T, Hkv, D) gathered into the keys' sequence-by-sequence order; through `fastdpo.kernels.gather_rows` where the module runs
-    the Triton kernels (a fused attention) and the mask carries each token's places, else through index_select."""
+    """x (T, Hkv, D) gathered into the keys' sequence-by-sequence order; through `fastdpo.kernels.gather_rows` where
+    the module runs the Triton kernels (a fused attention) and the mask carries each token's places, else through
+    index_select."""
     first, second = kw.get("fastdpo_key_first"), kw.get("fastdpo_key_second")
     if (first is None or not getattr(module, "_fastdpo_kernels", False) or not kernels_available(x)
             or torch.compiler.is_compiling()):
