@@ -169,15 +169,15 @@ def read(**kw) -> RowOptions:
 
 def test_columns_rename_before_format_detection():
     opts = read(columns={"question": "prompt", "good": "chosen", "bad": "rejected"})
-    row = Record(W, {"question": "w1", "good": "w5", "bad": "w7", "id": 1}).row(opts)
+    row = Record(W, {"question": "w1", "good": "w5", "bad": "w7", "id": 1}).rows(opts)[0]
     assert (row.prompt, row.chosen, row.rejected, row.format) == ("w1", "w5", "w7", "standard")
     # a swap (labels recorded the wrong way round) renames both at once
-    row = Record(W, {"prompt": "w1", "chosen": "w5", "rejected": "w7"}).row(
-        read(columns={"chosen": "rejected", "rejected": "chosen"}))
+    row = Record(W, {"prompt": "w1", "chosen": "w5", "rejected": "w7"}).rows(
+        read(columns={"chosen": "rejected", "rejected": "chosen"}))[0]
     assert (row.chosen, row.rejected) == ("w7", "w5")
     # a foreign format under other names
-    row = Record(W, {"msgs": [turn("human", "w1")], "chosen": "w5", "rejected": "w7"}).row(
-        read(columns={"msgs": "conversations"}))
+    row = Record(W, {"msgs": [turn("human", "w1")], "chosen": "w5", "rejected": "w7"}).rows(
+        read(columns={"msgs": "conversations"}))[0]
     assert row.format == "sharegpt"
 
 
@@ -188,7 +188,7 @@ def test_a_prompt_in_an_unread_column_is_named_not_dropped():
     with pytest.raises(RowError, match=f"^{W}: has no prompt.*'query' is not read.*--columns '{{\"query\": "
                                        f"\"prompt\"}}'"):
         to_row(value, W)
-    assert Record(W, value).row(read(columns={"query": "prompt"})).prompt == "w1 w2"
+    assert Record(W, value).rows(read(columns={"query": "prompt"}))[0].prompt == "w1 w2"
     # orca's question column is read as the prompt without a mapping (tests/test_data_rejects.py)
     # a shared text is the implicit prompt, whatever other columns hold; with nothing else, an empty prompt stays
     assert to_row({"id": "x", "chosen": "w1 w5", "rejected": "w1 w7"}, W).prompt == "w1"
@@ -198,9 +198,9 @@ def test_a_prompt_in_an_unread_column_is_named_not_dropped():
 def test_a_mapped_column_missing_or_colliding_names_the_row():
     opts = read(columns={"question": "prompt"})
     with pytest.raises(RowError, match=f"^{W}: field 'question' is missing .*renames it to prompt"):
-        Record(W, {"prompt": "w1", "chosen": "w5", "rejected": "w7"}).row(opts)
+        Record(W, {"prompt": "w1", "chosen": "w5", "rejected": "w7"}).rows(opts)[0]
     with pytest.raises(RowError, match="field 'prompt' is already a column"):
-        Record(W, {"question": "w0", "prompt": "w1", "chosen": "w5", "rejected": "w7"}).row(opts)
+        Record(W, {"question": "w0", "prompt": "w1", "chosen": "w5", "rejected": "w7"}).rows(opts)[0]
 
 
 def test_csv_cells_are_decoded_under_their_mapped_names(tmp_path):
@@ -281,19 +281,19 @@ def test_streaming_reads_mapped_columns(tmp_path):
 
 def test_input_template_wraps_plain_text_prompts_only():
     opts = read(input_template="User: {}\nAssistant:")
-    row = Record(W, {"prompt": "w1", "chosen": " w5", "rejected": " w7"}).row(opts)
+    row = Record(W, {"prompt": "w1", "chosen": " w5", "rejected": " w7"}).rows(opts)[0]
     assert row.prompt == "User: w1\nAssistant:" and row.chosen == " w5"
     with pytest.raises(RowError, match="is conversational .*wraps plain-text prompts only"):
-        Record(W, {"instruction": "w1", "chosen": "w5", "rejected": "w7"}).row(opts)
+        Record(W, {"instruction": "w1", "chosen": "w5", "rejected": "w7"}).rows(opts)[0]
     with pytest.raises(RowError, match="field 'prompt' is missing .*implicit_text"):
-        Record(W, {"chosen": "w1 w5", "rejected": "w1 w7"}).row(opts)
+        Record(W, {"chosen": "w1 w5", "rejected": "w1 w7"}).rows(opts)[0]
 
 
 def test_apply_chat_template_turns_plain_text_rows_into_a_conversation():
-    row = Record(W, {"prompt": "w1", "chosen": "w5", "rejected": "w7"}).row(read(apply_chat_template=True))
+    row = Record(W, {"prompt": "w1", "chosen": "w5", "rejected": "w7"}).rows(read(apply_chat_template=True))[0]
     assert row.conversational and row.prompt == [user("w1")] and row.chosen == [assistant("w5")]
     conv = {"prompt": [user("w1")], "chosen": [assistant("w5")], "rejected": [assistant("w7")]}
-    assert Record(W, conv).row(read(apply_chat_template=True)).prompt == [user("w1")]
+    assert Record(W, conv).rows(read(apply_chat_template=True))[0].prompt == [user("w1")]
 
 
 def test_cache_key_follows_the_mapping_and_the_template(tmp_path):

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from fastdpo.data.formats import Row, RowError
+from fastdpo.data.groups import left_out_text
 from fastdpo.data.prepare import DataOptions
 from fastdpo.data.rejects import REJECTS_FILE, by_reason, same_problem
 from fastdpo.data.sources import parse_spec, select
@@ -37,6 +38,10 @@ class CheckReport:
     notes: list[str] = field(default_factory=list)  # with a tokenizer: how the rows will be read
     longest: int = 0  # tokens of the longest pair training keeps whole (prompt + chosen + rejected)
     invalid: dict = field(default_factory=dict)  # reason -> rows training stops at (--strict false: skips)
+    several: list[int] = field(default_factory=list)  # pairs of each row that gives several pairs of one prompt
+    left_out: dict = field(default_factory=dict)  # what pairing left out, by reason (tied pairs, ...)
+    pair_tokens: int = 0  # with a tokenizer, rows of several pairs: tokens as one pair per row (prompt repeated)
+    group_tokens: int = 0  # the same rows' tokens with each prompt and each distinct completion once
 
     @property
     def ok(self) -> bool:
@@ -56,6 +61,9 @@ class _Checker:
         self.errors: list[tuple[int, str]] = []  # (record ordinal, message): sorted into row order at the end
         self.ordinal = 0
         self.ordinals: dict[str, int] = {}  # source -> ordinal of the pending rows
+        self.groups: dict[str, dict] = {}  # source of a row of several pairs -> its token counts so far
+        self.several: set[str] = set()  # sources of the rows that give several pairs
+        self.counted: set[tuple[str, int]] = set()  # (source, member) whose tokens are in `groups`
         self.used: set[str] = set()  # sources of the rows checked so far
         self.flagged: set[str] = set()  # sources already reported by the tokenizer pass
 
@@ -68,8 +76,8 @@ class _Checker:
 
     def row(self, row: Row, ordinal: int) -> None:
         """Check one row training would use; a row `#N` repeats is tokenised again but reported once."""
-        repeat = row.source in self.used
-        self.used.add(row.source)
+        repeat = (row.source, row.member) in self.used
+        self.used.add((row.source, row.member))
         if row.identical:
             if not repeat:
                 self.error(f"{row.source}: chosen is identical to rejected: there is no preference to learn. "
@@ -84,6 +92,21 @@ class _Checker:
             self.ordinals[row.source] = ordinal
             if len(self.pending) >= CHUNK:
                 self.flush()
+
+    def _group_tokens(self, row: Row, p: int, c: int, r: int) -> None:
+        """Tokens of a row of several pairs, as pairs and as one group (each prompt and distinct completion once)."""
+        if row.source not in self.several or (row.source, row.member) in self.counted:
+            return
+        self.counted.add((row.source, row.member))
+        g = self.groups.setdefault(row.source, {"pairs": 0, "prompt": 0, "completions": {}})
+        g["pairs"] += p + c + r
+        g["prompt"] = max(g["prompt"], p)
+        for text, n in ((row.chosen, c), (row.rejected, r)):
+            g["completions"][repr(text)] = n
+
+    def group_totals(self) -> tuple[int, int]:
+        as_pairs = sum(g["pairs"] for g in self.groups.values())
+        return as_pairs, sum(g["prompt"] + sum(g["completions"].values()) for g in self.groups.values())
 
     def flush(self) -> None:
         if not self.pending:
@@ -101,6 +124,7 @@ class _Checker:
                 self.invalid(e)
                 self.error(str(e), ordinals[e.where])
         for k, p, c, r in lengths:
+            self._group_tokens(rows[k], p, c, r)
             if p + max(c, r) <= o.max_length:
                 self.report.longest = max(self.report.longest, p + c + r)
             self.report.lengths["prompt"].append(p)
@@ -113,18 +137,18 @@ class _Checker:
 
 
 def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, Row | None]], bool]:
-    """Every record of one spec as (ordinal, row), None for a bad row (its error recorded); and whether the source
-    itself could be read."""
+    """Every record of one spec as (ordinal, its pairs), None for a bad row (its error recorded); and whether the
+    source itself could be read."""
     from fastdpo.data.sources import iter_records
 
-    items: list[tuple[int, Row | None]] = []
+    items: list[tuple[int, list[Row] | None]] = []
     unsupported, first = UnsupportedCount(spec.label), 0  # rows of a kind fastdpo does not train: one message
     bad: dict[int, RowError] = {}  # ordinal -> the row's error; the same problem in many rows is named once
     try:
         for rec in iter_records(spec, opts.split, limit=opts.read.max_row_bytes):
             checker.ordinal += 1
             try:
-                items.append((checker.ordinal, rec.row(opts.read)))
+                items.append((checker.ordinal, rec.rows(opts.read)))
             except UnsupportedRow as e:
                 unsupported.add(e)
                 checker.invalid(e)
@@ -167,14 +191,22 @@ def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckRepo
             checker.error(f"{spec.label}: has no rows. Check the file or the --split.")
         used = select(items, spec, opts.seed, opts.streaming, opts.read.max_samples)
         formats: dict[str, int] = {}
-        for ordinal, row in used:
-            if row is not None:
-                formats[row.format] = formats.get(row.format, 0) + 1
+        for ordinal, rows in used:
+            if rows is None:
+                continue
+            formats[rows[0].format] = formats.get(rows[0].format, 0) + 1
+            if len(rows) > 1:
+                report.several.append(len(rows))
+                checker.several.add(rows[0].source)
+            for reason, n in rows[0].notes + (((rows[0].dropped, 1),) if rows[0].dropped else ()):
+                report.left_out[reason] = report.left_out.get(reason, 0) + n
+            for row in rows if not rows[0].dropped else ():
                 checker.row(row, ordinal)
                 if not row.conversational:
                     plain.append(row)
         report.sources.append((text, len(items), len(used), formats))
     checker.flush()
+    report.pair_tokens, report.group_tokens = checker.group_totals()
     if tokenizer is not None and not opts.read.input_template:
         from fastdpo.data.template import plain_text_note
 
@@ -199,6 +231,18 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
         count = f"{n} rows" if used == n and "#" not in text else f"{n} rows read, {used} used for training"
         lines.append(f"{text}: {count} ({kinds})")
     lines += [f"note: {n}" for n in report.notes]
+    if report.several:
+        n, pairs = len(report.several), sum(report.several)
+        lines.append(f"several completions per prompt: {n} rows give {pairs} pairs ({pairs / n:.1f} per prompt, at most "
+                     f"{max(report.several)}; --pairing {opts.read.pairing.rule}).")
+        if report.pair_tokens:
+            saved = report.pair_tokens - report.group_tokens
+            lines.append(f"  their tokens: {report.pair_tokens} written as one pair per row, {report.group_tokens} with "
+                         f"each prompt and each distinct completion once ({saved} fewer, "
+                         f"{saved / report.pair_tokens:.0%}).")
+    if report.left_out:
+        lines.append(f"left out by the pairing: {left_out_text(report.left_out)}. Tied completions are never paired; a "
+                     "completion needs a score (a number) to be paired.")
     if report.invalid:
         n, rows = sum(report.invalid.values()), sum(read for _, read, _, _ in report.sources)
         counts = ", ".join(f"{k} {r}" for r, k in sorted(report.invalid.items(), key=lambda kv: -kv[1]))

@@ -6,16 +6,18 @@ turns the prompt into a user turn so the chat template applies (message-list row
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 
 from fastdpo.data.dataset_info import DatasetRead
 from fastdpo.data.formats import Row, RowError, fields_present
+from fastdpo.data.groups import DEFAULT_PAIRING, Pairing
 from fastdpo.errors import FastDPOError
 
 # the columns fastdpo reads (see fastdpo.data.formats): what --columns may rename a dataset column to
 COLUMN_NAMES = ("prompt", "chosen", "rejected", "system", "tools", "messages", "rejected_response", "rejected_messages",
-                "instruction", "input", "history", "conversations")
+                "instruction", "input", "history", "conversations", "completions", "scores", "ranks")
 KEY_FLAGS = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected"}  # OpenRLHF
 MAX_ROW_BYTES = 16 << 20  # --max_row_mb's default: far above any row that fits a context window
 
@@ -93,6 +95,7 @@ class RowOptions:
     datasets: tuple[tuple[str, DatasetRead], ...] = ()  # (dataset spec, its own reading): --dataset_info
     max_samples: int = 0  # the first N rows of each dataset, after `#N` (0: all)
     max_row_bytes: int = MAX_ROW_BYTES  # a larger row (line, array element, CSV record) is refused as it is read
+    pairing: Pairing = DEFAULT_PAIRING  # which pairs a record of scored completions gives
 
     @classmethod
     def from_config(cls, cfg) -> RowOptions:
@@ -100,7 +103,9 @@ class RowOptions:
         return cls(column_mapping(getattr(cfg, "columns", None) or {}), getattr(cfg, "input_template", ""),
                    getattr(cfg, "apply_chat_template", False),
                    tuple(sorted((spec, DatasetRead.from_dict(spec, d)) for spec, d in own.items())),
-                   getattr(cfg, "max_samples", 0), int(getattr(cfg, "max_row_mb", MAX_ROW_BYTES / 2**20) * 2**20))
+                   getattr(cfg, "max_samples", 0), int(getattr(cfg, "max_row_mb", MAX_ROW_BYTES / 2**20) * 2**20),
+                   Pairing(getattr(cfg, "pairing", DEFAULT_PAIRING.rule),
+                           getattr(cfg, "ultrafeedback_score", DEFAULT_PAIRING.ultrafeedback_score)))
 
     def reading(self, dataset: str) -> DatasetRead | None:
         """The reading of dataset spec `dataset` when --dataset_info gives it one (it replaces --columns there)."""
@@ -138,10 +143,10 @@ class RowOptions:
                            f"rejected share), so {flag} has no prompt to use.", "Add a prompt column (or name it with "
                            f"--prompt_key / --columns), or drop {flag}.")
         if self.input_template:
-            return Row(self.input_template.format(row.prompt), row.chosen, row.rejected, row.source, row.tools,
-                       row.format)
-        return Row([{"role": "user", "content": row.prompt}], [{"role": "assistant", "content": row.chosen}],
-                   [{"role": "assistant", "content": row.rejected}], row.source, row.tools, row.format)
+            return dataclasses.replace(row, prompt=self.input_template.format(row.prompt))
+        return dataclasses.replace(row, prompt=[{"role": "user", "content": row.prompt}],
+                                   chosen=[{"role": "assistant", "content": row.chosen}],
+                                   rejected=[{"role": "assistant", "content": row.rejected}])
 
 
 AS_GIVEN = RowOptions()  # no renaming, prompts as they are

@@ -84,6 +84,9 @@ class Row:
     source: str  # "file:line" or "dataset index i"
     tools: list | None = None
     format: str = "standard"
+    member: int = 0  # which of the pairs its record gave (a record of several completions gives several; see groups)
+    notes: tuple[tuple[str, int], ...] = ()  # on a record's first pair: what its pairing left out, counted
+    dropped: str = ""  # the record gave no pair, for this reason (counted, never trained)
 
     @property
     def conversational(self) -> bool:

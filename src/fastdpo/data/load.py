@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastdpo.data.columns import AS_GIVEN, RowOptions
-from fastdpo.data.formats import Row, RowError, to_row
+from fastdpo.data.formats import Row, RowError
+from fastdpo.data.groups import to_rows
 from fastdpo.data.rejects import Rejects, read_valid
 from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, select, source_kind
 from fastdpo.data.sources import parse_spec as parse_dataset_spec
@@ -21,9 +22,9 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     return s.label, s.count
 
 
-def check_row(value: object, where: str) -> Row:
-    """One decoded record -> Row, in any supported format (see `fastdpo.data.formats`)."""
-    return to_row(value, where)
+def check_row(value: object, where: str) -> list[Row]:
+    """One decoded record -> its pairs, in any supported format (see `fastdpo.data.formats` and `.groups`)."""
+    return to_rows(value, where)
 
 
 def records_by_location(path: Path) -> dict[str, object]:
@@ -41,7 +42,7 @@ def load_file(path_str: str, read: RowOptions = AS_GIVEN) -> list[Row]:
     spec = Spec(path_str, path_str)
     if source_kind(spec) not in ("file", "dir"):
         raise FastDPOError(f"Dataset {path_str} not found. Check the path given to --dataset.")
-    return [r.row(read) for r in iter_records(spec, limit=read.max_row_bytes)]
+    return [row for r in iter_records(spec, limit=read.max_row_bytes) for row in r.rows(read)]
 
 
 def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
@@ -56,7 +57,19 @@ def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions
     rows = read_valid(iter_records(spec, split, limit=read.max_row_bytes), read, spec.label, rejects)
     if not rows:
         raise FastDPOError(f"Dataset {spec.label} has no rows.")
-    return select(rows, spec, seed, first=read.max_samples)
+    return [row for record in select(by_record(rows), spec, seed, first=read.max_samples) for row in record]
+
+
+def by_record(rows: list[Row]) -> list[list[Row]]:
+    """Rows gathered by the record they came from (its pairs are adjacent, `member` 0, 1, ...): `#N` and
+    --max_samples count records, as the user wrote them."""
+    out: list[list[Row]] = []
+    for row in rows:
+        if row.member and out:
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
 
 
 def load_rows(specs: list[str], seed: int = 42, split: str = "train", read: RowOptions = AS_GIVEN,

@@ -14,6 +14,7 @@ from pathlib import Path
 from fastdpo.data.cache import cache_root, data_key, load_cached, save_cached
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.formats import Row, RowError
+from fastdpo.data.groups import left_out_text
 from fastdpo.data.load import load_rows
 from fastdpo.data.parallel import ordered_map
 from fastdpo.data.rejects import REJECTS_FILE, STRICT_HINT, Rejects, row_record
@@ -83,10 +84,17 @@ class DataSummary:
             limits += f", max_prompt_length {o.max_prompt_length}"
         if o.max_completion_length:
             limits += f", max_completion_length {o.max_completion_length}"
-        return (f"data: {s.rows} rows ({formats}) -> {s.pairs} pairs{' (from cache)' if self.cached else ''}. "
+        read = f"{s.rows} rows ({formats})"
+        if s.records and s.records != s.rows:  # records of several completions: each gave its pairs
+            read = (f"{s.records} rows ({formats}) giving {s.rows} pairs, {s.several} of them several pairs of one "
+                    "prompt")
+        text = (f"data: {read} -> {s.pairs} pairs{' (from cache)' if self.cached else ''}. "
                 f"{limits}: dropped {s.dropped_prompt_too_long} (prompt fills max_length), {s.dropped_too_long} "
                 f"(over a length limit), {s.dropped_identical} (chosen identical to rejected); completions cut in "
                 f"{s.truncated}, prompts trimmed in {s.prompt_trimmed}.")
+        if s.left_out:
+            text += f" Pairing left out (--pairing): {left_out_text(s.left_out)}."
+        return text
 
     def to_dict(self) -> dict:
         opts = dataclasses.asdict(self.options)
@@ -97,7 +105,8 @@ class DataSummary:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
     def log(self) -> None:
-        (log.warning if self.stats.dropped or self.stats.truncated or self.stats.prompt_trimmed else log.info)(
+        (log.warning if self.stats.dropped or self.stats.truncated or self.stats.prompt_trimmed or self.stats.left_out
+         else log.info)(
             "%s", self.text())
 
 

@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from fastdpo.data.columns import AS_GIVEN, RowOptions
-from fastdpo.data.formats import Row, RowError, to_row
+from fastdpo.data.formats import Row, RowError
+from fastdpo.data.groups import to_rows
 from fastdpo.data.sources import Spec, iter_records, select
 from fastdpo.data.sources import parse_spec as parse_dataset_spec
 
 Prompt = str | list[dict]
 
-# fields that make a record a preference pair (read through `to_row`)
-PAIR_FIELDS = ("chosen", "rejected", "rejected_response", "rejected_messages")
+# fields that make a record a preference pair (read through `to_rows`)
+PAIR_FIELDS = ("chosen", "rejected", "rejected_response", "rejected_messages", "completions")
 PROMPT_FIELDS = ("prompt", "messages", "query", "instruction", "question")
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -93,7 +94,7 @@ def to_prompt(value: object, where: str, read: RowOptions = AS_GIVEN) -> PromptR
                        "Write one object per row, e.g. {\"prompt\": \"...\"}.")
     if not is_prompt_only(value):
         if any(value.get(k) is not None for k in PAIR_FIELDS) or value.get("conversations") is not None:
-            row = to_row(value, where)
+            row = to_rows(value, where)[0]  # a record of several completions: its first pair's
             return PromptRow(_adapt(row.prompt, where, read), where,
                              {**_extras(value), "chosen": row.chosen, "rejected": row.rejected})
         raise RowError(where, None, f"has no prompt (fields present: {', '.join(sorted(value)) or 'none'}).",

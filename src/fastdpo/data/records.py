@@ -7,7 +7,8 @@ import json
 from dataclasses import dataclass
 
 from fastdpo.data.columns import AS_GIVEN, RowOptions
-from fastdpo.data.formats import Row, RowError, to_row
+from fastdpo.data.formats import Row, RowError
+from fastdpo.data.groups import to_rows
 from fastdpo.data.unsupported import refuse_unsupported
 
 # CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
@@ -27,8 +28,9 @@ class Record:
     text_cells: bool = False
     dataset: str = ""  # the spec it was read from
 
-    def row(self, read: RowOptions = AS_GIVEN) -> Row:
-        """The record as a Row, read as its dataset's own reading says (--dataset_info), else as `read` says."""
+    def rows(self, read: RowOptions = AS_GIVEN) -> list[Row]:
+        """The record as its pairs (one Row for a pair record; see `fastdpo.data.groups`), read as its dataset's own
+        reading says (--dataset_info), else as `read` says."""
         if self.error is not None:  # the row itself could not be read: invalid JSON or UTF-8, malformed CSV, too large
             kind = "row too large" if "over the limit of" in self.error else "unreadable row"
             kind = "unreadable file" if self.error.endswith(STOPPED) else kind
@@ -39,11 +41,11 @@ class Record:
         if self.text_cells:
             value = {k: _csv_value(k, v) for k, v in value.items()}
         refuse_unsupported(value, where)  # multimodal and unpaired rows would otherwise be misread
-        row = to_row(value, where, own.formatting if own else None)
-        size = size_over(row, read.max_row_bytes)
+        rows = to_rows(value, where, own.formatting if own else None, read.pairing)
+        size = max(size_over(row, read.max_row_bytes) for row in rows)
         if size:  # from a source read whole (Parquet, HF datasets, a JSON object of rows)
             raise RowError(where, None, too_large(size, read.max_row_bytes), kind="row too large")
-        return read.adapt(row)
+        return [read.adapt(row) for row in rows]
 
 
 def size_over(row: Row, limit: int) -> int:

@@ -124,7 +124,7 @@ def row_record(row: Row) -> dict:
 
 
 def read_valid(records: Iterable, read, label: str, rejects: Rejects | None = None) -> list[Row]:
-    """`record.row(read)` of every record. Invalid rows are added to `rejects` when it skips them; else, after the
+    """`record.rows(read)` of every record, in order. Invalid rows are added to `rejects` when it skips them; else, after the
     whole dataset is read, one error names each problem with its count (unsupported rows: what they hold)."""
     rows: list[Row] = []
     bad: list[RowError] = []
@@ -132,7 +132,7 @@ def read_valid(records: Iterable, read, label: str, rejects: Rejects | None = No
     for rec in records:
         n += 1
         try:
-            rows.append(rec.row(read))
+            rows.extend(rec.rows(read))
         except RowError as e:
             if rejects is not None and rejects.skip and e.kind == "unreadable file":
                 raise FastDPOError(f"{e} The rows after this one could not be read, so --strict false cannot skip "

@@ -23,7 +23,12 @@ CHUNK = 1024  # records per worker task
 def _stream_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats]:
     tokenizer, options, read = state
     start, records = item
-    return tokenize_chunk(tokenizer, [r.row(read) for r in records], options, start)
+    rows, indices = [], []
+    for k, record in enumerate(records):
+        pairs = record.rows(read)
+        rows += pairs
+        indices += [start + k] * len(pairs)  # a stream's pairs are indexed by their record
+    return tokenize_chunk(tokenizer, rows, options, indices=indices)
 
 
 class PairStream:

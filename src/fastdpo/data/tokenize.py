@@ -61,18 +61,23 @@ class TokenizeStats:
     truncated: int = 0  # completions cut at the end
     prompt_trimmed: int = 0  # prompts cut from the left
     formats: dict = field(default_factory=dict)
+    records: int = 0  # the records the rows came from (a record of several completions gives several rows)
+    several: int = 0  # records that gave more than one pair
+    dropped_no_pair: int = 0  # records of scored completions that gave no pair (every completion ties, ...)
+    left_out: dict = field(default_factory=dict)  # what pairing rules left out, by reason: tied pairs, ...
 
     def add(self, other: TokenizeStats) -> None:
         for f in fields(self):
-            if f.name == "formats":
-                for k, v in other.formats.items():
-                    self.formats[k] = self.formats.get(k, 0) + v
+            if f.name in ("formats", "left_out"):
+                mine = getattr(self, f.name)
+                for k, v in getattr(other, f.name).items():
+                    mine[k] = mine.get(k, 0) + v
             else:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     @property
     def dropped(self) -> int:
-        return self.dropped_prompt_too_long + self.dropped_too_long + self.dropped_identical
+        return self.dropped_prompt_too_long + self.dropped_too_long + self.dropped_identical + self.dropped_no_pair
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -162,8 +167,10 @@ def _chat_ids(tokenizer, texts: list[tuple[str, str, str]], rows: list[Row]) -> 
 
 
 def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_index: int = 0, renderer=None,
-                   problems: list | None = None, lengths: list | None = None) -> tuple[list[TokenizedPair], TokenizeStats]:
-    """Tokenise and length-limit one chunk of rows. Pair indices are `start_index + position in rows`.
+                   problems: list | None = None, lengths: list | None = None,
+                   indices: list[int] | None = None) -> tuple[list[TokenizedPair], TokenizeStats]:
+    """Tokenise and length-limit one chunk of rows. Pair indices are `start_index + position in rows`, or
+    `indices` (one per row) when given.
     A bad row raises its RowError, or is skipped and appended to `problems` when that list is given. `lengths`
     (if given) receives (position in rows, prompt, chosen, rejected token counts) of every tokenised row before
     length limits."""
@@ -172,8 +179,17 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
     stats = TokenizeStats(rows=len(rows))
     keep: list[int] = []
     for k, row in enumerate(rows):
-        stats.formats[row.format] = stats.formats.get(row.format, 0) + 1
-        if row.identical:
+        if row.member == 0:
+            stats.records += 1
+            stats.formats[row.format] = stats.formats.get(row.format, 0) + 1
+            for reason, n in row.notes:
+                stats.left_out[reason] = stats.left_out.get(reason, 0) + n
+        elif row.member == 1:
+            stats.several += 1
+        if row.dropped:
+            stats.dropped_no_pair += 1
+            stats.left_out[row.dropped] = stats.left_out.get(row.dropped, 0) + 1
+        elif row.identical:
             stats.dropped_identical += 1
         elif options.system and not row.conversational:
             err = RowError(row.source, None, "is plain text, but --system applies to conversational rows only "
@@ -215,7 +231,7 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
             lengths.append((k, *map(len, got)))
         fitted = fit_length(*got, options, stats)
         if fitted is not None:
-            out.append(TokenizedPair(*fitted, start_index + k))
+            out.append(TokenizedPair(*fitted, start_index + k if indices is None else indices[k]))
     stats.pairs = len(out)
     return out, stats
 

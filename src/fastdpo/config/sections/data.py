@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastdpo.config.fields import Section, at_least, check_choice, option
+from fastdpo.data.groups import PAIRINGS, ULTRAFEEDBACK_SCORES
 from fastdpo.errors import FastDPOError
 
 
@@ -40,6 +41,12 @@ class DataReading(Section):
                                        "chat template applies to them too (message-list rows always go through it).")
     max_row_mb: float = option(16.0, "Largest row read from a data file, in MiB (a JSONL line, a JSON array element, a CSV "
                                "record): a larger one is an error naming its line, found before it is held in memory.")
+    pairing: str = option("best_vs_rest", "Pairs of a row with several scored completions (completions + scores or "
+                          "ranks, UltraFeedback's raw rows): best_vs_rest = the best against each lower-scored one; "
+                          "best_vs_worst; all_pairs = every pair of different scores. Ties are never paired.")
+    ultrafeedback_score: str = option("auto", "The score that ranks UltraFeedback's raw completions: fine-grained_score "
+                                      "(mean of the aspect ratings), overall_score, ratings (mean of the numeric "
+                                      "annotations' Rating), or auto (the first of these a completion has).")
     template_timeout: float = option(10.0, "Seconds the chat template may take to render one row (0: no limit): a longer "
                                      "rendering is an error naming the row and the template, not a silent hang.")
 
@@ -49,6 +56,8 @@ class DataReading(Section):
         from fastdpo.data.template import resolve_template
 
         check_choice("truncation_strategy", self.truncation_strategy, ("right", "left", "delete"))
+        check_choice("pairing", self.pairing, PAIRINGS)
+        check_choice("ultrafeedback_score", self.ultrafeedback_score, ULTRAFEEDBACK_SCORES)
         if self.max_length < 1:
             raise FastDPOError(f"--max_length must be >= 1, got {self.max_length}.")
         for name in ("max_prompt_length", "max_completion_length"):
