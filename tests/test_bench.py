@@ -256,26 +256,26 @@ def test_flex_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, caplo
     cfg = _cfg(tmp_path, model_dirs, torch_compile=True, per_device_train_batch_size=2)
     monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "1")  # a compile setting from the environment is logged
     with caplog.at_level("INFO", logger="fastdpo"):
-        train_mod.assemble(cfg, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
-                           load_tokenizer(path), pairs)
-    assert cfg.max_tokens_per_batch == 4096
+        got = train_mod.assemble(cfg, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                                 load_tokenizer(path), pairs)
+    assert got.plan.max_tokens_per_batch == 4096 and cfg.max_tokens_per_batch == 0
     assert "torch.compile settings from the environment: TORCHINDUCTOR_CPP_WRAPPER=1" in caplog.text
     monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER")
     kept = _cfg(tmp_path, model_dirs, torch_compile=True, max_tokens_per_batch=512)
-    train_mod.assemble(kept, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
-                       load_tokenizer(path), pairs)
-    assert kept.max_tokens_per_batch == 512
+    got = train_mod.assemble(kept, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                             load_tokenizer(path), pairs)
+    assert got.plan.max_tokens_per_batch == 512
     eager = _cfg(tmp_path, model_dirs, per_device_train_batch_size=8)  # no --torch_compile: the flex kernel alone
     with caplog.at_level("INFO", logger="fastdpo"):
-        train_mod.assemble(eager, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
-                           load_tokenizer(path), pairs)
-    assert eager.max_tokens_per_batch == 7168
+        got = train_mod.assemble(eager, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                                 load_tokenizer(path), pairs)
+    assert got.plan.max_tokens_per_batch == 7168
     assert "FlexAttention: micro-batches use a token budget of 7168" in caplog.text
     monkeypatch.setattr(train_mod, "choose_backend", lambda *a: Backend("dense"))
     dense = _cfg(tmp_path, model_dirs, per_device_train_batch_size=8)  # dense (CPU): pair counts, as asked
-    train_mod.assemble(dense, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
-                       load_tokenizer(path), pairs)
-    assert dense.max_tokens_per_batch == 0
+    got = train_mod.assemble(dense, torch.device("cpu"), load_model(path, torch.float32, torch.device("cpu")),
+                             load_tokenizer(path), pairs)
+    assert got.plan.max_tokens_per_batch == 0
 
 
 def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
@@ -464,33 +464,37 @@ def test_kernel_diff_sums_device_time_by_kernel_per_step(tmp_path, capsys):
 
 
 def test_speed_hint_names_the_missing_settings():
+    from fastdpo.config import RunPlan
     from fastdpo.training.setup import speed_hint
+
+    def named(cfg, *a):
+        return speed_hint(cfg, RunPlan.of(cfg), *a)
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     plain = TrainConfig(model="m", dataset=["d"], gradient_checkpointing="none")  # as `fit` resolves with room
-    hint = speed_hint(plain, cuda, "flex")
+    hint = named(plain, cuda, "flex")
     for flag in ("--torch_compile", "--max_tokens_per_batch 4096", "--gradient_checkpointing ffn",
                  "--precompute_ref_log_probs", "fastdpo tune"):
         assert flag in hint
-    assert speed_hint(plain, cpu, "dense") is None and speed_hint(plain, cuda, "padded") is None
+    assert named(plain, cpu, "dense") is None and named(plain, cuda, "padded") is None
     sharded = TrainConfig(model="m", dataset=["d"], torch_compile=True, max_tokens_per_batch=4096, fsdp="full_shard")
-    assert "--max_tokens_per_batch 8192" in speed_hint(sharded, cuda, "flex", "fsdp")
-    assert "--fsdp shard_grad_op" in speed_hint(sharded, cuda, "flex", "fsdp")
-    zero2 = speed_hint(sharded, cuda, "flex", "fsdp_zero2")  # one gather per step already; host-bound when small
+    assert "--max_tokens_per_batch 8192" in named(sharded, cuda, "flex", "fsdp")
+    assert "--fsdp shard_grad_op" in named(sharded, cuda, "flex", "fsdp")
+    zero2 = named(sharded, cuda, "flex", "fsdp_zero2")  # one gather per step already; host-bound when small
     assert "--max_tokens_per_batch 8192" in zero2 and "--fsdp shard_grad_op" not in zero2
-    assert speed_hint(sharded, cuda, "flex", "ddp") != speed_hint(sharded, cuda, "flex", "fsdp")
+    assert named(sharded, cuda, "flex", "ddp") != named(sharded, cuda, "flex", "fsdp")
     sharded.max_tokens_per_batch = 8192
-    assert "FSDP2" not in (speed_hint(sharded, cuda, "flex", "fsdp") or "")
-    assert "FSDP2" not in (speed_hint(sharded, cuda, "flex", "fsdp_zero2") or "")
+    assert "FSDP2" not in (named(sharded, cuda, "flex", "fsdp") or "")
+    assert "FSDP2" not in (named(sharded, cuda, "flex", "fsdp_zero2") or "")
     tuned = TrainConfig(model="m", dataset=["d"], torch_compile=True, max_tokens_per_batch=4096,
                         gradient_checkpointing="ffn", precompute_ref_log_probs=True)
-    assert speed_hint(tuned, cuda, "flex") is None
+    assert named(tuned, cuda, "flex") is None
     lora = TrainConfig(model="m", dataset=["d"], train_type="lora", torch_compile=True, max_tokens_per_batch=4096,
                        gradient_checkpointing="full")
-    assert "--precompute_ref_log_probs" in speed_hint(lora, cuda, "flex")  # saves the adapters-off forward too
+    assert "--precompute_ref_log_probs" in named(lora, cuda, "flex")  # saves the adapters-off forward too
     free = TrainConfig(model="m", dataset=["d"], loss_type="simpo", torch_compile=True, max_tokens_per_batch=4096,
                        gradient_checkpointing="full")
-    assert speed_hint(free, cuda, "flex") is None  # reference-free: nothing to precompute
+    assert named(free, cuda, "flex") is None  # reference-free: nothing to precompute
 
 
 def test_compile_warmup_leaves_training_unchanged(tmp_path, model_dirs, caplog):

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from fastdpo.config import RunPlan
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.model.backend import Backend, build_mask, make_batch, prepare_packed
 from fastdpo.model.memory import apply_checkpointing
@@ -229,7 +230,7 @@ def test_fit_walks_the_backward_only_for_one_micro_batch_per_step_under_a_named_
         seen.clear()
         cfg = TrainConfig(model="m", dataset=["d"], per_device_train_batch_size=8, **kw)
         m = tiny()
-        fit_module.resolve_fit(cfg, m, Backend("dense"), ps, torch.device("cpu"), 0, 64 * GIB, 0,
+        fit_module.resolve_fit(cfg, RunPlan.of(cfg), m, Backend("dense"), ps, torch.device("cpu"), 0, 64 * GIB, 0,
                                default_limit=default_limit, world=world)
         return seen[0]
 
@@ -271,8 +272,9 @@ def test_fit_is_no_checkpointing_off_cuda():
     cfg = TrainConfig(model="m", dataset=["d"])
     assert cfg.gradient_checkpointing == "fit"
     cfg.validate()
-    fit_checkpointing(cfg, tiny(), Backend("dense"), pairs(100), torch.device("cpu"), 0, None)
-    assert cfg.gradient_checkpointing == "none"
+    plan = RunPlan.of(cfg)
+    fit_checkpointing(cfg, plan, tiny(), Backend("dense"), pairs(100), torch.device("cpu"), 0, None)
+    assert plan.gradient_checkpointing == "none" and cfg.gradient_checkpointing == "fit"
 
 
 @pytest.mark.gpu
@@ -304,7 +306,7 @@ def test_fit_estimate_bounds_the_measured_peak_on_cuda(accumulate, caplog):
     torch.cuda.reset_peak_memory_stats()
     with caplog.at_level(logging.INFO, logger="fastdpo"):
         trainer = Trainer(cfg, assemble(cfg, torch.device("cuda"), model, tok, ps))
-    chosen = trainer.cfg.gradient_checkpointing
+    chosen = trainer.plan.gradient_checkpointing
     assert chosen in ("none", "ffn", "full") or chosen.startswith("keep:"), chosen
     estimate = float(re.search(rf"{re.escape(chosen)} ~([0-9.]+) GiB", caplog.text).group(1))
     trainer.step(ps[:8])
@@ -327,9 +329,10 @@ def test_resolve_fit_switches_to_lean_layers_and_splits_budgets_over_a_group():
     def run(limit, static=0, shards=1, split=1, default_limit=False, **kw):
         cfg = TrainConfig(model="m", dataset=["d"], per_device_train_batch_size=8, **kw)
         m = tiny()
-        resolve_fit(cfg, m, Backend("dense"), ps, cpu, 0, limit, static, shards, split, default_limit)
+        plan = RunPlan.of(cfg)
+        resolve_fit(cfg, plan, m, Backend("dense"), ps, cpu, 0, limit, static, shards, split, default_limit)
         lean = "forward" in m.model.layers[0].mlp.__dict__
-        return cfg, lean
+        return plan, lean
 
     roomy, lean = run(64 * GIB)
     assert roomy.gradient_checkpointing == "none" and roomy.max_tokens_per_batch == 0 and not lean

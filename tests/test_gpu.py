@@ -326,7 +326,9 @@ def test_training_without_a_budget_builds_few_flex_lengths(tmp_path, model_dirs)
                       max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=4, max_length=4096,
                       disable_progress=True, device="cuda", save_steps=0, attn_impl="flex")
     train(cfg, progress=False)
-    assert cfg.max_tokens_per_batch > 0
+    from fastdpo.config import RunPlan
+
+    assert RunPlan.load(tmp_path / "run").max_tokens_per_batch > 0
     graphs = len(_debug_get_cache_entry_list(flex_attention.__code__))
     assert 0 < graphs <= 2 * (cfg.length_buckets + 4), graphs  # with and without grad; a few past the budget
     limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit

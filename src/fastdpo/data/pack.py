@@ -10,6 +10,17 @@ Targets: c0 and r0 are predicted by the hidden state of p(P-1); c_i by c_(i-1); 
 Prompt targets, only when asked for (`prompt_targets`: a loss whose NLL covers the prompt, ORPO): p_i (i >= 1) by
 p_(i-1), once per pair (the prompt is shared by both sequences). p0, the first token of the sequence, is never
 predicted.
+
+Groups (`group=True`): the pairs of a micro-batch whose prompts are the same token ids share one run
+
+    tokens    p0 .. pP-1 | y1 .. | y2 .. | ... | yK ..      (every completion restarts at position P)
+    segment   0          | 1     | 2     | ... | K
+
+where y1..yK are the distinct completions of those pairs (with `dedupe`; else each pair's two), each attending to the
+prompt and to itself. A completion used by several pairs is computed once: its targets belong to the first
+sequence that uses it, and `seq_alias` maps every sequence (chosen of pair i -> i, rejected -> B + i) to the one
+holding its targets, so each pair still sees its own two sums. Pairs with prompts of their own are K = 2 groups:
+exactly the pair layout above.
 """
 
 from __future__ import annotations
@@ -43,6 +54,10 @@ class PairBatch:
       prompt_lengths (B,) long counts them per pair (prompt tokens - 1, or 0 without a prompt).
     A shard of a packed row (sequence parallelism: some of its tokens, some of its targets) also has offsets (N,)
       long, each target's position within its sequence in the whole row; lengths stay the whole row's.
+    Groups (packed layout, see the module docstring): pair_ids then number the groups, segments the completions of a
+      group (1..K), pair_lengths holds (prompt, y1, ..., yK) per group; seq_alias (2B,) long, when some sequence
+      has no targets of its own, maps each sequence to the one whose sums it takes; prompt_alias (B,) likewise for
+      the prompt targets (held by the first pair of each group).
     """
 
     input_ids: torch.Tensor
@@ -61,6 +76,8 @@ class PairBatch:
     prompt_pair: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
+    seq_alias: torch.Tensor | None = None
+    prompt_alias: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -110,22 +127,69 @@ def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int, shuffl
     return [perm[i : i + pairs_per_step] for i in range(0, num_rows, pairs_per_step)]
 
 
-def split_micro_batches(pairs: list[TokenizedPair], max_tokens: int, pairs_per_micro: int) -> list[list[TokenizedPair]]:
+MAX_GROUP = 126  # completions of one group: segments are int8, 0 is the prompt
+
+
+def prompt_groups(pairs: list[TokenizedPair]) -> list[list[TokenizedPair]]:
+    """The pairs gathered by prompt (the same token ids), in order of first appearance, each group in pair order."""
+    groups: dict[tuple[int, ...], list[TokenizedPair]] = {}
+    for p in pairs:
+        groups.setdefault(tuple(p.prompt), []).append(p)
+    return list(groups.values())
+
+
+def packed_tokens(pairs: list[TokenizedPair], group: bool = False, dedupe: bool = True) -> int:
+    """Tokens of the pairs in the packed layout: P + C + R each, or with `group` each prompt once and each of its
+    completions once (every one of them without `dedupe`)."""
+    if not group:
+        return sum(p.num_tokens for p in pairs)
+    total = 0
+    for members in prompt_groups(pairs):
+        total += len(members[0].prompt)
+        if dedupe:
+            total += sum(len(c) for c in {tuple(c) for p in members for c in (p.chosen, p.rejected)})
+        else:
+            total += sum(len(p.chosen) + len(p.rejected) for p in members)
+    return total
+
+
+def _units(pairs: list[TokenizedPair], max_tokens: int, group: bool, dedupe: bool) -> list[list[TokenizedPair]]:
+    """What micro-batches are cut from: single pairs, or with `group` the prompt groups, a group over the budget cut
+    into sub-groups that each fit (each repeats the prompt; a pair over the budget alone is its own)."""
+    if not group:
+        return [[p] for p in pairs]
+    units = []
+    for members in prompt_groups(pairs):
+        part: list[TokenizedPair] = []
+        for p in members:
+            if part and packed_tokens(part + [p], True, dedupe) > max_tokens:
+                units.append(part)
+                part = []
+            part.append(p)
+        units.append(part)
+    return units
+
+
+def split_micro_batches(pairs: list[TokenizedPair], max_tokens: int, pairs_per_micro: int, group: bool = False,
+                        dedupe: bool = True) -> list[list[TokenizedPair]]:
     """Group one step's pairs into micro-batches: first-fit decreasing under a token budget when `max_tokens` > 0
-    (a pair longer than the budget gets its own micro-batch), else consecutive groups of `pairs_per_micro`."""
+    (a pair longer than the budget gets its own micro-batch), else consecutive groups of `pairs_per_micro`. With
+    `group`, the budget counts the packed group layout, and the pairs of one prompt stay in one micro-batch unless
+    together they exceed the budget."""
     if max_tokens <= 0:
         return [pairs[i : i + pairs_per_micro] for i in range(0, len(pairs), pairs_per_micro)]
     bins: list[list[TokenizedPair]] = []
     room: list[int] = []
-    for p in sorted(pairs, key=lambda p: -p.num_tokens):
+    units = _units(pairs, max_tokens, group, dedupe)
+    for unit, size in sorted(((u, packed_tokens(u, group, dedupe)) for u in units), key=lambda us: -us[1]):
         for b, free in enumerate(room):
-            if p.num_tokens <= free:
-                bins[b].append(p)
-                room[b] -= p.num_tokens
+            if size <= free:
+                bins[b].extend(unit)
+                room[b] -= size
                 break
         else:
-            bins.append([p])
-            room.append(max_tokens - p.num_tokens)
+            bins.append(list(unit))
+            room.append(max_tokens - size)
     return bins
 
 
@@ -161,8 +225,9 @@ class _PromptTargets:
 
 
 def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int = 0,
-               prompt_targets: bool = False) -> PairBatch:
+               prompt_targets: bool = False, group: bool = False, dedupe: bool = True) -> PairBatch:
     """Lay out pairs as [prompt | chosen | rejected] runs in one row, padded with filler up to a multiple; with
+    `group`, the pairs of one prompt as one [prompt | y1 | ... | yK] run (the module docstring); with
     `prompt_targets`, the prompt tokens' targets too."""
     ids: list[int] = []
     pos: list[int] = []
@@ -173,27 +238,53 @@ def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int
     seq: list[int] = []
     b = len(pairs)
     lengths = [0] * (2 * b)
+    alias = list(range(2 * b))
+    prompt_alias = list(range(b))
+    runs: list[tuple[int, ...]] = []
     prompt = _PromptTargets(b) if prompt_targets else None
-    for i, p in enumerate(pairs):
-        start, plen, clen, rlen = len(ids), len(p.prompt), len(p.chosen), len(p.rejected)
-        if prompt is not None:
-            prompt.add(i, p.prompt, start)
-        ids += p.prompt + p.chosen + p.rejected
-        pos += list(range(plen + clen)) + list(range(plen, plen + rlen))
-        pid += [i] * (plen + clen + rlen)
-        seg += [PROMPT] * plen + [CHOSEN] * clen + [REJECTED] * rlen
+    order = {id(p): i for i, p in enumerate(pairs)}
+    units = [part for members in prompt_groups(pairs) for part in _by_size(members)] if group else [[p] for p in pairs]
+    for g, members in enumerate(units):
+        start, plen = len(ids), len(members[0].prompt)
+        ids += members[0].prompt
+        pos += range(plen)
+        seg += [PROMPT] * plen
         last_prompt = start + plen - 1
-        for s, toks, c_start in ((i, p.chosen, start + plen), (b + i, p.rejected, start + plen + clen)):
-            s_idx, t_idx = _targets(start, plen, len(toks), c_start, last_prompt)
-            src += s_idx
-            tgt += [toks[t] for t in t_idx]
-            seq += [s] * len(s_idx)
-            lengths[s] = len(s_idx)
+        first = order[id(members[0])]
+        if prompt is not None:
+            prompt.add(first, members[0].prompt, start)
+        held: dict[tuple[int, ...], int] = {}  # completion -> the sequence holding its targets
+        run = [plen]
+        for p in members:
+            i = order[id(p)]
+            prompt_alias[i] = first
+            if prompt is not None:
+                prompt.lengths[i] = prompt.lengths[first]
+            for s, toks in ((i, p.chosen), (b + i, p.rejected)):
+                key = tuple(toks)
+                if dedupe and group and key in held:
+                    alias[s], lengths[s] = held[key], lengths[held[key]]
+                    continue
+                held[key] = s
+                c_start = len(ids)
+                ids += toks
+                pos += range(plen, plen + len(toks))
+                seg += [len(run)] * len(toks)
+                run.append(len(toks))
+                s_idx, t_idx = _targets(start, plen, len(toks), c_start, last_prompt)
+                src += s_idx
+                tgt += [toks[t] for t in t_idx]
+                seq += [s] * len(s_idx)
+                lengths[s] = len(s_idx)
+        pid += [g] * (len(ids) - start)
+        runs.append(tuple(run))
     filler = (-len(ids)) % pad_to_multiple
     ids += [pad_id] * filler
     pos += [0] * filler
     pid += [-1] * filler
     seg += [PROMPT] * filler
+    prompt_fields = prompt.fields() if prompt is not None else {}
+    shared = alias != list(range(2 * b))
     return PairBatch(
         input_ids=int_tensor(ids).unsqueeze(0),
         position_ids=int_tensor(pos).unsqueeze(0),
@@ -204,9 +295,17 @@ def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int
         index=int_tensor([p.index for p in pairs]),
         pair_ids=int_tensor(pid, torch.int32),
         segments=int_tensor(seg, torch.int8),
-        pair_lengths=tuple((len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs),
-        **(prompt.fields() if prompt is not None else {}),
+        pair_lengths=tuple(runs),
+        seq_alias=int_tensor(alias) if shared else None,
+        prompt_alias=int_tensor(prompt_alias) if prompt is not None and prompt_alias != list(range(b)) else None,
+        **prompt_fields,
     )
+
+
+def _by_size(members: list[TokenizedPair]) -> list[list[TokenizedPair]]:
+    """A prompt's pairs in runs of at most MAX_GROUP completions (each pair adds at most two)."""
+    step = MAX_GROUP // 2
+    return [members[k : k + step] for k in range(0, len(members), step)]
 
 
 def pad_pairs(pairs: list[TokenizedPair], pad_id: int = 0, prompt_targets: bool = False) -> PairBatch:

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from fastdpo.data.load import Row
-from fastdpo.data.pack import split_micro_batches
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import Backend, make_batch
@@ -156,7 +155,7 @@ def compute_table(model, pairs: list[TokenizedPair], backend: Backend, pad_id: i
     t0 = time.perf_counter()
     index, values = [], []
     for start in range(0, len(pairs), PASS_WINDOW):
-        for group in split_micro_batches(pairs[start : start + PASS_WINDOW], max_tokens, pairs_per_batch):
+        for group in backend.micro_batches(pairs[start : start + PASS_WINDOW], max_tokens, pairs_per_batch):
             batch = make_batch(group, backend, pad_id, device, max_tokens)
             s = completion_logps(model, batch, backend)
             if not index:

@@ -166,8 +166,10 @@ class VarlenMask:
 
 
 def varlen_layout(pair_lengths, total: int) -> tuple[list[int], list[int], list[int], int, int]:
-    """(key_index, cu_q, cu_k, max_q, max_k) for pairs laid out as [prompt | chosen | rejected] runs, in order, in a
-    row of `total` tokens; trailing filler is one more causal sequence over itself. Host lists, no device work."""
+    """(key_index, cu_q, cu_k, max_q, max_k) for runs laid out as [prompt | y1 | ... | yK] (a pair: [prompt | chosen |
+    rejected]), in order, in a row of `total` tokens: prompt + y1 is one causal sequence, each later yk a sequence
+    of its own queries over [prompt keys | its own keys]; trailing filler is one more causal sequence over itself.
+    Host lists, no device work."""
     key_index: list[int] = []
     cu_q, cu_k = [0], [0]
     max_q = max_k = 0
@@ -182,23 +184,31 @@ def varlen_layout(pair_lengths, total: int) -> tuple[list[int], list[int], list[
         cu_k.append(cu_k[-1] + len(keys))
         max_q, max_k = max(max_q, n_q), max(max_k, len(keys))
 
-    for n_p, n_c, n_r in pair_lengths:
-        add(n_p + n_c, list(range(off, off + n_p + n_c)))
-        add(n_r, list(range(off, off + n_p)) + list(range(off + n_p + n_c, off + n_p + n_c + n_r)))
-        off += n_p + n_c + n_r
+    for n_p, *completions in pair_lengths:
+        n_1 = completions[0] if completions else 0
+        add(n_p + n_1, list(range(off, off + n_p + n_1)))
+        at = off + n_p + n_1
+        for n_k in completions[1:]:
+            add(n_k, list(range(off, off + n_p)) + list(range(at, at + n_k)))
+            at += n_k
+        off = at
     assert off <= total, (off, total)
     add(total - off, list(range(off, total)))
     return key_index, cu_q, cu_k, max_q, max_k
 
 
-def key_sources(pair_lengths, total: int) -> tuple[list[int], list[int]]:
+def key_sources(pair_lengths, total: int) -> tuple[list[int], list[int]] | None:
     """For each of the row's `total` packed tokens, the first and the second place of its key in `varlen_layout`'s
-    key_index (-1 for the second: a key of one sequence only). A prompt token is a key of both its pair's sequences,
+    key_index (-1 for the second: a key of one sequence only). A pair's prompt token is a key of both its sequences,
     every other token of one; so the gathered keys' gradient comes back to a token as a sum of at most two rows,
-    which a kernel adds without atomics. Host lists, no device work."""
+    which a kernel adds without atomics. None when a run has more than two completions (its prompt's keys have more
+    places: the gather's own backward adds them). Host lists, no device work."""
+    if any(len(run) > 3 for run in pair_lengths):
+        return None
     first, second = [-1] * total, [-1] * total
     kc = off = 0
-    for n_p, n_c, n_r in pair_lengths:
+    for n_p, *completions in pair_lengths:
+        n_c, n_r = (completions + [0, 0])[:2]
         a, b = off + n_p + n_c, off + n_p + n_c + n_r  # where the chosen and the rejected completion end
         if n_p + n_c:  # queries [prompt | chosen] over those keys
             first[off:a] = range(kc, kc + n_p + n_c)
@@ -223,9 +233,10 @@ def varlen_mask(batch: PairBatch) -> VarlenMask:
         t = int_tensor(values, dtype)
         return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
-    first, second = key_sources(batch.pair_lengths, batch.num_tokens)
+    sources = key_sources(batch.pair_lengths, batch.num_tokens)
+    first, second = (None, None) if sources is None else (put(sources[0], torch.long), put(sources[1], torch.long))
     return VarlenMask(put(key_index, torch.long), put(cu_q, torch.int32), put(cu_k, torch.int32), length_bound(max_q),
-                      length_bound(max_k), put(first, torch.long), put(second, torch.long))
+                      length_bound(max_k), first, second)
 
 
 def length_bound(n: int) -> int:

@@ -4,12 +4,13 @@ hidden states that predict the completion tokens and their log-probs (DESIGN §1
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from fastdpo.data.pack import PairBatch, pack_pairs, pad_pairs
+from fastdpo.data.pack import PairBatch, pack_pairs, packed_tokens, pad_pairs, split_micro_batches
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels.logprob_head import token_logps
 from fastdpo.model import attention
@@ -72,6 +73,17 @@ class Backend:
     name: str  # varlen | flex | dense | padded
     window: int | None = None
     lengths: int = SHAPE_BUCKETS  # flex: static micro-batch lengths per token budget (`flex_length`)
+    group: bool = False  # packed layouts: the pairs of one prompt as one group (`fastdpo.data.pack`)
+    dedupe: bool = True  # in a group, a completion several pairs share is computed once
+
+    def grouping(self, group: bool, dedupe: bool = True) -> Backend:
+        """This backend laying out micro-batches in prompt groups (`group`; never on the padded path, which is the
+        plain reference computation)."""
+        return dataclasses.replace(self, group=group and self.name != "padded", dedupe=dedupe)
+
+    def micro_batches(self, pairs: list, max_tokens: int, pairs_per_micro: int) -> list[list]:
+        """One step's pairs cut into micro-batches (`split_micro_batches`), counting tokens as this layout packs them."""
+        return split_micro_batches(pairs, max_tokens, pairs_per_micro, self.group, self.dedupe)
 
 
 # Names users bring from ms-swift / transformers scripts, and why the packed backend serves them instead.
@@ -193,10 +205,11 @@ def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device,
     if backend.name == "padded":
         batch = pad_pairs(pairs, pad_id, prompt_targets)
     elif backend.name == "flex":
-        batch = pack_pairs(pairs, flex_length(sum(p.num_tokens for p in pairs), budget, backend.lengths), pad_id,
-                           prompt_targets)
+        tokens = packed_tokens(pairs, backend.group, backend.dedupe)
+        batch = pack_pairs(pairs, flex_length(tokens, budget, backend.lengths), pad_id, prompt_targets, backend.group,
+                           backend.dedupe)
     else:
-        batch = pack_pairs(pairs, 1, pad_id, prompt_targets)
+        batch = pack_pairs(pairs, 1, pad_id, prompt_targets, backend.group, backend.dedupe)
     return batch.to(device)
 
 
@@ -242,4 +255,5 @@ def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tupl
     hidden = target_hidden(model, batch, backend, mask)
     head = output_head(model)
     tok = token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap, kernels=head.kernels)
-    return sequence_sums(tok, batch.seq, batch.lengths.numel()), tok
+    sums = sequence_sums(tok, batch.seq, batch.lengths.numel())
+    return (sums if batch.seq_alias is None else sums[batch.seq_alias]), tok

@@ -2,7 +2,9 @@
 
 For each sequence (chosen of pairs 0..B-1, then rejected of pairs 0..B-1, as `PairBatch.seq` numbers them):
   sums    log-prob of the completion: the sum over its tokens;
-  shared  the sum over its first min(C, R) tokens, the length both completions of its pair share (LD-DPO);
+  shared  the sum over its first min(C, R) tokens, the length both completions of its pair share (LD-DPO; a batch
+          whose groups compute a completion once for several pairs has it for the first of them only, so LD-DPO
+          packs without that: `Backend.dedupe`);
   wpo     mean over its tokens of log p(token) - log sum_v p_v^2 (WPO's aligned, length-normalised log-weight);
           without grad, and only when asked for.
 And per pair (B,), only when the batch carries prompt targets (`PairBatch.prompt_src`, for ORPO's NLL):
@@ -29,6 +31,17 @@ class SeqLogps:
     shared: torch.Tensor
     wpo: torch.Tensor | None = None
     prompt: torch.Tensor | None = None
+
+    def resolved(self, batch: PairBatch) -> SeqLogps:
+        """Every sequence's and pair's own values where a grouped batch computed a completion (or a prompt) once
+        for several (`PairBatch.seq_alias`, `prompt_alias`)."""
+        out = self
+        if batch.seq_alias is not None:
+            a = batch.seq_alias
+            out = SeqLogps(out.sums[a], out.shared[a], None if out.wpo is None else out.wpo[a], out.prompt)
+        if batch.prompt_alias is not None and out.prompt is not None:
+            out = SeqLogps(out.sums, out.shared, out.wpo, out.prompt[batch.prompt_alias])
+        return out
 
 
 def token_offsets(seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -80,4 +93,4 @@ def completion_logps(model, batch: PairBatch, backend: Backend, mask=None, wpo: 
     if with_prompt:
         out.prompt = sequence_sums(tok[n:], batch.prompt_pair, batch.num_pairs)
     complete = getattr(mask, "complete", None)
-    return complete(out) if complete is not None else out
+    return (complete(out) if complete is not None else out).resolved(batch)

@@ -130,7 +130,7 @@ def shard_batch(batch: PairBatch, n: int, rank: int) -> PairBatch:
         input_ids=batch.input_ids[:, idx], position_ids=batch.position_ids[:, idx], src=local[keep],
         tgt=batch.tgt[keep], seq=batch.seq[keep], lengths=batch.lengths, index=batch.index,
         pair_ids=batch.pair_ids[idx], segments=batch.segments[idx], pair_lengths=batch.pair_lengths,
-        offsets=offsets[keep], **prompt,
+        offsets=offsets[keep], seq_alias=batch.seq_alias, prompt_alias=batch.prompt_alias, **prompt,
     )
 
 

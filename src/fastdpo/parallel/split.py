@@ -25,11 +25,11 @@ def split_ranks(pairs: list[TokenizedPair], world: int) -> list[list[TokenizedPa
 
 
 def rank_micro_batches(pairs: list[TokenizedPair], rank: int, world: int, max_tokens: int,
-                       pairs_per_micro: int) -> list[list[TokenizedPair]]:
+                       pairs_per_micro: int, group: bool = False, dedupe: bool = True) -> list[list[TokenizedPair]]:
     """This rank's micro-batches of one step. Every rank computes every rank's plan (same seed, same pairs), so all
     agree without communicating on the number of micro-steps: a rank with fewer splits its largest micro-batches;
     one with fewer pairs than micro-steps gets empty micro-batches, which the loop runs as zero-weight forwards."""
-    plans = [split_micro_batches(share, max_tokens, pairs_per_micro) for share in split_ranks(pairs, world)]
+    plans = [split_micro_batches(share, max_tokens, pairs_per_micro, group, dedupe) for share in split_ranks(pairs, world)]
     count = max(len(p) for p in plans)
     mine = plans[rank]
     while len(mine) < count:

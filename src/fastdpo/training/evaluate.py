@@ -56,6 +56,7 @@ def held_out_reference(cfg, policy, device, pairs: list[TokenizedPair], rows: li
 
 def _batches(pairs: list[TokenizedPair], backend: Backend, pad_id: int, device, max_tokens: int, batch_size: int,
              prompt_targets: bool = False):
+    backend = backend.grouping(False)  # per-token figures (kl) count every pair's tokens
     for group in split_micro_batches(pairs, max_tokens, batch_size):
         batch = make_batch(group, backend, pad_id, device, max_tokens, prompt_targets)
         yield batch, build_mask(batch, backend)

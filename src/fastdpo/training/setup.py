@@ -286,7 +286,8 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     d = d or Dist()
     plan = plan or RunPlan.of(cfg)
     check_sequence_parallel_size(cfg.sequence_parallel_size, d.world_size)  # e.g. bench/tune: one process
-    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets)
+    backend = choose_backend(model, cfg.attn_impl, cfg.padding_free, device, cfg.length_buckets).grouping(
+        cfg.group_prompts, dedupe=cfg.ld_alpha == 1.0)  # LD-DPO weighs a completion by its partner's length
     given = plan.max_tokens_per_batch
     plan.max_tokens_per_batch = micro_batch_budget(backend, given, pairs, cfg.per_device_train_batch_size)
     plan.device, plan.attention = str(device), backend.name

@@ -146,7 +146,7 @@ def step_groups(s: Setup, step_pairs: list[TokenizedPair]) -> list[list[Tokenize
     sequence-parallel group share each micro-batch)."""
     cfg, d = s.cfg, s.dist
     return rank_micro_batches(step_pairs, d.dp_rank, d.dp_size, s.plan.max_tokens_per_batch,
-                              cfg.per_device_train_batch_size)
+                              cfg.per_device_train_batch_size, s.backend.group, s.backend.dedupe)
 
 
 def pack_micro_batch(s: Setup, group: list[TokenizedPair], step_pairs: list[TokenizedPair]) -> Packed:

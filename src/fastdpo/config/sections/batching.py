@@ -26,6 +26,9 @@ class BatchingSection(Section):
                                        "per_device_train_batch_size pairs of the data's tokens, logged; otherwise "
                                        "per_device_train_batch_size pairs).")
     padding_free: bool = option(True, "Packed, prefix-shared layout (true) or the padded two-rows-per-pair path (false).")
+    group_prompts: bool = option(True, "Packed layout: the pairs of a micro-batch with the same prompt (token ids) share one "
+                                 "run, the prompt and each distinct completion computed once; the same losses and "
+                                 "gradients as one run per pair. false: one run per pair.")
     attn_impl: str = option("auto", "auto|varlen|flex|dense|padded. auto: varlen on CUDA for bf16/fp16 models (flex for "
                             "float32), dense on CPU.")
     gradient_checkpointing: str = option("fit", "Activation checkpointing: fit|none|full|ffn|attn|every:K|keep:N|auto (true "
