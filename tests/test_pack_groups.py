@@ -138,8 +138,8 @@ def run(tmp_path, model_dirs, name, **kw):
     from fastdpo.training.loop import train
 
     data = write_jsonl(tmp_path / "rows.jsonl", grouped_rows())
-    base = dict(model=str(model_dirs("qwen3")), dataset=[str(data)], max_steps=2, per_device_train_batch_size=6,
-                gradient_accumulation_steps=1, learning_rate=1e-3, seed=3, logging_steps=1, shuffle=False,
+    base = dict(model=str(model_dirs("qwen3")), dataset=[str(data)], max_steps=2, per_device_train_batch_size=5,
+                gradient_accumulation_steps=1, learning_rate=1e-3, seed=3, logging_steps=1,
                 gradient_checkpointing="none")
     train(TrainConfig(output_dir=str(tmp_path / name), **{**base, **kw}), progress=False)
     return tmp_path / name
@@ -170,8 +170,8 @@ def test_grouped_training_under_sequence_parallelism(tmp_path, model_dirs):
     data = tmp_path / "rows.jsonl"
     out = tmp_path / "sp2"
     run_ranks(2, output_dir=str(out), model=str(model_dirs("qwen3")), dataset=[str(data)], max_steps=2,
-              per_device_train_batch_size=6, gradient_accumulation_steps=1, learning_rate=1e-3, seed=3,
-              logging_steps=1, shuffle=False, gradient_checkpointing="none", sequence_parallel_size=2)
+              per_device_train_batch_size=5, gradient_accumulation_steps=1, learning_rate=1e-3, seed=3,
+              logging_steps=1, gradient_checkpointing="none", sequence_parallel_size=2)
     assert_same(out, one)
 
 
@@ -186,3 +186,21 @@ def test_training_groups_by_default_and_the_flag_turns_it_off(tmp_path, model_di
     assert not Trainer(TrainConfig(group_prompts=False, **common)).s.backend.group
     assert not Trainer(TrainConfig(ld_alpha=0.5, **common)).s.backend.dedupe
     assert not Trainer(TrainConfig(attn_impl="padded", **common)).s.backend.group
+
+
+def test_a_prompts_run_of_pairs_is_shuffled_as_a_whole():
+    from fastdpo.data.pack import epoch_permutation, prompt_runs, step_order
+
+    own = random_pairs(10, 50, seed=1)
+    assert prompt_runs(own) is None
+    assert torch.equal(epoch_permutation(10, 3, 1), epoch_permutation(10, 3, 1, runs=None))
+    p, q = TokenizedPair([1, 2], [3], [4], 0), TokenizedPair([5], [3], [4], 0)
+    runs = prompt_runs([p, p, p, q, p, q, q])
+    assert runs == [3, 1, 1, 2]
+    for epoch in range(5):
+        perm = epoch_permutation(7, 0, epoch, runs=runs).tolist()
+        assert sorted(perm) == list(range(7))
+        for block in ([0, 1, 2], [5, 6]):
+            at = perm.index(block[0])
+            assert perm[at:at + len(block)] == block
+    assert step_order(7, 3, 0, 0, False, runs) == [[0, 1, 2], [3, 4, 5], [6]]

@@ -110,20 +110,40 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tens
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
 
 
-def epoch_permutation(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+def prompt_runs(pairs: list[TokenizedPair]) -> list[int] | None:
+    """Lengths of the runs of consecutive pairs with the same prompt (a record of several completions, or rows
+    written one pair per line in prompt order); None when every run is one pair."""
+    runs: list[int] = []
+    for i, p in enumerate(pairs):
+        if i and p.prompt == pairs[i - 1].prompt:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs if len(runs) < len(pairs) else None
+
+
+def epoch_permutation(num_rows: int, seed: int, epoch: int, shuffle: bool = True,
+                      runs: list[int] | None = None) -> torch.Tensor:
     """The dataset indices of one epoch in training's order: seeded by (seed, epoch); without `shuffle`, the
-    dataset order."""
+    dataset order. With `runs` (`prompt_runs`) the runs of one prompt are shuffled as wholes, each in dataset order,
+    so a prompt's pairs meet in a step and share its computation (with or without grouping: the steps are the
+    same); a run of one pair moves as a pair does without runs."""
     if not shuffle:
         return torch.arange(num_rows)
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_rows, generator=g)
+    if runs is None:
+        return torch.randperm(num_rows, generator=g)
+    starts = torch.tensor([0] + runs[:-1]).cumsum(0)
+    order = torch.randperm(len(runs), generator=g)
+    return torch.cat([torch.arange(int(starts[r]), int(starts[r]) + runs[r]) for r in order.tolist()])
 
 
-def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
-    """Dataset indices of each optimizer step in one epoch. Depends only on the seed, the epoch and the step size,
-    never on micro-batching or the token budget. The last step of an epoch may be smaller. Without `shuffle`, the
-    dataset order."""
-    perm = epoch_permutation(num_rows, seed, epoch, shuffle).tolist()
+def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int, shuffle: bool = True,
+               runs: list[int] | None = None) -> list[list[int]]:
+    """Dataset indices of each optimizer step in one epoch. Depends only on the seed, the epoch, the step size and
+    the prompt runs, never on micro-batching or the token budget. The last step of an epoch may be smaller. Without
+    `shuffle`, the dataset order."""
+    perm = epoch_permutation(num_rows, seed, epoch, shuffle, runs).tolist()
     return [perm[i : i + pairs_per_step] for i in range(0, num_rows, pairs_per_step)]
 
 

@@ -240,7 +240,8 @@ def largest_planned_micro_batch(steps: Iterable[list[TokenizedPair]], per_micro:
 
 
 def planned_largest_micro_batch(pairs: list[TokenizedPair], per_step: int, per_micro: int, budget: int, world: int,
-                                seed: int, shuffle: bool, total_steps: int, steps_per_epoch: int) -> int:
+                                seed: int, shuffle: bool, total_steps: int, steps_per_epoch: int,
+                                runs: list[int] | None = None) -> int:
     """Tokens of the largest micro-batch of a run of `total_steps` steps of `per_step` pairs (over all `world` ranks)
     over `pairs` in memory, in the seeded order of each epoch that `Trainer.next_pairs` follows, computed on tensors
     (a second or less for millions of pairs). Exact for one rank without a budget (each step's consecutive groups of
@@ -254,7 +255,7 @@ def planned_largest_micro_batch(pairs: list[TokenizedPair], per_step: int, per_m
     largest, epoch = 0, 0
     while epoch * steps_per_epoch < total_steps:
         n = min(steps_per_epoch, total_steps - epoch * steps_per_epoch)
-        t = tokens[epoch_permutation(len(pairs), seed, epoch, shuffle)[: n * per_step]]
+        t = tokens[epoch_permutation(len(pairs), seed, epoch, shuffle, runs)[: n * per_step]]
         steps = torch.zeros(n * per_step, dtype=torch.int64)
         steps[: t.numel()] = t  # the last step of an epoch may be short
         steps = torch.nn.functional.pad(steps.view(n, per_step), (0, width - per_step))

@@ -17,6 +17,7 @@ import torch
 from fastdpo.checkpoint.ownership import check_output_dir
 from fastdpo.config import RunPlan, TrainConfig
 from fastdpo.data.load import Row, load_rows
+from fastdpo.data.pack import prompt_runs
 from fastdpo.data.prepare import DataOptions, log_rejects, tokenize_pairs
 from fastdpo.data.rejects import Rejects
 from fastdpo.data.split import held_out_rows
@@ -66,6 +67,7 @@ class Setup:
     val_reference: Reference | None = None  # their precomputed reference (None: the training reference)
     stream: PairStream | None = None  # --streaming: training pairs come from here instead of `pairs`
     plan: RunPlan | None = None  # what set-up resolved from cfg (checkpointing, token budget, ...); set by `assemble`
+    prompt_runs: list[int] | None = None  # runs of one prompt's consecutive pairs, shuffled as wholes
 
 
 def seed_all(seed: int) -> None:
@@ -328,12 +330,13 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     per_step = cfg.pairs_per_step * d.dp_size
     steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), per_step, cfg.dataloader_drop_last)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    runs = None if cfg.streaming else prompt_runs(pairs)  # whatever the layout: grouping changes no step's pairs
     if plan.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
         planned = steps
         if planned is None and not cfg.streaming:
             planned = planned_largest_micro_batch(pairs, per_step, cfg.per_device_train_batch_size,
                                                   plan.max_tokens_per_batch, d.dp_size, cfg.seed, cfg.shuffle, total,
-                                                  steps_per_epoch)
+                                                  steps_per_epoch, runs)
         fit_checkpointing(cfg, plan, model, backend, pairs, device, pad_id(tokenizer), cfg.max_memory_gib or None,
                           shards=d.world_size if d.mode == "fsdp" else 1, sequence_split=d.sp_size,
                           steps=planned, world=d.dp_size)
@@ -341,4 +344,4 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
 
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
     return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,
-                 cfg.loss_terms(), beta, plan=plan)
+                 cfg.loss_terms(), beta, plan=plan, prompt_runs=runs)

@@ -257,7 +257,8 @@ class Trainer:
             return s.stream.take(self.pairs_per_step)
         epoch, k = divmod(self.global_step, s.steps_per_epoch)
         if epoch not in self._orders:
-            self._orders = {epoch: step_order(len(s.pairs), self.pairs_per_step, self.cfg.seed, epoch, self.cfg.shuffle)}
+            self._orders = {epoch: step_order(len(s.pairs), self.pairs_per_step, self.cfg.seed, epoch, self.cfg.shuffle,
+                                              s.prompt_runs)}
         return [s.pairs[i] for i in self._orders[epoch][k]]
 
     def step(self, pairs: list[TokenizedPair] | None = None, then: list[TokenizedPair] | None = None) -> StepResult:
