@@ -553,6 +553,11 @@ def test_workloads_keep_the_anchor_and_bound_the_long_ones():
         assert statistics.mean(x["prompt"] for x in lengths) >= prompt_at_least
         assert statistics.mean(x["chosen"] for x in lengths) >= completion_at_least
     assert statistics.mean(len(r["prompt"].split()) for r in workload_pairs("long-answer", 300)) < 120
+    grouped = workload_pairs("grouped", 400)  # 4 consecutive pairs per prompt of at least 500 tokens
+    assert [len({r["prompt"] for r in grouped[i:i + 4]}) for i in range(0, 400, 4)] == [1] * 100
+    assert len({r["prompt"] for r in grouped}) == 100 and min(len(r["prompt"].split()) for r in grouped) >= 500
+    assert all(len(r["prompt"].split()) + len(r["chosen"].split()) + len(r["rejected"].split()) <= 2048
+               for r in grouped) and workload_max_length("grouped") == 2048
     with pytest.raises(ValueError, match="unknown workload"):
         workload_pairs("huge", 1)
 

@@ -158,3 +158,35 @@ def test_the_varlen_backward_writes_no_zeroed_copy_of_q_k_or_v():
     names = [e.name for e in prof.events()]
     assert any("_flash_attention_backward" in n for n in names)  # the path under test ran
     assert "aten::select_backward" not in names
+
+
+@pytest.mark.parametrize("name", ["varlen", "flex"])
+def test_prompt_groups_on_cuda_match_the_float32_padded_reference(name):
+    """Pairs sharing prompts and completions, packed as groups of up to 5 completions (the keys' gather then adds a
+    prompt key's several gradient rows itself), bf16 on the varlen and flex kernels against separate float32 rows."""
+    import random
+
+    from fastdpo.data.tokenize import TokenizedPair
+
+    rng = random.Random(0)
+    words = lambda n: [rng.randrange(10, 151000) for _ in range(n)]  # noqa: E731
+    pairs = []
+    for _ in range(6):
+        prompt, best = words(rng.randint(100, 400)), words(rng.randint(20, 200))
+        pairs += [TokenizedPair(prompt, best, words(rng.randint(20, 200)), 0) for _ in range(rng.randint(1, 4))]
+    for i, p in enumerate(pairs):
+        p.index = i
+    groups = split_micro_batches(pairs, 4096, 0, group=True)
+    ref_model = qwen3(torch.float32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    slow, g_slow = logps_and_grads(ref_model, [pad_pairs(g) for g in groups], Backend("padded"))
+    model = qwen3(torch.bfloat16)
+    model.train()
+    backend = choose_backend(model, name, True, torch.device("cuda")).grouping(True)
+    prepare_packed(model, backend)
+    batches = [pack_pairs(g, 128 if name == "flex" else 1, group=True) for g in groups]
+    assert any(b.seq_alias is not None for b in batches) and any(max(map(len, b.pair_lengths)) > 3 for b in batches)
+    fast, g_fast = logps_and_grads(model, batches, backend)
+    assert rel(fast, slow) < 1e-2
+    worst = max(rel(g_fast[n], g_slow[n]) for n in g_slow)
+    assert worst < 5e-2, worst

@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "on the same rows, with the same reference strategy (precomputed when --precompute_ref_log_probs).")
     b.add_argument("--workload", default="anchor", choices=sorted(WORKLOADS),
                    help="Built-in rows (no --dataset): anchor (prompt ~317 tokens, completions ~380), long-prompt "
-                        "(~1,680 / ~210, pairs <= 4096), long-answer (~77 / ~960, pairs <= 4096).")
+                        "(~1,680 / ~210, pairs <= 4096), long-answer (~77 / ~960, pairs <= 4096), grouped (4 pairs "
+                        "per prompt: prompt ~660, one chosen and 4 rejected ~340).")
     b.add_argument("--job", action="store_true", help="Time to result: time whole jobs, from process start to saved "
                    "model, each in a fresh process with empty compile caches (fastdpo train with these flags, then "
                    "each --compare side), on a model dir of --shape and --rows rows of --workload.")

@@ -6,7 +6,8 @@ instead: each side from process start to saved model, in a fresh process with em
 Workloads (`--workload`, `fastdpo.data.anchor.WORKLOADS`): synthetic pairs with log-normal lengths, texts of words
 `t<id>` that a word-level tokenizer maps one to one onto a 151,936-entry vocabulary (Qwen3's), so lengths are exact
 and nothing is downloaded. `anchor` (prompt mean ~317 tokens, chosen ~380, rejected ~377), `long-prompt` (~1,680 /
-~210 / ~215, pair <= 4096) and `long-answer` (~77 / ~985 / ~940, pair <= 4096).
+~210 / ~215, pair <= 4096), `long-answer` (~77 / ~985 / ~940, pair <= 4096) and `grouped` (4 consecutive pairs per
+prompt: prompt ~660 tokens, at least 500; one chosen ~345 against 4 rejected ~330).
 """
 
 from __future__ import annotations

@@ -32,9 +32,12 @@ def anchor_pairs(n: int, vocab: int = VOCAB, seed: int = 1, prompt_mean: int = 2
 # The benchmark workloads: (prompt mean, completion mean, longest pair) of the same log-normal rule. `anchor` is the
 # reference benchmark's; `long-prompt` is retrieval or document QA (prompts ~1,600 tokens, answers ~190), `long-answer`
 # is reasoning or code (prompts ~70 tokens, answers ~900).
-# Long workloads keep every pair within their length (`within_total`).
+# Long workloads keep every pair within their length (`within_total`). `grouped` is several completions per prompt
+# (UltraFeedback-style, on-policy samples): prompts of 500 to 1,024 tokens (~660), each with one chosen and
+# PAIRS_PER_PROMPT rejected answers (~330 tokens), written as that many consecutive pairs.
 WORKLOADS = {"anchor": (256, 320, 2048, 1024), "long-prompt": (1500, 180, 4096, 3072),
-             "long-answer": (64, 850, 4096, 512)}
+             "long-answer": (64, 850, 4096, 512), "grouped": (600, 300, 2048, 1024)}
+PAIRS_PER_PROMPT = 4
 
 
 def workload_pairs(name: str, n: int, vocab: int = VOCAB, seed: int = 1) -> list[dict]:
@@ -42,7 +45,30 @@ def workload_pairs(name: str, n: int, vocab: int = VOCAB, seed: int = 1) -> list
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
     prompt_mean, resp_mean, max_total, max_prompt = WORKLOADS[name]
+    if name == "grouped":
+        return grouped_pairs(n, vocab, seed, prompt_mean, resp_mean, max_total, max_prompt)
     return anchor_pairs(n, vocab, seed, prompt_mean, resp_mean, max_total, max_prompt, within_total=name != "anchor")
+
+
+def grouped_pairs(n: int, vocab: int = VOCAB, seed: int = 1, prompt_mean: int = 600, resp_mean: int = 300,
+                  max_total: int = 2048, max_prompt: int = 1024, per_prompt: int = PAIRS_PER_PROMPT) -> list[dict]:
+    """`n` pairs, `per_prompt` consecutive ones per prompt: the prompt's chosen answer against each of its rejected
+    ones (the same log-normal rule; prompts at least 500 tokens, every pair within `max_total`)."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return " ".join(f"t{rng.randrange(10, vocab)}" for _ in range(k))
+
+    def answer(cap: int) -> str:
+        return words(max(8, min(int(rng.lognormvariate(0, 0.6) * resp_mean), cap)))
+
+    out: list[dict] = []
+    while len(out) < n:
+        p = max(500, min(int(rng.lognormvariate(0, 0.4) * prompt_mean), max_prompt))
+        cap = (max_total - p) // 2
+        prompt, chosen = words(p) + " ", answer(cap)
+        out += [{"prompt": prompt, "chosen": chosen, "rejected": answer(cap)} for _ in range(per_prompt)]
+    return out[:n]
 
 
 def workload_max_length(name: str) -> int:
