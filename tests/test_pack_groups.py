@@ -204,3 +204,22 @@ def test_a_prompts_run_of_pairs_is_shuffled_as_a_whole():
             at = perm.index(block[0])
             assert perm[at:at + len(block)] == block
     assert step_order(7, 3, 0, 0, False, runs) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_mfu_counts_what_a_group_computes():
+    """The useful FLOPs of a grouped step count each prompt once and each distinct completion once; pairs with prompts
+    of their own count as before."""
+    from transformers import Qwen3Config
+
+    from fastdpo.observe.metrics import step_flops
+    from fastdpo.training.measure import pairs_flops
+
+    cfg = Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    own = random_pairs(6, 50, seed=2)
+    assert pairs_flops(cfg, own, True, group=True) == pairs_flops(cfg, own, True)
+    p, c = [1] * 10, [2] * 4
+    pairs = [TokenizedPair(p, c, [3] * 5, 0), TokenizedPair(p, c, [4] * 6, 1)]  # one prompt, chosen shared
+    attended = 10 * 11 // 2 + sum(n * 10 + n * (n + 1) // 2 for n in (4, 5, 6))
+    assert pairs_flops(cfg, pairs, True, group=True) == step_flops(cfg, 10 + 15, 15, attended, True)
+    assert pairs_flops(cfg, pairs, True, group=True) < pairs_flops(cfg, pairs, True)

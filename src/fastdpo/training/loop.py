@@ -244,7 +244,8 @@ class StepLog:
     def add(self, r: StepResult) -> None:
         self.rate.add(len(r.pairs), r.tokens)
         if self.peak:
-            self.flops += pairs_flops(self.lm_config, r.pairs, self.t.s.reference.online)
+            s = self.t.s
+            self.flops += pairs_flops(self.lm_config, r.pairs, s.reference.online, s.backend.group, s.backend.dedupe)
 
     def record(self, r: StepResult, step: int, gcs: dict) -> dict:
         s, d = self.t.s, self.t.s.dist

@@ -17,6 +17,7 @@ import torch
 
 from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row
+from fastdpo.data.pack import prompt_groups
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
@@ -31,12 +32,25 @@ from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
 log = logging.getLogger("fastdpo")
 
 
-def pairs_flops(lm_config, pairs: list[TokenizedPair], with_reference: bool) -> float:
+def pairs_flops(lm_config, pairs: list[TokenizedPair], with_reference: bool, group: bool = False,
+                dedupe: bool = True) -> float:
     """Useful FLOPs of an optimizer step over `pairs` (`observe.metrics.step_flops`: every token of the policy's
     forward and backward, the reference's forward when it runs online, the output head over completion tokens,
-    attention over the (query, key) pairs the layout allows)."""
-    return step_flops(lm_config, sum(p.num_tokens for p in pairs), sum(len(p.chosen) + len(p.rejected) for p in pairs),
-                      sum(attended_pairs(p) for p in pairs), with_reference)
+    attention over the (query, key) pairs the layout allows). With `group` (grouped layouts), what the step's
+    prompt groups need: each prompt once, and each distinct completion once with `dedupe`."""
+    if not group:
+        return step_flops(lm_config, sum(p.num_tokens for p in pairs),
+                          sum(len(p.chosen) + len(p.rejected) for p in pairs), sum(attended_pairs(p) for p in pairs),
+                          with_reference)
+    tokens = completions = attended = 0
+    for members in prompt_groups(pairs):
+        n_p = len(members[0].prompt)
+        ys = [c for p in members for c in (p.chosen, p.rejected)]
+        lengths = [len(y) for y in ({tuple(y): y for y in ys}.values() if dedupe else ys)]
+        tokens += n_p + sum(lengths)
+        completions += sum(lengths)
+        attended += n_p * (n_p + 1) // 2 + sum(n * n_p + n * (n + 1) // 2 for n in lengths)
+    return step_flops(lm_config, tokens, completions, attended, with_reference)
 
 
 def mfu(flops: float, seconds: float, peak: float, devices: int = 1) -> float:
@@ -102,7 +116,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
                 waited.append(ran.waited_s)
                 n_pairs += len(step_pairs)
                 rates.append(len(step_pairs) / (times[-1] - prev))
-                flops += pairs_flops(lm_cfg, step_pairs, s.reference.online)
+                flops += pairs_flops(lm_cfg, step_pairs, s.reference.online, s.backend.group, s.backend.dedupe)
         gc_pauses = pauses.take()
     finally:
         pauses.stop()
