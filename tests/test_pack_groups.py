@@ -223,3 +223,27 @@ def test_mfu_counts_what_a_group_computes():
     attended = 10 * 11 // 2 + sum(n * 10 + n * (n + 1) // 2 for n in (4, 5, 6))
     assert pairs_flops(cfg, pairs, True, group=True) == step_flops(cfg, 10 + 15, 15, attended, True)
     assert pairs_flops(cfg, pairs, True, group=True) < pairs_flops(cfg, pairs, True)
+
+
+def test_ranks_get_a_prompts_pairs_together():
+    from fastdpo.parallel.split import split_ranks
+
+    own = random_pairs(12, 50, seed=4)
+    assert split_ranks(own, 3, group=True) == split_ranks(own, 3)  # no shared prompt: dealt as before
+    pairs = shared_pairs(n_prompts=3, per_prompt=2, seed=8)  # 3 prompts of 2 pairs, 3 pairs of their own
+    shares = split_ranks(pairs, 3, group=True)
+    assert [len(s) for s in shares] == [3, 3, 3]
+    assert sorted(p.index for s in shares for p in s) == sorted(p.index for p in pairs)
+    for g in prompt_groups(pairs):
+        assert sum(any(p in s for p in g) for s in shares) == 1
+    big = shared_pairs(n_prompts=1, per_prompt=5, seed=9)  # more pairs than a rank's room: dealt pair by pair
+    assert [len(s) for s in split_ranks(big, 2, group=True)] == [4, 4]
+
+
+def test_grouped_training_on_two_data_parallel_ranks(tmp_path, model_dirs):
+    one = run(tmp_path, model_dirs, "one", group_prompts=False, per_device_train_batch_size=10)
+    out = tmp_path / "dp2"
+    run_ranks(2, output_dir=str(out), model=str(model_dirs("qwen3")), dataset=[str(tmp_path / "rows.jsonl")],
+              max_steps=2, per_device_train_batch_size=5, gradient_accumulation_steps=1, learning_rate=1e-3, seed=3,
+              logging_steps=1, gradient_checkpointing="none")
+    assert_same(out, one)
