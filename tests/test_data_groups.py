@@ -188,3 +188,17 @@ def test_check_data_reports_groups_and_what_pairing_left_out(tmp_path, capsys, m
     assert "several completions per prompt: 2 rows give 4 pairs" in out
     assert "with each prompt and each distinct completion once" in out
     assert "2 tied pairs" in out and "1 row with no pair (every completion ties)" in out
+
+
+def test_check_data_names_prompts_that_differ_only_in_whitespace(tmp_path, capsys):
+    from fastdpo.cli import main
+
+    rows = [{"prompt": "What is  2+2?", "chosen": " 4", "rejected": " 5"},
+            {"prompt": "What is 2+2?", "chosen": " 4", "rejected": " 22"},
+            {"prompt": "What is 2+2?\n", "chosen": " 4", "rejected": " 7"},
+            {"prompt": "What is 2+3?", "chosen": " 5", "rejected": " 6"}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert main(["check-data", "--dataset", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "prompts that differ only in whitespace (1)" in out
+    assert f"{data}:2: the prompt of {data}:1 but for whitespace" in out and ":4:" not in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ class CheckReport:
     invalid: dict = field(default_factory=dict)  # reason -> rows training stops at (--strict false: skips)
     several: list[int] = field(default_factory=list)  # pairs of each row that gives several pairs of one prompt
     left_out: dict = field(default_factory=dict)  # what pairing left out, by reason (tied pairs, ...)
+    near_prompts: list[str] = field(default_factory=list)  # prompts that differ from another only in whitespace
     pair_tokens: int = 0  # with a tokenizer, rows of several pairs: tokens as one pair per row (prompt repeated)
     group_tokens: int = 0  # the same rows' tokens with each prompt and each distinct completion once
 
@@ -64,6 +66,8 @@ class _Checker:
         self.groups: dict[str, dict] = {}  # source of a row of several pairs -> its token counts so far
         self.several: set[str] = set()  # sources of the rows that give several pairs
         self.counted: set[tuple[str, int]] = set()  # (source, member) whose tokens are in `groups`
+        self.spacings: dict[str, tuple[str, str]] = {}  # prompt with its whitespace collapsed -> (first text, source)
+        self.spaced: set[str] = set()  # collapsed prompts already reported
         self.used: set[str] = set()  # sources of the rows checked so far
         self.flagged: set[str] = set()  # sources already reported by the tokenizer pass
 
@@ -83,6 +87,7 @@ class _Checker:
                 self.error(f"{row.source}: chosen is identical to rejected: there is no preference to learn. "
                            "Fix one of them or drop the row.", ordinal)
             return
+        self._spacing(row)
         key = hashlib.blake2b(row.key().encode(), digest_size=16).digest()
         if key in self.seen and not repeat:
             self.report.duplicates.append(f"{row.source}: the same pair as {self.seen[key]}. Drop one of them.")
@@ -92,6 +97,18 @@ class _Checker:
             self.ordinals[row.source] = ordinal
             if len(self.pending) >= CHUNK:
                 self.flush()
+
+    def _spacing(self, row: Row) -> None:
+        """Note a prompt that differs from an earlier one only in whitespace: their tokens differ, so their pairs
+        are not grouped (and are likely meant to be one prompt)."""
+        text = json.dumps(row.prompt, ensure_ascii=False, sort_keys=True)
+        loose = " ".join(text.replace("\\n", " ").split())
+        first = self.spacings.setdefault(loose, (text, row.source))
+        if first[0] != text and loose not in self.spaced:
+            self.spaced.add(loose)
+            self.report.near_prompts.append(f"{row.source}: the prompt of {first[1]} but for whitespace; its pairs are "
+                                            "not grouped with that prompt's (their tokens differ). Write it the same "
+                                            "way if it is the same prompt.")
 
     def _group_tokens(self, row: Row, p: int, c: int, r: int) -> None:
         """Tokens of a row of several pairs, as pairs and as one group (each prompt and distinct completion once)."""
@@ -250,6 +267,7 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
                      f"and writes them to {REJECTS_FILE} in --output_dir.")
     lines += _listing("errors", report.errors)
     lines += _listing("warnings: duplicate pairs", report.duplicates)
+    lines += _listing("warnings: prompts that differ only in whitespace", report.near_prompts)
     if model:
         o = opts.tokenize
         lines.append(f"token lengths under the tokenizer of {model}:")
