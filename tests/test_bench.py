@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import easy_rows
+from data_helpers import easy_rows
 
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
@@ -139,7 +139,7 @@ def test_activation_offloading_refuses_fsdp():
 
 
 def test_training_with_offloading_matches(tmp_path, model_dirs, monkeypatch):
-    from conftest import write_jsonl
+    from data_helpers import write_jsonl
     from safetensors.torch import load_file
 
     from fastdpo.model import memory
@@ -279,7 +279,7 @@ def test_flex_without_a_budget_gets_one(tmp_path, model_dirs, monkeypatch, caplo
 
 
 def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
-    from conftest import write_jsonl
+    from data_helpers import write_jsonl
 
     from fastdpo.cli import main
 
@@ -314,7 +314,7 @@ def test_bench_schedules_and_reports_garbage_collection(tmp_path, model_dirs):
     back on afterwards."""
     import gc
 
-    from conftest import write_jsonl
+    from data_helpers import write_jsonl
 
     from fastdpo.cli import main
 
@@ -496,7 +496,7 @@ def test_speed_hint_names_the_missing_settings():
 def test_compile_warmup_leaves_training_unchanged(tmp_path, model_dirs, caplog):
     """--compile_warmup runs a forward and backward per length before step 1; the run must then be the run without
     it, bit for bit: gradients discarded, the random state (LoRA dropout here) restored."""
-    from conftest import write_jsonl
+    from data_helpers import write_jsonl
     from dist_helpers import metrics
     from safetensors.torch import load_file
 

@@ -4,7 +4,7 @@ transposed (query-side) lists, the same dense mask; with and without a sliding w
 
 import pytest
 import torch
-from conftest import random_pairs
+from data_helpers import random_pairs
 from torch.nn.attention.flex_attention import create_block_mask
 
 from fastdpo.data.pack import pack_pairs

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import yaml
-from conftest import run_cli
+from cli_helpers import run_cli
 
 from fastdpo.cli import build_parser
 from fastdpo.config import TrainConfig, build_config
@@ -97,7 +97,7 @@ def test_shuffle_false_keeps_the_dataset_order():
 
 
 def test_training_passes_shuffle_to_the_step_order(tmp_path, model_dirs, monkeypatch):
-    from conftest import easy_rows, write_jsonl
+    from data_helpers import easy_rows, write_jsonl
 
     from fastdpo.training import loop as train_mod
     from fastdpo.training import trainer as step_mod

@@ -5,7 +5,7 @@ chat template, all listed once in one block; an explicit flag always wins."""
 import logging
 
 import pytest
-from conftest import write_jsonl
+from data_helpers import write_jsonl
 
 from fastdpo.cli import build_parser
 from fastdpo.config import TrainConfig, build_config

@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import easy_rows, write_jsonl
-from data_helpers import assistant, tokenizer_dir, user
+from data_helpers import assistant, easy_rows, tokenizer_dir, user, write_jsonl
 
 from fastdpo.cli import main
 
@@ -249,7 +248,7 @@ def test_check_data_reads_rows_up_to_the_raised_row_limit(tmp_path, capsys):
     """A row over the default 16 MiB is refused by name, and read once --max_row_mb allows it."""
     import json
 
-    from conftest import run_cli
+    from cli_helpers import run_cli
 
     big = tmp_path / "big.jsonl"
     big.write_text(json.dumps({"prompt": "q " * (9 << 20), "chosen": "a", "rejected": "b"}) + "\n")  # ~18 MiB

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 import yaml
-from conftest import easy_rows, run_cli, write_jsonl
-from data_helpers import assistant, chat_tokenizer, user
+from cli_helpers import run_cli
+from data_helpers import assistant, chat_tokenizer, easy_rows, user, write_jsonl
 
 from fastdpo.cli import build_parser
 from fastdpo.config import TrainConfig, build_config

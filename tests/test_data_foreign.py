@@ -5,8 +5,8 @@ import json
 
 import pytest
 import yaml
-from conftest import run_cli, write_jsonl
-from data_helpers import assistant, chat_tokenizer, user
+from cli_helpers import run_cli
+from data_helpers import assistant, chat_tokenizer, user, write_jsonl
 
 from fastdpo.cli import build_parser
 from fastdpo.config import TrainConfig, build_config
@@ -333,7 +333,7 @@ def test_check_data_counts_foreign_formats(tmp_path, capsys):
 
 
 def test_alpaca_file_trains(tmp_path, model_dirs, one_thread):
-    from conftest import easy_rows
+    from data_helpers import easy_rows
 
     from fastdpo.training.loop import train
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from conftest import WORDS, easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
+from model_helpers import WORDS
 from safetensors.torch import load_file
 
 from fastdpo.config import TrainConfig

@@ -6,8 +6,9 @@ import threading
 import time
 
 import pytest
-from conftest import WORDS, easy_rows, run_cli, write_jsonl
-from data_helpers import assistant, chat_tokenizer, user
+from cli_helpers import run_cli
+from data_helpers import assistant, chat_tokenizer, easy_rows, user, write_jsonl
+from model_helpers import WORDS
 
 from fastdpo.config import TrainConfig
 from fastdpo.data.formats import Row, RowError, to_row

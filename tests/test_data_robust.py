@@ -8,7 +8,8 @@ import logging
 import tracemalloc
 
 import pytest
-from conftest import easy_rows, run_cli, write_jsonl
+from cli_helpers import run_cli
+from data_helpers import easy_rows, write_jsonl
 
 from fastdpo.config import TrainConfig
 from fastdpo.data.columns import RowOptions

@@ -3,8 +3,7 @@
 import json
 
 import pytest
-from conftest import write_jsonl
-from data_helpers import assistant, user
+from data_helpers import assistant, user, write_jsonl
 
 from fastdpo.data.load import load_rows
 from fastdpo.data.sources import iter_records, parse_spec

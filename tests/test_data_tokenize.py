@@ -1,8 +1,8 @@
 """Tokenisation: TRL-exact plain text, chat-template round trips, and the three truncation strategies."""
 
 import pytest
-from conftest import WORDS, easy_rows
-from data_helpers import assistant, chat_tokenizer, user
+from data_helpers import assistant, chat_tokenizer, easy_rows, user
+from model_helpers import WORDS
 
 from fastdpo.data.formats import RowError, to_row
 from fastdpo.data.template import BUILTIN_TEMPLATES, resolve_template

@@ -4,8 +4,8 @@ sentence, instead of training as text or failing once per row with "field 'chose
 import pickle
 
 import pytest
-from conftest import run_cli, write_jsonl
-from data_helpers import assistant, user
+from cli_helpers import run_cli
+from data_helpers import assistant, user, write_jsonl
 
 from fastdpo.data.unsupported import MULTIMODAL, UNPAIRED, UnsupportedRow, unsupported_kind
 

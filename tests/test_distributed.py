@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_pairs
+from data_helpers import random_pairs
 from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metrics, run_isolated, run_ranks, start_ranks, weights
 
 from fastdpo.cli import build_parser, main

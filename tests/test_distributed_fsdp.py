@@ -2,7 +2,7 @@
 `final/`, and LoRA with the adapters-off reference and a step-sorting loss under --deepspeed zero2."""
 
 import pytest
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_ranks, weights
 from safetensors.torch import load_file
 
@@ -140,7 +140,7 @@ def test_zero2_keeps_weights_gathered_through_a_step(model_dirs):
     mode = "shard_grad_op"
     import torch
     import torch.distributed as dist
-    from conftest import random_pairs
+    from data_helpers import random_pairs
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
@@ -178,7 +178,7 @@ def test_full_shard_keeps_last_unit_and_root_gathered_into_backward(model_dirs, 
     forward into the backward, which shards them again. A forward-only reference frees all of its units."""
     import torch
     import torch.distributed as dist
-    from conftest import random_pairs
+    from data_helpers import random_pairs
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
@@ -220,7 +220,7 @@ def test_each_forward_gathers_the_next_unit_as_it_opens(mode, model_dirs):
     issued. The same for the policy under full_shard and shard_grad_op and for a sharded forward-only reference."""
     import torch
     import torch.distributed as dist
-    from conftest import random_pairs
+    from data_helpers import random_pairs
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from transformers import AutoModelForCausalLM
 
@@ -270,7 +270,7 @@ def test_full_shard_keeps_the_first_unit_and_root_gathered_between_micro_steps(m
     optimizer."""
     import torch
     import torch.distributed as dist
-    from conftest import random_pairs
+    from data_helpers import random_pairs
     from torch.distributed.tensor import DTensor
 
     from fastdpo.dpo.reference import Reference
@@ -314,7 +314,7 @@ def test_full_shard_gathers_the_step_start_after_the_update(model_dirs):
 
     import torch
     import torch.distributed as dist
-    from conftest import random_pairs
+    from data_helpers import random_pairs
     from torch.distributed.tensor import DTensor
 
     from fastdpo.dpo.reference import Reference
@@ -391,7 +391,7 @@ def test_fsdp_accumulates_micro_steps_like_one_process(mode, model_dirs):
 
     import torch
     import torch.distributed as dist
-    from conftest import random_pairs
+    from data_helpers import random_pairs
     from transformers import AutoModelForCausalLM
 
     from fastdpo.dpo.reference import Reference

@@ -71,7 +71,7 @@ def test_the_collectives_run_in_the_chosen_dtype(mode, wide, model_dirs):
 
 def _collective_dtypes(mode: str, wide: bool, model_dir: str) -> None:
     import torch.distributed as dist
-    from conftest import random_pairs
+    from data_helpers import random_pairs
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fsdp_comm
     from transformers import AutoModelForCausalLM
 

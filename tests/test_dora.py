@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 import torch
-from conftest import WORDS, easy_rows, run_cli, write_jsonl
+from cli_helpers import run_cli
+from data_helpers import easy_rows, write_jsonl
+from model_helpers import WORDS
 from transformers import AutoModelForCausalLM
 
 from fastdpo import checkpoint as ckpt

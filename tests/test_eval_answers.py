@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 import yaml
-from conftest import easy_rows, run_cli, write_jsonl
+from cli_helpers import run_cli
+from data_helpers import easy_rows, write_jsonl
 from rich.console import Console
 
 import fastdpo.commands.evaluate as evaluate

@@ -5,7 +5,9 @@ import json
 
 import pytest
 import torch
-from conftest import WORDS, easy_rows, run_cli, write_jsonl
+from cli_helpers import run_cli
+from data_helpers import easy_rows, write_jsonl
+from model_helpers import WORDS
 
 from fastdpo.data.columns import RowOptions
 from fastdpo.data.prompts import is_prompt_only, load_prompts

@@ -3,7 +3,7 @@
 import json
 
 import torch
-from conftest import run_cli
+from cli_helpers import run_cli
 from transformers import AutoModelForCausalLM
 
 from fastdpo.commands.export import ExportConfig, merge_lora

@@ -35,7 +35,7 @@ def tiny(layers=3):
 def saved_bytes(model, backend, tokens):
     """All bytes autograd keeps for one forward with grad under the model's current checkpointing (weights not
     counted, storages once)."""
-    from conftest import saved_bytes as kept
+    from model_helpers import saved_bytes as kept
 
     n = tokens
     pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
@@ -95,13 +95,13 @@ def test_the_planned_largest_micro_batch_is_the_largest_the_steps_form():
 def test_the_plan_follows_the_trainer_s_steps_over_epochs(tmp_path, model_dirs):
     """The tensor plan over the run's seeded order equals the largest micro-batch of the steps `Trainer.next_pairs`
     takes (2.5 shuffled epochs with a short last step each), and bounds it under a budget and over ranks."""
-    from test_api import config
+    from train_helpers import two_step_config
 
     from fastdpo.training.fit import largest_planned_micro_batch, planned_largest_micro_batch
     from fastdpo.training.trainer import Trainer
 
-    trainer = Trainer(config(tmp_path, model_dirs("qwen3"), "steps", num_train_epochs=2.5, max_steps=0, shuffle=True,
-                             per_device_train_batch_size=3, gradient_accumulation_steps=2))
+    trainer = Trainer(two_step_config(tmp_path, model_dirs("qwen3"), "steps", num_train_epochs=2.5, max_steps=0,
+                                      shuffle=True, per_device_train_batch_size=3, gradient_accumulation_steps=2))
     s, cfg = trainer.s, trainer.cfg
     assert len(s.pairs) % trainer.pairs_per_step  # a short last step in each epoch
     taken = []

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_pairs
+from data_helpers import random_pairs
 from gpu_helpers import logps_and_grads, rel
 from gpu_helpers import qwen3 as qwen3_model
 
@@ -101,7 +101,7 @@ def test_qlora_trains_on_cuda(tmp_path, model_dirs):
     pytest.importorskip("bitsandbytes")
     import json
 
-    from conftest import easy_rows, write_jsonl
+    from data_helpers import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
     from fastdpo.training.loop import train
@@ -262,7 +262,7 @@ def test_fused_adamw_one_launch_updates_each_tensor_as_its_own_launch_would():
 def test_fused_adamw_kernel_obeys_the_device_flag():
     """A false flag (computed on the GPU, never read by the host): weights and moments keep their bits; on the
     optimizer level a skipped NaN step changes nothing, for fastdpo's kernel and torch's fused AdamW."""
-    from test_adamw import check_skipped_step
+    from optim_helpers import check_skipped_step
 
     from fastdpo.kernels.adamw import adamw_update_
 
@@ -282,7 +282,7 @@ def test_fused_adamw_kernel_obeys_the_device_flag():
 def test_profile_memory_reports_the_peak_on_cuda(tmp_path, model_dirs):
     """--profile_memory on a GPU: memory.txt's peak agrees with the allocator's own peak over the window, and the
     snapshot for memory_viz is written."""
-    from conftest import easy_rows, write_jsonl
+    from data_helpers import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
     from fastdpo.training.loop import train
@@ -308,7 +308,7 @@ def test_training_without_a_budget_builds_few_flex_lengths(tmp_path, model_dirs)
     import random
 
     import torch._dynamo
-    from conftest import write_jsonl
+    from data_helpers import write_jsonl
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -431,7 +431,7 @@ def test_full_shard_on_two_gpus_saves_evaluates_and_trains_like_one(tmp_path, mo
     import subprocess
     import sys
 
-    from conftest import easy_rows, write_jsonl
+    from data_helpers import easy_rows, write_jsonl
     from safetensors.torch import load_file
 
     data, val = write_jsonl(tmp_path / "d.jsonl", easy_rows(32, seed=1)), write_jsonl(tmp_path / "v.jsonl",

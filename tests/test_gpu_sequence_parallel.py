@@ -7,7 +7,7 @@ import socket
 
 import pytest
 import torch
-from conftest import random_pairs
+from data_helpers import random_pairs
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from fastdpo.data.pack import pack_pairs

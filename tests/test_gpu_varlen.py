@@ -3,7 +3,7 @@ compiled graph for every micro-batch length. Run on a CUDA device: `pytest -m gp
 
 import pytest
 import torch
-from conftest import easy_rows, random_pairs, write_jsonl
+from data_helpers import easy_rows, random_pairs, write_jsonl
 from gpu_helpers import logps_and_grads, qwen3, rel
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches

@@ -5,7 +5,9 @@ import json
 import shutil
 
 import pytest
-from conftest import WORDS, run_cli, write_jsonl
+from cli_helpers import run_cli
+from data_helpers import write_jsonl
+from model_helpers import WORDS
 
 from fastdpo.commands.infer import GenerationArgs, InferConfig, ModelArgs, generate_texts, load_for_generation, run_infer
 from fastdpo.errors import FastDPOError
@@ -255,7 +257,7 @@ def test_load_data_args_answers_the_runs_held_out_prompts(tmp_path, capsys, mode
     """ms-swift's `--load_data_args true`: the prompts are the pairs the run held out (here its
     --split_dataset_ratio share of --dataset, the same rows its evaluation scored), read from the run's saved config;
     the answers go to the run's infer_held_out.jsonl. A run that held out nothing is a clear error."""
-    from conftest import easy_rows
+    from data_helpers import easy_rows
 
     from fastdpo.config import TrainConfig
     from fastdpo.data.load import load_rows
@@ -285,7 +287,7 @@ def test_load_data_args_answers_the_runs_held_out_prompts(tmp_path, capsys, mode
 def test_an_adapter_names_its_local_base_by_absolute_path(tmp_path, capsys, monkeypatch, model_dirs):
     """Trained with `--model base` relative to the working directory, the adapter still finds its base from
     elsewhere: a local base dir is saved in adapter_config.json by its absolute path."""
-    from conftest import easy_rows
+    from data_helpers import easy_rows
 
     from fastdpo.config import TrainConfig
     from fastdpo.training.loop import train

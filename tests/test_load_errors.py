@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from conftest import easy_rows, run_cli, write_jsonl
+from cli_helpers import run_cli
+from data_helpers import easy_rows, write_jsonl
 
 from fastdpo.errors import FastDPOError
 from fastdpo.model.load import load_model, load_tokenizer

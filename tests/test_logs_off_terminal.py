@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 
 from fastdpo.observe import progress as progress_mod
 from fastdpo.observe.progress import RunProgress, clock, run_summary, summary_line

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
 import fastdpo.training.loop as train_mod

@@ -5,7 +5,7 @@ import math
 import random
 
 import pytest
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 
 import fastdpo.training.loop as train_mod
 from fastdpo.config import TrainConfig

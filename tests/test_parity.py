@@ -4,7 +4,7 @@ import functools
 
 import pytest
 import torch
-from conftest import random_pairs
+from data_helpers import random_pairs
 from transformers import AutoModelForCausalLM
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches

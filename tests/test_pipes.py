@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_reliability import BASE, config, logged
+from train_helpers import RUN_SETTINGS, logged_steps, run_config
 
 from fastdpo import checkpoint as ckpt
 from fastdpo.cli import main
@@ -33,10 +33,10 @@ def reader() -> subprocess.Popen:
 
 
 def train_argv(tmp_path: Path, model: Path) -> list[str]:
-    cfg = config(tmp_path, model, "run", max_steps=STEPS)
+    cfg = run_config(tmp_path, model, "run", max_steps=STEPS)
     return ["train", "--model", str(model), "--dataset", cfg.dataset[0], "--output_dir", cfg.output_dir,
             "--max_steps", str(STEPS), "--logging_steps", "1", "--disable_progress", "true",
-            *(x for k, v in BASE.items() for x in (f"--{k}", str(v)))]
+            *(x for k, v in RUN_SETTINGS.items() for x in (f"--{k}", str(v)))]
 
 
 def start_training(tmp_path: Path, model: Path, stdout, stderr) -> tuple[subprocess.Popen, Path]:
@@ -77,7 +77,7 @@ def assert_stopped_and_saved(out: Path, name: str) -> int:
     found = ckpt.complete_checkpoints(out)
     assert len(found) == 1 and not (out / "final").exists(), story
     step = ckpt.load_progress(found[0])["step"]
-    assert 2 <= step < STEPS and [r[0] for r in logged(out)] == list(range(1, step + 1))
+    assert 2 <= step < STEPS and [r[0] for r in logged_steps(out)] == list(range(1, step + 1))
     return step
 
 
@@ -89,7 +89,7 @@ def test_sigint_under_a_pipe_whose_reader_died_saves_and_resumes(tmp_path, model
 
     assert main([*train_argv(tmp_path, model_dirs("qwen3")), "--resume_from_checkpoint", "latest"]) == 0
     assert (out / "final" / "model.safetensors").is_file()
-    assert [r[0] for r in logged(out)] == list(range(1, STEPS + 1))
+    assert [r[0] for r in logged_steps(out)] == list(range(1, STEPS + 1))
     story = _story(out)
     assert story.index(f"Stopped by SIGINT after step {step}") < story.index("Resumed from") < story.rindex("run summary")
 

@@ -124,7 +124,8 @@ def test_a_full_disk_leaves_no_partial_png_and_says_so(tmp_path, monkeypatch, ca
 
 def test_a_full_disk_while_plotting_ends_a_run_with_a_warning(tmp_path, monkeypatch, capsys, model_dirs):
     pytest.importorskip("matplotlib")
-    from conftest import easy_rows, run_cli, write_jsonl
+    from cli_helpers import run_cli
+    from data_helpers import easy_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "d.jsonl", easy_rows(8, seed=1))
     out = tmp_path / "run"

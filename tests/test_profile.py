@@ -57,7 +57,7 @@ def test_device_events_leave_out_cpu_ops_and_annotations():
 
 
 def test_profiled_run_writes_trace_and_summary(tmp_path, model_dirs):
-    from conftest import easy_rows, write_jsonl
+    from data_helpers import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
     from fastdpo.training.loop import train
@@ -87,7 +87,7 @@ def test_profiled_run_writes_trace_and_summary(tmp_path, model_dirs):
 
 
 def test_a_window_outside_the_run_is_named(tmp_path, model_dirs, caplog):
-    from conftest import easy_rows, write_jsonl
+    from data_helpers import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
     from fastdpo.training.loop import train
@@ -131,7 +131,7 @@ def test_memory_peak_names_what_was_alive_at_it():
 
 
 def test_profile_memory_needs_a_window_and_says_when_it_cannot_record(tmp_path, model_dirs, caplog):
-    from conftest import easy_rows, write_jsonl
+    from data_helpers import easy_rows, write_jsonl
 
     from fastdpo.config import TrainConfig
     from fastdpo.training.loop import train

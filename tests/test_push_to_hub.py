@@ -9,7 +9,8 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import yaml
-from conftest import easy_rows, run_cli, write_jsonl
+from cli_helpers import run_cli
+from data_helpers import easy_rows, write_jsonl
 
 from fastdpo.cli import build_parser
 from fastdpo.config import TrainConfig, build_config

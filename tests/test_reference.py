@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 

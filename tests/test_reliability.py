@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import reseal
-from conftest import easy_rows, write_jsonl
 from safetensors.torch import load_file
+from train_helpers import RUN_SETTINGS, logged_steps, run_config
 
 from fastdpo import checkpoint as ckpt
 from fastdpo.checkpoint.outputs import RECORD
@@ -23,21 +23,6 @@ from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.training.loop import train
 from fastdpo.training.signals import GracefulStop
-
-BASE = dict(learning_rate=1e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3,
-            lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01, device="cpu")
-
-
-def config(tmp_path: Path, model: Path, name: str, **kw) -> TrainConfig:
-    data = tmp_path / "data.jsonl"
-    if not data.exists():
-        write_jsonl(data, easy_rows(48, seed=1))
-    return TrainConfig(model=str(model), dataset=[str(data)], output_dir=str(tmp_path / name), **{**BASE, **kw})
-
-
-def logged(out: Path) -> list[tuple]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"], r["grad_norm"], r["learning_rate"]) for r in rows]
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -66,7 +51,7 @@ def trained(tmp_path_factory, model_dirs):
     """A finished 3-step run that kept checkpoint-1 and checkpoint-2 (its last step's checkpoint-3 removed); copy it
     before changing it."""
     root = tmp_path_factory.mktemp("trained")
-    cfg = config(root, model_dirs("qwen3"), "run", max_steps=3, save_steps=1)
+    cfg = run_config(root, model_dirs("qwen3"), "run", max_steps=3, save_steps=1)
     train(cfg, progress=False)
     ckpt.remove_published(Path(cfg.output_dir) / "checkpoint-3")
     return cfg
@@ -83,10 +68,10 @@ def copy_run(trained: TrainConfig, tmp_path: Path) -> TrainConfig:
 
 def test_sigterm_checkpoints_exits_cleanly_and_resume_is_exact(tmp_path, model_dirs):
     m = model_dirs("qwen3")
-    cfg = config(tmp_path, m, "stopped", max_steps=30)
+    cfg = run_config(tmp_path, m, "stopped", max_steps=30)
     argv = [sys.executable, "-m", "fastdpo", "train", "--model", str(m), "--dataset", cfg.dataset[0],
             "--output_dir", cfg.output_dir, "--max_steps", "30", "--disable_progress", "true"]
-    for k, v in BASE.items():
+    for k, v in RUN_SETTINGS.items():
         argv += [f"--{k}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -104,17 +89,17 @@ def test_sigterm_checkpoints_exits_cleanly_and_resume_is_exact(tmp_path, model_d
     assert len(found) == 1 and not (out / "final").exists()
     stopped_at = ckpt.load_progress(found[0])["step"]
     assert 2 <= stopped_at < 30
-    assert [r[0] for r in logged(out)] == list(range(1, stopped_at + 1))
+    assert [r[0] for r in logged_steps(out)] == list(range(1, stopped_at + 1))
 
     cfg.resume_from_checkpoint = "latest"
     resumed = train(cfg, progress=False)
-    full = train(config(tmp_path, m, "full", max_steps=30), progress=False)
+    full = train(run_config(tmp_path, m, "full", max_steps=30), progress=False)
     assert_same_weights(Path(full["final_dir"]), Path(resumed["final_dir"]))
-    assert logged(out) == logged(tmp_path / "full")
+    assert logged_steps(out) == logged_steps(tmp_path / "full")
 
 
 def test_sigint_in_process_returns_stopped_summary(tmp_path, model_dirs):
-    cfg = config(tmp_path, model_dirs("qwen3"), "run", max_steps=40)
+    cfg = run_config(tmp_path, model_dirs("qwen3"), "run", max_steps=40)
     out = Path(cfg.output_dir)
 
     def interrupt():
@@ -161,7 +146,7 @@ def test_second_sigint_aborts_but_a_repeated_sigterm_does_not():
 @pytest.mark.parametrize("what", ["checkpoint", "final"])
 def test_write_failure_stops_and_names_last_good_checkpoint(tmp_path, model_dirs, monkeypatch, what):
     resource = pytest.importorskip("resource")
-    cfg = config(tmp_path, model_dirs("qwen3"), "run", max_steps=4, save_steps=1)
+    cfg = run_config(tmp_path, model_dirs("qwen3"), "run", max_steps=4, save_steps=1)
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
     calls = []
@@ -194,7 +179,7 @@ def test_write_failure_stops_and_names_last_good_checkpoint(tmp_path, model_dirs
 
 
 def test_preflight_refuses_a_too_full_disk(tmp_path, model_dirs, monkeypatch):
-    cfg = config(tmp_path, model_dirs("qwen3"), "run", max_steps=2)
+    cfg = run_config(tmp_path, model_dirs("qwen3"), "run", max_steps=2)
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=200 * 1024))
     with pytest.raises(FastDPOError, match=r"only 0\.2 MiB free, but one checkpoint needs about .* MiB"):
@@ -204,7 +189,7 @@ def test_preflight_refuses_a_too_full_disk(tmp_path, model_dirs, monkeypatch):
 
 def test_unwritable_output_dir_is_refused(tmp_path, model_dirs):
     (tmp_path / "file").write_text("x")
-    cfg = config(tmp_path, model_dirs("qwen3"), "file/run", max_steps=2)
+    cfg = run_config(tmp_path, model_dirs("qwen3"), "file/run", max_steps=2)
     with pytest.raises(FastDPOError, match="is not writable"):
         train(cfg, progress=False)
 
@@ -214,7 +199,7 @@ def test_checkpoint_size_estimate_is_close(tmp_path, model_dirs, train_type):
     from fastdpo.model.load import add_lora, load_model
 
     m = model_dirs("llama")
-    cfg = config(tmp_path, m, "run", max_steps=2, save_steps=1, train_type=train_type, lora_rank=4)
+    cfg = run_config(tmp_path, m, "run", max_steps=2, save_steps=1, train_type=train_type, lora_rank=4)
     train(cfg, progress=False)
     model = load_model(str(m), torch.float32, torch.device("cpu"))
     if train_type == "lora":

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 
 from fastdpo.checkpoint.outputs import RECORD
 

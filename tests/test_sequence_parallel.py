@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_pairs
+from data_helpers import random_pairs
 from dist_helpers import BASE, assert_weights_close, dataset, metrics, run_on_ranks, run_ranks, weights
 from safetensors.torch import load_file
 
@@ -499,7 +499,8 @@ def test_activation_memory_per_rank_falls_with_the_group(model_dirs, mode):
 
 
 def test_check_data_says_when_the_longest_pair_needs_sequence_parallelism(tmp_path, capsys, model_dirs):
-    from conftest import easy_rows, run_cli, write_jsonl
+    from cli_helpers import run_cli
+    from data_helpers import easy_rows, write_jsonl
     from transformers import AutoConfig
 
     from fastdpo.commands.check_data import activation_lines

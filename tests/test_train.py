@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
 from fastdpo.config import TrainConfig

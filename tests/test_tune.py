@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import easy_rows
+from data_helpers import easy_rows
 
 from fastdpo.commands import tune
 from fastdpo.config import TrainConfig

@@ -11,8 +11,8 @@ The kernel itself is checked against a float32 reference on the GPU (tests/test_
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import random_pairs
+from data_helpers import random_pairs
+from model_helpers import varlen_stand_in
 
 from fastdpo.data.pack import pack_pairs
 from fastdpo.data.tokenize import TokenizedPair
@@ -84,29 +84,12 @@ def test_a_broken_layout_is_caught():
     assert not torch.equal(leaky, dense_mask(batch)[0, 0])
 
 
-def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
-    """The kernel's contract in float32: each sequence causal, aligned to its end, GQA by shared key heads."""
-    out = torch.zeros_like(q)
-    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-    for bound, cu in ((max_q, cu_q), (max_k, cu_k)):  # a power-of-two bound on the longest sequence
-        assert bound >= max(b - a for a, b in zip(cu, cu[1:])) and bound & (bound - 1) == 0
-    for s in range(len(cu_q) - 1):
-        qs, ks, vs = q[cu_q[s]:cu_q[s + 1]], k[cu_k[s]:cu_k[s + 1]], v[cu_k[s]:cu_k[s + 1]]
-        i = torch.arange(len(qs))[:, None] + len(ks) - len(qs)
-        j = torch.arange(len(ks))[None]
-        allow = (j <= i) if window is None else (j <= i) & (i - j < window)
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                                           attn_mask=allow, scale=scale, enable_gqa=True)
-        out[cu_q[s]:cu_q[s + 1]] = o.transpose(0, 1)
-    return out
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_varlen_path_equals_the_dense_path_in_float32(model_dirs, monkeypatch, family):
     from fastdpo.model.backend import Backend, prepare_packed, sequence_logps
     from fastdpo.model.load import load_model
 
-    monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
+    monkeypatch.setattr(attention, "_varlen_kernel", varlen_stand_in)
     model = load_model(str(model_dirs(family)), torch.float32, torch.device("cpu"))
     cfg = model.config
     assert cfg.num_attention_heads != cfg.num_key_value_heads  # GQA is exercised
@@ -150,7 +133,7 @@ def test_the_direct_flash_function_passes_the_offsets_the_window_and_the_saved_s
 
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, p, causal, debug, *, scale, window_size_left, window_size_right):
         calls["fwd"] = (max_q, max_k, p, causal, debug, scale, window_size_left, window_size_right)
-        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, None) * 2, q.new_full((3,), 7.0), "seed", "off", None
+        return varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, None) * 2, q.new_full((3,), 7.0), "seed", "off", None
 
     def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, p, causal, seed, off, *, scale,
                  window_size_left, window_size_right):
@@ -167,7 +150,7 @@ def test_the_direct_flash_function_passes_the_offsets_the_window_and_the_saved_s
     cu_q, cu_k = torch.tensor([0, 4, 6], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
     out = attention._Flash.apply(q, k, v, cu_q, cu_k, 8, 8, 0.25, 63)
     assert calls["fwd"] == (8, 8, 0.0, True, False, 0.25, 63, 0)
-    torch.testing.assert_close(out, 2 * stand_in(q, k, v, cu_q, cu_k, 8, 8, 0.25, None))
+    torch.testing.assert_close(out, 2 * varlen_stand_in(q, k, v, cu_q, cu_k, 8, 8, 0.25, None))
     w = torch.randn(out.shape, generator=g)
     dq, dk, dv = torch.autograd.grad((out * w).sum(), (q, k, v))
     assert calls["bwd"] == (8, 8, 0.0, True, "seed", "off", 0.25, 63, 0)
@@ -206,7 +189,7 @@ def varlen_on_cpu():
 
     def fwd(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None,
             enable_gqa=False, *rest, **kw):
-        out = stand_in(query.float(), key.float(), value.float(), cu_seq_q, cu_seq_k, max_q, max_k, scale,
+        out = varlen_stand_in(query.float(), key.float(), value.float(), cu_seq_q, cu_seq_k, max_q, max_k, scale,
                        _window_of(window_size, is_causal)).to(query.dtype)
         return out, torch.zeros(query.shape[1], query.shape[0]), torch.zeros(2, dtype=torch.uint64)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 
 from fastdpo.cli import main
 from fastdpo.commands.verify import (
@@ -271,7 +271,7 @@ def test_a_policy_whose_recomputation_differs_fails(model_dirs, data, monkeypatc
 
 
 def test_eval_mode_is_named_when_checkpointing_saves_nothing(model_dirs):
-    from conftest import random_pairs
+    from data_helpers import random_pairs
 
     from fastdpo.data.pack import pack_pairs
     from fastdpo.model.backend import sequence_logps
@@ -308,7 +308,7 @@ def test_flex_and_compiled_paths_pass_on_cuda(model_dirs, data):
 
 
 def test_verify_takes_conversational_rows_with_a_template(model_dirs, capsys, tmp_path):
-    from conftest import WORDS
+    from model_helpers import WORDS
 
     from fastdpo.commands.verify import load_pairs
 
