@@ -12,7 +12,7 @@ from fastdpo.cli import build_parser
 from fastdpo.config import TrainConfig, build_config
 from fastdpo.config.compat.noop import NOOPS
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "fastdpo"
+SRC = Path(__file__).resolve().parents[2] / "src" / "fastdpo"
 
 # field -> flags that set it where it does nothing
 CASES = {

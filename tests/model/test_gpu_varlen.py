@@ -1,5 +1,5 @@
 """The varlen backend on CUDA: FlashAttention's variable-length kernel against the float32 computation, and one
-compiled graph for every micro-batch length. Run on a CUDA device: `pytest -m gpu tests/test_gpu_varlen.py`."""
+compiled graph for every micro-batch length. Run on a CUDA device: `pytest -m gpu tests/model/test_gpu_varlen.py`."""
 
 import pytest
 import torch

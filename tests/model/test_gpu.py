@@ -1,4 +1,4 @@
-"""GPU parity of the fast paths against the padded path (bf16). Run on a CUDA device: `pytest -m gpu tests/test_gpu.py`."""
+"""GPU parity of the fast paths against the padded path (bf16). Run on a CUDA device: `pytest -m gpu tests/model/test_gpu.py`."""
 
 import math
 

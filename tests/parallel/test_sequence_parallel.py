@@ -28,7 +28,7 @@ from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import check_sequence_parallel_size
 from fastdpo.training.loop import train
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def lengths_pairs(lengths: list[tuple[int, int, int]], vocab: int = 50, seed: int = 0) -> list[TokenizedPair]:

@@ -189,7 +189,7 @@ def test_a_prompt_in_an_unread_column_is_named_not_dropped():
                                        f"\"prompt\"}}'"):
         to_row(value, W)
     assert Record(W, value).row(read(columns={"query": "prompt"})).prompt == "w1 w2"
-    # orca's question column is read as the prompt without a mapping (tests/test_data_rejects.py)
+    # orca's question column is read as the prompt without a mapping (tests/data/test_data_rejects.py)
     # a shared text is the implicit prompt, whatever other columns hold; with nothing else, an empty prompt stays
     assert to_row({"id": "x", "chosen": "w1 w5", "rejected": "w1 w7"}, W).prompt == "w1"
     assert to_row({"chosen": "w5", "rejected": "w7"}, W).prompt == ""

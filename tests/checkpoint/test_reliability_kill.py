@@ -35,7 +35,7 @@ def test_sigkill_at_random_moments_then_resume_is_exact(tmp_path, model_dirs):
     data = write_jsonl(tmp_path / "data.jsonl", easy_rows(48, seed=1))
     spec = {"model": str(model_dirs("qwen3")), "data": str(data), "root": str(tmp_path), "seed": 1234}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
     res = subprocess.run([sys.executable, __file__, json.dumps(spec)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]

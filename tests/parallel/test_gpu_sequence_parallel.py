@@ -1,7 +1,7 @@
 """Sequence parallelism's code path on CUDA, on one GPU: a group of one rank over NCCL (the all-to-alls and the
 all-reduce run, the zig-zag cut and the ring's blocks too), bf16, the varlen backend inside Ulysses. Against the
 unsplit varlen forward and backward on the same weights. Run on a CUDA device:
-`pytest -m gpu tests/test_gpu_sequence_parallel.py`."""
+`pytest -m gpu tests/parallel/test_gpu_sequence_parallel.py`."""
 
 import socket
 

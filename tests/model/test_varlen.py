@@ -7,7 +7,7 @@ The CUDA kernel (FlashAttention's variable-length kernel) does not run here, so 
    the output back in packed order, GQA, gradients) through a float32 stand-in for the kernel: per-sequence causal
    SDPA aligned to the end, which is the kernel's contract. Completion log-probs and gradients of a tiny model
    equal those of the dense backend.
-The kernel itself is checked against a float32 reference on the GPU (tests/test_gpu_varlen.py)."""
+The kernel itself is checked against a float32 reference on the GPU (tests/model/test_gpu_varlen.py)."""
 
 import pytest
 import torch

@@ -144,7 +144,7 @@ def test_real_processes_through_a_file_store(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "reports.txt"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store"), str(out)], env=env,
                               stderr=subprocess.PIPE, text=True) for r in range(3)]
     errs = [p.communicate(timeout=120)[1] for p in procs]

@@ -331,7 +331,7 @@ def test_compare_runs_checks_the_loss_curve(tmp_path, capsys):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "compare_runs", Path(__file__).resolve().parent.parent / "benchmarks" / "compare_runs.py")
+        "compare_runs", Path(__file__).resolve().parents[2] / "benchmarks" / "compare_runs.py")
     cr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cr)
 
@@ -372,7 +372,7 @@ def test_scaling_table_sums_the_window_and_compares_with_one_gpu(tmp_path, capsy
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "scaling_table", Path(__file__).resolve().parent.parent / "benchmarks" / "scaling_table.py")
+        "scaling_table", Path(__file__).resolve().parents[2] / "benchmarks" / "scaling_table.py")
     st = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(st)
 
@@ -404,7 +404,7 @@ def test_trace_gaps_splits_device_time_by_the_hosts_phase(tmp_path):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "trace_gaps", Path(__file__).resolve().parent.parent / "benchmarks" / "trace_gaps.py")
+        "trace_gaps", Path(__file__).resolve().parents[2] / "benchmarks" / "trace_gaps.py")
     tg = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tg)
 
@@ -442,7 +442,7 @@ def test_kernel_diff_sums_device_time_by_kernel_per_step(tmp_path, capsys):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "kernel_diff", Path(__file__).resolve().parent.parent / "benchmarks" / "kernel_diff.py")
+        "kernel_diff", Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_diff.py")
     kd = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kd)
 

@@ -28,7 +28,7 @@ def test_a_bad_reduce_dtype_is_one_clean_message(capsys):
 @pytest.mark.parametrize(("dtype", "bits", "span"), [(torch.bfloat16, 8, 20), (torch.float16, 11, 10)])
 def test_a_float32_sum_of_two_values_rounds_back_as_the_exact_sum_does(dtype, bits, span):
     """The arithmetic the rule rests on: a + b in float32, rounded to the gradients' dtype, is the exact sum rounded
-    once to nearest-even in that dtype (what NCCL's sum in bfloat16 gives: tests/test_gpu.py). Magnitudes 2^±span
+    once to nearest-even in that dtype (what NCCL's sum in bfloat16 gives: tests/model/test_gpu.py). Magnitudes 2^±span
     keep the exact sum in float64 and out of subnormals; float32 itself rounds where the exponents differ by more
     than 24 - bits, so that case is covered."""
     import numpy as np
