@@ -11,7 +11,7 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fastdpo-inductor}
 
 checks() {
   echo "== GPU parity tests"
-  timeout -k 20 ${T_TESTS:-200} python3 -m pytest -q -m gpu tests/test_gpu.py > "$LOGS/gpu_tests.log" 2>&1
+  timeout -k 20 ${T_TESTS:-200} python3 -m pytest -q -m gpu tests/model/test_gpu.py > "$LOGS/gpu_tests.log" 2>&1
   echo "rc=$?"; tail -n 8 "$LOGS/gpu_tests.log"
   python3 benchmarks/make_shape.py qwen3-1.7b /tmp/q17 /tmp/anchor17.jsonl --rows 64 > /dev/null
   echo "== a real CUDA out-of-memory error: Qwen3-1.7B, 64 pairs in one micro-batch, no checkpointing"

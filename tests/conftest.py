@@ -1,15 +1,16 @@
-import json
+"""Fixtures, hooks and markers only. What tests share besides fixtures lives in the helper modules beside this file
+(tests/*_helpers.py), imported by name (`from data_helpers import easy_rows`): tests/ is on sys.path (pytest's
+`pythonpath` in pyproject.toml), so test files in any subfolder import them the same way."""
+
 import logging
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from data_helpers import easy_rows, write_jsonl
+from model_helpers import WORDS
 
-from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.model.tiny import build_tiny_model
-
-WORDS = [f"w{i}" for i in range(60)]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,36 +48,6 @@ def model_dirs(tmp_path_factory):
     return get
 
 
-def random_pairs(n: int, vocab: int, seed: int = 0, max_prompt: int = 12, max_comp: int = 10) -> list[TokenizedPair]:
-    """Random token pairs; the first has a one-token prompt."""
-    r = random.Random(seed)
-    out = []
-    for i in range(n):
-        p = 1 if i == 0 else r.randint(1, max_prompt)
-        out.append(TokenizedPair(
-            [r.randrange(4, vocab) for _ in range(p)],
-            [r.randrange(4, vocab) for _ in range(r.randint(1, max_comp))],
-            [r.randrange(4, vocab) for _ in range(r.randint(1, max_comp))],
-            i,
-        ))
-    return out
-
-
-def easy_rows(n: int, seed: int = 0) -> list[dict]:
-    """An easy preference: chosen always ends the prompt with 'w5 w6', rejected with 'w7 w8 w9'."""
-    r = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        prompt = " ".join(f"w{r.randrange(10, 60)}" for _ in range(r.randint(1, 8)))
-        rows.append({"prompt": prompt, "chosen": " w5 w6", "rejected": " w7 w8 w9"})
-    return rows
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
 @pytest.fixture
 def restore_logging():
     """Tests that call `fastdpo.cli.main` in-process: the CLI sets up logging for a terminal; undo it afterwards."""
@@ -101,31 +72,3 @@ def lora_run(tmp_path_factory, model_dirs):
                       per_device_train_batch_size=8, seed=3)
     result = train(cfg, progress=False)
     return base, Path(result["final_dir"]), root / "out"
-
-
-def run_cli(capsys, *args) -> tuple[int, str]:
-    """`fastdpo ARGS` in this process (fast); returns (exit code, everything printed)."""
-    from fastdpo.cli import main
-
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return rc, captured.out + captured.err
-
-
-def saved_bytes(model, forward) -> int:
-    """Bytes autograd keeps for the backward while `forward()` runs: each storage once, `model`'s weights (and views
-    of them) not counted."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in weights:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    del out
-    return sum(seen.values())

@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
 ROWS = 41  # 5 full steps of 8 pairs, then a 1-pair step: one rank gets nothing and must still join the collectives

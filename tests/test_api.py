@@ -4,24 +4,16 @@ import json
 
 import pytest
 import torch
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 from safetensors.torch import load_file
-
-
-def config(tmp_path, model_dir, name, **kw):
-    from fastdpo import TrainConfig
-
-    data = write_jsonl(tmp_path / "data.jsonl", easy_rows(16, seed=2))
-    base = dict(learning_rate=1e-3, max_steps=2, logging_steps=1, seed=5, per_device_train_batch_size=4,
-                gradient_accumulation_steps=1, shuffle=False)
-    return TrainConfig(model=str(model_dir), dataset=[str(data)], output_dir=str(tmp_path / name), **{**base, **kw})
+from train_helpers import two_step_config
 
 
 def test_the_python_api_trains_step_by_step_and_whole(tmp_path, model_dirs):
     from fastdpo import LOSSES, Trainer, train
 
     assert "sigmoid" in LOSSES and "simpo" in LOSSES
-    cfg = config(tmp_path, model_dirs("qwen3"), "steps")
+    cfg = two_step_config(tmp_path, model_dirs("qwen3"), "steps")
     trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.s.model.state_dict().items()}
     first = trainer.step()
@@ -31,7 +23,7 @@ def test_the_python_api_trains_step_by_step_and_whole(tmp_path, model_dirs):
     loss = first.metrics.finish()["loss"]
     assert 0 < loss < 10
     assert any(not torch.equal(before[k], v) for k, v in trainer.s.model.state_dict().items())
-    summary = train(config(tmp_path, model_dirs("qwen3"), "whole"), progress=False)
+    summary = train(two_step_config(tmp_path, model_dirs("qwen3"), "whole"), progress=False)
     assert summary["last"]["step"] == 2
     assert (tmp_path / "whole" / "final" / "model.safetensors").is_file()
 
@@ -46,9 +38,9 @@ def test_a_bench_step_and_a_train_step_give_the_same_weights(tmp_path, model_dir
     m = model_dirs("qwen3")
     # max_grad_norm 0 means no clipping in training; a copy of the step once zeroed every gradient there instead
     kw = dict(max_grad_norm=0.0, output_dir=str(tmp_path / "unused"))
-    trained = load_file(train(config(tmp_path, m, "loop", max_grad_norm=0.0), progress=False)["final_dir"]
+    trained = load_file(train(two_step_config(tmp_path, m, "loop", max_grad_norm=0.0), progress=False)["final_dir"]
                         + "/model.safetensors")
-    cfg = config(tmp_path, m, "bench", **{k: v for k, v in kw.items() if k != "output_dir"})
+    cfg = two_step_config(tmp_path, m, "bench", **{k: v for k, v in kw.items() if k != "output_dir"})
     device = resolve_device(cfg.device)
     seed_all(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
@@ -101,14 +93,14 @@ def test_the_next_step_is_packed_ahead_and_trains_exactly_as_packed_in_turn(tmp_
                         lambda s, group, step_pairs: packed.append([p.index for p in group]) or real_pack(s, group,
                                                                                                        step_pairs))
     kw = dict(max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
-    ahead = Trainer(config(tmp_path, model_dirs("qwen3"), "ahead", **kw))
+    ahead = Trainer(two_step_config(tmp_path, model_dirs("qwen3"), "ahead", **kw))
     for _ in range(3):
         ahead.step()
         packed.append("end")
     # 3 steps x 2 micro-batches, each packed once: steps 2 and 3's first during the step before
     assert packed == [[0, 1], [2, 3], [4, 5], "end", [6, 7], [8, 9], "end", [10, 11], "end"]
     packed.clear()
-    in_turn = Trainer(config(tmp_path, model_dirs("qwen3"), "in_turn", **kw))
+    in_turn = Trainer(two_step_config(tmp_path, model_dirs("qwen3"), "in_turn", **kw))
     in_turn.pack_ahead = False
     for _ in range(3):
         in_turn.step()
@@ -117,7 +109,7 @@ def test_the_next_step_is_packed_ahead_and_trains_exactly_as_packed_in_turn(tmp_
     for k, v in ahead.s.model.state_dict().items():
         assert torch.equal(v, in_turn.s.model.state_dict()[k]), k
     packed.clear()
-    other = Trainer(config(tmp_path, model_dirs("qwen3"), "other", **kw))
+    other = Trainer(two_step_config(tmp_path, model_dirs("qwen3"), "other", **kw))
     other.step(then=other.s.pairs[8:12])
     other.step(other.s.pairs[4:8])  # not what was packed ahead: packed again
     assert packed == [[0, 1], [2, 3], [8, 9], [4, 5], [6, 7]]

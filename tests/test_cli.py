@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 
 
 def fastdpo(*args, cwd=None):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 from safetensors.torch import load_file
 
 # TRL's DPO quick start (docs/source/dpo_trainer.md), adapted only for a local tiny model and local data

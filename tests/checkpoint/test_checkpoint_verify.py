@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import reseal
-from conftest import easy_rows, run_cli, write_jsonl
+from cli_helpers import run_cli
+from data_helpers import easy_rows, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from fastdpo import checkpoint as ckpt

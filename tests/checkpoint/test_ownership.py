@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 
 from fastdpo import checkpoint as ckpt
 from fastdpo.checkpoint import lock, outputs, ownership

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import easy_rows, write_jsonl
+from data_helpers import easy_rows, write_jsonl
 
 from fastdpo import checkpoint as ckpt
 from fastdpo.config import TrainConfig

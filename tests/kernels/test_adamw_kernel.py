@@ -1,6 +1,6 @@
 """The fused AdamW step's kernel (`fastdpo.kernels.adamw`) under Triton's interpreter on the CPU, which fuses nothing:
 the gradient scale it applies as it reads, bit for bit. The kernel compiled for CUDA is held to the float32 update
-in tests/test_gpu.py."""
+in tests/model/test_gpu.py."""
 
 import torch
 from interpreter_helpers import interpreted, run_interpreted

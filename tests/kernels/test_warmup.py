@@ -4,7 +4,7 @@ micro-batch length."""
 
 import pytest
 import torch
-from conftest import random_pairs
+from data_helpers import random_pairs
 from interpreter_helpers import interpreted, rel, run_interpreted
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
@@ -39,12 +39,12 @@ def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, 
     no-grad forward; full fine-tuning, or LoRA with dropout on every linear layer) was built ahead by `_launches` for that model's
     config: same kernel, argument dtypes and constants. A launch with other constants would be built again in the
     first step."""
-    from test_varlen import stand_in
+    from model_helpers import varlen_stand_in
 
     from fastdpo.model import attention
     from fastdpo.model.load import load_model
 
-    monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
+    monkeypatch.setattr(attention, "_varlen_kernel", varlen_stand_in)
     model = load_model(str(model_dirs("qwen3")), torch.bfloat16, torch.device("cpu"))
     fuse_layers(model, use_kernels=True)
     if lora_run:

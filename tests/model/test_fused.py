@@ -6,41 +6,20 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from model_helpers import loss_and_grads, small_model
+from transformers import AutoModelForCausalLM
 
 from fastdpo.model import fused
 from fastdpo.model.fused import fuse_layers, unfused
-
-
-def model(family, dtype=torch.float32):
-    torch.manual_seed(0)
-    cls = Qwen3Config if family == "qwen3" else LlamaConfig
-    extra = {"head_dim": 16} if family == "qwen3" else {}
-    cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, **extra)
-    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-    with torch.no_grad():  # norms away from ones, so their weight gradient means something
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    return m.train()
-
-
-def loss_and_grads(m, ids):
-    m.zero_grad()
-    out = m(input_ids=ids, use_cache=False).logits.float()
-    loss = (out.log_softmax(-1)[..., 3]).mean()
-    loss.backward()
-    return out.detach(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_forward_is_bit_identical_and_gradients_match(family, dtype, tol):
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-    plain = model(family, dtype)
+    plain = small_model(family, dtype)
     want_out, want = loss_and_grads(plain, ids)
-    lean = model(family, dtype)
+    lean = small_model(family, dtype)
     assert set(fuse_layers(lean)) >= {f"{'Qwen3' if family == 'qwen3' else 'Llama'}{k}" for k in ("RMSNorm", "MLP")}
     got_out, got = loss_and_grads(lean, ids)
     assert torch.equal(got_out, want_out)  # the same forward, bit for bit
@@ -57,10 +36,10 @@ def test_the_recompute_skips_the_down_projection_and_the_gradients_stay_the_same
     from fastdpo.model.memory import apply_checkpointing
 
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
-    lean = model("qwen3")
+    lean = small_model("qwen3")
     fuse_layers(lean)
     want_out, want = loss_and_grads(lean, ids)
-    m = model("qwen3")
+    m = small_model("qwen3")
     fuse_layers(m)
     apply_checkpointing(m, policy, reentrant=reentrant)
     downs = {id(layer.mlp.down_proj.weight) for layer in m.model.layers}
@@ -79,12 +58,12 @@ def test_the_recompute_skips_the_down_projection_and_the_gradients_stay_the_same
 
 
 def test_fewer_bytes_are_kept_for_the_backward():
-    from conftest import saved_bytes
+    from model_helpers import saved_bytes
 
     def kept(m):
         return saved_bytes(m, lambda: m.model(input_ids=torch.zeros(1, 256, dtype=torch.long)))
 
-    plain, lean = model("qwen3", torch.bfloat16), model("qwen3", torch.bfloat16)
+    plain, lean = small_model("qwen3", torch.bfloat16), small_model("qwen3", torch.bfloat16)
     fuse_layers(lean)
     assert kept(lean) < 0.7 * kept(plain)
 
@@ -103,7 +82,7 @@ def test_a_module_whose_forward_differs_keeps_it_and_eval_uses_the_plain_path():
 
     odd = torch.nn.Sequential(OddRMSNorm())
     assert fuse_layers(odd) == [] and "forward" not in odd[0].__dict__
-    lean = model("llama", torch.float32)
+    lean = small_model("llama", torch.float32)
     fuse_layers(lean)
     assert fuse_layers(lean) == []  # idempotent: nothing left to replace
     norm = lean.model.norm
@@ -136,7 +115,7 @@ def test_the_lean_forwards_survive_a_model_loaded_with_transformers_defaults_and
     again by the next fuse_layers and named by `unfused`."""
     from peft import LoraConfig, get_peft_model
 
-    model("qwen3").save_pretrained(tmp_path)
+    small_model("qwen3").save_pretrained(tmp_path)
     lm = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert "Qwen3RMSNorm" in fuse_layers(lm)
     lm.train()
@@ -153,7 +132,7 @@ def test_the_lean_forwards_survive_a_model_loaded_with_transformers_defaults_and
 def test_checkpointing_wraps_the_lean_forward_and_gives_it_back():
     from fastdpo.model.memory import apply_checkpointing
 
-    lean = model("qwen3", torch.float32)
+    lean = small_model("qwen3", torch.float32)
     fuse_layers(lean)
     mlp = lean.model.layers[0].mlp
     lean_forward = mlp.forward
@@ -171,11 +150,11 @@ def test_the_lean_layers_compile_and_give_the_eager_gradients():
     from fastdpo.model.memory import compile_layers
 
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
-    eager = model("qwen3", torch.float32)
+    eager = small_model("qwen3", torch.float32)
     fuse_layers(eager)
     want_out, want = loss_and_grads(eager, ids)
     torch._dynamo.reset()
-    compiled = model("qwen3", torch.float32)
+    compiled = small_model("qwen3", torch.float32)
     fuse_layers(compiled)
     compile_layers(compiled, backend="aot_eager")
     got_out, got = loss_and_grads(compiled, ids)
@@ -196,7 +175,7 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
     monkeypatch.setattr(setup, "kernels_ready",
                         lambda widths, dtype, device, head_dim, lora, rank: "RuntimeError: no sm_61 support")
-    m = model("qwen3")
+    m = small_model("qwen3")
     cfg = TrainConfig(model="m", dataset=["d"])
     with caplog.at_level(logging.WARNING, logger="fastdpo"):
         setup.fuse_kernels(cfg, m, torch.device("cpu"))
@@ -204,12 +183,12 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
     assert not any("_fastdpo_plain_forward" in mod.__dict__ for mod in m.modules())
     cfg.kernels = "triton"
     with pytest.raises(FastDPOError, match="--kernels triton: the Triton kernels cannot be built"):
-        setup.fuse_kernels(cfg, model("qwen3"), torch.device("cpu"))
+        setup.fuse_kernels(cfg, small_model("qwen3"), torch.device("cpu"))
     widths = []
     monkeypatch.setattr(setup, "kernels_ready",
                         lambda w, dtype, device, head_dim, lora, rank: widths.append((w, dtype, head_dim, lora, rank)))
     cfg.kernels = "auto"
-    fused = model("qwen3")
+    fused = small_model("qwen3")
     setup.fuse_kernels(cfg, fused, torch.device("cpu"))
     assert widths == [([64, 16], torch.float32, 16, False, 0)]  # the hidden size and Qwen3's head size
     assert fused.model.norm._fastdpo_kernels and fused.model.layers[0].self_attn._fastdpo_kernels
@@ -236,7 +215,7 @@ def test_lora_s_dropout_kernels_are_built_ahead_for_the_rank_that_trains(monkeyp
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
     setup.build_kernels_ahead(cfg.model, torch.float32, torch.device("cpu"), False, cfg.uses_lora,
                               setup.dropout_rank(cfg))
-    setup.fuse_kernels(cfg, model("qwen3"), torch.device("cpu"))
+    setup.fuse_kernels(cfg, small_model("qwen3"), torch.device("cpu"))
     assert started == waited == [rank]
 
 
@@ -271,7 +250,7 @@ def test_the_kernels_shapes_are_read_from_a_local_config_without_transformers(tm
     from fastdpo.kernels.warmup import head_size, norm_widths
     from fastdpo.training.setup import _config_fields
 
-    real = model("qwen3").config
+    real = small_model("qwen3").config
     real.save_pretrained(tmp_path)
     fields = _config_fields(str(tmp_path), False)
     assert not hasattr(fields, "to_dict")  # read as JSON, not through AutoConfig
@@ -310,10 +289,10 @@ def test_the_reentrant_recompute_gives_the_gradients_of_no_checkpointing(family,
     from fastdpo.model.memory import apply_checkpointing
 
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
-    lean = model(family)
+    lean = small_model(family)
     fuse_layers(lean)
     want_out, want = loss_and_grads(lean, ids)
-    m = model(family)
+    m = small_model(family)
     fuse_layers(m)
     apply_checkpointing(m, policy, reentrant=True)
     runs, apply = [], memory._Recomputed.apply
@@ -335,9 +314,9 @@ def test_regions_without_grads_through_their_input_keep_the_non_reentrant_form(m
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(6))
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False,
                       lora_dropout=0.0)
-    plain = get_peft_model(model("qwen3"), lora)
+    plain = get_peft_model(small_model("qwen3"), lora)
     _, want = loss_and_grads(plain, ids)
-    m = get_peft_model(model("qwen3"), lora)
+    m = get_peft_model(small_model("qwen3"), lora)
     apply_checkpointing(m, "full", reentrant=True)
     _, got = loss_and_grads(m, ids)
     # frozen embeddings: the first layer's input carries no grads (torch's form); the second's does (its adapters')
@@ -345,7 +324,7 @@ def test_regions_without_grads_through_their_input_keep_the_non_reentrant_form(m
     for n in want:
         assert torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7), n
 
-    dropped = model("qwen3")
+    dropped = small_model("qwen3")
     assert not draws_random(dropped.model.layers[0])
     dropped.config.attention_dropout = 0.1
     for layer in dropped.model.layers:
@@ -369,7 +348,7 @@ def test_regions_with_dropout_recompute_in_the_reentrant_form_with_the_same_mask
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(6))
 
     def dropped():
-        m = model("qwen3")
+        m = small_model("qwen3")
         m.config.attention_dropout = 0.3
         for layer in m.model.layers:
             layer.self_attn.attention_dropout = 0.3
@@ -405,10 +384,10 @@ def test_a_forward_with_a_cache_keeps_the_non_reentrant_form(monkeypatch):
         m(input_ids=ids, use_cache=True).logits.float().log_softmax(-1)[..., 3].mean().backward()
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
-    lean = model("qwen3")
+    lean = small_model("qwen3")
     fuse_layers(lean)
     want = grads(lean)
-    m = model("qwen3")
+    m = small_model("qwen3")
     fuse_layers(m)
     apply_checkpointing(m, "full", reentrant=True)
     got = grads(m)  # a recompute would append the layer's keys to the cache a second time
@@ -418,7 +397,7 @@ def test_a_forward_with_a_cache_keeps_the_non_reentrant_form(monkeypatch):
 def test_the_reentrant_recompute_refuses_autograd_grad():
     from fastdpo.model.memory import apply_checkpointing
 
-    m = model("qwen3")
+    m = small_model("qwen3")
     fuse_layers(m)
     apply_checkpointing(m, "full", reentrant=True)
     loss = m(input_ids=torch.randint(0, 128, (1, 8)), use_cache=False).logits.float().mean()
@@ -434,7 +413,7 @@ def test_each_layer_s_hidden_states_are_released_once_its_recompute_has_run():
 
     from fastdpo.model.memory import apply_checkpointing
 
-    m = model("qwen3")
+    m = small_model("qwen3")
     fuse_layers(m)
     apply_checkpointing(m, "full", reentrant=True)
     inputs, alive = [], []

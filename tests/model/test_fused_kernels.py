@@ -7,11 +7,10 @@ import copy
 
 import pytest
 import torch
-from conftest import random_pairs
+from data_helpers import random_pairs
 from gpu_helpers import logps_and_grads, qwen3
 from interpreter_helpers import interpreted, rel, run_interpreted
-from test_fused import loss_and_grads
-from test_fused import model as tiny
+from model_helpers import loss_and_grads, small_model
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
 from fastdpo.kernels import logprob_head, rms_norm, rope, swiglu
@@ -37,13 +36,13 @@ def test_the_head_runs_the_kernels_only_where_fused():
 
     from fastdpo.model.backend import output_head
 
-    m = tiny("qwen3")
+    m = small_model("qwen3")
     assert not output_head(m).kernels
     fuse_layers(m)
     assert not output_head(m).kernels  # the lean torch layers keep the eager head
     fuse_layers(m, use_kernels=True)
     assert output_head(m).kernels and output_head(copy.deepcopy(m)).kernels
-    wrapped = get_peft_model(tiny("llama"), LoraConfig(r=4, target_modules=["q_proj"]))
+    wrapped = get_peft_model(small_model("llama"), LoraConfig(r=4, target_modules=["q_proj"]))
     fuse_layers(wrapped, use_kernels=True)
     assert output_head(wrapped).kernels
 
@@ -60,8 +59,8 @@ def test_a_fused_model_s_sequence_log_probs_equal_the_float32_model_s(monkeypatc
         (seq[:3] - seq[3:]).sum().backward()
         return seq.detach(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
 
-    want, want_g = run(tiny("qwen3", torch.float32))
-    m = tiny("qwen3", torch.bfloat16)
+    want, want_g = run(small_model("qwen3", torch.float32))
+    m = small_model("qwen3", torch.bfloat16)
     fuse_layers(m, use_kernels=True)
     calls = []
     spy(monkeypatch, calls, (logprob_head, "logp_forward"), (logprob_head, "logp_backward_"))
@@ -76,13 +75,13 @@ def test_a_fused_model_s_sequence_log_probs_equal_the_float32_model_s(monkeypatc
 def test_a_fused_model_through_the_packed_varlen_path_equals_the_plain_dense_path(model_dirs, monkeypatch):
     """Packed pairs through the varlen path (the kernel's float32 stand-in) on a model fused with the kernels (keys
     gathered with the kernel backward, the log-prob head's kernels) against the plain model's dense path."""
-    from test_varlen import stand_in
+    from model_helpers import varlen_stand_in
 
     from fastdpo.kernels import gather_rows
     from fastdpo.model import attention
     from fastdpo.model.load import load_model
 
-    monkeypatch.setattr(attention, "_varlen_kernel", stand_in)
+    monkeypatch.setattr(attention, "_varlen_kernel", varlen_stand_in)
     spied = []
     spy(monkeypatch, spied, (gather_rows, "gather_rows_backward"))
     results = []
@@ -110,11 +109,11 @@ def test_a_model_outside_the_fused_one_keeps_the_plain_rotation(monkeypatch):
     import transformers.models.qwen3.modeling_qwen3 as modeling
 
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(5))
-    fused = tiny("qwen3", torch.bfloat16)
+    fused = small_model("qwen3", torch.bfloat16)
     fuse_layers(fused, use_kernels=True)
     patched = modeling.apply_rotary_pos_emb
     assert patched._fastdpo_plain is not patched
-    plain = tiny("qwen3", torch.bfloat16)
+    plain = small_model("qwen3", torch.bfloat16)
     with torch.no_grad():
         got = plain(input_ids=ids).logits
         monkeypatch.setattr(modeling, "apply_rotary_pos_emb", patched._fastdpo_plain)
@@ -127,8 +126,8 @@ def test_a_model_outside_the_fused_one_keeps_the_plain_rotation(monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 def test_a_model_on_the_kernels_trains_as_the_float32_model(family, dtype, tol):
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-    want_out, want = loss_and_grads(tiny(family, torch.float32), ids)
-    m = tiny(family, dtype)
+    want_out, want = loss_and_grads(small_model(family, torch.float32), ids)
+    m = small_model(family, dtype)
     assert set(fuse_layers(m, use_kernels=True)) >= {f"{'Qwen3' if family == 'qwen3' else 'Llama'}{k}"
                                                       for k in ("RMSNorm", "MLP")}
     calls = []
@@ -148,7 +147,7 @@ def test_the_reference_copy_and_a_no_grad_forward_compute_the_same_numbers():
     """The reference is a deep copy of the fused policy: its forwards are bound to the copy, run the kernels, and
     give the policy's training forward bit for bit (the first step's log-ratios are exactly zero)."""
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
-    m = tiny("qwen3", torch.bfloat16)
+    m = small_model("qwen3", torch.bfloat16)
     fuse_layers(m, use_kernels=True)
     ref = copy.deepcopy(m).eval().requires_grad_(False)
     assert ref.model.norm.forward.__self__ is ref.model.norm and ref.model.norm._fastdpo_kernels
@@ -162,9 +161,9 @@ def test_the_reference_copy_and_a_no_grad_forward_compute_the_same_numbers():
 def test_lora_wrapping_the_down_projection_after_fusing_trains_its_adapter():
     from peft import LoraConfig, get_peft_model
 
-    m = tiny("llama")
+    m = small_model("llama")
     fuse_layers(m, use_kernels=True)
-    plain = tiny("llama")
+    plain = small_model("llama")
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj", "gate_proj"], init_lora_weights=False)
     m, plain = get_peft_model(m, cfg), get_peft_model(plain, copy.deepcopy(cfg))
     plain.load_state_dict(m.state_dict())
@@ -181,7 +180,7 @@ def test_lora_wrapping_the_down_projection_after_fusing_trains_its_adapter():
 def test_the_lean_lora_forward_applies_the_kernels_mask_from_torch_s_generator(model_dirs):
     """Where the kernels serve, the lean LoRA forward's dropout is theirs: the mask of a seed from torch's generator,
     the same in the backward; outputs and gradients equal the plain computation under that mask."""
-    from test_lora_fused import check_dropout_under_mask
+    from lora_helpers import check_dropout_under_mask
 
     check_dropout_under_mask(model_dirs, lambda x: lora_kernels.lora_dropout_keep(
         lora_kernels.lora_dropout_seed(), tuple(x.shape), 0.3, x.device), atol=1e-5)
@@ -191,7 +190,7 @@ def test_the_lean_lora_forward_applies_the_kernels_mask_from_torch_s_generator(m
 def test_lora_dropout_on_the_kernels_recomputes_the_forward_s_masks(model_dirs):
     """Full checkpointing (the reentrant form, which replays the generator) with LoRA dropout on the kernels: the
     same outputs and gradients as no checkpointing from the same seed, bit for bit; another seed differs."""
-    from test_lora_fused import ids_for, peft_model, run
+    from lora_helpers import ids_for, logits_and_grads, peft_model
 
     from fastdpo.model import lora
     from fastdpo.model.memory import apply_checkpointing
@@ -203,7 +202,7 @@ def test_lora_dropout_on_the_kernels_recomputes_the_forward_s_masks(model_dirs):
             apply_checkpointing(m, policy, reentrant=True)
         m.train()
         torch.manual_seed(seed)
-        return run(m, ids_for(m))
+        return logits_and_grads(m, ids_for(m))
 
     want_out, want = trained("none", 11)
     got_out, got = trained("full", 11)
@@ -217,7 +216,7 @@ def test_lora_dropout_on_the_kernels_recomputes_the_forward_s_masks(model_dirs):
 def test_a_lean_mlp_s_lora_down_on_the_kernels_applies_their_mask_to_the_product(model_dirs):
     """The Triton MLP into a LoRA down projection with dropout: the product rebuilt by the kernel in the backward,
     the mask of a seed from torch's generator; outputs and gradients equal the plain computation under that mask."""
-    from test_lora_fused import check_mlp_dropout_under_mask
+    from lora_helpers import check_mlp_dropout_under_mask
 
     check_mlp_dropout_under_mask(model_dirs, lambda h: lora_kernels.lora_dropout_keep(
         lora_kernels.lora_dropout_seed(), tuple(h.shape), 0.3, h.device), use_kernels=True, atol=1e-5)

@@ -5,37 +5,18 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from lora_helpers import (
+    check_dropout_under_mask,
+    check_mlp_dropout_under_mask,
+    ids_for,
+    logits_and_grads,
+    mlp_lora_model,
+    peft_model,
+)
+from peft import LoraConfig
 
 from fastdpo.kernels import lora as lora_kernels
 from fastdpo.model import lora
-from fastdpo.model.load import load_model
-
-
-def peft_model(model_dirs, dtype=torch.float32, dropout=0.0, lora_alpha=8, shape="qwen3", **kw):
-    torch.manual_seed(0)
-    base = load_model(str(model_dirs(shape)), dtype, torch.device("cpu"))
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=lora_alpha, lora_dropout=dropout,
-                                            target_modules="all-linear", **kw))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:  # PEFT starts B at zero, which would hide the adapter's product
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model
-
-
-def run(model, ids):
-    model.zero_grad()
-    logits = model(input_ids=ids, use_cache=False).logits.float()
-    w = torch.linspace(-1, 1, logits.shape[-1])
-    (logits * w).sum().backward()
-    return logits.detach(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
-                             if p.grad is not None}
-
-
-def ids_for(model):
-    return torch.randint(4, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
 
 
 def count_calls(monkeypatch, *functions) -> list:
@@ -60,11 +41,11 @@ def test_the_lean_forward_gives_peft_s_outputs_and_gradients(model_dirs, monkeyp
             if hasattr(m, "base_layer") and type(m.base_layer) is torch.nn.Linear:
                 m.base_layer.__class__ = Other
     ids = ids_for(model)
-    want, g_want = run(model, ids)
+    want, g_want = logits_and_grads(model, ids)
     calls = count_calls(monkeypatch, lora_kernels.LoraAddFunction, lora_kernels.LoraLinearFunction)
     n = lora.fuse_lora(model)
     assert n == 7 * model.config.num_hidden_layers and lora.fuse_lora(model) == n  # idempotent
-    got, g_got = run(model, ids)
+    got, g_got = logits_and_grads(model, ids)
     assert calls == [("LoraAddFunction" if base == "other" else "LoraLinearFunction")] * n
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert g_got.keys() == g_want.keys() and any("lora_A" in k for k in g_got)
@@ -96,14 +77,14 @@ def test_the_lean_forward_hands_back_one_input_gradient_per_projection(model_dir
 def test_in_bfloat16_the_lean_forward_is_as_close_to_float32_as_peft_s(model_dirs):
     exact = peft_model(model_dirs)
     ids = ids_for(exact)
-    want, g_want = run(exact, ids)
+    want, g_want = logits_and_grads(exact, ids)
     results = {}
     for fused in (False, True):
         model = peft_model(model_dirs, torch.bfloat16)
         assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
         if fused:
             lora.fuse_lora(model)
-        results[fused] = run(model, ids)
+        results[fused] = logits_and_grads(model, ids)
 
     def err(a, b):
         return ((a - b).norm() / b.norm()).item()
@@ -112,33 +93,6 @@ def test_in_bfloat16_the_lean_forward_is_as_close_to_float32_as_peft_s(model_dir
     assert fused_out < 1.5 * peft_out + 1e-3, (fused_out, peft_out)
     for k in g_want:
         assert err(results[True][1][k], g_want[k]) < 3 * err(results[False][1][k], g_want[k]) + 2e-2, k
-
-
-def check_dropout_under_mask(model_dirs, draw_mask, atol=1e-6):
-    """A LoRA down projection with dropout 0.3 through the lean forward, from torch's seed 7: output and gradients
-    equal the plain computation under the mask `draw_mask(x)` draws after the same seed. Returns the layer, its
-    input and copies of A and B."""
-    model = peft_model(model_dirs, dropout=0.3)
-    layer = model.base_model.model.model.layers[0].mlp.down_proj
-    assert lora.fuse_lora(model)
-    model.train()
-    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    torch.manual_seed(7)
-    out = layer(x)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-    gx, ga, gb = torch.autograd.grad((out * w).sum(), (x, layer.lora_A["default"].weight, layer.lora_B["default"].weight))
-
-    torch.manual_seed(7)
-    mask = draw_mask(x)
-    assert not mask.all()
-    xr = x.detach().clone().requires_grad_()
-    a, b = (p.detach().clone().requires_grad_() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight))
-    ref = layer.base_layer(xr) + 2.0 * ((xr * mask / 0.7) @ a.t()) @ b.t()
-    rx, ra, rb = torch.autograd.grad((ref * w).sum(), (xr, a, b))
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
-    for got, want in ((gx, rx), (ga, ra), (gb, rb)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
-    return layer, x, a, b
 
 
 def test_dropout_is_drawn_once_and_applied_to_the_adapter_s_input_only(model_dirs):
@@ -190,7 +144,7 @@ def test_a_deep_copy_keeps_the_lean_forward_on_its_own_modules(model_dirs):
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 def test_training_s_lora_layers_take_the_lean_forward_unless_kernels_torch(tmp_path, model_dirs, kernels):
-    from conftest import easy_rows, write_jsonl
+    from data_helpers import easy_rows, write_jsonl
 
     from fastdpo import TrainConfig, Trainer
 
@@ -219,29 +173,9 @@ def test_a_dropout_probability_outside_0_to_1_is_refused_with_its_range(value):
     parse("--train_type", "lora", "--lora_dropout", "0.99").validate_training()
 
 
-def mlp_lora_model(model_dirs, dropout=0.0, targets="all-linear", fused=True, use_kernels=False):
-    """Qwen3 tiny in float32 with LoRA as training builds it: the lean MLPs first (`fuse_layers`, on the Triton
-    kernels with `use_kernels`), then PEFT's adapters with B drawn at random, then (`fused`) the lean LoRA forward."""
-    from fastdpo.model.fused import fuse_layers
-
-    torch.manual_seed(0)
-    base = load_model(str(model_dirs("qwen3")), torch.float32, torch.device("cpu"))
-    if fused:
-        assert "Qwen3MLP" in fuse_layers(base, use_kernels=use_kernels)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    if fused:
-        lora.fuse_lora(model)
-    return model.train()  # the lean MLPs serve training's forward with grad
-
-
 def saved_bytes(model, ids) -> int:
     """Bytes autograd keeps for the backward of one forward (each storage once, the weights not counted)."""
-    from conftest import saved_bytes as kept
+    from model_helpers import saved_bytes as kept
 
     return kept(model, lambda: model(input_ids=ids, use_cache=False).logits.sum())
 
@@ -256,8 +190,8 @@ def test_a_lean_mlp_s_lora_down_projection_keeps_no_product_and_gives_peft_s_gra
     calls = []
     apply = lora_kernels.SiluMulLoraDownFunction.apply
     monkeypatch.setattr(lora_kernels.SiluMulLoraDownFunction, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
-    want, g_want = run(plain, ids)
-    got, g_got = run(model, ids)
+    want, g_want = logits_and_grads(plain, ids)
+    got, g_got = logits_and_grads(model, ids)
     assert calls == [False] * model.config.num_hidden_layers  # every layer, none skipped outside a recompute
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert g_got.keys() == g_want.keys() and any("down_proj.lora_A" in k for k in g_got)
@@ -265,33 +199,6 @@ def test_a_lean_mlp_s_lora_down_projection_keeps_no_product_and_gives_peft_s_gra
         assert (g_got[k] - g_want[k]).norm() <= 1e-5 * g_want[k].norm(), k
     product = ids.numel() * model.config.intermediate_size * 4 * model.config.num_hidden_layers
     assert saved_bytes(plain, ids) - saved_bytes(model, ids) >= product
-
-
-def check_mlp_dropout_under_mask(model_dirs, draw_mask, use_kernels=False, atol=1e-6):
-    """A lean MLP whose LoRA down projection has dropout 0.3 (the only adapter), from torch's seed 7: output and
-    gradients equal the plain computation under the mask `draw_mask(h)` draws after the same seed."""
-    model = mlp_lora_model(model_dirs, dropout=0.3, targets=["down_proj"], use_kernels=use_kernels)
-    model.train()
-    mlp = model.base_model.model.model.layers[0].mlp
-    down = mlp.down_proj
-    x = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    a, b = down.lora_A["default"].weight, down.lora_B["default"].weight
-    torch.manual_seed(7)
-    out = mlp(x)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-    got = torch.autograd.grad((out * w).sum(), (x, a, b))
-
-    torch.manual_seed(7)
-    xr = x.detach().clone().requires_grad_()
-    ar, br = (p.detach().clone().requires_grad_() for p in (a, b))
-    h = torch.nn.functional.silu(mlp.gate_proj(xr)) * mlp.up_proj(xr)
-    mask = draw_mask(h.reshape(-1, h.shape[-1])).view(h.shape)
-    assert not mask.all()
-    ref = down.base_layer(h) + 2.0 * ((h * mask / 0.7) @ ar.t()) @ br.t()
-    want = torch.autograd.grad((ref * w).sum(), (xr, ar, br))
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
-    for g, r in zip(got, want):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=atol)
 
 
 def test_the_lora_down_s_dropout_is_drawn_once_on_the_product_and_applied_again_in_the_backward(model_dirs):
@@ -320,7 +227,7 @@ def test_a_recompute_skips_the_lora_down_s_base_gemm_and_gives_the_gradients_of_
             apply_checkpointing(m, policy, reentrant=reentrant)
         m.train()
         torch.manual_seed(5)
-        return run(m, ids_for(m))
+        return logits_and_grads(m, ids_for(m))
 
     want_out, want = trained("none")
     layers = len(skips)
