@@ -116,14 +116,25 @@ def test_a_wild_batch_raises_grad_spike_at_its_step(tmp_path, model_dirs):
 
 
 def test_conflicting_labels_raise_accuracy_stuck(tmp_path, model_dirs):
-    """Every pair also appears with chosen and rejected swapped, in the same step: the step's margins cancel, so
-    accuracy sits at exactly 0.5."""
+    """Every pair also appears with chosen and rejected swapped, in the same step: computed pair by pair, the step's
+    margins cancel up to rounding, so accuracy sits at 0.5."""
     rows = easy_rows(4, seed=5)
     rows += [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows]
-    run(tmp_path, model_dirs("qwen3"), "conflict", rows, max_steps=9, alert_patience=2)
+    run(tmp_path, model_dirs("qwen3"), "conflict", rows, max_steps=9, alert_patience=2, group_prompts=False)
     got = [a["name"] for a in alerts(tmp_path / "conflict")]
     assert "accuracy_stuck" in got
     assert "swapped_labels" not in got and "grad_spike" not in got and "grad_collapse" not in got
+
+
+def test_conflicting_labels_in_one_group_raise_grad_collapse(tmp_path, model_dirs):
+    """The same data in prompt groups: each completion is computed once for both of its pairs, so their gradients
+    cancel exactly and the alert names contradicting pairs among the causes."""
+    rows = easy_rows(4, seed=5)
+    rows += [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows]
+    run(tmp_path, model_dirs("qwen3"), "conflict", rows, max_steps=6, alert_patience=2)
+    got = {a["name"]: a for a in alerts(tmp_path / "conflict")}
+    assert "grad_collapse" in got and "contradict" in got["grad_collapse"]["advice"]
+    assert "swapped_labels" not in got and "grad_spike" not in got
 
 
 def test_saturated_loss_raises_grad_collapse(tmp_path, model_dirs):

@@ -28,7 +28,8 @@ ADVICE = {
     "grad_spike": "learning rate too high or a noisy batch: lower --learning_rate, add warm-up (--warmup_ratio), keep "
                   "--max_grad_norm on, and look at the rows of this step.",
     "grad_collapse": "gradients vanished: the learning rate may have decayed to ~0, the loss saturated (beta too large), "
-                     "or chosen and rejected are identical; check the schedule and the data.",
+                     "chosen and rejected are identical, or pairs contradict each other (the same pair again with "
+                     "chosen and rejected swapped); check the schedule and the data.",
     "accuracy_stuck": "no preference is being learned: check that chosen and rejected differ and are not randomly "
                       "ordered, then try a higher --learning_rate or --beta.",
     "nonfinite": "the update was skipped. Lower --learning_rate, prefer bfloat16 over float16, keep --max_grad_norm on, "
