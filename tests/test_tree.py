@@ -20,7 +20,7 @@ def python_files() -> list[Path]:
     return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def test_files() -> list[Path]:
+def collected_files() -> list[Path]:
     return [p for p in python_files() if p.name.startswith("test_")]
 
 
@@ -37,7 +37,7 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
 
 def test_each_test_file_lives_in_the_folder_of_the_subpackage_it_tests():
     misplaced = []
-    for path in test_files():
+    for path in collected_files():
         folder = path.parent.relative_to(TESTS)
         if folder == Path("."):
             if path.name not in TOP_LEVEL:
@@ -46,13 +46,13 @@ def test_each_test_file_lives_in_the_folder_of_the_subpackage_it_tests():
         elif not (PACKAGE / folder / "__init__.py").is_file():
             misplaced.append(f"{path.relative_to(TESTS)}: src/fastdpo/{folder.as_posix()} is no subpackage")
     assert not misplaced, "\n".join(misplaced)
-    assert {p.name for p in test_files() if p.parent == TESTS} == TOP_LEVEL, "a TOP_LEVEL file is gone: remove it"
+    assert {p.name for p in collected_files() if p.parent == TESTS} == TOP_LEVEL, "a TOP_LEVEL file is gone: remove it"
 
 
 def test_test_file_names_are_unique_and_no_folder_is_a_package():
     """pytest imports each test file by its base name (rootdir-relative, no __init__.py): two files of one name in
     different folders would collide."""
-    names = [p.name for p in test_files()]
+    names = [p.name for p in collected_files()]
     assert sorted(set(n for n in names if names.count(n) > 1)) == []
     assert [str(p.relative_to(TESTS)) for p in TESTS.rglob("__init__.py")] == []
 
@@ -65,7 +65,7 @@ def test_only_helpers_and_conftest_sit_beside_the_test_files():
 
 
 def test_no_test_module_imports_conftest_or_another_test_module():
-    test_modules = {p.stem for p in test_files()}
+    test_modules = {p.stem for p in collected_files()}
     found = []
     for path in python_files():
         for line, name in imported_modules(path):
