@@ -2,7 +2,6 @@
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from fastdpo.model.attention import varlen_layout
 
@@ -30,6 +29,10 @@ def saved_bytes(model, forward) -> int:
 def small_model(family, dtype=torch.float32):
     """A seeded two-layer Qwen3 or Llama of width 64 (vocabulary 128) in training mode, its norms' weights moved away
     from ones so that their gradients mean something."""
+    # imported here, not with the module: dist_helpers' forkserver preloads this module (through data_helpers), and
+    # two-rank runs forked from a server that had imported transformers' model classes hung at times
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
     torch.manual_seed(0)
     cls = Qwen3Config if family == "qwen3" else LlamaConfig
     extra = {"head_dim": 16} if family == "qwen3" else {}
