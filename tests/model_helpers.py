@@ -3,8 +3,6 @@
 import torch
 import torch.nn.functional as F
 
-from fastdpo.model.attention import varlen_layout
-
 WORDS = [f"w{i}" for i in range(60)]  # the vocabulary of the tiny models `model_dirs` builds (`fastdpo.model.tiny`)
 
 
@@ -75,6 +73,8 @@ def varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
 
 def admitted(pair_lengths, total: int, window: int | None) -> torch.Tensor:
     """(T, T) bool: query token q may see key token k under the offsets, as the kernel reads them."""
+    from fastdpo.model.attention import varlen_layout  # on use: the processes that start ranks load this module
+
     key_index, cu_q, cu_k, _, _ = varlen_layout(pair_lengths, total)
     m = torch.zeros(total, total, dtype=torch.bool)
     for s in range(len(cu_q) - 1):
