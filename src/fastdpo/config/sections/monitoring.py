@@ -34,20 +34,6 @@ def check_installed(targets: list[str]) -> None:
                                f"Run `pip install {_PACKAGES[t]}`, or drop {t} from --report_to.")
 
 
-def parse_steps(spec: str) -> tuple[int, int] | None:
-    """'6-8' -> (6, 8); '7' -> (7, 7); '' -> None. Steps count from 1, like the logged step numbers."""
-    if not spec:
-        return None
-    lo, _, hi = spec.partition("-")
-    try:
-        first, last = int(lo), int(hi or lo)
-    except ValueError:
-        first = last = 0
-    if first < 1 or last < first:
-        raise FastDPOError(f"--profile_steps {spec!r}: give one step or a range of optimizer steps, e.g. 6-8 (from 1).")
-    return first, last
-
-
 def require_matplotlib(what: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise FastDPOError(f"{what} needs matplotlib, which is not installed. Run `pip install matplotlib`.")
