@@ -75,8 +75,9 @@ class RowError(FastDPOError):
 
 @dataclass
 class Row:
-    """One preference pair. Plain-text rows hold strings; conversational rows hold message lists
-    (`prompt` may end with a user, tool or assistant turn; `chosen`/`rejected` start with an assistant turn)."""
+    """One preference pair, or one unpaired completion with its label (`label` set). Plain-text rows hold strings;
+    conversational rows hold message lists (`prompt` may end with a user, tool or assistant turn; `chosen`/`rejected`
+    start with an assistant turn)."""
 
     prompt: str | list[dict]
     chosen: str | list[dict]
@@ -87,18 +88,26 @@ class Row:
     member: int = 0  # which of the pairs its record gave (a record of several completions gives several; see groups)
     notes: tuple[tuple[str, int], ...] = ()  # on a record's first pair: what its pairing left out, counted
     dropped: str = ""  # the record gave no pair, for this reason (counted, never trained)
+    # an unpaired row (KTO): one completion judged desirable (True) or undesirable (False), held as both `chosen` and
+    # `rejected`; None for a pair
+    label: bool | None = None
 
     @property
     def conversational(self) -> bool:
         return isinstance(self.chosen, list)
 
     @property
+    def unpaired(self) -> bool:
+        return self.label is not None
+
+    @property
     def identical(self) -> bool:
-        return self.chosen == self.rejected
+        return self.label is None and self.chosen == self.rejected
 
     def key(self) -> str:
         """A canonical text of the pair, for duplicate detection."""
-        return json.dumps([self.prompt, self.chosen, self.rejected, self.tools], sort_keys=True, ensure_ascii=False)
+        return json.dumps([self.prompt, self.chosen, self.rejected, self.tools, self.label], sort_keys=True,
+                          ensure_ascii=False)
 
 
 def fields_present(value: dict) -> str:
