@@ -106,8 +106,8 @@ class Row:
 
     def key(self) -> str:
         """A canonical text of the pair, for duplicate detection."""
-        return json.dumps([self.prompt, self.chosen, self.rejected, self.tools, self.label], sort_keys=True,
-                          ensure_ascii=False)
+        fields = [self.prompt, self.chosen, self.rejected, self.tools] + ([self.label] if self.unpaired else [])
+        return json.dumps(fields, sort_keys=True, ensure_ascii=False)
 
 
 def fields_present(value: dict) -> str:
