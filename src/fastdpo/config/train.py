@@ -107,6 +107,7 @@ class TrainConfig(ParallelSection, MonitoringSection, ProfilingSection, RunSecti
             raise FastDPOError("--sequence_parallel_size splits the packed row, which --attn_impl padded does not use. "
                                "Use --attn_impl auto (or dense / varlen / flex).")
         self.validate_loss()
+        self._validate_unpaired_across()
         self.validate_reference()
         self._validate_reference_across()
         self.validate_evaluation()
@@ -114,6 +115,22 @@ class TrainConfig(ParallelSection, MonitoringSection, ProfilingSection, RunSecti
             raise FastDPOError(f"--save_steps {self.save_steps} must be a multiple of --eval_steps {self.eval_steps}, so "
                                "every checkpoint has an evaluation to rank it by.")
         parallel_plan(self.fsdp, self.deepspeed, self)  # raises on what cannot be honoured
+
+    def _validate_unpaired_across(self) -> None:
+        """What an unpaired loss (KTO) needs of the other sections: TRL's rules for its KL estimate."""
+        if not self.trains_unpaired():
+            return
+        from fastdpo.losses import needs_kl_completions  # imported on use: the losses load torch
+
+        names = [name for name, _ in self.loss_terms()]
+        if needs_kl_completions(names) and self.per_device_train_batch_size <= 1:
+            raise FastDPOError(f"--loss_type {names[0]} estimates its KL term from each batch of "
+                               "--per_device_train_batch_size rows, with every completion moved to the next row's "
+                               "prompt; with 1 row the estimate is the row's own reward. Use "
+                               "--per_device_train_batch_size 2 or more (as TRL's KTOTrainer requires).")
+        if self.streaming:
+            raise FastDPOError(f"--loss_type {names[0]} with --streaming: its KL completions are built over the whole "
+                               "dataset in order before training. Drop --streaming.")
 
     def _validate_reference_across(self) -> None:
         """The reference's flags against the model, the adapters and the loss."""

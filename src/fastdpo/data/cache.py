@@ -86,6 +86,7 @@ def load_cached(root: Path, key: str) -> tuple[list[TokenizedPair], TokenizeStat
     try:
         with np.load(entry / "pairs.npz") as z:
             tokens, lens, index = z["tokens"], z["lens"], z["index"]
+            labels = z["labels"].tolist() if "labels" in z.files else [-1] * len(index)  # -1: a pair
         stats = TokenizeStats(**json.loads((entry / "stats.json").read_text()))
         if lens.shape != (len(index), 3) or int(lens.sum()) != len(tokens) or stats.pairs != len(index):
             raise ValueError(f"{len(index)} pairs, {len(tokens)} tokens and stats of {stats.pairs} pairs disagree")
@@ -97,8 +98,9 @@ def load_cached(root: Path, key: str) -> tuple[list[TokenizedPair], TokenizeStat
     tokens, lens, index = tokens.tolist(), lens.tolist(), index.tolist()
     pairs = []
     at = 0
-    for (p, c, r), i in zip(lens, index):
-        pairs.append(TokenizedPair(tokens[at: at + p], tokens[at + p: at + p + c], tokens[at + p + c: at + p + c + r], i))
+    for (p, c, r), i, label in zip(lens, index, labels):
+        pairs.append(TokenizedPair(tokens[at: at + p], tokens[at + p: at + p + c], tokens[at + p + c: at + p + c + r], i,
+                                   label=None if label < 0 else bool(label)))
         at += p + c + r
     return pairs, stats
 
@@ -120,7 +122,9 @@ def save_cached(root: Path, key: str, pairs: list[TokenizedPair], stats: Tokeniz
     try:
         tokens = np.fromiter((t for p in pairs for seq in (p.prompt, p.chosen, p.rejected) for t in seq), np.int32)
         lens = np.array([(len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs], np.int32).reshape(-1, 3)
-        np.savez(tmp / "pairs.npz", tokens=tokens, lens=lens, index=np.array([p.index for p in pairs], np.int64))
+        labels = np.array([-1 if p.label is None else int(p.label) for p in pairs], np.int8)
+        np.savez(tmp / "pairs.npz", tokens=tokens, lens=lens, index=np.array([p.index for p in pairs], np.int64),
+                 labels=labels)
         (tmp / "stats.json").write_text(json.dumps(dataclasses.asdict(stats)))  # written last: marks completeness
         try:
             tmp.rename(entry)

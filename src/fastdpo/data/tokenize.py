@@ -27,12 +27,18 @@ TRUNCATION_STRATEGIES = ("right", "left", "delete")
 
 @dataclass
 class TokenizedPair:
-    """Token ids of one pair. `index` is the row's position in the dataset (stable across runs)."""
+    """Token ids of one pair. `index` is the row's position in the dataset (stable across runs).
+
+    An unpaired row (KTO) is held the same way: `chosen` is its completion, `label` its judgement (True:
+    desirable), and `rejected` its KL completion once `fastdpo.data.kto.kl_completions` has set it (before, the
+    completion itself, uncut by the length limits); `chunk` is the batch of rows its KL completion was taken in."""
 
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
     index: int
+    label: bool | None = None
+    chunk: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -231,7 +237,11 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
             lengths.append((k, *map(len, got)))
         fitted = fit_length(*got, options, stats)
         if fitted is not None:
-            out.append(TokenizedPair(*fitted, start_index + k if indices is None else indices[k]))
+            index = start_index + k if indices is None else indices[k]
+            if rows[k].unpaired:  # the completion, and as `rejected` the same uncut: another row's KL completion
+                out.append(TokenizedPair(fitted[0], fitted[1], got[2], index, label=rows[k].label))
+            else:
+                out.append(TokenizedPair(*fitted, index))
     stats.pairs = len(out)
     return out, stats
 

@@ -16,7 +16,8 @@ smoothing; beta the KL strength; nll = -pi_c / tokens_per_pair; pi_p the log-pro
 first, n_p their count.
 
 Files: `inputs` (what a loss takes), `terms` (the shared pieces), `registry` (names, traits, the run's total),
-`with_reference` and `reference_free` (the losses). A new loss is one decorated function in one of the last two.
+`with_reference`, `reference_free` and `unpaired` (the losses; the last on unpaired rows, KTO). A new loss is one
+decorated function in one of the last three.
 """
 
 # each loss registers itself when its module is imported: LOSSES keeps this order (with a reference first)
@@ -24,6 +25,9 @@ from fastdpo.losses import with_reference  # noqa: F401
 
 # isort: split
 from fastdpo.losses import reference_free  # noqa: F401
+
+# isort: split
+from fastdpo.losses import unpaired  # noqa: F401
 from fastdpo.losses.inputs import LossInputs, LossParams, StepView, at, loss_inputs, loss_params, step_view
 from fastdpo.losses.registry import (
     LOSS_METRICS,
@@ -34,13 +38,16 @@ from fastdpo.losses.registry import (
     loss_metric_names,
     loss_metrics,
     mean_logp_rewards,
+    needs_kl_completions,
     needs_prompt_targets,
     total_loss,
+    trains_unpaired,
 )
 from fastdpo.losses.terms import F_DIVERGENCES, chosen_nll, logratios, sequence_nll
 
 __all__ = [
     "F_DIVERGENCES", "LOSSES", "LOSS_METRICS", "LossInputs", "LossParams", "LossSpec", "StepView", "at", "chosen_nll",
     "extra_metrics", "logratios", "loss", "loss_inputs", "loss_metric_names", "loss_metrics", "loss_params",
-    "mean_logp_rewards", "needs_prompt_targets", "sequence_nll", "step_view", "total_loss",
+    "mean_logp_rewards", "needs_kl_completions", "needs_prompt_targets", "sequence_nll", "step_view", "total_loss",
+    "trains_unpaired",
 ]

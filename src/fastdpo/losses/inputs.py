@@ -34,6 +34,11 @@ class LossInputs:
     prompt_tokens_per_pair: the step's prompt targets / the step's pairs; default this batch's mean n_p.
     pair_weights: WPO weights (detached), multiplying each loss term; None without --use_weighting.
     step: the whole step's log-probs, for losses that sort over it; None means this batch is the whole step.
+    labels: unpaired rows (KTO) only, (B,) bool, True for a desirable completion. For such rows "chosen" is the row's
+      completion and "rejected" its KL completion (another row's completion after the same prompt).
+    kl: unpaired rows, (B,) the detached KL estimate of each row's round (0 where the loss builds none).
+    row_scale: (B,) each row's weight in the step's sum (the step divides by its number of rows): for unpaired rows,
+      rows / (chunks x the row's chunk size), so the step loss is the mean over chunks of each chunk's mean.
     """
 
     policy_chosen: torch.Tensor
@@ -49,6 +54,9 @@ class LossInputs:
     prompt_logps: torch.Tensor | None = None
     prompt_tokens: torch.Tensor | None = None
     prompt_tokens_per_pair: float | torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    row_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,6 +69,8 @@ class LossParams:
     simpo_gamma: float = 0.5
     cpo_alpha: float = 1.0
     orpo_alpha: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
 
 def loss_params(cfg, beta: float | torch.Tensor) -> LossParams:

@@ -27,6 +27,8 @@ class LossSpec:
     sorts_step: bool = False  # couples the pairs of a step: needs the step's log-probs before the backward
     mean_logps: bool = False  # its implicit reward is beta x the per-token mean log-prob: logged so, as TRL logs it
     prompt_nll: bool = False  # its NLL term covers the chosen sequence's prompt too: batches carry prompt targets
+    unpaired: bool = False  # trains on unpaired rows (a completion and its label), not on pairs: stands alone
+    kl_completions: bool = False  # unpaired: needs each row's KL completion (another row's completion)
 
 
 LOSSES: dict[str, LossSpec] = {}  # in the order the losses are defined
@@ -36,12 +38,14 @@ LOSS_METRICS: dict[str, tuple[tuple[str, ...], MetricsFn]] = {}
 
 
 def loss(name: str, *, needs_reference: bool = True, f_divergence: bool = False, sorts_step: bool = False,
-         mean_logps: bool = False, prompt_nll: bool = False) -> Callable[[LossFn], LossFn]:
+         mean_logps: bool = False, prompt_nll: bool = False, unpaired: bool = False,
+         kl_completions: bool = False) -> Callable[[LossFn], LossFn]:
     """Register the decorated function as --loss_type `name`, with its traits (see `LossSpec`)."""
 
     def register(fn: LossFn) -> LossFn:
         assert name not in LOSSES, f"--loss_type {name} is registered twice"
-        LOSSES[name] = LossSpec(fn, needs_reference, f_divergence, sorts_step, mean_logps, prompt_nll)
+        LOSSES[name] = LossSpec(fn, needs_reference, f_divergence, sorts_step, mean_logps, prompt_nll, unpaired,
+                                kl_completions)
         return fn
 
     return register
@@ -72,6 +76,16 @@ def needs_prompt_targets(names: Iterable[str]) -> bool:
     return any(LOSSES[n].prompt_nll for n in names)
 
 
+def trains_unpaired(names: Iterable[str]) -> bool:
+    """Whether the losses `names` train on unpaired rows (KTO): then they are the run's only loss."""
+    return any(LOSSES[n].unpaired for n in names)
+
+
+def needs_kl_completions(names: Iterable[str]) -> bool:
+    """Whether the losses `names` need each unpaired row's KL completion (KTO's KL estimate)."""
+    return any(LOSSES[n].kl_completions for n in names)
+
+
 def loss_metric_names(terms: list[tuple[str, float]]) -> tuple[str, ...]:
     """The names `loss_metrics` gives for these loss terms, in order."""
     return tuple(n for name, _ in terms if name in LOSS_METRICS for n in LOSS_METRICS[name][0])
@@ -94,6 +108,8 @@ def total_loss(x: LossInputs, p: LossParams, terms: list[tuple[str, float]], rpo
         per_pair = LOSSES[name].fn(x, p)
         if x.pair_weights is not None:
             per_pair = per_pair * x.pair_weights
+        if x.row_scale is not None:
+            per_pair = per_pair * x.row_scale
         out = out + weight * per_pair
     if rpo_alpha:
         out = out + rpo_alpha * chosen_nll(x)

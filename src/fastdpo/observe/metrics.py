@@ -93,6 +93,82 @@ class StepMetrics:
         return out
 
 
+# Per round of unpaired rows (a micro-batch on every rank), summed over ranks: desirable rows, their reward and
+# log-prob sums, the same for undesirable rows, and the round's KL estimate (counted once, by the first rank)
+ROUND_SUMS = ("count/desirable", "rewards/desirable", "logps/desirable", "count/undesirable", "rewards/undesirable",
+              "logps/undesirable", "kl")
+
+
+class UnpairedMetrics:
+    """A step's metrics for unpaired rows (KTO), with TRL 1.16 KTOTrainer's names and arithmetic: per round (one
+    micro-batch on each rank), `rewards/chosen` and `logps/chosen` are the means over the round's desirable rows of
+    all ranks, `rewards/rejected` and `logps/rejected` over its undesirable rows, `rewards/margins` their difference
+    and `kl` the round's estimate; each logged value is the mean over the step's rounds that have such rows (a round
+    without desirable rows adds nothing to `rewards/chosen`). `loss` is the step's loss. Same interface as
+    `StepMetrics` for the loop."""
+
+    def __init__(self, device: torch.device, rounds: int = 0):
+        self.device = device
+        self.sums = torch.zeros(1 + rounds * len(ROUND_SUMS), dtype=torch.float64, device=device)
+        self.pairs = 0
+        self.tokens = 0
+        self.micro_batches = 0
+        self.computed_tokens = 0
+
+    def start(self, rounds: int) -> None:
+        """The step runs `rounds` micro-batches on every rank."""
+        self.sums = torch.zeros(1 + rounds * len(ROUND_SUMS), dtype=torch.float64, device=self.device)
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        return self.sums[0]
+
+    @torch.no_grad()
+    def add_loss(self, loss_sum: torch.Tensor) -> None:
+        self.sums[0] += loss_sum.detach().double()
+
+    @torch.no_grad()
+    def add_round(self, i: int, beta, logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor,
+                  kl: torch.Tensor | None, first: bool) -> None:
+        """Round `i` on this rank: each row's completion log-prob (B,) under policy and reference, its label, the
+        round's KL estimate (0-d; counted by the `first` rank only)."""
+        rewards = beta * (logps - ref_logps)
+        good = labels.to(logps.dtype)
+        bad = 1 - good
+        vals = torch.stack([good.sum(), (rewards * good).sum(), (logps * good).sum(), bad.sum(), (rewards * bad).sum(),
+                            (logps * bad).sum(), kl if kl is not None and first else logps.new_zeros(())])
+        at = 1 + i * len(ROUND_SUMS)
+        self.sums[at: at + len(ROUND_SUMS)] += vals.double()
+        self.pairs += int(logps.numel())
+
+    def count_batch(self, batch) -> None:
+        self.micro_batches += 1
+        self.computed_tokens += batch.input_ids.numel()
+
+    def finish(self) -> dict:
+        v = self.sums.tolist()
+        out: dict = {"loss": v[0]}
+        rounds = [v[1 + i * len(ROUND_SUMS): 1 + (i + 1) * len(ROUND_SUMS)] for i in range((len(v) - 1) // len(ROUND_SUMS))]
+        series: dict[str, list[float]] = {"kl": [], "rewards/chosen": [], "logps/chosen": [], "rewards/rejected": [],
+                                          "logps/rejected": [], "rewards/margins": []}
+        for n_d, r_d, l_d, n_u, r_u, l_u, kl in rounds:
+            series["kl"].append(kl)
+            if n_d > 0:
+                series["rewards/chosen"].append(r_d / n_d)
+                series["logps/chosen"].append(l_d / n_d)
+            if n_u > 0:
+                series["rewards/rejected"].append(r_u / n_u)
+                series["logps/rejected"].append(l_u / n_u)
+            if n_d > 0 and n_u > 0:
+                series["rewards/margins"].append(r_d / n_d - r_u / n_u)
+        for name, values in series.items():
+            if values:
+                out[name] = sum(values) / len(values)
+        out["count/desirable"] = int(sum(r[0] for r in rounds))
+        out["count/undesirable"] = int(sum(r[3] for r in rounds))
+        return out
+
+
 def padding(busiest_computed: int, tokens: int, ranks: int = 1) -> float:
     """Token positions run beyond the pairs' own tokens, as a fraction: the busiest rank's computed positions (the
     step waits for it) times the ranks, against the `tokens` of all ranks' pairs. Padding and rank imbalance."""

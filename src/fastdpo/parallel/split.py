@@ -54,3 +54,17 @@ def rank_micro_batches(pairs: list[TokenizedPair], rank: int, world: int, max_to
         group = mine.pop(i)
         mine[i:i] = [group[: len(group) // 2], group[len(group) // 2 :]]
     return mine
+
+
+def rank_chunks(pairs: list[TokenizedPair], rank: int, world: int) -> list[list[TokenizedPair]]:
+    """This rank's micro-batches of one step of unpaired rows (KTO): the step's chunks (`TokenizedPair.chunk`, in
+    order), chunk k going to rank k % world as its micro-batch k // world, as TRL's sequential batches are dealt to
+    ranks. Every rank runs as many micro-batches; one without a chunk at the last gets an empty one (zero-weighted),
+    so every rank joins each micro-batch's KL all-reduce."""
+    chunks: list[list[TokenizedPair]] = []
+    for p in pairs:
+        if not chunks or chunks[-1][0].chunk != p.chunk:
+            chunks.append([])
+        chunks[-1].append(p)
+    rounds = -(-len(chunks) // world)
+    return [chunks[m * world + rank] if m * world + rank < len(chunks) else [] for m in range(rounds)]

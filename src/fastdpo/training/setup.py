@@ -16,6 +16,7 @@ import torch
 
 from fastdpo.checkpoint.ownership import check_output_dir
 from fastdpo.config import RunPlan, TrainConfig
+from fastdpo.data.kto import check_unpaired, kl_completions, label_counts, unpair_rows
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import prompt_runs
 from fastdpo.data.prepare import DataOptions, log_rejects, tokenize_pairs
@@ -29,6 +30,7 @@ from fastdpo.dpo.reference import Ranks, Reference, build_reference, load_ref_ad
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels.warmup import build_ahead, head_size, norm_widths
 from fastdpo.kernels.warmup import ready as kernels_ready
+from fastdpo.losses import needs_kl_completions, trains_unpaired
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
 from fastdpo.model.fused import fuse_layers, kernels_wanted, unfused
 from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -69,6 +71,16 @@ class Setup:
     plan: RunPlan | None = None  # what set-up resolved from cfg (checkpointing, token budget, ...); set by `assemble`
     prompt_runs: list[int] | None = None  # runs of one prompt's consecutive pairs, shuffled as wholes
 
+    @property
+    def unpaired(self) -> bool:
+        """The loss trains on unpaired rows (KTO): one completion per row, micro-batches are its KL chunks."""
+        return trains_unpaired(name for name, _ in self.loss_terms)
+
+    @property
+    def shuffle(self) -> bool:
+        """Whether each epoch shuffles the pairs: --shuffle, except for unpaired rows (TRL trains KTO in order)."""
+        return self.cfg.shuffle and not self.unpaired
+
 
 def seed_all(seed: int) -> None:
     random.seed(seed)
@@ -93,9 +105,17 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
     rejects = Rejects(skip=not cfg.strict)
     rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read,
                                                                            rejects))
+    unpaired = cfg.trains_unpaired()
+    if unpaired:  # pairs given to KTO train as unpaired rows, in TRL's order
+        rows, val_rows = unpair_rows(rows), unpair_rows(val_rows)
+    else:
+        check_unpaired(rows, None)
+        check_unpaired(val_rows, None, "the validation rows")
     pairs: list[TokenizedPair] = []
     if not cfg.streaming:
         pairs, summary = tokenize_pairs(rows, tokenizer, opts, rejects)
+        if unpaired:
+            pairs = unpaired_rows(cfg, pairs)
         summary.log()
         log_rejects(rejects, summary_dir)
         note = None if cfg.input_template else plain_text_note(rows, tokenizer, opts.tokenize.template)
@@ -104,7 +124,27 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
         if summary_dir is not None:
             summary.save(summary_dir / "data_summary.json")
     val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []
+    if unpaired and val_pairs:  # TRL rotates the eval set's completions in chunks of the training batch too
+        val_pairs = unpaired_rows(cfg, val_pairs, log_counts=False)
     return rows, pairs, val_rows, val_pairs
+
+
+def unpaired_rows(cfg: TrainConfig, pairs: list[TokenizedPair], log_counts: bool = True) -> list[TokenizedPair]:
+    """Unpaired rows with their KL completions (kto; apo_zero_unpaired builds none), their counts by label logged."""
+    names = [name for name, _ in cfg.loss_terms()]
+    pairs = kl_completions(pairs, cfg.per_device_train_batch_size, cfg.max_length, cfg.max_completion_length,
+                           needs_kl_completions(names))
+    if log_counts:
+        good, bad = label_counts(pairs)
+        log.info("data: %d unpaired rows, %d desirable and %d undesirable; %s", len(pairs), good, bad,
+                 f"each row's KL completion is the completion of the row before it in its batch of "
+                 f"{cfg.per_device_train_batch_size} (as TRL's KTOTrainer builds them)" if needs_kl_completions(names)
+                 else "no KL estimate")
+        if cfg.shuffle:
+            log.info("data: --loss_type %s trains the rows in the dataset's order, every epoch (TRL's KTOTrainer "
+                     "requires it: the KL completions are built over that order), so --shuffle does not apply.",
+                     names[0])
+    return pairs
 
 
 def warn_small_steps(cfg: TrainConfig, world_size: int) -> None:
@@ -335,7 +375,8 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         planned = steps
         if planned is None and not cfg.streaming:
             planned = planned_largest_micro_batch(pairs, per_step, cfg.per_device_train_batch_size,
-                                                  plan.max_tokens_per_batch, d.dp_size, cfg.seed, cfg.shuffle, total,
+                                                  plan.max_tokens_per_batch, d.dp_size, cfg.seed,
+                                                  cfg.shuffle and not cfg.trains_unpaired(), total,
                                                   steps_per_epoch, runs)
         fit_checkpointing(cfg, plan, model, backend, pairs, device, pad_id(tokenizer), cfg.max_memory_gib or None,
                           shards=d.world_size if d.mode == "fsdp" else 1, sequence_split=d.sp_size,

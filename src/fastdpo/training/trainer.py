@@ -6,6 +6,7 @@ measured is what trains. Under torchrun every rank runs it on its share of each 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from fastdpo.data.pack import PairBatch, step_order
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.losses import (
     LOSSES,
+    LossInputs,
     StepView,
     at,
     loss_inputs,
@@ -24,13 +26,14 @@ from fastdpo.losses import (
     loss_metrics,
     loss_params,
     mean_logp_rewards,
+    needs_kl_completions,
     needs_prompt_targets,
     step_view,
     total_loss,
 )
 from fastdpo.model.backend import FLEX_PAD, build_mask, flex_length, make_batch
 from fastdpo.model.memory import offloading
-from fastdpo.observe.metrics import StepMetrics
+from fastdpo.observe.metrics import StepMetrics, UnpairedMetrics
 from fastdpo.optim.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -47,7 +50,7 @@ from fastdpo.parallel.collectives import (
 )
 from fastdpo.parallel.distributed import Dist
 from fastdpo.parallel.sequence import split_micro_batch
-from fastdpo.parallel.split import rank_micro_batches
+from fastdpo.parallel.split import rank_chunks, rank_micro_batches
 from fastdpo.parallel.wrap import gather_step_start, grad_sync, policy_logps
 from fastdpo.training.monitor import finite_flag
 from fastdpo.training.setup import Setup, build_setup, pad_id
@@ -145,6 +148,8 @@ def step_groups(s: Setup, step_pairs: list[TokenizedPair]) -> list[list[Tokenize
     """This rank's micro-batches of a step: pairs dealt over the data-parallel groups (the ranks of a
     sequence-parallel group share each micro-batch)."""
     cfg, d = s.cfg, s.dist
+    if s.unpaired:  # KTO: each micro-batch is one chunk of rows, the unit its KL estimate is taken over
+        return rank_chunks(step_pairs, d.dp_rank, d.dp_size)
     return rank_micro_batches(step_pairs, d.dp_rank, d.dp_size, s.plan.max_tokens_per_batch,
                               cfg.per_device_train_batch_size, s.backend.group, s.backend.dedupe)
 
@@ -174,6 +179,9 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics, ah
     prompt = with_prompt_targets(s)
     prompt_per_pair = sum(prompt_targets(p) for p in step_pairs) / n_pairs if prompt else None
     groups = ahead.groups if ahead is not None else step_groups(s, step_pairs)
+    chunks = len({p.chunk for p in step_pairs}) if s.unpaired else 0
+    if s.unpaired:
+        metrics.start(len(groups))
     view, refs, offset = None, None, 0
     if any(LOSSES[name].sorts_step for name, _ in s.loss_terms):
         view, refs, offset = step_logps(s, groups, step_pairs[:1])
@@ -191,18 +199,45 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics, ah
                 in_step = at(view, offset if real else 0, b) if view is not None else None
                 x = loss_inputs(pol, ref, batch.lengths, cfg.ld_alpha, tokens_per_pair, in_step, batch.prompt_lengths,
                                 prompt_per_pair)
+                if s.unpaired:
+                    x = unpaired_inputs(s, x, group or step_pairs[:1], n_pairs, chunks, real)
                 # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
                 loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
                 if not real:
                     loss = loss * 0.0
             with phase("fastdpo.backward"):
                 loss.backward()
-        if real:
+        if s.unpaired:
+            metrics.add_loss(loss)
+            if real:
+                metrics.add_round(i, beta, x.policy_chosen.detach(), x.ref_chosen, x.labels, x.kl[0],
+                                  d.dp_rank == 0)
+                offset += b
+        elif real:
             s.beta.observe(x)
             metrics.add(loss, beta, x.policy_chosen.detach(), x.policy_rejected.detach(), x.ref_chosen,
                         x.ref_rejected, sum(p.num_tokens for p in group), x.chosen_tokens, x.rejected_tokens)
             metrics.add_pair_values(loss_metrics(x, params, s.loss_terms))
             offset += b
+
+
+def unpaired_inputs(s: Setup, x: LossInputs, rows: list[TokenizedPair], n_rows: int, chunks: int,
+                    real: bool) -> LossInputs:
+    """The loss inputs of one chunk of unpaired rows (KTO; design note "Preference groups", 4.4): each row's label;
+    the round's KL estimate, the mean over the round's chunks (one per rank) of each chunk's mean of
+    policy - reference log-prob of its KL completions, clamped at 0 (kto only); and each row's weight, so the step
+    loss is the mean over the step's chunks of each chunk's mean row loss, as TRL's gradient accumulation takes it."""
+    b = x.policy_chosen.numel()
+    labels = torch.tensor([bool(p.label) for p in rows], device=x.policy_chosen.device)
+    kl = x.policy_chosen.new_zeros(())
+    if needs_kl_completions(name for name, _ in s.loss_terms):
+        with torch.no_grad():
+            raw = (x.policy_rejected.detach() - x.ref_rejected).float().mean()
+            t = torch.stack([raw * real, raw.new_tensor(float(real))])
+            sum_over_groups(t, s.dist)  # every rank's chunk of this round (an empty share adds nothing)
+            kl = (t[0] / t[1].clamp(min=1)).clamp(min=0)
+    scale = n_rows / (chunks * len(rows))
+    return dataclasses.replace(x, labels=labels, kl=kl.expand(b), row_scale=x.policy_chosen.new_full((b,), scale))
 
 
 @dataclass
@@ -257,7 +292,7 @@ class Trainer:
             return s.stream.take(self.pairs_per_step)
         epoch, k = divmod(self.global_step, s.steps_per_epoch)
         if epoch not in self._orders:
-            self._orders = {epoch: step_order(len(s.pairs), self.pairs_per_step, self.cfg.seed, epoch, self.cfg.shuffle,
+            self._orders = {epoch: step_order(len(s.pairs), self.pairs_per_step, self.cfg.seed, epoch, s.shuffle,
                                               s.prompt_runs)}
         return [s.pairs[i] for i in self._orders[epoch][k]]
 
@@ -277,8 +312,8 @@ class Trainer:
         else:
             step_pairs = self.next_pairs() if pairs is None else pairs
         self.current_pairs = step_pairs
-        metrics = StepMetrics(s.device, mean_logp_rewards(name for name, _ in s.loss_terms),
-                              loss_metric_names(s.loss_terms))
+        metrics = UnpairedMetrics(s.device) if s.unpaired else StepMetrics(
+            s.device, mean_logp_rewards(name for name, _ in s.loss_terms), loss_metric_names(s.loss_terms))
         beta = s.beta.value()
         run_step(s, step_pairs, metrics, ahead)
         tokens = sum(p.num_tokens for p in step_pairs)

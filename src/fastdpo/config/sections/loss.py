@@ -42,6 +42,9 @@ class LossSection(Section):
     cpo_alpha: float = option(1.0, "CPO: weight of the NLL(chosen) term.")
     orpo_alpha: float = option(0.1, "ORPO: weight lambda of the odds-ratio term. Its NLL term is TRL's ORPOTrainer's: the "
                                "token mean over the step's chosen sequences, prompt and completion.")
+    desirable_weight: float = option(1.0, "KTO / apo_zero_unpaired: weight of each desirable row's loss (TRL's and "
+                                     "ms-swift's flag).")
+    undesirable_weight: float = option(1.0, "KTO / apo_zero_unpaired: weight of each undesirable row's loss.")
     beta_schedule: str = option("constant", "constant|kl_adaptive: lower beta while the policy drifts far from the reference.")
     beta_kl_target: float = option(0.5, "kl_adaptive: drift (mean |log-ratio| per token, nats) above which beta is lowered.")
     beta_kl_window: int = option(100, "kl_adaptive: optimizer steps in the running mean of the drift.")
@@ -68,6 +71,11 @@ class LossSection(Section):
             raise FastDPOError(f"--loss_weights has {len(weights)} values for {len(names)} losses in --loss_type "
                                f"{','.join(names)}. Give one weight per loss.")
         return list(zip(names, weights))
+
+    def trains_unpaired(self) -> bool:
+        """Whether the loss trains on unpaired rows (kto, apo_zero_unpaired) rather than on pairs."""
+        losses = registered_losses()
+        return any(losses[name].unpaired for name, _ in self.loss_terms())
 
     def needs_reference(self) -> bool:
         losses = registered_losses()
@@ -97,6 +105,12 @@ class LossSection(Section):
         for name in ("rpo_alpha", "cpo_alpha", "orpo_alpha"):
             if getattr(self, name) < 0:
                 raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
+        unpaired = [name for name, sp in specs.items() if sp.unpaired]
+        if unpaired:
+            self._validate_unpaired(unpaired[0], len(specs))
+        elif self.desirable_weight != 1.0 or self.undesirable_weight != 1.0:
+            raise FastDPOError("--desirable_weight / --undesirable_weight weigh the rows of an unpaired loss (kto, "
+                               f"apo_zero_unpaired); --loss_type {self.loss_type} trains on pairs. Drop them.")
         check_choice("beta_schedule", self.beta_schedule, ("constant", "kl_adaptive"))
         if self.beta_schedule == "kl_adaptive":
             if not self.needs_reference():
@@ -105,3 +119,20 @@ class LossSection(Section):
             if self.beta_kl_window < 1 or not 0 < self.beta_min_ratio <= 1 or self.beta_kl_target < 0:
                 raise FastDPOError("kl_adaptive needs --beta_kl_window >= 1, --beta_min_ratio in (0, 1] and "
                                    "--beta_kl_target >= 0.")
+
+    def _validate_unpaired(self, name: str, terms: int) -> None:
+        """An unpaired loss (KTO) trains alone, as TRL's KTOTrainer does, with none of the pair losses' settings."""
+        if terms > 1:
+            raise FastDPOError(f"--loss_type {self.loss_type}: {name} trains on unpaired rows (one completion and its "
+                               "label) and cannot be combined with other losses. Give it alone.")
+        pair_only = {"rpo_alpha": self.rpo_alpha != 0, "ld_alpha": self.ld_alpha != 1.0,
+                     "use_weighting": self.use_weighting, "label_smoothing": self.label_smoothing != 0,
+                     "beta_schedule": self.beta_schedule != "constant"}
+        given = [flag for flag, on in pair_only.items() if on]
+        if given:
+            raise FastDPOError(f"--loss_type {name} trains on unpaired rows; --{', --'.join(given)} "
+                               f"{'applies' if len(given) == 1 else 'apply'} to pairs only. Drop "
+                               f"{'it' if len(given) == 1 else 'them'}.")
+        for flag in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, flag) > 0:
+                raise FastDPOError(f"--{flag} must be > 0, got {getattr(self, flag)}.")
