@@ -300,6 +300,24 @@ def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
     assert "the host queued it in" in text
 
 
+def test_bench_trains_kto_on_the_pairs_unpaired(tmp_path, model_dirs):
+    """`fastdpo bench --loss_type kto`: each pair gives two unpaired rows (as TRL's KTOTrainer unpairs them), a step
+    takes --per_device_train_batch_size rows, one chunk per micro-batch."""
+    from data_helpers import write_jsonl
+
+    from fastdpo.cli import main
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(6, seed=2))
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--steps", "2", "--warmup", "1",
+               "--per_device_train_batch_size", "4", "--loss_type", "kto", "--json", str(out)])
+    r = json.loads(out.read_text())["results"][0]
+    assert rc == 0 and r["pairs_per_s"] > 0 and r["reference"] != "none"
+    rc = main(["bench", "--model", str(model_dirs("qwen3")), "--dataset", str(data), "--steps", "4", "--warmup", "1",
+               "--per_device_train_batch_size", "4", "--loss_type", "kto"])
+    assert rc != 0  # 20 rows needed, 12 given
+
+
 def test_the_host_line_says_which_side_set_the_pace():
     from fastdpo.commands.bench import host_line
 

@@ -1,7 +1,9 @@
 """`fastdpo bench`: throughput, MFU and peak memory of the real training step (`Trainer.step`), with TRL's
 DPOTrainer side by side (`--compare trl`, `--compare trl-liger`, ...) on the same rows, with the same reference
 strategy (TRL precomputes its reference when fastdpo does), in the same invocation. `--job` times whole jobs
-instead: each side from process start to saved model, in a fresh process with empty compile caches.
+instead: each side from process start to saved model, in a fresh process with empty compile caches. With an unpaired
+loss (`--loss_type kto`), TRL's side is its KTOTrainer, both sides taking the workload's pairs as two unpaired rows
+each (TRL's unpairing) and a step of --per_device_train_batch_size rows.
 
 Workloads (`--workload`, `fastdpo.data.anchor.WORKLOADS`): synthetic pairs with log-normal lengths, texts of words
 `t<id>` that a word-level tokenizer maps one to one onto a 151,936-entry vocabulary (Qwen3's), so lengths are exact
@@ -91,7 +93,7 @@ TRL_SCRIPT = r'''
 import json, sys, time, copy, torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 sys.path.insert(0, sys.argv[1])
 from fastdpo.model.shapes import shape_config
 from fastdpo.data.anchor import anchor_tokenizer, workload_pairs
@@ -99,11 +101,14 @@ shape, variant = sys.argv[2:4]
 bs, steps, warm, n_rows = map(int, sys.argv[4:8])
 workload, max_length, precompute = sys.argv[8], int(sys.argv[9]), sys.argv[10] == "1"
 adapter = json.loads(sys.argv[11])  # fastdpo's LoRA settings: rank, alpha, dropout, targets
+kto = sys.argv[12] == "kto"  # KTOTrainer on the pairs unpaired (as it unpairs them): n_rows rows from n_rows/2 pairs
 torch.manual_seed(0)
 cfg = shape_config(shape)
 with torch.device("cuda"):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-rows = workload_pairs(workload, n_rows)
+rows = workload_pairs(workload, -(-n_rows // 2) if kto else n_rows)
+if kto:
+    DPOConfig, DPOTrainer = KTOConfig, KTOTrainer
 from fastdpo.commands.bench import in_row_order, trl_steady_args
 args = trl_steady_args(DPOConfig, bs, steps + warm, max_length, variant, precompute, bf16=True)
 peft_config = None
@@ -115,7 +120,7 @@ class T(TrainerCallback):
     def on_step_end(self, a, s, c, **k):
         torch.cuda.synchronize(); times.append(time.perf_counter())
 ref = None if peft_config else copy.deepcopy(model).eval()
-tr = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows[:bs * (steps + warm)]),
+tr = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows[:len(rows) if kto else bs * (steps + warm)]),
                 processing_class=anchor_tokenizer(cfg.vocab_size), callbacks=[T()], peft_config=peft_config)
 in_row_order(tr)
 torch.cuda.reset_peak_memory_stats()
@@ -123,7 +128,10 @@ tr.train()
 dt = times[-1] - times[warm - 1]
 sel = rows[bs * warm: bs * (steps + warm)]
 toks = sum(len(r["prompt"].split()) + len(r["chosen"].split()) + len(r["rejected"].split()) for r in sel)
-print("RESULT " + json.dumps(dict(impl="trl-" + variant + ("-precompute" if precompute else ""),
+if kto:  # tokens of the timed rows: prompt + completion each, KL sequences not counted
+    data = list(tr.train_dataset)[bs * warm: bs * (steps + warm)]
+    toks = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in data)
+print("RESULT " + json.dumps(dict(impl=("trl-kto-" if kto else "trl-") + variant + ("-precompute" if precompute else ""),
       reference="precomputed" if precompute else ("adapter_off" if peft_config else "online"),
       pairs_per_s=round(bs * steps / dt, 2),
       tokens_per_s=round(toks / dt), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))), flush=True)
@@ -164,15 +172,16 @@ def trl_adapter(cfg: TrainConfig) -> str:
 
 
 def run_trl(shape: str, variant: str, bs: int, steps: int, warmup: int, workload: str = "anchor",
-            max_length: int = 2048, precompute: bool = False, adapter: str = "{}") -> dict:
+            max_length: int = 2048, precompute: bool = False, adapter: str = "{}", kto: bool = False) -> dict:
     """TRL's DPOTrainer in a fresh process (its own memory peak), on the same rows, with its reference precomputed
     (`precompute_ref_log_probs`, before the timed steps as fastdpo's is) when `precompute`; `adapter`: LoRA's
-    settings (`trl_adapter`) for a LoRA variant."""
+    settings (`trl_adapter`) for a LoRA variant. With `kto`, its KTOTrainer on the same pairs, which it unpairs
+    as fastdpo does (a step of `bs` rows)."""
     src = str(Path(__file__).resolve().parents[2])
     n_rows = bs * (steps + warmup)
     proc = subprocess.run([sys.executable, "-c", TRL_SCRIPT, src, shape, variant, str(bs), str(steps), str(warmup),
-                           str(n_rows), workload, str(max_length), "1" if precompute else "0", adapter],
-                          capture_output=True, text=True)
+                           str(n_rows), workload, str(max_length), "1" if precompute else "0", adapter,
+                           "kto" if kto else "dpo"], capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -246,12 +255,16 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
         from fastdpo.data.columns import RowOptions
         from fastdpo.data.load import load_rows
 
-        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected}
-                for r in load_rows(dataset, cfg.seed, read=RowOptions.from_config(cfg))]
+        read = load_rows(dataset, cfg.seed, read=RowOptions.from_config(cfg))
+        if any(r.unpaired for r in read):
+            raise FastDPOError("fastdpo bench --dataset takes pairs (an unpaired loss trains them unpaired, as TRL's "
+                               "KTOTrainer does); these rows are unpaired.")
+        rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} for r in read]
+        n = -(-n // 2) if cfg.trains_unpaired() else n
         if len(rows) < n:
             raise FastDPOError(f"--dataset has {len(rows)} rows; the bench needs {n} (pairs per step x steps).")
-    else:
-        rows = workload_pairs(workload, n)
+    else:  # an unpaired loss (KTO) takes each pair as two rows, as TRL's KTOTrainer unpairs it
+        rows = workload_pairs(workload, -(-n // 2) if cfg.trains_unpaired() else n)
         cfg.max_length = max(cfg.max_length, workload_max_length(workload))
     variants = [trl_variant(v, cfg) for v in compare]
     if variants and (dataset or shape is None):
@@ -262,7 +275,7 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
         torch.cuda.empty_cache()
     for variant in variants:
         results.append(run_trl(shape, variant, cfg.pairs_per_step, steps, warmup, workload, cfg.max_length,
-                               cfg.precompute_ref_log_probs, trl_adapter(cfg)))
+                               cfg.precompute_ref_log_probs, trl_adapter(cfg), kto=cfg.trains_unpaired()))
     record = {"shape": shape, "model": cfg.model, "workload": None if dataset else workload, "steps": steps,
               "warmup": warmup, "env": environment(), "results": results}
     if out_json:

@@ -16,11 +16,13 @@ from pathlib import Path
 import torch
 
 from fastdpo.config import TrainConfig
+from fastdpo.data.kto import kl_completions, unpair_rows
 from fastdpo.data.load import Row
 from fastdpo.data.pack import prompt_groups
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
+from fastdpo.losses import needs_kl_completions
 from fastdpo.model.load import base_causal_lm, resolve_device, resolve_dtype
 from fastdpo.model.shapes import bench_model
 from fastdpo.observe.gcpause import GcPauses
@@ -63,6 +65,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def bench_pairs(cfg: TrainConfig, rows: list[dict], tokenizer) -> list[TokenizedPair]:
+    """The bench's rows (prompt/chosen/rejected) tokenised as training reads them; for an unpaired loss (KTO)
+    unpaired in TRL's order, with their KL completions, as TRL's KTOTrainer prepares paired rows."""
+    read = [Row(r["prompt"], r["chosen"], r["rejected"], f"row {i}") for i, r in enumerate(rows)]
+    if not cfg.trains_unpaired():
+        return tokenize_pairs(read, tokenizer, DataOptions.for_scoring(cfg))[0]
+    pairs = tokenize_pairs(unpair_rows(read), tokenizer, DataOptions.for_scoring(cfg))[0]
+    return kl_completions(pairs, cfg.per_device_train_batch_size, cfg.max_length, cfg.max_completion_length,
+                          needs_kl_completions(name for name, _ in cfg.loss_terms()))
+
+
 def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int,
                 verbose: bool = True, profile_dir: str | None = None) -> dict:
     """Time `steps` optimizer steps of the real training step after `warmup` steps; with `profile_dir`, profile
@@ -72,8 +85,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     dtype = resolve_dtype(cfg.torch_dtype, device)
     seed_all(cfg.seed)
     tokenizer, model = bench_model(cfg, shape, device, dtype)
-    pairs, _ = tokenize_pairs([Row(r["prompt"], r["chosen"], r["rejected"], f"row {i}") for i, r in enumerate(rows)],
-                              tokenizer, DataOptions.for_scoring(cfg))
+    pairs = bench_pairs(cfg, rows, tokenizer)
     t_init = time.perf_counter()
     cfg = dataclasses.replace(cfg, max_steps=steps + warmup)  # the schedules span exactly the steps run here
     per_step = cfg.pairs_per_step
