@@ -120,7 +120,8 @@ class T(TrainerCallback):
     def on_step_end(self, a, s, c, **k):
         torch.cuda.synchronize(); times.append(time.perf_counter())
 ref = None if peft_config else copy.deepcopy(model).eval()
-tr = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows[:len(rows) if kto else bs * (steps + warm)]),
+train_rows = rows if kto else rows[:bs * (steps + warm)]
+tr = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(train_rows),
                 processing_class=anchor_tokenizer(cfg.vocab_size), callbacks=[T()], peft_config=peft_config)
 in_row_order(tr)
 torch.cuda.reset_peak_memory_stats()
