@@ -76,6 +76,7 @@ def trl_kto_step(models, rows, out, batch, accumulation, **kw):
 def our_step(models, rows, out, batch, accumulation, kto_kw, **cfg_kw):
     """The same step in fastdpo: rows read, unpaired and tokenised as training reads them, one Trainer step."""
     from fastdpo.model.load import load_model, load_tokenizer
+    from fastdpo.training.evaluate import TrainingEval
     from fastdpo.training.setup import assemble
     from fastdpo.training.trainer import Trainer
 
@@ -93,10 +94,12 @@ def our_step(models, rows, out, batch, accumulation, kto_kw, **cfg_kw):
     s = assemble(cfg, device, load_model(str(models[0]), torch.float32, device), tok, pairs,
                  ref_model=load_model(str(models[1]), torch.float32, device))
     trainer = Trainer(cfg, s)
+    trainer.held_out = TrainingEval(cfg, pairs).run(s, 0, 0.0)  # before the step: the weights TRL's metrics saw
     grads = {}
     for name, q in s.model.named_parameters():
         q.register_post_accumulate_grad_hook(lambda q, name=name: grads.__setitem__(name, q.grad.clone()))
     result = trainer.step()
+    result.held_out = trainer.held_out
     return pairs, result, grads
 
 
@@ -133,6 +136,8 @@ def test_kto_equals_trl_kto_trainer(tmp_path, models, one_thread, case, layout):
     logged = result.metrics.finish()
     for name in METRICS:
         assert logged[name] == pytest.approx(trl_logged[name], rel=1e-4, abs=1e-6), name
+        # evaluation scores the same rows with the step's arithmetic (each chunk where the step has a micro-batch)
+        assert result.held_out[f"eval_{name}"] == pytest.approx(trl_logged[name], rel=1e-4, abs=1e-6), name
     assert trl_grads.keys() == grads.keys()
     for name, g in trl_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -133,6 +133,33 @@ def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str,
     return out
 
 
+def unpaired_metrics(x: LossInputs, pairs: list[TokenizedPair], params: LossParams,
+                     terms: list[tuple[str, float]]) -> dict:
+    """Held-out metrics of unpaired rows (KTO) with the training step's arithmetic (`UnpairedMetrics`), each chunk of
+    rows (their KL chunks, as TRL builds them for the eval set) in the place of a micro-batch: `loss` the mean over
+    chunks of each chunk's mean row loss, `kl` and the per-label rewards and log-probs means over chunks."""
+    from fastdpo.losses import needs_kl_completions
+    from fastdpo.observe.metrics import UnpairedMetrics
+
+    labels = torch.tensor([bool(p.label) for p in pairs])
+    chunk_of = torch.tensor([p.chunk for p in pairs])
+    chunks = chunk_of.unique(sorted=True)
+    kl = torch.zeros(len(pairs))
+    if needs_kl_completions(name for name, _ in terms):
+        for c in chunks:
+            at = chunk_of == c
+            kl[at] = (x.policy_rejected[at] - x.ref_rejected[at]).mean().clamp(min=0)
+    rows = LossInputs(x.policy_chosen, x.policy_rejected, x.ref_chosen, x.ref_rejected, x.chosen_tokens,
+                      x.rejected_tokens, labels=labels, kl=kl)
+    losses = total_loss(rows, params, terms)
+    metrics = UnpairedMetrics(torch.device("cpu"), len(chunks))
+    for i, c in enumerate(chunks):
+        at = chunk_of == c
+        metrics.add_loss(losses[at].mean() / len(chunks))
+        metrics.add_round(i, float(params.beta), x.policy_chosen[at], x.ref_chosen[at], labels[at], kl[at][0], True)
+    return metrics.finish()
+
+
 def per_token_logps(x: LossInputs) -> dict:
     """Per-token means over the completion tokens (token-weighted), as training logs them: the policy's log-probs
     and, with a reference, its log-probs and the signed log-ratios policy - reference (`logratio/*`, not a KL: the
@@ -263,11 +290,15 @@ class TrainingEval:
         pad_id = s.tokenizer.pad_token_id or 0
         from fastdpo.parallel.wrap import policy_logps
 
+        budget = 0 if s.unpaired else s.plan.max_tokens_per_batch  # unpaired rows: in order, a chunk per batch
         x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
-                       s.plan.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
+                       budget, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
                        functools.partial(policy_logps, s.policy), needs_prompt_targets(n for n, _ in s.loss_terms))
-        metrics = {**preference_metrics(x, loss_params(cfg, s.beta.value()), s.loss_terms, cfg.rpo_alpha),
-                   **per_token_logps(x)}
+        params = loss_params(cfg, s.beta.value())
+        if s.unpaired:
+            metrics = unpaired_metrics(x, self.pairs, params, s.loss_terms)
+        else:
+            metrics = {**preference_metrics(x, params, s.loss_terms, cfg.rpo_alpha), **per_token_logps(x)}
         dt = time.perf_counter() - t0
         record = {"step": step, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()},
                   "eval_runtime": round(dt, 4), "eval_pairs_per_second": len(self.pairs) / max(dt, 1e-9)}
