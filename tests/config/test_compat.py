@@ -38,8 +38,12 @@ def test_rlhf_type_selects_the_loss():
     assert parse("--rlhf_type", "orpo", "--loss_type", "orpo").loss_type == "orpo"
     with pytest.raises(FastDPOError, match="--rlhf_type simpo and --loss_type ipo disagree"):
         parse("--rlhf_type", "simpo", "--loss_type", "ipo")
-    with pytest.raises(FastDPOError, match="KTO, reward models, PPO and GRPO"):
-        parse("--rlhf_type", "kto")
+    assert parse("--rlhf_type", "kto").loss_type == "kto"  # ms-swift's KTO: TRL's KTOTrainer, loss_type kto
+    cfg = parse("--rlhf_type", "kto", "--loss_type", "apo_zero_unpaired", "--desirable_weight", "1.33")
+    assert (cfg.loss_type, cfg.desirable_weight, cfg.undesirable_weight) == ("apo_zero_unpaired", 1.33, 1.0)
+    assert cfg.per_device_train_batch_size > 1  # its KL estimate needs rows to rotate
+    with pytest.raises(FastDPOError, match="reward models, PPO and GRPO"):
+        parse("--rlhf_type", "rm")
 
 
 @pytest.mark.parametrize("flags,needle", [

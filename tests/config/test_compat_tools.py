@@ -143,8 +143,17 @@ def test_llamafactory_defaults_quantisation_and_templates(tmp_path, caplog):
     assert parse("--model", "m", "--dataset", "d", "--stage", "dpo", "--pref_beta", "0.3").beta == 0.3
 
 
+def test_llamafactory_kto_stage(tmp_path, caplog):
+    """stage kto trains KTO, its weights under LLaMA-Factory's names, with a note on how its KL estimate is built."""
+    caplog.set_level(logging.INFO, logger="fastdpo")
+    cfg = from_yaml(tmp_path, {"model_name_or_path": "m", "stage": "kto", "dataset": "d.jsonl", "pref_beta": 0.2,
+                               "kto_chosen_weight": 1.2, "kto_rejected_weight": 0.8})
+    assert (cfg.loss_type, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight) == ("kto", 0.2, 1.2, 0.8)
+    assert "as TRL's KTOTrainer computes it" in caplog.text
+
+
 @pytest.mark.parametrize("keys,needle", [
-    ({"stage": "sft"}, "stage sft: fastdpo trains paired preference losses"),
+    ({"stage": "sft"}, "stage sft: fastdpo trains preference losses"),
     ({"pref_loss": "kto_pair"}, "kto_pair has no counterpart"),
     ({"pref_loss": "orpo"}, "mean over pairs of each chosen answer's per-token NLL.*--loss_type orpo"),
     ({"pref_ftx": 0.5}, "pref_ftx 0.5: LLaMA-Factory's SFT term is the mean over pairs.*--rpo_alpha 0.5"),

@@ -113,9 +113,10 @@ CASES = {  # rows, per_device_train_batch_size, gradient_accumulation_steps, KTO
 }
 
 
-# every case packed with grouping; two of them also in the padded layout and cut by a token budget without grouping
+# every case packed with grouping; two of them also in the padded layout, cut by a token budget without grouping, and
+# with the reference's log-probs (the KL completions' too) precomputed before the step
 RUNS = [(case, "grouped") for case in CASES] + [(case, layout) for case in ("several chunks", "partial last chunk, "
-                                                "weights") for layout in ("padded", "budget")]
+                                                "weights") for layout in ("padded", "budget", "precomputed")]
 
 
 @pytest.mark.parametrize("case,layout", RUNS)
@@ -123,7 +124,8 @@ def test_kto_equals_trl_kto_trainer(tmp_path, models, one_thread, case, layout):
     rows, batch, accumulation, kw = CASES[case]
     trl_data, trl_logged, trl_grads = trl_kto_step(models, rows, tmp_path / "trl", batch, accumulation, **kw)
     cfg_kw = {"grouped": {}, "padded": {"padding_free": False},
-              "budget": {"group_prompts": False, "max_tokens_per_batch": 16}}[layout]
+              "budget": {"group_prompts": False, "max_tokens_per_batch": 16},
+              "precomputed": {"precompute_ref_log_probs": True, "ref_cache_dir": str(tmp_path / "cache")}}[layout]
     pairs, result, grads = our_step(models, rows, tmp_path / "ours", batch, accumulation, kw, **cfg_kw)
     # the rows as TRL prepares them: its unpairing order, its tokenisation, its KL completions
     assert [(p.prompt, p.chosen, p.label) for p in pairs] == [

@@ -29,10 +29,15 @@ ATTN = {"auto": "auto", "fa2": "flash_attention_2", "fa3": "flash_attn", "sdpa":
 
 
 def _stage(value: Any, values: dict) -> str | None:
-    if str(value).lower() == "dpo":
+    v = str(value).lower()
+    if v == "dpo":
         return None
-    raise FastDPOError(f"stage {value}: fastdpo trains paired preference losses (LLaMA-Factory's stage dpo, with any "
-                       "pref_loss it can honour); SFT, pre-training, reward models, PPO and KTO are not among them.")
+    if v == "kto":
+        assign(values, "loss_type", "kto", "stage", value)
+        return ("training KTO as TRL's KTOTrainer computes it (each row's KL completion is the completion of the row "
+                "before it in its batch; LLaMA-Factory pairs them in its own order, so the KL estimate differs).")
+    raise FastDPOError(f"stage {value}: fastdpo trains preference losses (LLaMA-Factory's stages dpo, with any "
+                       "pref_loss it can honour, and kto); SFT, pre-training, reward models and PPO are not among them.")
 
 
 def _pref_loss(value: Any, values: dict) -> str | None:
@@ -165,7 +170,9 @@ def finish(given: dict, values: dict) -> list[str]:
 
 
 FLAGS: dict[str, Foreign] = {
-    "stage": Foreign("LLaMA-Factory: dpo (other stages are refused).", _stage),
+    "stage": Foreign("LLaMA-Factory: dpo or kto (other stages are refused).", _stage),
+    "kto_chosen_weight": Foreign("LLaMA-Factory: = --desirable_weight.", maps_to("desirable_weight", float)),
+    "kto_rejected_weight": Foreign("LLaMA-Factory: = --undesirable_weight.", maps_to("undesirable_weight", float)),
     "pref_beta": Foreign("LLaMA-Factory: = --beta.", maps_to("beta", float)),
     "pref_loss": Foreign("LLaMA-Factory: sigmoid, hinge, ipo or simpo (= --loss_type).", _pref_loss),
     "pref_ftx": Foreign("LLaMA-Factory: 0 only (its SFT term is normalised per answer, unlike --rpo_alpha).",
@@ -199,5 +206,5 @@ FLAGS: dict[str, Foreign] = {
 
 LLAMAFACTORY = Source("accepted from LLaMA-Factory configs", FLAGS, finish, markers=frozenset(
     {"stage", "pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "finetuning_type", "lora_target",
-     "quantization_bit", "cutoff_len", "val_size", "preprocessing_num_workers", "plot_loss", "dataset_dir",
+     "kto_chosen_weight", "kto_rejected_weight", "quantization_bit", "cutoff_len", "val_size", "preprocessing_num_workers", "plot_loss", "dataset_dir",
      "eval_dataset"}))

@@ -24,18 +24,20 @@ from fastdpo.errors import FastDPOError
 
 LIGER = note("ignored; fastdpo's log-probs are always computed in chunks, never as full logits, and on CUDA its norms "
              "and SwiGLU MLPs run as Triton kernels (--kernels).")
-RLHF_TYPES = {"dpo": None, "simpo": "simpo", "orpo": "orpo", "cpo": "cpo"}
+RLHF_TYPES = {"dpo": None, "simpo": "simpo", "orpo": "orpo", "cpo": "cpo", "kto": "kto"}
 
 
 def _rlhf_type(value: str, values: dict) -> str | None:
     v = str(value).lower()
     if v not in RLHF_TYPES:
-        raise FastDPOError(f"--rlhf_type {value}: fastdpo trains paired preference losses (dpo, simpo, orpo, cpo and "
-                           "every --loss_type); KTO, reward models, PPO and GRPO are not among them.")
+        raise FastDPOError(f"--rlhf_type {value}: fastdpo trains preference losses (dpo, simpo, orpo, cpo, kto and "
+                           "every --loss_type); reward models, PPO and GRPO are not among them.")
     loss = RLHF_TYPES[v]
     if loss is None:
         return None
     given = values.get("loss_type")
+    if v == "kto" and given in ("kto", "apo_zero_unpaired"):  # ms-swift's KTO takes TRL's KTO loss_type
+        return f"training with --loss_type {given}."
     if given and given != loss:
         raise FastDPOError(f"--rlhf_type {v} and --loss_type {given} disagree: drop one (--rlhf_type {v} means "
                            f"--loss_type {loss}).")
@@ -146,7 +148,7 @@ def _optim(value: str, values: dict) -> str | None:
 
 
 FLAGS: dict[str, Foreign] = {
-    "rlhf_type": Foreign("ms-swift: dpo (default), simpo, orpo or cpo (= --loss_type). With it (or another flag only "
+    "rlhf_type": Foreign("ms-swift: dpo (default), simpo, orpo, cpo or kto (= --loss_type; kto's rows are unpaired). With it (or another flag only "
                          "ms-swift has) the command takes ms-swift's defaults for what it leaves out: train_type lora, "
                          "its learning rate, epochs, schedule and step size, SimPO's beta 2 and gamma 1, and the chat "
                          "template for plain-text rows; they are listed when training starts.", _rlhf_type),
