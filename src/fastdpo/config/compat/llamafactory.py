@@ -206,5 +206,5 @@ FLAGS: dict[str, Foreign] = {
 
 LLAMAFACTORY = Source("accepted from LLaMA-Factory configs", FLAGS, finish, markers=frozenset(
     {"stage", "pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "finetuning_type", "lora_target",
-     "kto_chosen_weight", "kto_rejected_weight", "quantization_bit", "cutoff_len", "val_size", "preprocessing_num_workers", "plot_loss", "dataset_dir",
-     "eval_dataset"}))
+     "kto_chosen_weight", "kto_rejected_weight", "quantization_bit", "cutoff_len", "val_size",
+     "preprocessing_num_workers", "plot_loss", "dataset_dir", "eval_dataset"}))
