@@ -149,7 +149,8 @@ def _optim(value: str, values: dict) -> str | None:
 
 FLAGS: dict[str, Foreign] = {
     "rlhf_type": Foreign("ms-swift: dpo (default), simpo, orpo, cpo or kto (= --loss_type; kto's rows are "
-                         "unpaired). With it (or another flag only ms-swift has) the command takes ms-swift's defaults for what it leaves out: train_type lora, "
+                         "unpaired). With it (or another flag only ms-swift has) the command takes ms-swift's "
+                         "defaults for what it leaves out: train_type lora, "
                          "its learning rate, epochs, schedule and step size, SimPO's beta 2 and gamma 1, and the chat "
                          "template for plain-text rows; they are listed when training starts.", _rlhf_type),
     "bf16": Foreign("HF/OpenRLHF: true (or bare) = --torch_dtype bfloat16.", _precision("bfloat16"), bare=True),
