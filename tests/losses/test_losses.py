@@ -89,14 +89,81 @@ HAND = {
                         - EPS * ls(-(BETA * (p["pc"] / p["nc"] - p["pr"] / p["nr"]) - 0.7))),
     "cpo": lambda p: (-(1 - EPS) * ls(BETA * (p["pc"] - p["pr"])) - EPS * ls(-BETA * (p["pc"] - p["pr"]))
                       + 0.3 * -p["pc"] / MEAN_NC),
+    "plackett_luce": lambda p: -ls(BETA * h(p)),  # each pair a ranking of two: sigmoid DPO
     "orpo": lambda p: (-(p["pp"] + p["pc"]) / (MEAN_NC + MEAN_NP) - 0.2 * ls(
         (p["pc"] / p["nc"] - p["pr"] / p["nr"]) - (log1mexp(p["pc"] / p["nc"]) - log1mexp(p["pr"] / p["nr"])))),
 }
 PARAMS = LossParams(beta=BETA, label_smoothing=EPS, simpo_gamma=0.7, cpo_alpha=0.3, orpo_alpha=0.2)
 
 
+# unpaired rows (KTO): "chosen" is the row's completion; labels, the round's KL estimate z and the label weights
+LABELS, KL, W_D, W_U = [True, False, True], 0.3, 1.4, 0.6
+UNPAIRED_HAND = {
+    "kto": lambda p, good: (W_D * (1 - sig(BETA * (lr(p)[0] - KL))) if good
+                            else W_U * (1 - sig(BETA * (KL - lr(p)[0])))),
+    "apo_zero_unpaired": lambda p, good: W_D * (1 - sig(BETA * lr(p)[0])) if good else W_U * sig(BETA * lr(p)[0]),
+}
+
+
 def test_every_registered_loss_has_a_hand_test():
-    assert set(HAND) | {"aot", "aot_unpaired"} == set(LOSSES)
+    assert set(HAND) | {"aot", "aot_unpaired"} | set(UNPAIRED_HAND) == set(LOSSES)
+
+
+@pytest.mark.parametrize("name", sorted(UNPAIRED_HAND))
+def test_unpaired_loss_by_hand(name):
+    import dataclasses
+
+    x = dataclasses.replace(inputs(), labels=torch.tensor(LABELS), kl=torch.full((3,), KL))
+    got = LOSSES[name].fn(x, LossParams(beta=BETA, desirable_weight=W_D, undesirable_weight=W_U))
+    want = torch.tensor([UNPAIRED_HAND[name](p, good) for p, good in zip(PAIRS, LABELS)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def plackett_luce_by_hand(rewards: list[float]) -> float:
+    """-log P(order) of rewards listed best first: the product over positions k of exp(r_k) / sum_{j>=k} exp(r_j)."""
+    return -sum(r - math.log(sum(math.exp(q) for q in rewards[k:])) for k, r in enumerate(rewards))
+
+
+def test_plackett_luce_equals_the_likelihood_by_hand_on_random_rankings():
+    """Random rankings of 2 to 6 completions given as their adjacent pairs: each ranking's pairs sum to -log P of
+    its order (the likelihood's product written out), and P over all K! orders of a ranking sums to 1."""
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [2, 5, 3, 6, 4]
+    pol = [torch.randn(k, generator=g, dtype=torch.float64) * 3 for k in sizes]
+    ref = [torch.randn(k, generator=g, dtype=torch.float64) * 3 for k in sizes]
+    # adjacent pairs (y_k, y_k+1) of each ranking, consecutive
+    pc = torch.cat([p[:-1] for p in pol]).float()
+    pr = torch.cat([p[1:] for p in pol]).float()
+    rc = torch.cat([r[:-1] for r in ref]).float()
+    rr = torch.cat([r[1:] for r in ref]).float()
+    n = torch.ones_like(pc, dtype=torch.long)
+    x = LossInputs(pc, pr, rc, rr, n, n, rankings=[k - 1 for k in sizes])
+    per_pair = LOSSES["plackett_luce"].fn(x, LossParams(beta=BETA))
+    at = 0
+    for k, p, r in zip(sizes, pol, ref):
+        rewards = (BETA * (p - r)).tolist()
+        assert float(per_pair[at: at + k - 1].sum()) == pytest.approx(plackett_luce_by_hand(rewards), rel=1e-5)
+        at += k - 1
+        if k <= 5:
+            total = sum(math.exp(-plackett_luce_by_hand([rewards[i] for i in order]))
+                        for order in itertools.permutations(range(k)))
+            assert total == pytest.approx(1.0, rel=1e-9)
+
+
+def test_plackett_luce_is_sigmoid_dpo_for_pairs():
+    """K = 2: the same loss and the same gradients as sigmoid DPO on random log-probs."""
+    g = torch.Generator().manual_seed(1)
+    t = [torch.randn(7, generator=g, requires_grad=True) for _ in range(4)]
+    n = torch.ones(7, dtype=torch.long)
+    pl = LOSSES["plackett_luce"].fn(LossInputs(*t, n, n, rankings=[1] * 7), LossParams(beta=0.7))
+    grads_pl = torch.autograd.grad(pl.sum(), t)
+    dpo = LOSSES["sigmoid"].fn(LossInputs(*t, n, n), LossParams(beta=0.7))
+    grads_dpo = torch.autograd.grad(dpo.sum(), t)
+    torch.testing.assert_close(pl, dpo, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads_pl, grads_dpo):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", sorted(HAND))

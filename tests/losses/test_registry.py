@@ -11,32 +11,35 @@ from fastdpo.errors import FastDPOError
 from fastdpo.losses import F_DIVERGENCES, LOSS_METRICS, LOSSES, loss, mean_logp_rewards, needs_prompt_targets
 from fastdpo.losses.reference_free import orpo_metrics
 
-# name: (needs_reference, f_divergence, sorts_step, mean_logps, prompt_nll)
+# name: (needs_reference, f_divergence, sorts_step, mean_logps, prompt_nll, unpaired, kl_completions, listwise)
 TRAITS = {
-    "sigmoid": (True, True, False, False, False),
-    "robust": (True, True, False, False, False),
-    "ipo": (True, True, False, False, False),
-    "hinge": (True, True, False, False, False),
-    "exo_pair": (True, True, False, False, False),
-    "nca_pair": (True, False, False, False, False),
-    "bco_pair": (True, False, False, False, False),
-    "sppo_hard": (True, False, False, False, False),
-    "aot": (True, False, True, False, False),
-    "aot_unpaired": (True, False, True, False, False),
-    "apo_zero": (True, False, False, False, False),
-    "apo_down": (True, False, False, False, False),
-    "discopop": (True, True, False, False, False),
-    "sigmoid_norm": (True, True, False, False, False),
-    "sft": (False, True, False, False, False),
-    "simpo": (False, False, False, True, False),
-    "cpo": (False, False, False, False, False),
-    "orpo": (False, False, False, True, True),
+    "sigmoid": (True, True, False, False, False, False, False, False),
+    "robust": (True, True, False, False, False, False, False, False),
+    "ipo": (True, True, False, False, False, False, False, False),
+    "hinge": (True, True, False, False, False, False, False, False),
+    "exo_pair": (True, True, False, False, False, False, False, False),
+    "nca_pair": (True, False, False, False, False, False, False, False),
+    "bco_pair": (True, False, False, False, False, False, False, False),
+    "sppo_hard": (True, False, False, False, False, False, False, False),
+    "aot": (True, False, True, False, False, False, False, False),
+    "aot_unpaired": (True, False, True, False, False, False, False, False),
+    "apo_zero": (True, False, False, False, False, False, False, False),
+    "apo_down": (True, False, False, False, False, False, False, False),
+    "discopop": (True, True, False, False, False, False, False, False),
+    "sigmoid_norm": (True, True, False, False, False, False, False, False),
+    "sft": (False, True, False, False, False, False, False, False),
+    "simpo": (False, False, False, True, False, False, False, False),
+    "cpo": (False, False, False, False, False, False, False, False),
+    "orpo": (False, False, False, True, True, False, False, False),
+    "kto": (True, False, False, False, False, True, True, False),
+    "apo_zero_unpaired": (True, False, False, False, False, True, False, False),
+    "plackett_luce": (True, False, False, False, False, False, False, True),
 }
 
 
 def test_every_loss_with_its_traits_in_order():
-    got = {name: (sp.needs_reference, sp.f_divergence, sp.sorts_step, sp.mean_logps, sp.prompt_nll)
-           for name, sp in LOSSES.items()}
+    got = {name: (sp.needs_reference, sp.f_divergence, sp.sorts_step, sp.mean_logps, sp.prompt_nll, sp.unpaired,
+                  sp.kl_completions, sp.listwise) for name, sp in LOSSES.items()}
     assert list(got.items()) == list(TRAITS.items())
 
 

@@ -104,8 +104,7 @@ class RowOptions:
                    getattr(cfg, "apply_chat_template", False),
                    tuple(sorted((spec, DatasetRead.from_dict(spec, d)) for spec, d in own.items())),
                    getattr(cfg, "max_samples", 0), int(getattr(cfg, "max_row_mb", MAX_ROW_BYTES / 2**20) * 2**20),
-                   Pairing(getattr(cfg, "pairing", DEFAULT_PAIRING.rule),
-                           getattr(cfg, "ultrafeedback_score", DEFAULT_PAIRING.ultrafeedback_score)))
+                   Pairing(_pairing_rule(cfg), getattr(cfg, "ultrafeedback_score", DEFAULT_PAIRING.ultrafeedback_score)))
 
     def reading(self, dataset: str) -> DatasetRead | None:
         """The reading of dataset spec `dataset` when --dataset_info gives it one (it replaces --columns there)."""
@@ -150,3 +149,9 @@ class RowOptions:
 
 
 AS_GIVEN = RowOptions()  # no renaming, prompts as they are
+
+
+def _pairing_rule(cfg) -> str:
+    """--pairing, except that a listwise loss (Plackett-Luce) reads scored rows as rankings."""
+    rankings = getattr(cfg, "trains_rankings", None)
+    return "ranking" if rankings is not None and rankings() else getattr(cfg, "pairing", DEFAULT_PAIRING.rule)

@@ -12,7 +12,9 @@ A record may give several pairs of one prompt:
 Pairing rules (`--pairing`), over the scored completions in record order:
 - `best_vs_rest`: the best against every completion scored strictly lower;
 - `best_vs_worst`: the best against the worst;
-- `all_pairs`: every (i, j) with score_i > score_j.
+- `all_pairs`: every (i, j) with score_i > score_j;
+- `ranking`: the completions in score order as one ranking, given as its adjacent pairs (best, second), (second,
+  third), ... for Plackett-Luce; a tie is an error there (the likelihood needs a strict order).
 Two completions of equal score are never paired; where several share the top (bottom) score, the first in record order
 is the best (worst). A completion without a usable score (missing, null, NaN, `N/A`) takes part in no pair. What a
 record leaves out is counted on its first pair (`Row.notes`); a record that gives no pair at all (every completion
@@ -29,7 +31,7 @@ import math
 
 from fastdpo.data.formats import Row, RowError, fields_present, to_row
 
-PAIRINGS = ("best_vs_rest", "best_vs_worst", "all_pairs")
+PAIRINGS = ("best_vs_rest", "best_vs_worst", "all_pairs", "ranking")
 ULTRAFEEDBACK_SCORES = ("auto", "fine-grained_score", "overall_score", "ratings")
 TIED, UNSCORED = "tied pairs", "unscored completions"
 ALL_TIE, TOO_FEW = "every completion ties", "fewer than two scored completions"
@@ -114,6 +116,9 @@ def pairs_by_rule(scores: list[float | None], rule: str) -> tuple[list[tuple[int
     if rule == "best_vs_worst":
         worst = next(i for i in scored if scores[i] == bottom)
         return ([(best, worst)], 0) if top > bottom else ([], 1)
+    if rule == "ranking":  # ties are refused by the caller
+        order = sorted(scored, key=lambda i: -scores[i])
+        return list(zip(order, order[1:])), 0
     if rule == "best_vs_rest":
         pairs = [(best, j) for j in scored if scores[j] < top]
         return pairs, sum(1 for j in scored if j != best and scores[j] == top)
@@ -180,6 +185,13 @@ def _scored(value: dict, where: str, pairing: Pairing) -> list[Row]:
     for key in ("system", "tools"):
         if value.get(key) is not None:
             base[key] = value[key]
+    if pairing.rule == "ranking":
+        given = sorted(s for s in scores if s is not None)
+        if any(a == b for a, b in zip(given, given[1:])):
+            name = "scores" if value.get("scores") is not None else "ranks" if not ultra else "completions"
+            raise RowError(where, name, "has tied values: a ranking (--pairing ranking, Plackett-Luce) needs a "
+                           "strict order of its completions.", "Break the tie in the data, or train a pairwise loss with --pairing "
+                           "best_vs_rest (it leaves tied pairs out).", kind="tied ranking")
     pairs, tied = pairs_by_rule(scores, pairing.rule)
     unscored = sum(s is None for s in scores)
     notes = tuple((k, v) for k, v in ((TIED, tied), (UNSCORED, unscored)) if v)

@@ -147,6 +147,19 @@ def step_order(num_rows: int, pairs_per_step: int, seed: int, epoch: int, shuffl
     return [perm[i : i + pairs_per_step] for i in range(0, num_rows, pairs_per_step)]
 
 
+def unit_step_order(units: list[int], units_per_step: int, seed: int, epoch: int, shuffle: bool = True
+                    ) -> list[list[int]]:
+    """Dataset indices of each optimizer step in one epoch when a step counts units of consecutive pairs (`units`:
+    their sizes; a ranking's adjacent pairs) rather than pairs: the units shuffled as wholes (seeded by seed and
+    epoch), `units_per_step` of them per step; the last step may be smaller."""
+    starts = [0]
+    for n in units[:-1]:
+        starts.append(starts[-1] + n)
+    order = epoch_permutation(len(units), seed, epoch, shuffle).tolist()
+    return [[j for u in order[i: i + units_per_step] for j in range(starts[u], starts[u] + units[u])]
+            for i in range(0, len(order), units_per_step)]
+
+
 MAX_GROUP = 126  # completions of one group: segments are int8, 0 is the prompt
 
 

@@ -16,8 +16,8 @@ smoothing; beta the KL strength; nll = -pi_c / tokens_per_pair; pi_p the log-pro
 first, n_p their count.
 
 Files: `inputs` (what a loss takes), `terms` (the shared pieces), `registry` (names, traits, the run's total),
-`with_reference`, `reference_free` and `unpaired` (the losses; the last on unpaired rows, KTO). A new loss is one
-decorated function in one of the last three.
+`with_reference`, `reference_free`, `unpaired` and `listwise` (the losses; the last two on unpaired rows, KTO, and
+on rankings, Plackett-Luce). A new loss is one decorated function in one of the last four.
 """
 
 # each loss registers itself when its module is imported: LOSSES keeps this order (with a reference first)
@@ -28,6 +28,9 @@ from fastdpo.losses import reference_free  # noqa: F401
 
 # isort: split
 from fastdpo.losses import unpaired  # noqa: F401
+
+# isort: split
+from fastdpo.losses import listwise  # noqa: F401
 from fastdpo.losses.inputs import LossInputs, LossParams, StepView, at, loss_inputs, loss_params, step_view
 from fastdpo.losses.registry import (
     LOSS_METRICS,
@@ -41,6 +44,7 @@ from fastdpo.losses.registry import (
     needs_kl_completions,
     needs_prompt_targets,
     total_loss,
+    trains_rankings,
     trains_unpaired,
 )
 from fastdpo.losses.terms import F_DIVERGENCES, chosen_nll, logratios, sequence_nll
@@ -49,5 +53,5 @@ __all__ = [
     "F_DIVERGENCES", "LOSSES", "LOSS_METRICS", "LossInputs", "LossParams", "LossSpec", "StepView", "at", "chosen_nll",
     "extra_metrics", "logratios", "loss", "loss_inputs", "loss_metric_names", "loss_metrics", "loss_params",
     "mean_logp_rewards", "needs_kl_completions", "needs_prompt_targets", "sequence_nll", "step_view", "total_loss",
-    "trains_unpaired",
+    "trains_rankings", "trains_unpaired",
 ]

@@ -38,7 +38,10 @@ class LossInputs:
       completion and "rejected" its KL completion (another row's completion after the same prompt).
     kl: unpaired rows, (B,) the detached KL estimate of each row's round (0 where the loss builds none).
     row_scale: (B,) each row's weight in the step's sum (the step divides by its number of rows): for unpaired rows,
-      rows / (chunks x the row's chunk size), so the step loss is the mean over chunks of each chunk's mean.
+      rows / (chunks x the row's chunk size), so the step loss is the mean over chunks of each chunk's mean; for
+      rankings, pairs / rankings of the step, so each ranking counts as one example.
+    rankings: for a listwise loss, the number of adjacent pairs of each ranking, in batch order (their pairs are
+      consecutive); None: every pair is a ranking of two.
     """
 
     policy_chosen: torch.Tensor
@@ -57,6 +60,7 @@ class LossInputs:
     labels: torch.Tensor | None = None
     kl: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
+    rankings: list[int] | None = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ class LossSpec:
     prompt_nll: bool = False  # its NLL term covers the chosen sequence's prompt too: batches carry prompt targets
     unpaired: bool = False  # trains on unpaired rows (a completion and its label), not on pairs: stands alone
     kl_completions: bool = False  # unpaired: needs each row's KL completion (another row's completion)
+    listwise: bool = False  # over rankings of completions, given as their adjacent pairs: stands alone
 
 
 LOSSES: dict[str, LossSpec] = {}  # in the order the losses are defined
@@ -39,13 +40,13 @@ LOSS_METRICS: dict[str, tuple[tuple[str, ...], MetricsFn]] = {}
 
 def loss(name: str, *, needs_reference: bool = True, f_divergence: bool = False, sorts_step: bool = False,
          mean_logps: bool = False, prompt_nll: bool = False, unpaired: bool = False,
-         kl_completions: bool = False) -> Callable[[LossFn], LossFn]:
+         kl_completions: bool = False, listwise: bool = False) -> Callable[[LossFn], LossFn]:
     """Register the decorated function as --loss_type `name`, with its traits (see `LossSpec`)."""
 
     def register(fn: LossFn) -> LossFn:
         assert name not in LOSSES, f"--loss_type {name} is registered twice"
         LOSSES[name] = LossSpec(fn, needs_reference, f_divergence, sorts_step, mean_logps, prompt_nll, unpaired,
-                                kl_completions)
+                                kl_completions, listwise)
         return fn
 
     return register
@@ -79,6 +80,11 @@ def needs_prompt_targets(names: Iterable[str]) -> bool:
 def trains_unpaired(names: Iterable[str]) -> bool:
     """Whether the losses `names` train on unpaired rows (KTO): then they are the run's only loss."""
     return any(LOSSES[n].unpaired for n in names)
+
+
+def trains_rankings(names: Iterable[str]) -> bool:
+    """Whether the losses `names` train on rankings (Plackett-Luce): then they are the run's only loss."""
+    return any(LOSSES[n].listwise for n in names)
 
 
 def needs_kl_completions(names: Iterable[str]) -> bool:

@@ -56,15 +56,17 @@ def rank_micro_batches(pairs: list[TokenizedPair], rank: int, world: int, max_to
     return mine
 
 
-def rank_chunks(pairs: list[TokenizedPair], rank: int, world: int) -> list[list[TokenizedPair]]:
-    """This rank's micro-batches of one step of unpaired rows (KTO): the step's chunks (`TokenizedPair.chunk`, in
-    order), chunk k going to rank k % world as its micro-batch k // world, as TRL's sequential batches are dealt to
-    ranks. Every rank runs as many micro-batches; one without a chunk at the last gets an empty one (zero-weighted),
-    so every rank joins each micro-batch's KL all-reduce."""
-    chunks: list[list[TokenizedPair]] = []
+def rank_units(pairs: list[TokenizedPair], rank: int, world: int, per_micro: int = 1) -> list[list[TokenizedPair]]:
+    """This rank's micro-batches of one step whose pairs come in units the loss couples (`TokenizedPair.chunk`:
+    KTO's chunks of rows, Plackett-Luce's rankings), never split: `per_micro` consecutive units per micro-batch, the
+    step's micro-batch k going to rank k % world as its micro-batch k // world (as TRL's sequential batches are dealt
+    to ranks). Every rank runs as many micro-batches; one without units at the last gets an empty one
+    (zero-weighted), so every rank joins each micro-batch's collectives."""
+    units: list[list[TokenizedPair]] = []
     for p in pairs:
-        if not chunks or chunks[-1][0].chunk != p.chunk:
-            chunks.append([])
-        chunks[-1].append(p)
-    rounds = -(-len(chunks) // world)
-    return [chunks[m * world + rank] if m * world + rank < len(chunks) else [] for m in range(rounds)]
+        if not units or units[-1][0].chunk != p.chunk:
+            units.append([])
+        units[-1].append(p)
+    batches = [sum(units[i: i + per_micro], []) for i in range(0, len(units), per_micro)]
+    rounds = -(-len(batches) // world)
+    return [batches[m * world + rank] if m * world + rank < len(batches) else [] for m in range(rounds)]

@@ -20,6 +20,8 @@ from fastdpo.data.kto import check_unpaired, kl_completions, label_counts, unpai
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import prompt_runs
 from fastdpo.data.prepare import DataOptions, log_rejects, tokenize_pairs
+from fastdpo.data.rankings import ranking_sizes
+from fastdpo.data.rankings import rankings as gather_rankings
 from fastdpo.data.rejects import Rejects
 from fastdpo.data.split import held_out_rows
 from fastdpo.data.stream import PairStream
@@ -30,7 +32,7 @@ from fastdpo.dpo.reference import Ranks, Reference, build_reference, load_ref_ad
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels.warmup import build_ahead, head_size, norm_widths
 from fastdpo.kernels.warmup import ready as kernels_ready
-from fastdpo.losses import needs_kl_completions, trains_unpaired
+from fastdpo.losses import needs_kl_completions, trains_rankings, trains_unpaired
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
 from fastdpo.model.fused import fuse_layers, kernels_wanted, unfused
 from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -70,11 +72,17 @@ class Setup:
     stream: PairStream | None = None  # --streaming: training pairs come from here instead of `pairs`
     plan: RunPlan | None = None  # what set-up resolved from cfg (checkpointing, token budget, ...); set by `assemble`
     prompt_runs: list[int] | None = None  # runs of one prompt's consecutive pairs, shuffled as wholes
+    rankings: list[int] | None = None  # a listwise loss: the pairs of each ranking, the unit a step counts
 
     @property
     def unpaired(self) -> bool:
         """The loss trains on unpaired rows (KTO): one completion per row, micro-batches are its KL chunks."""
         return trains_unpaired(name for name, _ in self.loss_terms)
+
+    @property
+    def listwise(self) -> bool:
+        """The loss trains on rankings (Plackett-Luce): steps count rankings, micro-batches keep them whole."""
+        return trains_rankings(name for name, _ in self.loss_terms)
 
     @property
     def shuffle(self) -> bool:
@@ -116,6 +124,8 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
         pairs, summary = tokenize_pairs(rows, tokenizer, opts, rejects)
         if unpaired:
             pairs = unpaired_rows(cfg, pairs)
+        elif cfg.trains_rankings():
+            pairs = ranked_pairs(pairs, rows)
         summary.log()
         log_rejects(rejects, summary_dir)
         note = None if cfg.input_template else plain_text_note(rows, tokenizer, opts.tokenize.template)
@@ -126,7 +136,21 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
     val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []
     if unpaired and val_pairs:  # TRL rotates the eval set's completions in chunks of the training batch too
         val_pairs = unpaired_rows(cfg, val_pairs, log_counts=False)
+    elif cfg.trains_rankings() and val_pairs:
+        val_pairs = ranked_pairs(val_pairs, val_rows, "held-out ")
     return rows, pairs, val_rows, val_pairs
+
+
+def ranked_pairs(pairs: list[TokenizedPair], rows: list[Row], which: str = "") -> list[TokenizedPair]:
+    """A listwise loss's pairs gathered into their rankings; those the length limits cut into are left out."""
+    pairs, left_out = gather_rankings(pairs, rows)
+    sizes = ranking_sizes(pairs)
+    log.info("data: %d %srankings of %d to %d completions (%d pairs)%s.", len(sizes), which, min(sizes, default=0) + 1,
+             max(sizes, default=0) + 1, len(pairs), f"; {left_out} left out: the length limits dropped one of their "
+             "pairs" if left_out else "")
+    if not pairs:
+        raise FastDPOError("No ranking survives the length limits (each needs all of its pairs). Raise --max_length.")
+    return pairs
 
 
 def unpaired_rows(cfg: TrainConfig, pairs: list[TokenizedPair], log_counts: bool = True) -> list[TokenizedPair]:
@@ -368,7 +392,9 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
         log.info("Sequence parallelism: %s attention over groups of %d ranks.", d.sp_mode, d.sp_size)
     # a stream's size is unknown: --streaming needs --max_steps, and "epoch" then counts max_steps
     per_step = cfg.pairs_per_step * d.dp_size
-    steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(len(pairs), per_step, cfg.dataloader_drop_last)
+    ranked = ranking_sizes(pairs) if cfg.trains_rankings() else None  # a step counts rankings, not pairs
+    units = len(ranked) if ranked is not None else len(pairs)
+    steps_per_epoch = cfg.max_steps if cfg.streaming else epoch_steps(units, per_step, cfg.dataloader_drop_last)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     runs = None if cfg.streaming else prompt_runs(pairs)  # whatever the layout: grouping changes no step's pairs
     if plan.gradient_checkpointing == "fit":  # measured on the model as it trains: after LoRA, before wrapping
@@ -385,4 +411,4 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
 
     beta = BetaSchedule(cfg.beta, cfg.beta_schedule, cfg.beta_kl_target, cfg.beta_kl_window, cfg.beta_min_ratio, device)
     return Setup(cfg, d, device, model, policy, tokenizer, reference, backend, pairs, total, steps_per_epoch,
-                 cfg.loss_terms(), beta, plan=plan, prompt_runs=runs)
+                 cfg.loss_terms(), beta, plan=plan, prompt_runs=runs, rankings=ranked)

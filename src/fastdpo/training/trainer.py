@@ -14,7 +14,8 @@ import torch
 from torch.profiler import record_function as phase  # names the loop's phases in --profile_steps traces
 
 from fastdpo.config import RunPlan, TrainConfig
-from fastdpo.data.pack import PairBatch, step_order
+from fastdpo.data.pack import PairBatch, step_order, unit_step_order
+from fastdpo.data.rankings import ranking_sizes
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.losses import (
     LOSSES,
@@ -50,7 +51,7 @@ from fastdpo.parallel.collectives import (
 )
 from fastdpo.parallel.distributed import Dist
 from fastdpo.parallel.sequence import split_micro_batch
-from fastdpo.parallel.split import rank_chunks, rank_micro_batches
+from fastdpo.parallel.split import rank_micro_batches, rank_units
 from fastdpo.parallel.wrap import gather_step_start, grad_sync, policy_logps
 from fastdpo.training.monitor import finite_flag
 from fastdpo.training.setup import Setup, build_setup, pad_id
@@ -149,7 +150,9 @@ def step_groups(s: Setup, step_pairs: list[TokenizedPair]) -> list[list[Tokenize
     sequence-parallel group share each micro-batch)."""
     cfg, d = s.cfg, s.dist
     if s.unpaired:  # KTO: each micro-batch is one chunk of rows, the unit its KL estimate is taken over
-        return rank_chunks(step_pairs, d.dp_rank, d.dp_size)
+        return rank_units(step_pairs, d.dp_rank, d.dp_size)
+    if s.listwise:  # Plackett-Luce: whole rankings, --per_device_train_batch_size of them per micro-batch
+        return rank_units(step_pairs, d.dp_rank, d.dp_size, cfg.per_device_train_batch_size)
     return rank_micro_batches(step_pairs, d.dp_rank, d.dp_size, s.plan.max_tokens_per_batch,
                               cfg.per_device_train_batch_size, s.backend.group, s.backend.dedupe)
 
@@ -179,7 +182,7 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics, ah
     prompt = with_prompt_targets(s)
     prompt_per_pair = sum(prompt_targets(p) for p in step_pairs) / n_pairs if prompt else None
     groups = ahead.groups if ahead is not None else step_groups(s, step_pairs)
-    chunks = len({p.chunk for p in step_pairs}) if s.unpaired else 0
+    chunks = len({p.chunk for p in step_pairs}) if s.unpaired or s.listwise else 0  # KTO's chunks, or rankings
     if s.unpaired:
         metrics.start(len(groups))
     view, refs, offset = None, None, 0
@@ -201,6 +204,9 @@ def run_step(s: Setup, step_pairs: list[TokenizedPair], metrics: StepMetrics, ah
                                 prompt_per_pair)
                 if s.unpaired:
                     x = unpaired_inputs(s, x, group or step_pairs[:1], n_pairs, chunks, real)
+                elif s.listwise:  # each ranking weighs as one example of the step
+                    x = dataclasses.replace(x, rankings=ranking_sizes(group or step_pairs[:1]),
+                                            row_scale=x.policy_chosen.new_full((b,), n_pairs / chunks))
                 # divide by the pairs of the whole step (all ranks), not the micro-batch: accumulation is then exact
                 loss = total_loss(x, params, s.loss_terms, cfg.rpo_alpha).sum() / n_pairs
                 if not real:
@@ -291,6 +297,8 @@ class Trainer:
         if s.stream is not None:  # every rank reads the same stream and takes the whole step
             return s.stream.take(self.pairs_per_step)
         epoch, k = divmod(self.global_step, s.steps_per_epoch)
+        if epoch not in self._orders and s.rankings is not None:  # a step of whole rankings
+            self._orders = {epoch: unit_step_order(s.rankings, self.pairs_per_step, self.cfg.seed, epoch, s.shuffle)}
         if epoch not in self._orders:
             self._orders = {epoch: step_order(len(s.pairs), self.pairs_per_step, self.cfg.seed, epoch, s.shuffle,
                                               s.prompt_runs)}

@@ -43,7 +43,9 @@ class DataReading(Section):
                                "record): a larger one is an error naming its line, found before it is held in memory.")
     pairing: str = option("best_vs_rest", "Pairs of a row with several scored completions (completions + scores or "
                           "ranks, UltraFeedback's raw rows): best_vs_rest = the best against each lower-scored one; "
-                          "best_vs_worst; all_pairs = every pair of different scores. Ties are never paired.")
+                          "best_vs_worst; all_pairs = every pair of different scores. Ties are never paired. "
+                          "ranking = the completions in score order as one ranking (ties refused): what "
+                          "--loss_type plackett_luce always reads.")
     ultrafeedback_score: str = option("auto", "The score that ranks UltraFeedback's raw completions: fine-grained_score "
                                       "(mean of the aspect ratings), overall_score, ratings (mean of the numeric "
                                       "annotations' Rating), or auto (the first of these a completion has).")

@@ -72,6 +72,11 @@ class LossSection(Section):
                                f"{','.join(names)}. Give one weight per loss.")
         return list(zip(names, weights))
 
+    def trains_rankings(self) -> bool:
+        """Whether the loss trains on rankings (plackett_luce) rather than on independent pairs."""
+        losses = registered_losses()
+        return any(losses[name].listwise for name, _ in self.loss_terms())
+
     def trains_unpaired(self) -> bool:
         """Whether the loss trains on unpaired rows (kto, apo_zero_unpaired) rather than on pairs."""
         losses = registered_losses()
@@ -106,8 +111,13 @@ class LossSection(Section):
             if getattr(self, name) < 0:
                 raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
         unpaired = [name for name, sp in specs.items() if sp.unpaired]
+        listwise = [name for name, sp in specs.items() if sp.listwise]
+        if unpaired or listwise:
+            self._validate_alone((unpaired + listwise)[0], len(specs), "unpaired rows" if unpaired else "rankings")
         if unpaired:
-            self._validate_unpaired(unpaired[0], len(specs))
+            for flag in ("desirable_weight", "undesirable_weight"):
+                if not getattr(self, flag) > 0:
+                    raise FastDPOError(f"--{flag} must be > 0, got {getattr(self, flag)}.")
         elif self.desirable_weight != 1.0 or self.undesirable_weight != 1.0:
             raise FastDPOError("--desirable_weight / --undesirable_weight weigh the rows of an unpaired loss (kto, "
                                f"apo_zero_unpaired); --loss_type {self.loss_type} trains on pairs. Drop them.")
@@ -120,19 +130,17 @@ class LossSection(Section):
                 raise FastDPOError("kl_adaptive needs --beta_kl_window >= 1, --beta_min_ratio in (0, 1] and "
                                    "--beta_kl_target >= 0.")
 
-    def _validate_unpaired(self, name: str, terms: int) -> None:
-        """An unpaired loss (KTO) trains alone, as TRL's KTOTrainer does, with none of the pair losses' settings."""
+    def _validate_alone(self, name: str, terms: int, data: str) -> None:
+        """An unpaired loss (KTO) or a listwise one (Plackett-Luce) trains alone, with none of the pair losses'
+        settings."""
         if terms > 1:
-            raise FastDPOError(f"--loss_type {self.loss_type}: {name} trains on unpaired rows (one completion and its "
-                               "label) and cannot be combined with other losses. Give it alone.")
+            raise FastDPOError(f"--loss_type {self.loss_type}: {name} trains on {data} and cannot be combined with "
+                               "other losses. Give it alone.")
         pair_only = {"rpo_alpha": self.rpo_alpha != 0, "ld_alpha": self.ld_alpha != 1.0,
                      "use_weighting": self.use_weighting, "label_smoothing": self.label_smoothing != 0,
                      "beta_schedule": self.beta_schedule != "constant"}
         given = [flag for flag, on in pair_only.items() if on]
         if given:
-            raise FastDPOError(f"--loss_type {name} trains on unpaired rows; --{', --'.join(given)} "
-                               f"{'applies' if len(given) == 1 else 'apply'} to pairs only. Drop "
+            raise FastDPOError(f"--loss_type {name} trains on {data}; --{', --'.join(given)} "
+                               f"{'applies' if len(given) == 1 else 'apply'} to pairwise losses only. Drop "
                                f"{'it' if len(given) == 1 else 'them'}.")
-        for flag in ("desirable_weight", "undesirable_weight"):
-            if not getattr(self, flag) > 0:
-                raise FastDPOError(f"--{flag} must be > 0, got {getattr(self, flag)}.")
