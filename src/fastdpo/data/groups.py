@@ -190,8 +190,8 @@ def _scored(value: dict, where: str, pairing: Pairing) -> list[Row]:
         if any(a == b for a, b in zip(given, given[1:])):
             name = "scores" if value.get("scores") is not None else "ranks" if not ultra else "completions"
             raise RowError(where, name, "has tied values: a ranking (--pairing ranking, Plackett-Luce) needs a "
-                           "strict order of its completions.", "Break the tie in the data, or train a pairwise loss with --pairing "
-                           "best_vs_rest (it leaves tied pairs out).", kind="tied ranking")
+                           "strict order of its completions.", "Break the tie in the data, or train a pairwise loss "
+                           "with --pairing best_vs_rest (it leaves tied pairs out).", kind="tied ranking")
     pairs, tied = pairs_by_rule(scores, pairing.rule)
     unscored = sum(s is None for s in scores)
     notes = tuple((k, v) for k, v in ((TIED, tied), (UNSCORED, unscored)) if v)
