@@ -17,7 +17,8 @@ from fastdpo.errors import FastDPOError
 
 # the columns fastdpo reads (see fastdpo.data.formats): what --columns may rename a dataset column to
 COLUMN_NAMES = ("prompt", "chosen", "rejected", "system", "tools", "messages", "rejected_response", "rejected_messages",
-                "instruction", "input", "history", "conversations", "completions", "scores", "ranks")
+                "instruction", "input", "history", "conversations", "completions", "scores", "ranks", "completion",
+                "label")
 KEY_FLAGS = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected"}  # OpenRLHF
 MAX_ROW_BYTES = 16 << 20  # --max_row_mb's default: far above any row that fits a context window
 
