@@ -16,6 +16,7 @@ from fastdpo.data.groups import to_rows
 from fastdpo.data.kinds import RowKinds, check_row_kinds
 from fastdpo.data.load import load_file, load_rows
 from fastdpo.data.prepare import DataOptions
+from fastdpo.data.records import Record
 from fastdpo.data.split import held_out_rows
 from fastdpo.data.stream import PairStream
 from fastdpo.errors import FastDPOError
@@ -129,6 +130,18 @@ def test_columns_rename_to_completion_and_label(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", [{"q": "w1", "answer": " w5", "good": False}])
     [row] = load_rows([str(f)], read=RowOptions(columns=(("answer", "completion"), ("good", "label"), ("q", "prompt"))))
     assert (row.prompt, row.chosen, row.label, row.format) == ("w1", " w5", False, "unpaired")
+
+
+def test_prompt_flags_wrap_unpaired_text_prompts():
+    record = {"prompt": "w1", "completion": " w5", "label": True}
+    [row] = load_rows_of(record, RowOptions(input_template="User: {}\nAssistant:"))
+    assert (row.prompt, row.chosen, row.label) == ("User: w1\nAssistant:", " w5", True)
+    [row] = load_rows_of(record, RowOptions(apply_chat_template=True))
+    assert (row.prompt, row.chosen, row.label) == ([user("w1")], [assistant(" w5")], True) and row.rejected is row.chosen
+
+
+def load_rows_of(record: dict, read: RowOptions) -> list[Row]:
+    return Record(W, record).rows(read)
 
 
 def unpaired(n: int, start: int = 0) -> list[dict]:
