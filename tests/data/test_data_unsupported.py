@@ -1,5 +1,6 @@
-"""Rows fastdpo cannot train (multimodal, unpaired) are refused at `check-data` and `train` with counts and one clear
-sentence, instead of training as text or failing once per row with "field 'chosen' is missing"."""
+"""Rows fastdpo cannot train (multimodal) are refused at `check-data` and `train` with counts and one clear sentence,
+instead of training as text or failing once per row with "field 'chosen' is missing". Unpaired rows are read (see
+test_data_unpaired)."""
 
 import pickle
 
@@ -7,7 +8,7 @@ import pytest
 from cli_helpers import run_cli
 from data_helpers import assistant, user, write_jsonl
 
-from fastdpo.data.unsupported import MULTIMODAL, UNPAIRED, UnsupportedRow, unsupported_kind
+from fastdpo.data.unsupported import MULTIMODAL, UnsupportedRow, unsupported_kind
 
 SWIFT_IMAGE = {"messages": [user("<image>w1 w2"), assistant("w5")], "rejected_response": "w7",
                "images": ["/data/cat.png"]}
@@ -20,8 +21,8 @@ GOOD = {"prompt": "w1 w2", "chosen": " w5", "rejected": " w7"}
 
 @pytest.mark.parametrize("value,kind", [
     (SWIFT_IMAGE, MULTIMODAL), (TRL_VISION, MULTIMODAL), ({**GOOD, "videos": ["a.mp4"]}, MULTIMODAL),
-    ({**GOOD, "prompt": "<image>w1"}, MULTIMODAL), (KTO, UNPAIRED), (SWIFT_KTO, UNPAIRED),
-    ({**GOOD, "kto_tag": True, "chosen": None, "rejected": None}, UNPAIRED),
+    ({**GOOD, "prompt": "<image>w1"}, MULTIMODAL), (KTO, None), (SWIFT_KTO, None),
+    ({**GOOD, "kto_tag": True, "chosen": None, "rejected": None}, None),
     (GOOD, None), ({**GOOD, "label": 1}, None), ({**GOOD, "image": None, "images": []}, None),
     ({**GOOD, "prompt": "<video> is an HTML element"}, None),
 ])
@@ -38,7 +39,6 @@ def test_the_row_error_survives_worker_processes():
 @pytest.mark.parametrize("row,needle", [
     (SWIFT_IMAGE, "40 of 42 rows are multimodal (<image> tags, the images column; "),
     (TRL_VISION, "40 of 42 rows are multimodal (images in the messages, the images column; "),
-    (KTO, "40 of 42 rows are unpaired (completion, label, prompt; "),
 ])
 def test_check_data_counts_them_in_one_message(tmp_path, capsys, row, needle):
     f = write_jsonl(tmp_path / "d.jsonl", [GOOD] + [row] * 40 + [GOOD])
@@ -46,10 +46,10 @@ def test_check_data_counts_them_in_one_message(tmp_path, capsys, row, needle):
     assert code == 1 and needle in out, out
     assert f"{f}:2, {f}:3, {f}:4 ..." in out and "FAILED: 1 error." in out
     assert "is missing" not in out and out.count("fastdpo trains") == 1
-    assert ("ms-swift or TRL" if row is not KTO else "KTOTrainer") in out
+    assert "ms-swift or TRL" in out
 
 
-@pytest.mark.parametrize("row,needle", [(SWIFT_IMAGE, "rows are multimodal"), (KTO, "rows are unpaired")])
+@pytest.mark.parametrize("row,needle", [(SWIFT_IMAGE, "rows are multimodal"), (TRL_VISION, "rows are multimodal")])
 def test_train_refuses_them_with_counts(tmp_path, capsys, model_dirs, restore_logging, row, needle):
     f = write_jsonl(tmp_path / "d.jsonl", [row] * 5 + [GOOD])
     code, out = run_cli(capsys, "train", "--model", model_dirs(), "--dataset", f, "--output_dir", tmp_path / "out",

@@ -1,9 +1,11 @@
 """`fastdpo check-data`: validate every row of the datasets and report what training would see.
 
 Errors (non-zero exit): unreadable rows (JSON syntax, invalid UTF-8, malformed CSV), missing fields, wrong types,
-empty completions, chosen identical to rejected, and with `--model` rows the chat template or tokenizer cannot
-handle. Warnings: duplicate pairs, pairs over `--max_length`. With `--model`: p50/p95/max token lengths and what
-the length flags would drop or trim. Every message names the file and line (or index), the field and a fix.
+empty completions, chosen identical to rejected, a label that is not true or false, unpaired rows mixed with pairs,
+and with `--model` rows the chat template or tokenizer cannot handle. Warnings: duplicate pairs, pairs over
+`--max_length`. With `--model`: p50/p95/max token lengths and what the length flags would drop or trim. Unpaired (KTO)
+datasets: how many rows are desirable and undesirable. Every message names the file and line (or index), the field
+and a fix.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from fastdpo.data.formats import Row, RowError
 from fastdpo.data.groups import left_out_text
+from fastdpo.data.kinds import RowKinds
 from fastdpo.data.prepare import DataOptions
 from fastdpo.data.rejects import REJECTS_FILE, by_reason, same_problem
 from fastdpo.data.sources import parse_spec, select
@@ -42,6 +45,7 @@ class CheckReport:
     several: list[int] = field(default_factory=list)  # pairs of each row that gives several pairs of one prompt
     left_out: dict = field(default_factory=dict)  # what pairing left out, by reason (tied pairs, ...)
     near_prompts: list[str] = field(default_factory=list)  # prompts that differ from another only in whitespace
+    labels: dict = field(default_factory=dict)  # spec -> (desirable, undesirable) unpaired rows used for training
     pair_tokens: int = 0  # with a tokenizer, rows of several pairs: tokens as one pair per row (prompt repeated)
     group_tokens: int = 0  # the same rows' tokens with each prompt and each distinct completion once
 
@@ -201,6 +205,7 @@ def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckRepo
     report = CheckReport()
     checker = _Checker(opts, tokenizer, report)
     plain: list[Row] = []
+    every = RowKinds()  # all datasets' rows: one kind for the run
     for text in specs:
         spec = parse_spec(text)
         items, readable = _read(spec, opts, checker)
@@ -208,10 +213,16 @@ def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckRepo
             checker.error(f"{spec.label}: has no rows. Check the file or the --split.")
         used = select(items, spec, opts.seed, opts.streaming, opts.read.max_samples)
         formats: dict[str, int] = {}
+        kinds, labels, start = RowKinds(), [0, 0], None
         for ordinal, rows in used:
             if rows is None:
                 continue
+            start = ordinal if start is None else start
             formats[rows[0].format] = formats.get(rows[0].format, 0) + 1
+            for row in rows:
+                kinds.add(row)
+                if row.unpaired:
+                    labels[0 if row.label else 1] += 1
             if len(rows) > 1:
                 report.several.append(len(rows))
                 checker.several.add(rows[0].source)
@@ -222,6 +233,14 @@ def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckRepo
                 if not row.conversational:
                     plain.append(row)
         report.sources.append((text, len(items), len(used), formats))
+        if kinds.unpaired:
+            report.labels[text] = tuple(labels)
+        if kinds.mixed:
+            checker.error(kinds.message(spec.label), start)
+        elif not every.mixed:
+            every.merge(kinds)
+            if every.mixed:
+                checker.error(every.message(f"datasets {', '.join(specs)}"), start)
     checker.flush()
     report.pair_tokens, report.group_tokens = checker.group_totals()
     if tokenizer is not None and not opts.read.input_template:
@@ -241,12 +260,24 @@ def _listing(title: str, items: list[str]) -> list[str]:
     return out
 
 
+def label_line(desirable: int, undesirable: int) -> str:
+    """The labels of a dataset's unpaired rows: 'unpaired rows: 30 desirable (label true), 10 undesirable (label
+    false), 3.00 desirable per undesirable.'"""
+    line = f"unpaired rows: {desirable} desirable (label true), {undesirable} undesirable (label false)"
+    if desirable and undesirable:
+        return (f"{line}, {desirable / undesirable:.2f} desirable per undesirable (KTO's paper advises "
+                "desirable_weight x desirable / (undesirable_weight x undesirable) between 1 and 4/3).")
+    return f"{line}: {'no undesirable' if desirable else 'no desirable'} rows, so KTO learns from one side only."
+
+
 def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> list[str]:
     lines = []
     for text, n, used, formats in report.sources:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(formats.items())) or "none valid"
         count = f"{n} rows" if used == n and "#" not in text else f"{n} rows read, {used} used for training"
         lines.append(f"{text}: {count} ({kinds})")
+        if text in report.labels:
+            lines.append(f"  {label_line(*report.labels[text])}")
     lines += [f"note: {n}" for n in report.notes]
     if report.several:
         n, pairs = len(report.several), sum(report.several)

@@ -17,7 +17,8 @@ from fastdpo.errors import FastDPOError
 
 # the columns fastdpo reads (see fastdpo.data.formats): what --columns may rename a dataset column to
 COLUMN_NAMES = ("prompt", "chosen", "rejected", "system", "tools", "messages", "rejected_response", "rejected_messages",
-                "instruction", "input", "history", "conversations", "completions", "scores", "ranks")
+                "instruction", "input", "history", "conversations", "completions", "scores", "ranks", "completion",
+                "label")
 KEY_FLAGS = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected"}  # OpenRLHF
 MAX_ROW_BYTES = 16 << 20  # --max_row_mb's default: far above any row that fits a context window
 
@@ -137,15 +138,16 @@ class RowOptions:
             raise RowError(row.source, None, f"is conversational ({row.format}), and {flag} wraps plain-text prompts "
                            "only: conversational rows go through the chat template.", f"Drop {flag}, or give the "
                            "prompt, chosen and rejected as strings.")
-        if row.format != "standard":
+        if row.format not in ("standard", "unpaired"):
             raise RowError(row.source, "prompt", f"is missing ({row.format} row: the prompt is the text chosen and "
                            f"rejected share), so {flag} has no prompt to use.", "Add a prompt column (or name it with "
                            f"--prompt_key / --columns), or drop {flag}.")
         if self.input_template:
             return dataclasses.replace(row, prompt=self.input_template.format(row.prompt))
-        return dataclasses.replace(row, prompt=[{"role": "user", "content": row.prompt}],
-                                   chosen=[{"role": "assistant", "content": row.chosen}],
-                                   rejected=[{"role": "assistant", "content": row.rejected}])
+        chosen = [{"role": "assistant", "content": row.chosen}]
+        rejected = chosen if row.unpaired else [{"role": "assistant", "content": row.rejected}]
+        return dataclasses.replace(row, prompt=[{"role": "user", "content": row.prompt}], chosen=chosen,
+                                   rejected=rejected)
 
 
 AS_GIVEN = RowOptions()  # no renaming, prompts as they are

@@ -5,6 +5,11 @@ An entry is read as LLaMA-Factory reads it: only the columns it names (with `col
 `instruction` and `input`, sharegpt's `conversations`; `chosen` and `rejected` under those names unless renamed),
 and, for sharegpt, only the turns whose role is one of its tags (`tags` overrides the defaults it names). The
 resolved form (`DatasetRead.to_dict`) is what `--dataset_info` holds, keyed by the dataset spec.
+
+Preference entries have `ranking: true`. An entry whose columns name a `kto_tag` column (and without `ranking`) holds
+unpaired rows (KTO): one judged reply per row, its tag the label (a JSON boolean) — alpaca's `output` (the `response`
+column) after `instruction` / `input`, or the last turn of sharegpt's `conversations`. Its prompt and reply columns
+not named take their default names; `chosen` / `rejected` are not read.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastdpo.data.formats import RowError, fields_present
+from fastdpo.data.formats import RowError, fields_present, read_label
 from fastdpo.errors import FastDPOError
 
 INFO_FILE = "dataset_info.json"
@@ -31,6 +36,9 @@ LF_COLUMNS = {
 LF_COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", "tools", "images", "videos",
                    "audios", "chosen", "rejected", "kto_tag")
 REQUIRED = ("instruction", "conversations", "chosen", "rejected")  # a row without them cannot be a pair
+# an unpaired (KTO) entry's columns: the judged reply (alpaca's response column) and the tag read as the label
+KTO_COLUMNS = {"alpaca": {"response": ("output", "output"), "kto_tag": (None, "label")},
+               "sharegpt": {"kto_tag": (None, "label")}}
 MEDIA_COLUMNS = ("images", "videos", "audios")
 # tag key -> (its default, the sharegpt role fastdpo's reader knows); role_tag / content_tag name the turn's keys
 TAGS = {"role_tag": ("from", None), "content_tag": ("value", None), "user_tag": ("human", "human"),
@@ -69,6 +77,15 @@ class DatasetRead:
         return cls(str(d.get("name", spec)), d.get("formatting", "alpaca"), tuple(sorted(d.get("columns", {}).items())),
                    tuple((k, str(tags[k])) for k in TAGS))
 
+    @property
+    def unpaired(self) -> bool:
+        """Its rows are unpaired (KTO): its columns name a kto_tag column, read as each row's label."""
+        return any(target == "label" for _, target in self.columns)
+
+    def source_of(self, target: str) -> str:
+        """The dataset column read as fastdpo's column `target` (`target` itself when none is)."""
+        return next((source for source, t in self.columns if t == target), target)
+
     def project(self, value: object, where: str) -> object:
         """The record reduced to the columns this dataset names, under fastdpo's names; sharegpt turns re-tagged."""
         if not isinstance(value, dict):
@@ -77,6 +94,12 @@ class DatasetRead:
         for source, target in self.columns:
             if value.get(source) is not None:
                 out[target] = value[source]
+            elif target == "label":
+                if source not in value:
+                    raise RowError(where, source, f"is missing (fields present: {fields_present(value)}); dataset "
+                                   f"{self.name!r} reads each row's label (its kto_tag) from it.", "Give every row "
+                                   f"its label, true or false, or fix the columns of {self.name!r} in {INFO_FILE}.")
+                read_label(None, source, where)  # null: refused, naming the column
             elif target in REQUIRED:
                 raise RowError(where, source, f"is missing (fields present: {fields_present(value)}); dataset "
                                f"{self.name!r} reads its {target} from it.", f"Fix the columns of {self.name!r} in "
@@ -176,11 +199,21 @@ def _source(name: str, entry: dict, dataset_dir: str) -> tuple[str, bool]:
     return str(path), False
 
 
+def _kto_tag(entry: dict) -> str | None:
+    """The kto_tag column an entry's columns name (an unpaired dataset), else None."""
+    columns = entry.get("columns")
+    tag = columns.get("kto_tag") if isinstance(columns, dict) else None
+    return str(tag) if tag else None
+
+
 def _columns(name: str, entry: dict, formatting: str) -> tuple[tuple[str, str], ...]:
     given = entry.get("columns")
     if given is not None and not isinstance(given, dict):
         raise FastDPOError(f"dataset {name}: columns must be an object, got {given!r}.")
     known = LF_COLUMNS[formatting]
+    kto = _kto_tag(entry) is not None
+    if kto:  # unpaired: the reply and the tag, no chosen / rejected; unnamed columns under their default names
+        known = {k: v for k, v in known.items() if k not in ("chosen", "rejected")} | KTO_COLUMNS[formatting]
     for key, column in (given or {}).items():
         if key in MEDIA_COLUMNS and column:
             raise FastDPOError(f"dataset {name}: columns.{key} ({column}): fastdpo trains on text; {key} are not read. "
@@ -191,7 +224,7 @@ def _columns(name: str, entry: dict, formatting: str) -> tuple[tuple[str, str], 
                                + (f" Did you mean {close[0]}?" if close else f" Known: {', '.join(known)}."))
     mapping: dict[str, str] = {}
     for key, (default, target) in known.items():
-        source = (given or {}).get(key, default if given is None or key in ("chosen", "rejected") else None)
+        source = (given or {}).get(key, default if given is None or kto or key in ("chosen", "rejected") else None)
         if source:
             if source in mapping:
                 raise FastDPOError(f"dataset {name}: column {source!r} is named for both {mapping[source]} and "
@@ -224,7 +257,12 @@ def resolve(name: str, table: dict, dataset_dir: str) -> Resolved:
         if key not in ENTRY_KEYS and close:
             raise FastDPOError(f"dataset {name}: {key!r} in its {INFO_FILE} entry is not a key LLaMA-Factory reads. "
                                f"Did you mean {close[0]}?")
-    if entry.get("ranking") is not True:
+    tag = _kto_tag(entry)
+    if tag is not None and entry.get("ranking") is True:
+        raise FastDPOError(f"dataset {name}: ranking is true and its columns name a kto_tag ({tag!r}) in "
+                           f"{Path(dataset_dir) / INFO_FILE}: a dataset holds pairs (ranking) or unpaired rows judged "
+                           "by their tag (kto_tag), not both. Keep one.")
+    if tag is None and entry.get("ranking") is not True:
         raise FastDPOError(f"dataset {name}: ranking is not true in {Path(dataset_dir) / INFO_FILE}, so it is not "
                            "preference data (LLaMA-Factory's stage dpo refuses it too). Name a preference dataset, "
                            "or set \"ranking\": true if its rows hold chosen and rejected replies.")

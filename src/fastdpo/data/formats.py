@@ -18,6 +18,16 @@ Accepted (detected per row, so files may mix them):
   observation turn), `chosen`/`rejected` one message each (or reply texts).
 - orca (Intel/orca_dpo_pairs): `question` is the prompt, `chosen`/`rejected` reply texts; with a `system` column the
   row is a conversation (system + user turn), else plain text.
+
+Unpaired rows (KTO): one completion judged desirable (`label` true) or undesirable (false), held as both `chosen` and
+`rejected` of a `Row` with `label` set:
+- unpaired: `prompt`, `completion` strings and `label` (TRL).
+- unpaired_conversational: `prompt` a message list (or a string: one user message), `completion` an assistant message
+  list (TRL).
+- swift_kto: `messages` ending with the judged assistant turn, plus `label` (ms-swift); an optional `system` column.
+- llamafactory_kto: a LLaMA-Factory alpaca row (`instruction` + `input`, the reply in `output`) or sharegpt row
+  (`conversations` ending with the judged assistant turn) with its `kto_tag` column read as `label`.
+The label is a JSON boolean (CSV cells: true / false). A row with a label and a pair's columns is refused.
 Optional columns: `tools` (a list or its JSON text; passed to the chat template), `system` (conversational rows).
 """
 
@@ -30,13 +40,21 @@ from dataclasses import dataclass
 from fastdpo.errors import FastDPOError
 
 FORMATS = ("standard", "conversational", "implicit_text", "implicit_conversational", "hh_rlhf", "ms_swift", "alpaca",
-           "sharegpt", "orca")
+           "sharegpt", "orca", "unpaired", "unpaired_conversational", "swift_kto", "llamafactory_kto")
+UNPAIRED_FORMATS = ("unpaired", "unpaired_conversational", "swift_kto", "llamafactory_kto")
+# the columns of a pair: a row with them and a label is refused (it is one or the other)
+PAIR_COLUMNS = ("chosen", "rejected", "rejected_response", "rejected_messages", "completions")
+LABEL_FIX = "Write true (a desirable completion) or false (an undesirable one)."
+EMPTY_PAIR = "Every pair needs two non-empty completions; fix or drop the row."
+EMPTY_UNPAIRED = "An unpaired row needs a non-empty completion; fix or drop the row."
 ALPACA_FIELDS = ("instruction", "input", "history")
 # LLaMA-Factory's ShareGPT role tags (and their OpenAI names) -> message roles; function_call becomes a tool call
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "observation": "tool", "tool": "tool", "function_call": "function_call"}
 SHAREGPT_ORDER = ("After an optional leading system turn, conversations alternate human (or observation) and gpt (or "
                   "function_call) turns and end with the human or observation turn that chosen and rejected answer.")
+SHAREGPT_KTO_ORDER = ("After an optional leading system turn, conversations alternate human (or observation) and gpt "
+                      "(or function_call) turns and, in an unpaired row, end with the gpt turn its label judges.")
 HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 # columns other datasets use for fastdpo's (Intel/orca_dpo_pairs' question, argilla's chosen_response, ...): named
 # in the error of a row that lacks fastdpo's column, with the --columns mapping that reads them
@@ -148,12 +166,12 @@ def _kind(x: object) -> str:
     return "null" if x is None else type(x).__name__
 
 
-def _text(value: object, name: str, where: str, completion: bool) -> str:
+def _text(value: object, name: str, where: str, completion: bool, empty: str = EMPTY_PAIR) -> str:
     if not isinstance(value, str):
         raise RowError(where, name, f"must be a string or a list of messages, got {_kind(value)}.",
                        "Convert it to plain text or to [{\"role\": ..., \"content\": ...}] messages.")
     if completion and not value:
-        raise RowError(where, name, "is empty.", "Every pair needs two non-empty completions; fix or drop the row.")
+        raise RowError(where, name, "is empty.", empty)
     return _unicode(value, name, where)
 
 
@@ -184,15 +202,15 @@ def _messages(value: object, name: str, where: str) -> list[dict]:
     return out
 
 
-def _reply(messages: list[dict], name: str, where: str) -> list[dict]:
+def _reply(messages: list[dict], name: str, where: str, unpaired: bool = False) -> list[dict]:
     """A completion: starts with an assistant turn whose text (or tool call) is not empty."""
     first = messages[0]
     if first["role"] != "assistant":
         raise RowError(where, f"{name}[0].role", f"is {first['role']!r}, but a completion must start with an "
-                       "assistant turn.", "Only the assistant reply may differ between chosen and rejected.")
+                       "assistant turn.", "The turns before the assistant reply belong to the prompt." if unpaired
+                       else "Only the assistant reply may differ between chosen and rejected.")
     if not first.get("tool_calls") and not first.get("content"):
-        raise RowError(where, f"{name}[0].content", "is empty.",
-                       "Every pair needs two non-empty completions; fix or drop the row.")
+        raise RowError(where, f"{name}[0].content", "is empty.", EMPTY_UNPAIRED if unpaired else EMPTY_PAIR)
     return messages
 
 
@@ -214,6 +232,45 @@ def _string(value: object, name: str, where: str) -> str:
     if not isinstance(value, str):
         raise RowError(where, name, f"must be a string, got {_kind(value)}.", "Fix the row.")
     return _unicode(value, name, where)
+
+
+def _shown(x: object) -> str:
+    """A value as JSON, cut short, for messages."""
+    try:
+        text = json.dumps(x, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def read_label(x: object, name: str, where: str) -> bool:
+    """An unpaired row's label, a JSON boolean (true: desirable, false: undesirable); anything else raises a
+    `RowError` naming the field `name`, the value and the fix."""
+    if isinstance(x, bool):
+        return x
+    what = {str: "the string", int: "the number", float: "the number", list: "a list", dict: "an object"}
+    got = "null" if x is None else f"{what.get(type(x), _kind(x))} {_shown(x)}"
+    raise RowError(where, name, f"must be a JSON boolean, got {got}.", LABEL_FIX)
+
+
+def paired(value: dict) -> list[str]:
+    """The columns of a pair that the record holds (not null)."""
+    return [k for k in PAIR_COLUMNS if value.get(k) is not None]
+
+
+def _labelled(value: dict) -> bool:
+    """An unpaired record: a `label` (even null: it is then refused as not a boolean) and no pair columns."""
+    return "label" in value and not paired(value)
+
+
+def refuse_pair_and_label(value: dict, where: str) -> None:
+    """Refuse a record with both a pair's columns and a label: it is one or the other."""
+    pair = paired(value)
+    if pair and value.get("label") is not None:
+        raise RowError(where, "label", f"is given with a pair ({', '.join(pair)}; fields present: "
+                       f"{fields_present(value)}): a row is either a pair or one completion with its label.",
+                       "Keep one: drop label to train the pair, or drop the pair's columns and give prompt, "
+                       "completion and label for an unpaired row.", kind="pair and label")
 
 
 def _with_system(prompt: list[dict], value: dict, where: str) -> list[dict]:
@@ -275,6 +332,35 @@ def _implicit_text(c: str, r: str, where: str, value: dict) -> Row:
     return Row(c[:cut], chosen, rejected, where, format="implicit_text")
 
 
+def _unpaired_row(value: dict, where: str, tools: list | None) -> Row:
+    """TRL's unpaired row: `prompt`, `completion` (texts, or a message list and an assistant message list) and
+    `label`."""
+    if "label" not in value:
+        raise RowError(where, "label", f"is missing (fields present: {fields_present(value)}): prompt and completion "
+                       "without a label is a prompt-completion (SFT) row.", "For an unpaired row add label: true or "
+                       "false; for a pair give chosen and rejected instead of completion.")
+    label = read_label(value["label"], "label", where)
+    for name in ("prompt", "completion"):
+        if value.get(name) is None:
+            raise RowError(where, name, f"is missing (fields present: {fields_present(value)}).",
+                           "An unpaired row holds prompt, completion and label.")
+    p, c = value["prompt"], value["completion"]
+    if isinstance(c, str):
+        if isinstance(p, list):
+            raise RowError(where, "completion", "is a string but prompt is a list of messages.",
+                           "Give completion as an assistant message list, or both as strings.")
+        text = _text(c, "completion", where, True, EMPTY_UNPAIRED)
+        return Row(_text(p, "prompt", where, False), text, text, where, tools, "unpaired", label=label)
+    if isinstance(c, list):
+        reply = _reply(_messages(c, "completion", where), "completion", where, unpaired=True)
+        prompt = (_messages(p, "prompt", where) if isinstance(p, list)
+                  else [{"role": "user", "content": _text(p, "prompt", where, False)}])
+        return Row(_with_system(prompt, value, where), reply, reply, where, tools, "unpaired_conversational",
+                   label=label)
+    raise RowError(where, "completion", f"must be a string or a list of messages, got {_kind(c)}.",
+                   "Convert it to plain text or to [{\"role\": \"assistant\", \"content\": ...}] messages.")
+
+
 def _swift_rejected_error(value: dict, where: str) -> RowError:
     """`messages` with a `rejected` field: an ms-swift row whose rejected reply is under TRL's name."""
     return RowError(where, "rejected", "is given with messages; with messages the rejected reply goes in "
@@ -324,10 +410,16 @@ def _pair_row(value: dict, where: str, tools: list | None) -> Row:
 
 
 def _swift_row(value: dict, where: str, tools: list | None) -> Row:
+    """ms-swift: `messages` ending with the chosen reply and the rejected one beside it, or (KTO) ending with the
+    reply its `label` judges."""
+    label = read_label(value["label"], "label", where) if _labelled(value) else None
     msgs = _messages(value["messages"], "messages", where)
     if msgs[-1]["role"] != "assistant":
         raise RowError(where, "messages", f"ends with a {msgs[-1]['role']!r} turn.",
-                       "The last message must be the chosen assistant reply.")
+                       f"The last message must be the {'judged' if label is not None else 'chosen'} assistant reply.")
+    if label is not None:
+        reply = _reply(msgs[-1:], "messages[-1]", where, unpaired=True)
+        return Row(_with_system(msgs[:-1], value, where), reply, reply, where, tools, "swift_kto", label=label)
     if value.get("rejected_response") is not None:
         rejected = _text(value["rejected_response"], "rejected_response", where, True)
         prompt, chosen = msgs[:-1], _reply(msgs[-1:], "messages[-1]", where)
@@ -387,9 +479,11 @@ def _turn(m: object, name: str, where: str) -> dict:
     return _tool_call(text, f"{name}.{text_key}", where) if role == "function_call" else {"role": role, "content": text}
 
 
-def _sharegpt_turns(value: dict, where: str) -> tuple[list[dict], list[dict]]:
+def _sharegpt_turns(value: dict, where: str, judged: bool = False) -> tuple[list[dict], list[dict]]:
     """(leading system turn or nothing, the rest) of `conversations`, checked to alternate user/observation with
-    assistant/function_call turns and to end with the turn the replies answer (as LLaMA-Factory requires)."""
+    assistant/function_call turns and to end with the turn the replies answer (as LLaMA-Factory requires), or, for
+    an unpaired row (`judged`), with the assistant turn its label judges."""
+    order = SHAREGPT_KTO_ORDER if judged else SHAREGPT_ORDER
     conv = value.get("conversations")
     if conv is None:
         raise _missing(value, "conversations", where)
@@ -404,8 +498,12 @@ def _sharegpt_turns(value: dict, where: str) -> tuple[list[dict], list[dict]]:
             belongs = "a user (human) or observation" if user_side else "an assistant (gpt) or function_call"
             key = _tag(conv[i])[0]
             raise RowError(where, f"conversations[{i}].{key}", f"is {conv[i][key]!r} where {belongs} turn belongs.",
-                           SHAREGPT_ORDER)
-    if (len(turns) - head) % 2 == 0:
+                           order)
+    if judged and ((len(turns) - head) % 2 or len(turns) == head):
+        last = "only a system turn" if len(turns) == head else f"a user or observation turn ({conv[-1][_tag(conv[-1])[0]]!r})"
+        raise RowError(where, "conversations", f"ends with {last}, but an unpaired row ends with the assistant (or "
+                       "function_call) turn its label judges.", order)
+    if not judged and (len(turns) - head) % 2 == 0:
         last = "only a system turn" if len(turns) == head else f"an assistant turn ({conv[-1][_tag(conv[-1])[0]]!r})"
         raise RowError(where, "conversations", f"ends with {last}, but a preference row ends with the user (or "
                        "observation) turn that chosen and rejected answer.", SHAREGPT_ORDER)
@@ -431,6 +529,12 @@ def _sharegpt_reply(value: dict, name: str, where: str) -> list[dict]:
 
 
 def _sharegpt_row(value: dict, where: str, tools: list | None) -> Row:
+    if _labelled(value):  # LLaMA-Factory KTO: the last turn is the judged reply
+        label = read_label(value["label"], "label", where)
+        system, turns = _sharegpt_turns(value, where, judged=True)
+        reply = _reply(turns[-1:], f"conversations[{len(value['conversations']) - 1}]", where, unpaired=True)
+        return Row(_with_system(system + turns[:-1], value, where), reply, reply, where, tools, "llamafactory_kto",
+                   label=label)
     system, turns = _sharegpt_turns(value, where)
     chosen, rejected = (_sharegpt_reply(value, name, where) for name in ("chosen", "rejected"))
     return Row(_with_system(system + turns, value, where), chosen, rejected, where, tools, "sharegpt")
@@ -466,6 +570,16 @@ def _alpaca_row(value: dict, where: str, tools: list | None) -> Row:
     text = "\n".join(p for p in parts if p)
     if not text:
         raise RowError(where, "instruction", "is empty, and so is input.", "Give the user's request.")
+    prompt = _with_system([*_alpaca_history(value, where), {"role": "user", "content": text}], value, where)
+    if _labelled(value):  # LLaMA-Factory KTO: the judged reply in output (its response column)
+        label = read_label(value["label"], "label", where)
+        if value.get("output") is None:
+            raise RowError(where, "output", f"is missing (fields present: {fields_present(value)}); an alpaca row "
+                           "with a label holds the reply it judges there.", "Add the reply as output.")
+        if not isinstance(value["output"], str):
+            raise RowError(where, "output", f"must be the reply text, got {_kind(value['output'])}.", "Fix the row.")
+        reply = [{"role": "assistant", "content": _text(value["output"], "output", where, True, EMPTY_UNPAIRED)}]
+        return Row(prompt, reply, reply, where, tools, "llamafactory_kto", label=label)
     replies = []
     for name in ("chosen", "rejected"):
         if value.get(name) is None:
@@ -474,7 +588,6 @@ def _alpaca_row(value: dict, where: str, tools: list | None) -> Row:
             raise RowError(where, name, f"must be the reply text in an alpaca row, got {_kind(value[name])}.",
                            "Give chosen and rejected as strings next to instruction.")
         replies.append([{"role": "assistant", "content": _text(value[name], name, where, True)}])
-    prompt = _with_system([*_alpaca_history(value, where), {"role": "user", "content": text}], value, where)
     return Row(prompt, replies[0], replies[1], where, tools, "alpaca")
 
 
@@ -505,8 +618,14 @@ def to_row(value: object, where: str, formatting: str | None = None) -> Row:
         raise RowError(where, None, f"expected a JSON object with prompt/chosen/rejected, got {_kind(value)}.",
                        "Write one object per row.")
     tools = _tools(value, where)
+    refuse_pair_and_label(value, where)
     if formatting is not None:
         return {"alpaca": _alpaca_row, "sharegpt": _sharegpt_row}[formatting](value, where, tools)
+    if value.get("kto_tag") is not None and "label" not in value and not paired(value):
+        raise RowError(where, "kto_tag", "is LLaMA-Factory's KTO tag, read through the dataset's entry in "
+                       "dataset_info.json (its columns name the kto_tag column).", "Name the dataset through its "
+                       "dataset_info.json (dataset_dir), or read the column as the label: --columns "
+                       "'{\"kto_tag\": \"label\"}'.")
     if value.get("conversations") is not None:
         return _sharegpt_row(value, where, tools)
     if _is_orca(value):
@@ -514,6 +633,8 @@ def to_row(value: object, where: str, formatting: str | None = None) -> Row:
     if value.get("instruction") is not None or (value.get("prompt") is None and value.get("messages") is None and any(
             value.get(name) is not None for name in ALPACA_FIELDS)):  # never the implicit prompt: it would drop them
         return _alpaca_row(value, where, tools)
+    if value.get("messages") is None and not paired(value) and ("label" in value or value.get("completion") is not None):
+        return _unpaired_row(value, where, tools)
     if "chosen" in value or "rejected" in value:  # before `messages`: some TRL datasets add an SFT copy of chosen
         return _pair_row(value, where, tools)
     if value.get("messages") is not None:
@@ -522,4 +643,5 @@ def to_row(value: object, where: str, formatting: str | None = None) -> Row:
         raise _missing(value, "chosen", where)
     raise RowError(where, None, f"has no preference fields (fields present: {fields_present(value)}).",
                    "Give prompt/chosen/rejected, chosen/rejected, messages + rejected_response, instruction + "
-                   "chosen/rejected or conversations + chosen/rejected (or name your columns with --columns).")
+                   "chosen/rejected or conversations + chosen/rejected (or name your columns with --columns); for "
+                   "unpaired rows prompt/completion/label or messages + label.")

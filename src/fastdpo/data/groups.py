@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fastdpo.data.formats import Row, RowError, fields_present, to_row
+from fastdpo.data.formats import Row, RowError, fields_present, refuse_pair_and_label, to_row
 
 PAIRINGS = ("best_vs_rest", "best_vs_worst", "all_pairs", "ranking")
 ULTRAFEEDBACK_SCORES = ("auto", "fine-grained_score", "overall_score", "ratings")
@@ -59,6 +59,7 @@ def to_rows(value: object, where: str, formatting: str | None = None, pairing: P
     """One decoded record as its pairs (one for a plain pair record); raise `RowError` naming the field and a fix."""
     if isinstance(value, dict) and formatting is None:
         if value.get("completions") is not None:
+            refuse_pair_and_label(value, where)
             return _scored(value, where, pairing)
         if _is_list_of_replies(value.get("rejected")):
             return _each(value, where, "rejected", formatting)

@@ -7,6 +7,7 @@ from pathlib import Path
 from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row, RowError
 from fastdpo.data.groups import to_rows
+from fastdpo.data.kinds import check_row_kinds
 from fastdpo.data.rejects import Rejects, read_valid
 from fastdpo.data.sources import MAX_SAMPLED_ROWS, Spec, file_records, iter_records, sample, select, source_kind
 from fastdpo.data.sources import parse_spec as parse_dataset_spec
@@ -42,7 +43,9 @@ def load_file(path_str: str, read: RowOptions = AS_GIVEN) -> list[Row]:
     spec = Spec(path_str, path_str)
     if source_kind(spec) not in ("file", "dir"):
         raise FastDPOError(f"Dataset {path_str} not found. Check the path given to --dataset.")
-    return [row for r in iter_records(spec, limit=read.max_row_bytes) for row in r.rows(read)]
+    rows = [row for r in iter_records(spec, limit=read.max_row_bytes) for row in r.rows(read)]
+    check_row_kinds(rows, path_str)
+    return rows
 
 
 def sample_rows(rows: list[Row], n: int, seed: int) -> list[Row]:
@@ -57,6 +60,7 @@ def load_spec(spec: Spec, split: str = "train", seed: int = 42, read: RowOptions
     rows = read_valid(iter_records(spec, split, limit=read.max_row_bytes), read, spec.label, rejects)
     if not rows:
         raise FastDPOError(f"Dataset {spec.label} has no rows.")
+    check_row_kinds(rows, spec.label)
     return [row for record in select(by_record(rows), spec, seed, first=read.max_samples) for row in record]
 
 
@@ -79,4 +83,6 @@ def load_rows(specs: list[str], seed: int = 42, split: str = "train", read: RowO
     rows: list[Row] = []
     for text in specs:
         rows.extend(load_spec(parse_dataset_spec(text), split, seed, read, rejects))
+    if len(specs) > 1:  # each dataset holds one kind of row; together they must hold the same
+        check_row_kinds(rows, f"datasets {', '.join(specs)}")
     return rows

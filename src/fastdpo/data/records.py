@@ -1,5 +1,6 @@
 """One raw row as read from a source (`Record`), and how it becomes a `Row`: its dataset's reading, CSV cells holding
-JSON decoded, multimodal and unpaired rows refused, and rows over the size limit (--max_row_mb) refused."""
+JSON (or a label's true / false) decoded, multimodal rows refused, and rows over the size limit (--max_row_mb)
+refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from fastdpo.data.unsupported import refuse_unsupported
 # CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
 # the end of an error after which the rest of the file could not be read: such a row cannot be skipped alone
 STOPPED = "Reading stopped here."
-CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools", "conversations", "history")
+CSV_JSON_COLUMNS = ("prompt", "chosen", "rejected", "messages", "rejected_messages", "tools", "conversations", "history",
+                    "completion")
+CSV_LABEL_COLUMNS = ("label", "kto_tag")  # an unpaired row's label: the cell true or false (any case)
 
 
 @dataclass
@@ -40,8 +43,13 @@ class Record:
         value = own.project(self.value, where) if own else read.rename(self.value, where)
         if self.text_cells:
             value = {k: _csv_value(k, v) for k, v in value.items()}
-        refuse_unsupported(value, where)  # multimodal and unpaired rows would otherwise be misread
-        rows = to_rows(value, where, own.formatting if own else None, read.pairing)
+        refuse_unsupported(value, where)  # multimodal rows would otherwise train as text
+        try:
+            rows = to_rows(value, where, own.formatting if own else None, read.pairing)
+        except RowError as e:
+            if own and e.field == "label":  # the label is the dataset's tag column: name that
+                raise RowError(e.where, own.source_of("label"), e.problem, e.fix, e.kind) from None
+            raise
         size = max(size_over(row, read.max_row_bytes) for row in rows)
         if size:  # from a source read whole (Parquet, HF datasets, a JSON object of rows)
             raise RowError(where, None, too_large(size, read.max_row_bytes), kind="row too large")
@@ -75,7 +83,9 @@ def is_turn(m: object) -> bool:
 
 def _csv_value(name: str, cell: str | None) -> object:
     """A cell of a message or tool column holding JSON (a message list, an alpaca history, a ShareGPT reply
-    object) -> its value; any other cell stays text."""
+    object) -> its value; a label's true / false (any case) -> the boolean; any other cell stays text."""
+    if name in CSV_LABEL_COLUMNS and isinstance(cell, str) and cell.strip().lower() in ("true", "false"):
+        return cell.strip().lower() == "true"
     if cell is None or name not in CSV_JSON_COLUMNS or not cell.lstrip().startswith(("[", "{")):
         return cell
     try:

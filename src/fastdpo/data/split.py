@@ -6,6 +6,7 @@ import math
 import random
 
 from fastdpo.data.columns import RowOptions
+from fastdpo.data.kinds import check_row_kinds
 from fastdpo.data.load import Row, load_rows
 from fastdpo.errors import FastDPOError
 
@@ -24,7 +25,9 @@ def split_rows(rows: list[Row], ratio: float, seed: int) -> tuple[list[Row], lis
 def held_out_rows(cfg, rows: list[Row]) -> tuple[list[Row], list[Row]]:
     """(training rows, validation rows) per --val_dataset or --split_dataset_ratio (no validation rows otherwise)."""
     if cfg.val_dataset:
-        return rows, load_rows(cfg.val_dataset, cfg.seed, cfg.val_split, read=RowOptions.from_config(cfg))
+        val_rows = load_rows(cfg.val_dataset, cfg.seed, cfg.val_split, read=RowOptions.from_config(cfg))
+        check_row_kinds(rows + val_rows, "--dataset and --val_dataset")  # one loss scores both
+        return rows, val_rows
     if cfg.split_dataset_ratio > 0:
         return split_rows(rows, cfg.split_dataset_ratio, cfg.seed)
     return rows, []

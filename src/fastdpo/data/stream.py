@@ -12,15 +12,17 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+from fastdpo.data.kinds import RowKinds
 from fastdpo.data.parallel import ordered_map
 from fastdpo.data.prepare import DataOptions, DataSummary
 from fastdpo.data.sources import Record, Spec, first_cycling, iter_records, parse_spec, source_kind
 from fastdpo.data.tokenize import TokenizedPair, TokenizeStats, no_pairs_error, tokenize_chunk
+from fastdpo.errors import FastDPOError
 
 CHUNK = 1024  # records per worker task
 
 
-def _stream_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats]:
+def _stream_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats, RowKinds]:
     tokenizer, options, read = state
     start, records = item
     rows, indices = [], []
@@ -28,7 +30,7 @@ def _stream_task(state, item) -> tuple[list[TokenizedPair], TokenizeStats]:
         pairs = record.rows(read)
         rows += pairs
         indices += [start + k] * len(pairs)  # a stream's pairs are indexed by their record
-    return tokenize_chunk(tokenizer, rows, options, indices=indices)
+    return *tokenize_chunk(tokenizer, rows, options, indices=indices), RowKinds.of(rows)
 
 
 class PairStream:
@@ -42,6 +44,7 @@ class PairStream:
         self.opts = opts
         self.stats = TokenizeStats()
         self.epoch = 0
+        self.kinds = RowKinds()  # the rows read so far: one kind (pairs or unpaired rows) for the whole stream
         self._it = self._pairs()
 
     def _limited(self, spec: Spec) -> Iterator[Record]:
@@ -80,9 +83,12 @@ class PairStream:
         while True:
             rng = random.Random(self.opts.seed * 1_000_003 + self.epoch)
             buffer: list[TokenizedPair] = []
-            for pairs, part in ordered_map(_stream_task, self._chunks(), state, self.opts.num_workers):
+            for pairs, part, kinds in ordered_map(_stream_task, self._chunks(), state, self.opts.num_workers):
                 if self.epoch == 0:  # later epochs repeat the same rows
                     self.stats.add(part)
+                    self.kinds.merge(kinds)
+                    if self.kinds.mixed:
+                        raise FastDPOError(self.kinds.message(", ".join(s.text for s in self.specs)))
                 for p in pairs:
                     if len(buffer) < size:
                         buffer.append(p)

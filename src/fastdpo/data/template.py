@@ -214,7 +214,7 @@ class ChatRenderer:
     def _render(self, row: Row) -> tuple[str, str, str]:
         if not self.available:
             fix = f"Pass --template ({', '.join(sorted(BUILTIN_TEMPLATES))}) or a Jinja file."
-            if row.format == "standard":  # a plain-text row made a user turn (--apply_chat_template, ms-swift's reading)
+            if row.format in ("standard", "unpaired"):  # a plain-text row made a user turn (--apply_chat_template)
                 fix += " Or read plain-text rows as they are: --apply_chat_template false."
             raise RowError(row.source, None, "is conversational but the tokenizer has no chat_template.", fix,
                            kind="no chat template")

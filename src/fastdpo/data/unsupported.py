@@ -1,8 +1,8 @@
 """Rows fastdpo cannot train, recognised before they would be read as something else: multimodal rows (ms-swift's and
 LLaMA-Factory's `images` / `videos` / `audios` columns and `<image>` tags, TRL's vision rows with an image column or
-image parts in the messages) would train as text with the media dropped; unpaired rows (KTO's `prompt` /
-`completion` / `label`, ms-swift's `messages` + `label`, LLaMA-Factory's `kto_tag`) have no second completion to
-prefer over. Each is refused with what is unsupported and what to do; over a whole dataset, with counts.
+image parts in the messages) would train as text with the media dropped. They are refused with what they hold and
+what to do; over a whole dataset, with counts. (Unpaired rows, a completion with a label, are read: see
+`fastdpo.data.formats`.)
 """
 
 from __future__ import annotations
@@ -19,23 +19,18 @@ MEDIA_PARTS = {"image": "images", "image_url": "images", "video": "videos", "vid
 # ms-swift's and LLaMA-Factory's placeholder of an image in the text (<video> and <audio> are HTML elements too, so
 # only a media column makes those rows multimodal)
 IMAGE_TAG = "<image>"
-PAIR_COLUMNS = ("chosen", "rejected", "rejected_response", "rejected_messages")
-LABEL_COLUMNS = ("label", "kto_tag")
-MULTIMODAL, UNPAIRED = "multimodal", "unpaired"
+MULTIMODAL = "multimodal"
 SHOWN = 3  # row locations named in a dataset's message
 
 ADVICE = {
     MULTIMODAL: ("fastdpo trains text-only DPO: the media would be dropped and a tag such as <image> trained as text. "
                  "Train multimodal DPO with ms-swift or TRL, or remove the media columns and tags for a text-only "
                  "run."),
-    UNPAIRED: ("fastdpo trains on pairs, a chosen and a rejected completion of the same prompt; these rows hold one "
-               "completion marked good or bad, as KTO trains on. Pair a good and a bad completion of each prompt into "
-               "prompt/chosen/rejected rows, or train KTO with TRL's KTOTrainer or ms-swift (--rlhf_type kto)."),
 }
 
 
 class UnsupportedRow(RowError):
-    """A row of a kind fastdpo does not train (`kind`: multimodal or unpaired); `what` says what it holds."""
+    """A row of a kind fastdpo does not train (`kind`: multimodal); `what` says what it holds."""
 
     def __init__(self, where: str, kind: str, what: str):
         super().__init__(where, None, f"{_headline(kind, what)} {ADVICE[kind]}")
@@ -44,7 +39,7 @@ class UnsupportedRow(RowError):
 
 
 def _headline(kind: str, what: str) -> str:
-    return f"holds {what}." if kind == MULTIMODAL else f"is unpaired ({what})."
+    return f"holds {what}."
 
 
 def _has(value: object) -> bool:
@@ -77,10 +72,6 @@ def unsupported_kind(value: object) -> tuple[str, str] | None:
     _media_in({k: v for k, v in value.items() if k not in MEDIA_COLUMNS}, found)
     if found:
         return MULTIMODAL, ", ".join(sorted(found))
-    label = next((k for k in LABEL_COLUMNS if value.get(k) is not None), None)
-    if label and not any(value.get(k) is not None for k in PAIR_COLUMNS):
-        shown = ", ".join(k for k in ("prompt", "completion", "messages", label) if k in value)
-        return UNPAIRED, shown
     return None
 
 
@@ -108,8 +99,7 @@ class UnsupportedCount:
             what = sorted({part for e in errors for part in e.what.split(", ")})
             where = ", ".join(e.where for e in errors[:SHOWN]) + (" ..." if len(errors) > SHOWN else "")
             of = f" of {self.rows}" if self.rows else ""
-            name = "multimodal" if kind == MULTIMODAL else "unpaired"
-            out.append(f"{self.label}: {len(errors)}{of} rows are {name} ({', '.join(what)}; {where}). {ADVICE[kind]}")
+            out.append(f"{self.label}: {len(errors)}{of} rows are {kind} ({', '.join(what)}; {where}). {ADVICE[kind]}")
         return out
 
     def error(self) -> FastDPOError:
