@@ -2,6 +2,7 @@
 on 2 ranks that match 1 rank, resume on 1 rank from a 2-rank checkpoint, and a killed rank that ends the job."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_helpers import random_pairs
+from data_helpers import random_pairs, write_jsonl
 from dist_helpers import BASE, assert_weights_close, dataset, join_ranks, metrics, run_isolated, run_ranks, start_ranks, weights
 
 from fastdpo.cli import build_parser, main
@@ -482,3 +483,68 @@ def test_flag_notes_print_once_per_launch(launcher, monkeypatch, capsys):
     assert "FASTDPO_LAUNCHED" not in os.environ  # set for the workers only: the caller's later notes still print
     workers({})  # torchrun -m fastdpo train ...: rank 0 speaks for the job
     assert capsys.readouterr().out.count(note) == 1
+
+
+# ---------------------------------------------------------------- KTO on two ranks
+
+
+def test_kto_two_ranks_take_trl_rounds(tmp_path, model_dirs):
+    """Two ranks of KTO: micro-step m runs the step's chunk 2m on rank 0 and 2m+1 on rank 1 (TRL's sequential
+    batches dealt to ranks), the round's KL estimate is the clamped mean of the two chunks' means, and the step's
+    loss is the mean over chunks of each chunk's mean row loss: the first step's logged loss, kl and rewards equal a
+    plain float32 computation (one unpacked forward per sequence, full logits)."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.data.formats import Row
+    from fastdpo.data.kto import kl_completions
+    from fastdpo.data.tokenize import TokenizeOptions, tokenize_rows
+    from fastdpo.model.load import load_tokenizer
+    from fastdpo.model.tiny import build_tiny_model
+
+    rows = [{"prompt": f"w{10 + i} w{30 + i % 3}", "completion": " w5 w6" if i % 3 else " w7 w8 w9",
+             "label": i % 3 != 1} for i in range(16)]
+    data = write_jsonl(tmp_path / "kto.jsonl", rows)
+    # these two random models give a positive raw KL estimate (the other way round both rounds clamp at 0)
+    policy = build_tiny_model(tmp_path / "policy", "qwen3", seed=1)
+    ref = model_dirs("qwen3")
+    b, g, beta = 2, 2, 0.1
+    run_ranks(2, output_dir=str(tmp_path / "ws2"), model=str(policy), ref_model=str(ref), dataset=[str(data)],
+              loss_type="kto", per_device_train_batch_size=b, gradient_accumulation_steps=g, max_steps=1,
+              logging_steps=1, learning_rate=1e-3, disable_progress=True)
+    logged = metrics(tmp_path / "ws2")[0]
+
+    tok = load_tokenizer(str(policy))
+    read = [Row(r["prompt"], r["completion"], r["completion"], f"d:{i}", label=r["label"]) for i, r in enumerate(rows)]
+    pairs = kl_completions(tokenize_rows(tok, read, options=TokenizeOptions())[0], b, 2048)[: b * g * 2]
+    models = [AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32) for m in (policy, ref)]
+
+    def logp(model, prompt, completion):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits.float()[0, :-1], -1)
+        at = torch.arange(len(prompt) - 1, len(ids[0]) - 1)
+        return float(lp[at, ids[0, at + 1]].sum())
+
+    lr = [logp(models[0], p.prompt, p.chosen) - logp(models[1], p.prompt, p.chosen) for p in pairs]
+    d = [logp(models[0], p.prompt, p.rejected) - logp(models[1], p.prompt, p.rejected) for p in pairs]
+    sig = lambda z: 1 / (1 + math.exp(-z))
+    losses, kls, chosen, rejected = [], [], [], []
+    for m in range(g):  # round m: chunks 2m and 2m+1, on ranks 0 and 1
+        rows_m = range(2 * m * b, 2 * (m + 1) * b)
+        z = max(0.0, (sum(d[i] for i in rows_m[:b]) / b + sum(d[i] for i in rows_m[b:]) / b) / 2)
+        kls.append(z)
+        for c in (rows_m[:b], rows_m[b:]):
+            losses.append(sum(1 - sig(beta * (lr[i] - z)) if pairs[i].label else 1 - sig(beta * (z - lr[i]))
+                              for i in c) / b)
+        good = [beta * lr[i] for i in rows_m if pairs[i].label]
+        bad = [beta * lr[i] for i in rows_m if not pairs[i].label]
+        if good:
+            chosen.append(sum(good) / len(good))
+        if bad:
+            rejected.append(sum(bad) / len(bad))
+    assert logged["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+    assert logged["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-4, abs=1e-7) and logged["kl"] > 0
+    # rewards are beta x differences of log-prob sums: float32 sums carry ~1e-6 of absolute error
+    assert logged["rewards/chosen"] == pytest.approx(sum(chosen) / len(chosen), rel=1e-4, abs=1e-6)
+    assert logged["rewards/rejected"] == pytest.approx(sum(rejected) / len(rejected), rel=1e-4, abs=1e-6)
+    assert logged["rewards/chosen"] != pytest.approx(logged["rewards/rejected"], abs=1e-6)
