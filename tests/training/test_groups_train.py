@@ -3,6 +3,7 @@ ms-swift's spellings), rankings with Plackett-Luce, and the clear refusals when 
 
 import json
 
+import pytest
 from cli_helpers import run_cli
 from data_helpers import write_jsonl
 
@@ -69,3 +70,22 @@ def test_plackett_luce_trains_rankings(tmp_path, model_dirs, capsys):
     assert rc == 0, text
     assert "8 rankings of 3 to 3 completions (16 pairs)" in text
     assert len(metrics(out)) == 2  # 8 rankings, 4 per step
+
+
+def test_kto_evaluates_held_out_rows_in_training_and_after(tmp_path, model_dirs, capsys):
+    """--val_dataset under KTO logs TRL's eval metrics; `fastdpo eval --loss_type kto` on the final model scores the
+    same rows the same way (same weights, same batches)."""
+    data = write_jsonl(tmp_path / "kto.jsonl", UNPAIRED)
+    held = write_jsonl(tmp_path / "held.jsonl", UNPAIRED[:8])
+    out = tmp_path / "kto"
+    rc, text = run_cli(capsys, "train", "--model", model_dirs("qwen3"), "--dataset", data, "--val_dataset", held,
+                       "--output_dir", out, "--loss_type", "kto", "--per_device_train_batch_size", "4", *COMMON)
+    assert rc == 0, text
+    last = [r for r in metrics(out) if "eval_loss" in r][-1]
+    assert {"eval_kl", "eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected"} <= set(last)
+    rc, text = run_cli(capsys, "eval", "--model", out / "final", "--ref_model", model_dirs("qwen3"), "--dataset", held,
+                       "--loss_type", "kto", "--per_device_eval_batch_size", "4", "--output_dir", tmp_path / "ev")
+    assert rc == 0, text
+    report = json.loads((tmp_path / "ev" / "eval_report.json").read_text())["metrics"]
+    for name in ("loss", "kl", "rewards/chosen", "rewards/rejected"):
+        assert report[name] == pytest.approx(last[f"eval_{name}"], rel=1e-4, abs=1e-6), name

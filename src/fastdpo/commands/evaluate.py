@@ -49,10 +49,17 @@ class EvalPairs(Section):
     loss_type: str = option("sigmoid", "Preference loss reported as `loss`.")
     beta: float = option(0.1, "DPO beta of the implicit rewards (use the training value).")
     label_smoothing: float = option(0.0, "Label smoothing of the reported loss.")
-    per_device_eval_batch_size: int = option(8, "Pairs per packed micro-batch.")
+    desirable_weight: float = option(1.0, "kto / apo_zero_unpaired: weight of desirable rows in the reported loss.")
+    undesirable_weight: float = option(1.0, "kto / apo_zero_unpaired: weight of undesirable rows in the reported loss.")
+    per_device_eval_batch_size: int = option(8, "Pairs per packed micro-batch (kto: rows per KL batch).")
     max_tokens_per_batch: int = option(0, "Token budget per packed micro-batch (0: per_device_eval_batch_size pairs).")
     attn_impl: str = option("auto", "auto|flex|dense|padded, as in training.")
     kl: bool = option(True, "Also measure the per-token KL(policy || reference) on the held-out completions.")
+
+    def trains_rankings(self) -> bool:
+        """Whether --loss_type is listwise (plackett_luce): scored rows are then read as rankings."""
+        return any(registered_losses()[name].listwise for name in self.loss_type.split(",")
+                   if name in registered_losses())
 
 
 @dataclass
@@ -190,14 +197,13 @@ class EvalConfig(EvalOutput, EvalScoring, EvalPairs, EvalData, ModelArgs, Genera
 def run_eval(cfg: EvalConfig, console=None) -> dict:
     """`fastdpo eval`: held-out preference metrics, generation metrics under --reward_fn, lm-eval tasks; writes
     output_dir/eval_report.json (and generations.jsonl) and prints a table."""
-    from fastdpo.data.prepare import DataOptions, tokenize_pairs
     from fastdpo.dpo.reference import Reference
     from fastdpo.dpo.rewards import load_reward_fn
-    from fastdpo.losses import LossParams, needs_prompt_targets
+    from fastdpo.losses import LossParams, needs_prompt_targets, trains_rankings, trains_unpaired
     from fastdpo.model.backend import choose_backend, micro_batch_budget, prepare_packed
     from fastdpo.model.generate import load_for_generation
     from fastdpo.model.load import load_model, resolve_device, resolve_dtype
-    from fastdpo.training.evaluate import pair_logps, per_token_logps, preference_metrics, token_kl
+    from fastdpo.training.evaluate import held_out_metrics, pair_logps, token_kl
 
     cfg.validate()
     reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None  # fail fast, before loading models
@@ -245,15 +251,18 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
         if ref_model is not None:
             prepare_packed(ref_model, backend)
 
-    rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=read)
-    pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))  # tokenised exactly as training did
-    pad_id = tok.pad_token_id or 0
-    budget = micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs, cfg.per_device_eval_batch_size)
-    args = (backend, pad_id, device, budget, cfg.per_device_eval_batch_size)
     terms = [(name, 1.0) for name in cfg.loss_type.split(",")]
+    rows, pairs = scored_pairs(cfg, read, tok, [name for name, _ in terms])
+    pad_id = tok.pad_token_id or 0
+    in_order = trains_unpaired(name for name, _ in terms) or trains_rankings(name for name, _ in terms)
+    budget = 0 if in_order else micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs,
+                                                   cfg.per_device_eval_batch_size)
+    args = (backend, pad_id, device, budget, cfg.per_device_eval_batch_size)
     x = pair_logps(model, reference, pairs, *args, prompt_targets=needs_prompt_targets(name for name, _ in terms))
-    metrics = {**preference_metrics(x, LossParams(cfg.beta, cfg.label_smoothing), terms), **per_token_logps(x)}
-    if cfg.kl and reference.strategy != "none":
+    params = LossParams(cfg.beta, cfg.label_smoothing, desirable_weight=cfg.desirable_weight,
+                        undesirable_weight=cfg.undesirable_weight)
+    metrics = held_out_metrics(x, pairs, params, terms)
+    if cfg.kl and reference.strategy != "none" and "kl" not in metrics:  # KTO reports its own KL estimate as kl
         metrics["kl"] = token_kl(model, reference, pairs, *args)
     report = {"model": cfg.model, "adapters": cfg.adapters, "checkpoint": cfg.checkpoint, "dataset": cfg.dataset,
               "reference": reference.strategy, "pairs": len(pairs), "metrics": metrics}
@@ -267,6 +276,28 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     if cfg.lm_eval_tasks:
         report["lm_eval"] = run_lm_eval(model, tok, cfg)
     return _write_report(report, out, console)
+
+
+def scored_pairs(cfg: EvalConfig, read: RowOptions, tok, names: list[str]) -> tuple[list[Row], list]:
+    """The rows of --dataset and their pairs, tokenised exactly as training did; for an unpaired loss (KTO) the rows
+    unpaired as training unpairs them, each with its KL completion (batches of --per_device_eval_batch_size rows);
+    for a listwise loss gathered into rankings. Unpaired rows under a pairwise loss are refused."""
+    from fastdpo.data.kto import check_unpaired, kl_completions, unpair_rows
+    from fastdpo.data.prepare import DataOptions, tokenize_pairs
+    from fastdpo.data.rankings import rankings
+    from fastdpo.losses import needs_kl_completions, trains_rankings, trains_unpaired
+
+    rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=read)
+    if trains_unpaired(names):
+        rows = unpair_rows(rows)
+    else:
+        check_unpaired(rows, None)
+    pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))
+    if trains_unpaired(names):
+        pairs = kl_completions(pairs, cfg.per_device_eval_batch_size, cfg.max_length, 0, needs_kl_completions(names))
+    elif trains_rankings(names):
+        pairs = rankings(pairs, rows)[0]
+    return rows, pairs
 
 
 def _write_report(report: dict, out: Path, console) -> dict:

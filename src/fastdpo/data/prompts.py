@@ -26,7 +26,9 @@ from fastdpo.data.sources import parse_spec as parse_dataset_spec
 Prompt = str | list[dict]
 
 # fields that make a record a preference pair (read through `to_rows`)
-PAIR_FIELDS = ("chosen", "rejected", "rejected_response", "rejected_messages", "completions")
+# fields of a preference record (pairs, scored completions, an unpaired row's judged completion)
+PAIR_FIELDS = ("chosen", "rejected", "rejected_response", "rejected_messages", "completions", "completion", "label",
+               "kto_tag")
 PROMPT_FIELDS = ("prompt", "messages", "query", "instruction", "question")
 ROLES = ("system", "user", "assistant", "tool")
 

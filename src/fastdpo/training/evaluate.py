@@ -8,6 +8,7 @@ in eval mode. Metrics carry TRL's names (`loss`, `rewards/accuracies`, ...); dur
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -131,6 +132,22 @@ def preference_metrics(x: LossInputs, params: LossParams, terms: list[tuple[str,
     })
     out.update({name: float(v.mean()) for name, v in loss_metrics(x, params, terms).items()})
     return out
+
+
+def held_out_metrics(x: LossInputs, pairs: list[TokenizedPair], params: LossParams, terms: list[tuple[str, float]],
+                     rpo_alpha: float = 0.0) -> dict:
+    """The metrics of scored held-out `pairs` (`x` in their order for unpaired rows and rankings): KTO's for unpaired
+    rows, the pair metrics otherwise, with a listwise loss's `loss` the mean over rankings."""
+    from fastdpo.data.rankings import ranking_sizes
+    from fastdpo.losses import trains_rankings, trains_unpaired
+
+    names = [name for name, _ in terms]
+    if trains_unpaired(names):
+        return unpaired_metrics(x, pairs, params, terms)
+    if trains_rankings(names):
+        sizes = ranking_sizes(pairs)
+        x = dataclasses.replace(x, rankings=sizes, row_scale=torch.full((len(pairs),), len(pairs) / len(sizes)))
+    return {**preference_metrics(x, params, terms, rpo_alpha), **per_token_logps(x)}
 
 
 def unpaired_metrics(x: LossInputs, pairs: list[TokenizedPair], params: LossParams,
@@ -290,15 +307,13 @@ class TrainingEval:
         pad_id = s.tokenizer.pad_token_id or 0
         from fastdpo.parallel.wrap import policy_logps
 
-        budget = 0 if s.unpaired else s.plan.max_tokens_per_batch  # unpaired rows: in order, a chunk per batch
+        in_order = s.unpaired or s.listwise  # rows in data order: KTO's chunks, whole rankings
         x = pair_logps(s.model, self.reference or s.reference, self.pairs, s.backend, pad_id, s.device,
-                       budget, cfg.per_device_train_batch_size, cfg.ld_alpha, cfg.use_weighting,
-                       functools.partial(policy_logps, s.policy), needs_prompt_targets(n for n, _ in s.loss_terms))
+                       0 if in_order else s.plan.max_tokens_per_batch, cfg.per_device_train_batch_size, cfg.ld_alpha,
+                       cfg.use_weighting, functools.partial(policy_logps, s.policy),
+                       needs_prompt_targets(n for n, _ in s.loss_terms))
         params = loss_params(cfg, s.beta.value())
-        if s.unpaired:
-            metrics = unpaired_metrics(x, self.pairs, params, s.loss_terms)
-        else:
-            metrics = {**preference_metrics(x, params, s.loss_terms, cfg.rpo_alpha), **per_token_logps(x)}
+        metrics = held_out_metrics(x, self.pairs, params, s.loss_terms, cfg.rpo_alpha)
         dt = time.perf_counter() - t0
         record = {"step": step, "epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()},
                   "eval_runtime": round(dt, 4), "eval_pairs_per_second": len(self.pairs) / max(dt, 1e-9)}
