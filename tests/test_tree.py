@@ -13,7 +13,7 @@ PACKAGE = TESTS.parent / "src" / "fastdpo"
 
 # test files of the package as a whole (or of its top-level modules: cli.py, trl.py)
 TOP_LEVEL = {"test_api.py", "test_cli.py", "test_cli_reference.py", "test_demo.py", "test_layers.py",
-             "test_packaging.py", "test_tree.py", "test_trl_dropin.py", "test_cli_startup.py"}
+             "test_packaging.py", "test_tree.py", "test_trl_dropin.py", "test_cli_startup.py", "test_guides.py"}
 
 
 def python_files() -> list[Path]:
