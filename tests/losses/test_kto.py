@@ -10,7 +10,8 @@ import torch
 from model_helpers import WORDS
 
 from fastdpo.config import TrainConfig
-from fastdpo.data.formats import Row, to_row
+from fastdpo.data.formats import Row
+from fastdpo.data.groups import to_rows
 from fastdpo.data.kto import kl_completions, unpair_rows
 from fastdpo.data.tokenize import TokenizeOptions, tokenize_rows
 from fastdpo.model.tiny import build_tiny_model
@@ -83,8 +84,7 @@ def our_step(models, rows, out, batch, accumulation, kto_kw, **cfg_kw):
     tok = load_tokenizer(str(models[0]))
     kto_kw = {"loss_type": "kto", **kto_kw}
     loss = kto_kw["loss_type"]
-    read = [Row(r["prompt"], r["completion"], r["completion"], f"d:{i}", label=r["label"]) if "label" in r
-            else to_row(r, f"d:{i}") for i, r in enumerate(rows)]
+    read = [row for i, r in enumerate(rows) for row in to_rows(r, f"d:{i}")]  # as training reads a file's rows
     pairs, _ = tokenize_rows(tok, unpair_rows(read), options=TokenizeOptions(max_length=kto_kw.get("max_length", 1024)))
     pairs = kl_completions(pairs, batch, kto_kw.get("max_length", 1024), with_kl=loss == "kto")
     cfg = TrainConfig(model=str(models[0]), dataset=["unused"], output_dir=str(out), per_device_train_batch_size=batch,
@@ -180,3 +180,37 @@ def test_unpairing_follows_trl_blocks():
     assert out[2000].chosen == "c1000" and out[2500].chosen == "r1000" and len(out) == 3000
     assert [r.label for r in out[998:1002]] == [True, True, False, False]
     assert all(r.rejected == r.chosen for r in out)
+
+
+def test_conversational_rows_equal_trl(tmp_path, one_thread):
+    """Conversational unpaired rows go through the chat template as TRL renders them (the prompt with the generation
+    prompt, then prompt + completion): the same token ids, KL completions, loss and metrics as TRL's KTOTrainer."""
+    from data_helpers import chat_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from fastdpo.model.tiny import tiny_config
+
+    tok = chat_tokenizer()
+    dirs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3", len(tok)), dtype=torch.float32)
+        model.save_pretrained(tmp_path / f"m{seed}")
+        tok.save_pretrained(tmp_path / f"m{seed}")
+        dirs.append(tmp_path / f"m{seed}")
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "completion": [{"role": "assistant", "content": r["completion"].strip()}], "label": r["label"]}
+            for r in UNPAIRED[:8]]
+    trl_data, trl_logged, trl_grads = trl_kto_step(dirs, rows, tmp_path / "trl", 4, 2)
+    read = [row for i, r in enumerate(rows) for row in to_rows(r, f"d:{i}")]
+    assert {row.format for row in read} == {"unpaired_conversational"}
+    pairs, _ = tokenize_rows(tok, read, options=TokenizeOptions(max_length=1024))
+    pairs = kl_completions(pairs, 4, 1024)
+    assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [
+        (r["prompt_ids"], r["completion_ids"], r["KL_completion_ids"]) for r in trl_data]
+    _, result, grads = our_step(dirs, rows, tmp_path / "ours", 4, 2, {})
+    logged = result.metrics.finish()
+    for name in METRICS:
+        assert logged[name] == pytest.approx(trl_logged[name], rel=1e-4, abs=1e-6), name
+    for name, g in trl_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
