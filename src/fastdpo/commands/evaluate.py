@@ -279,25 +279,14 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
 
 
 def scored_pairs(cfg: EvalConfig, read: RowOptions, tok, names: list[str]) -> tuple[list[Row], list]:
-    """The rows of --dataset and their pairs, tokenised exactly as training did; for an unpaired loss (KTO) the rows
-    unpaired as training unpairs them, each with its KL completion (batches of --per_device_eval_batch_size rows);
-    for a listwise loss gathered into rankings. Unpaired rows under a pairwise loss are refused."""
-    from fastdpo.data.kto import check_unpaired, kl_completions, unpair_rows
+    """The rows of --dataset and their pairs, read and tokenised exactly as training does for the losses `names`
+    (KTO's KL completions in batches of --per_device_eval_batch_size rows, Plackett-Luce's whole rankings)."""
     from fastdpo.data.prepare import DataOptions, tokenize_pairs
-    from fastdpo.data.rankings import rankings
-    from fastdpo.losses import needs_kl_completions, trains_rankings, trains_unpaired
+    from fastdpo.training.setup import pairs_for_loss, rows_for_loss
 
-    rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=read)
-    if trains_unpaired(names):
-        rows = unpair_rows(rows)
-    else:
-        check_unpaired(rows, None)
+    rows = rows_for_loss(load_rows(cfg.dataset, cfg.seed, cfg.split, read=read), names)
     pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))
-    if trains_unpaired(names):
-        pairs = kl_completions(pairs, cfg.per_device_eval_batch_size, cfg.max_length, 0, needs_kl_completions(names))
-    elif trains_rankings(names):
-        pairs = rankings(pairs, rows)[0]
-    return rows, pairs
+    return rows, pairs_for_loss(pairs, rows, names, cfg.per_device_eval_batch_size, cfg.max_length)
 
 
 def _write_report(report: dict, out: Path, console) -> dict:

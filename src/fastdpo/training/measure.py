@@ -16,19 +16,17 @@ from pathlib import Path
 import torch
 
 from fastdpo.config import TrainConfig
-from fastdpo.data.kto import kl_completions, unpair_rows
 from fastdpo.data.load import Row
 from fastdpo.data.pack import prompt_groups
 from fastdpo.data.prepare import DataOptions, tokenize_pairs
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
-from fastdpo.losses import needs_kl_completions
 from fastdpo.model.load import base_causal_lm, resolve_device, resolve_dtype
 from fastdpo.model.shapes import bench_model
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import device_peak_flops, model_flops_per_token, padding, step_flops
 from fastdpo.observe.profile import report, start_profiler, synchronize
-from fastdpo.training.setup import assemble, seed_all
+from fastdpo.training.setup import assemble, pairs_for_loss, rows_for_loss, seed_all
 from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
 
 log = logging.getLogger("fastdpo")
@@ -66,14 +64,13 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_pairs(cfg: TrainConfig, rows: list[dict], tokenizer) -> list[TokenizedPair]:
-    """The bench's rows (prompt/chosen/rejected) tokenised as training reads them; for an unpaired loss (KTO)
-    unpaired in TRL's order, with their KL completions, as TRL's KTOTrainer prepares paired rows."""
-    read = [Row(r["prompt"], r["chosen"], r["rejected"], f"row {i}") for i, r in enumerate(rows)]
-    if not cfg.trains_unpaired():
-        return tokenize_pairs(read, tokenizer, DataOptions.for_scoring(cfg))[0]
-    pairs = tokenize_pairs(unpair_rows(read), tokenizer, DataOptions.for_scoring(cfg))[0]
-    return kl_completions(pairs, cfg.per_device_train_batch_size, cfg.max_length, cfg.max_completion_length,
-                          needs_kl_completions(name for name, _ in cfg.loss_terms()))
+    """The bench's rows (prompt/chosen/rejected) tokenised as training reads them for the run's loss (for KTO
+    unpaired in TRL's order, with their KL completions, as TRL's KTOTrainer prepares paired rows)."""
+    names = [name for name, _ in cfg.loss_terms()]
+    read = rows_for_loss([Row(r["prompt"], r["chosen"], r["rejected"], f"row {i}") for i, r in enumerate(rows)], names)
+    pairs = tokenize_pairs(read, tokenizer, DataOptions.for_scoring(cfg))[0]
+    return pairs_for_loss(pairs, read, names, cfg.per_device_train_batch_size, cfg.max_length,
+                          cfg.max_completion_length)
 
 
 def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: int, warmup: int,

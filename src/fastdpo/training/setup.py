@@ -113,19 +113,17 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
     rejects = Rejects(skip=not cfg.strict)
     rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read,
                                                                            rejects))
-    unpaired = cfg.trains_unpaired()
-    if unpaired:  # pairs given to KTO train as unpaired rows, in TRL's order
-        rows, val_rows = unpair_rows(rows), unpair_rows(val_rows)
-    else:
-        check_unpaired(rows, None)
-        check_unpaired(val_rows, None, "the validation rows")
+    names = [name for name, _ in cfg.loss_terms()]
+    rows, val_rows = rows_for_loss(rows, names), rows_for_loss(val_rows, names, "the validation rows")
+    shape = (cfg.per_device_train_batch_size, cfg.max_length, cfg.max_completion_length)
     pairs: list[TokenizedPair] = []
     if not cfg.streaming:
         pairs, summary = tokenize_pairs(rows, tokenizer, opts, rejects)
-        if unpaired:
-            pairs = unpaired_rows(cfg, pairs)
-        elif cfg.trains_rankings():
-            pairs = ranked_pairs(pairs, rows)
+        pairs = pairs_for_loss(pairs, rows, names, *shape)
+        if trains_unpaired(names) and cfg.shuffle:
+            log.info("data: --loss_type %s trains the rows in the dataset's order, every epoch (TRL's KTOTrainer "
+                     "requires it: the KL completions are built over that order), so --shuffle does not apply.",
+                     names[0])
         summary.log()
         log_rejects(rejects, summary_dir)
         note = None if cfg.input_template else plain_text_note(rows, tokenizer, opts.tokenize.template)
@@ -134,15 +132,35 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
         if summary_dir is not None:
             summary.save(summary_dir / "data_summary.json")
     val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []
-    if unpaired and val_pairs:  # TRL rotates the eval set's completions in chunks of the training batch too
-        val_pairs = unpaired_rows(cfg, val_pairs, log_counts=False)
-    elif cfg.trains_rankings() and val_pairs:
-        val_pairs = ranked_pairs(val_pairs, val_rows, "held-out ")
+    if val_pairs:  # TRL rotates the eval set's completions in chunks of the training batch too
+        val_pairs = pairs_for_loss(val_pairs, val_rows, names, *shape, which="held-out ")
     return rows, pairs, val_rows, val_pairs
 
 
-def ranked_pairs(pairs: list[TokenizedPair], rows: list[Row], which: str = "") -> list[TokenizedPair]:
-    """A listwise loss's pairs gathered into their rankings; those the length limits cut into are left out."""
+def rows_for_loss(rows: list[Row], names: list[str], where: str = "--dataset") -> list[Row]:
+    """The rows as the losses `names` read them: pairs given to an unpaired loss (KTO) unpaired in TRL's order;
+    unpaired rows under a pairwise or listwise loss refused."""
+    if trains_unpaired(names):
+        return unpair_rows(rows)
+    check_unpaired(rows, None, where)
+    return rows
+
+
+def pairs_for_loss(pairs: list[TokenizedPair], rows: list[Row], names: list[str], batch: int, max_length: int,
+                   max_completion_length: int = 0, which: str = "") -> list[TokenizedPair]:
+    """Tokenised rows as the losses `names` train on them, what was done logged: unpaired rows with their KL
+    completions (built in batches of `batch` rows; kto only), a listwise loss's pairs gathered into whole rankings
+    (those the length limits cut into left out); pairs as they are."""
+    if trains_unpaired(names):
+        kl = needs_kl_completions(names)
+        pairs = kl_completions(pairs, batch, max_length, max_completion_length, kl)
+        good, bad = label_counts(pairs)
+        log.info("data: %d %sunpaired rows, %d desirable and %d undesirable; %s", len(pairs), which, good, bad,
+                 f"each row's KL completion is the completion of the row before it in its batch of {batch} (as TRL's "
+                 "KTOTrainer builds them)" if kl else "no KL estimate")
+        return pairs
+    if not trains_rankings(names):
+        return pairs
     pairs, left_out = gather_rankings(pairs, rows)
     sizes = ranking_sizes(pairs)
     log.info("data: %d %srankings of %d to %d completions (%d pairs)%s.", len(sizes), which, min(sizes, default=0) + 1,
@@ -150,24 +168,6 @@ def ranked_pairs(pairs: list[TokenizedPair], rows: list[Row], which: str = "") -
              "pairs" if left_out else "")
     if not pairs:
         raise FastDPOError("No ranking survives the length limits (each needs all of its pairs). Raise --max_length.")
-    return pairs
-
-
-def unpaired_rows(cfg: TrainConfig, pairs: list[TokenizedPair], log_counts: bool = True) -> list[TokenizedPair]:
-    """Unpaired rows with their KL completions (kto; apo_zero_unpaired builds none), their counts by label logged."""
-    names = [name for name, _ in cfg.loss_terms()]
-    pairs = kl_completions(pairs, cfg.per_device_train_batch_size, cfg.max_length, cfg.max_completion_length,
-                           needs_kl_completions(names))
-    if log_counts:
-        good, bad = label_counts(pairs)
-        log.info("data: %d unpaired rows, %d desirable and %d undesirable; %s", len(pairs), good, bad,
-                 f"each row's KL completion is the completion of the row before it in its batch of "
-                 f"{cfg.per_device_train_batch_size} (as TRL's KTOTrainer builds them)" if needs_kl_completions(names)
-                 else "no KL estimate")
-        if cfg.shuffle:
-            log.info("data: --loss_type %s trains the rows in the dataset's order, every epoch (TRL's KTOTrainer "
-                     "requires it: the KL completions are built over that order), so --shuffle does not apply.",
-                     names[0])
     return pairs
 
 
