@@ -216,11 +216,12 @@ def gib(value: float | None) -> str:
     return "n/a" if value is None else str(value)
 
 
-def print_table(console, results: list[dict]) -> None:
+def print_table(console, results: list[dict], unit: str = "pairs") -> None:
+    """The results side by side; `unit`: what a step's examples are (pairs, or an unpaired loss's rows)."""
     from rich.table import Table
 
     table = Table(title="fastdpo bench")
-    for col in ("impl", "pairs/s", "tokens/s", "MFU", "peak GiB", "vs fastdpo"):
+    for col in ("impl", f"{unit}/s", "tokens/s", "MFU", "peak GiB", "vs fastdpo"):
         table.add_column(col)
     ours = next((r for r in results if r.get("impl") == "fastdpo" and "pairs_per_s" in r), None)
     for r in results:
@@ -282,7 +283,7 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
     if out_json:
         Path(out_json).write_text(json.dumps(record, indent=1))
     if console is not None:
-        print_table(console, results)
+        print_table(console, results, "rows" if cfg.trains_unpaired() else "pairs")
         if (line := host_line(results[0])) is not None:
             console.print(line)
         if "profile" in results[0]:
