@@ -150,6 +150,21 @@ def test_identical_pairs_are_dropped_and_counted():
     assert len(pairs) == 3 and stats.dropped_identical == 1 and stats.rows == 4
 
 
+def test_pairs_identical_once_cut_are_dropped_and_counted():
+    """Completions that differ only past the length limit would train a pair with no preference (its loss stays at
+    ln 2): dropped, counted, and named in the data summary with what to do."""
+    from fastdpo.data.prepare import DataSummary
+
+    values = [{"prompt": "w1", "chosen": " w2 w3 w4", "rejected": " w2 w3 w5"},
+              {"prompt": "w1", "chosen": " w2 w6", "rejected": " w7 w8"}]
+    options = TokenizeOptions(max_length=4)  # <bos> w1 + 2 completion tokens: w2 w3 on both sides of the first
+    pairs, stats = tokenize_rows(word_tokenizer(WORDS), rows_of(values), options=options)
+    assert len(pairs) == 1 and stats.dropped_identical_cut == 1 and stats.dropped == 1
+    text = DataSummary(stats, options).text()
+    assert "1 (chosen and rejected identical once cut to the length limits" in text and "raise --max_length" in text
+    assert tokenize_rows(word_tokenizer(WORDS), rows_of(values))[1].dropped_identical_cut == 0
+
+
 # prompt "w1 w2 w3 w4" -> <bos> w1 w2 w3 w4 (5); chosen -> w5 w6 <eos> (3); rejected -> w7 <eos> (2)
 ROW = {"prompt": "w1 w2 w3 w4", "chosen": " w5 w6", "rejected": " w7"}
 B, E = 3, 2  # <bos>, <eos>

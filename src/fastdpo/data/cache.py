@@ -26,7 +26,7 @@ from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats
 from fastdpo.version import __version__
 
 log = logging.getLogger("fastdpo")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: unpaired rows' labels; pairs identical once cut are dropped
 
 
 def cache_root(cache_dir: str = "") -> Path:

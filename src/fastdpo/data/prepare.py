@@ -90,7 +90,10 @@ class DataSummary:
                     "prompt")
         text = (f"data: {read} -> {s.pairs} pairs{' (from cache)' if self.cached else ''}. "
                 f"{limits}: dropped {s.dropped_prompt_too_long} (prompt fills max_length), {s.dropped_too_long} "
-                f"(over a length limit), {s.dropped_identical} (chosen identical to rejected); completions cut in "
+                f"(over a length limit), {s.dropped_identical} (chosen identical to rejected)"
+                + (f", {s.dropped_identical_cut} (chosen and rejected identical once cut to the length limits: they "
+                   "differ only past the cut; raise --max_length or --max_completion_length to keep them)"
+                   if s.dropped_identical_cut else "") + "; completions cut in "
                 f"{s.truncated}, prompts trimmed in {s.prompt_trimmed}.")
         if s.left_out:
             text += f" Pairing left out (--pairing): {left_out_text(s.left_out)}."

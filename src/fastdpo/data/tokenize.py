@@ -64,6 +64,7 @@ class TokenizeStats:
     dropped_prompt_too_long: int = 0  # `right`: the prompt alone fills max_length
     dropped_too_long: int = 0  # `delete`: over a limit; `left`: a completion alone fills max_length
     dropped_identical: int = 0  # chosen == rejected: no preference to learn
+    dropped_identical_cut: int = 0  # chosen == rejected once tokenised and cut to the length limits
     truncated: int = 0  # completions cut at the end
     prompt_trimmed: int = 0  # prompts cut from the left
     formats: dict = field(default_factory=dict)
@@ -83,7 +84,8 @@ class TokenizeStats:
 
     @property
     def dropped(self) -> int:
-        return self.dropped_prompt_too_long + self.dropped_too_long + self.dropped_identical + self.dropped_no_pair
+        return (self.dropped_prompt_too_long + self.dropped_too_long + self.dropped_identical + self.dropped_no_pair
+                + self.dropped_identical_cut)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -240,6 +242,8 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
             index = start_index + k if indices is None else indices[k]
             if rows[k].unpaired:  # the completion, and as `rejected` the same uncut: another row's KL completion
                 out.append(TokenizedPair(fitted[0], fitted[1], got[2], index, label=rows[k].label))
+            elif fitted[1] == fitted[2]:  # the completions differ only past the cut: no preference is left to learn
+                stats.dropped_identical_cut += 1
             else:
                 out.append(TokenizedPair(*fitted, index))
     stats.pairs = len(out)
