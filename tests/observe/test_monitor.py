@@ -118,6 +118,39 @@ def test_swapped_labels_after_patience_then_rate_limited():
     assert eng.summary() == {"swapped_labels": 3}
 
 
+def test_accuracy_zero_says_labels_are_swapped_instead_of_swapped_labels():
+    eng = AlertEngine(AlertRules(patience=3))
+    zero = {"rewards/margins": -0.4, "rewards/accuracies": 0.0}
+    got = [a for s in range(1, 6) for a in eng.check(rec(s, **zero))]
+    assert names(got) == ["accuracy_zero"] and got[0].step == 3
+    assert "every pair prefers the rejected answer" in got[0].advice and "--columns" in got[0].advice
+
+
+STUCK = {"loss": math.log(2) + 1e-4, "rewards/margins": 2e-5, "rewards/accuracies": 0.5}
+
+
+@pytest.mark.parametrize("extra,cause,needle", [
+    ({"learning_rate": 0.0}, "learning rate is 0", "warm-up that starts at 0"),
+    ({"learning_rate": 1e-6, "logratio/chosen": 0.0, "logratio/rejected": 0.0}, "log-ratio is exactly 0",
+     "--target_modules"),
+    ({"learning_rate": 1e-9, "logratio/chosen": 3e-6, "logratio/rejected": -2e-6, "logratio/mean": 5e-7},
+     "moved 5e-07 nats per token from the reference at learning rate 1e-09", "raise --learning_rate"),
+])
+def test_loss_stuck_at_ln2_names_its_cause(extra, cause, needle):
+    """The most asked question, 'my loss is stuck at 0.693': raised after the patience, with the cause the record
+    shows and the advice for that cause."""
+    eng = AlertEngine(AlertRules(patience=4))
+    got = [a for s in range(1, 8) for a in eng.check(rec(s, **STUCK, **extra))]
+    assert names(got) == ["stuck_at_ln2"] and got[0].step == 4
+    assert "loss 0.6932 ≈ ln 2" in got[0].message and cause in got[0].message and needle in got[0].advice
+
+
+def test_a_loss_near_ln2_that_moves_is_not_stuck():
+    eng = AlertEngine(AlertRules(patience=3))
+    for s in range(1, 20):  # the first steps of a healthy run: loss ~ ln 2 but the margin grows
+        assert eng.check(rec(s, loss=math.log(2) - 1e-4 * s, **{"rewards/margins": 0.002 * s})) == []
+
+
 def test_swapped_needs_both_negative_margin_and_low_accuracy():
     eng = AlertEngine(AlertRules(patience=2))
     for s in range(1, 10):

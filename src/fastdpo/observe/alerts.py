@@ -11,6 +11,8 @@ The engine is a pure function of the logged records (plus the expected update ga
 | accuracy_stuck | mean rewards/accuracies within `stuck_band` of 0.5 over 4 x `patience` logged steps | nothing learned |
 | nonfinite | loss or gradients NaN/Inf since the last log (those updates were skipped) | overflow, lr, bad rows |
 | update_gap | optimizer updates per micro-steps differ from gradient accumulation | accumulation logic broken |
+| stuck_at_ln2 | loss within 2e-3 of ln 2 and rewards/margins within 1e-3 of 0 for `patience` logged steps | nothing moves: the cause named from the record (learning rate 0, log-ratios exactly 0, or too small) |
+| accuracy_zero | rewards/accuracies 0 with negative margins for `patience` logged steps | every pair prefers rejected: labels swapped |
 """
 
 from __future__ import annotations
@@ -36,7 +38,22 @@ ADVICE = {
                  "and check the rows of that step (empty or extremely long completions).",
     "update_gap": "optimizer updates do not match the micro-steps consumed: gradient accumulation is not stepping once "
                   "per accumulation cycle (a wrapper or scaler skipped or added optimizer.step calls).",
+    "accuracy_zero": "every pair prefers the rejected answer: chosen and rejected are swapped. Check the column mapping "
+                     "(--columns, --chosen_key / --rejected_key) and which column holds the better answer in your "
+                     "data, and read a few rows.",
 }
+# stuck_at_ln2: the advice follows the cause the record shows
+STUCK_ADVICE = {
+    "lr_zero": "the learning rate is 0 at these steps: a warm-up that starts at 0 has not risen yet, or the schedule "
+               "has ended. Check --warmup_steps / --warmup_ratio, --lr_scheduler_type and --learning_rate.",
+    "same_model": "the policy and its reference give exactly the same log-probs after these updates: the updates "
+                  "change nothing the forward uses, or the reference is the policy itself. With LoRA, check that "
+                  "--target_modules names modules of this model (else no adapter trains); check that grad_norm is "
+                  "not 0.",
+    "too_slow": "the policy moves, but too slowly for the margin to grow: raise --learning_rate (full fine-tuning "
+                "usually trains DPO at 5e-7 to 5e-6, LoRA at 5e-6 to 1e-4) or --beta.",
+}
+LN2 = math.log(2)
 
 
 @dataclass
@@ -49,6 +66,8 @@ class AlertRules:
     collapse_below: float = 1e-3
     stuck_band: float = 0.05
     cooldown: int = 50  # logged steps before the same alert may be raised again
+    ln2_band: float = 2e-3  # stuck_at_ln2: the loss this close to ln 2 ...
+    zero_margin: float = 1e-3  # ... and the margin this close to 0
 
 
 @dataclass
@@ -84,6 +103,7 @@ class AlertEngine:
         self.last_raised: dict[str, int] = {}  # name -> check index
         self.suppressed: dict[str, int] = {}
         self.raised: dict[str, int] = {}  # name -> times shown (for the summary)
+        self.stuck_cause = ""  # what stuck_at_ln2 found, for its advice
 
     def _streak(self, name: str, holds: bool) -> int:
         self.streaks[name] = self.streaks.get(name, 0) + 1 if holds else 0
@@ -96,7 +116,10 @@ class AlertEngine:
 
         margin, acc = r.get("rewards/margins"), r.get("rewards/accuracies")
         if _finite(margin) and _finite(acc):
-            if self._streak("swapped_labels", margin < 0 and acc < 0.5) >= rules.patience:
+            if self._streak("accuracy_zero", margin < 0 and acc == 0) >= rules.patience:
+                found.append(("accuracy_zero", f"rewards/accuracies 0 (rewards/margins {margin:.4g}) for "
+                                               f"{self.streaks['accuracy_zero']} logged steps"))
+            elif self._streak("swapped_labels", margin < 0 and acc < 0.5) >= rules.patience:
                 found.append(("swapped_labels", f"rewards/margins {margin:.4g} < 0 and rewards/accuracies {acc:.2f} "
                                                 f"< 0.5 for {self.streaks['swapped_labels']} logged steps"))
             self.accuracies.append(acc)
@@ -104,6 +127,10 @@ class AlertEngine:
             if len(self.accuracies) == self.accuracies.maxlen and abs(mean_acc - 0.5) <= rules.stuck_band:
                 found.append(("accuracy_stuck", f"rewards/accuracies averaged {mean_acc:.3f} over the last "
                                                 f"{len(self.accuracies)} logged steps"))
+
+        stuck = self._stuck_at_ln2(r)
+        if stuck is not None:
+            found.append(stuck)
 
         ratio = r.get("kl_ratio")
         if _finite(ratio) and ratio > rules.kl_ratio_threshold:
@@ -138,6 +165,28 @@ class AlertEngine:
 
         return [a for name, msg in found if (a := self._rate_limit(name, msg, int(r.get("step", 0)))) is not None]
 
+    def _stuck_at_ln2(self, r: dict) -> tuple[str, str] | None:
+        """Loss at ln 2 with zero margins for `patience` logged steps, and which cause the record shows."""
+        loss, margin = r.get("loss"), r.get("rewards/margins")
+        holds = (_finite(loss) and _finite(margin) and abs(loss - LN2) <= self.rules.ln2_band
+                 and abs(margin) <= self.rules.zero_margin)
+        if self._streak("stuck_at_ln2", holds) < self.rules.patience:
+            return None
+        lr, drift = r.get("learning_rate"), [r.get("logratio/chosen"), r.get("logratio/rejected")]
+        if _finite(lr) and lr == 0:
+            cause = "lr_zero"
+        elif all(_finite(v) and abs(v) < 1e-9 for v in drift):
+            cause = "same_model"
+        else:
+            cause = "too_slow"
+        what = {"lr_zero": "the learning rate is 0",
+                "same_model": "every policy - reference log-ratio is exactly 0",
+                "too_slow": f"the policy moved {abs(r.get('logratio/mean') or 0):.2g} nats per token from the "
+                            f"reference at learning rate {lr:g}" if _finite(lr) else "the policy barely moved"}[cause]
+        self.stuck_cause = cause
+        return "stuck_at_ln2", (f"loss {loss:.4f} ≈ ln 2 with rewards/margins {margin:.2g} for "
+                                f"{self.streaks['stuck_at_ln2']} logged steps: {what}")
+
     def _rate_limit(self, name: str, message: str, step: int) -> Alert | None:
         last = self.last_raised.get(name)
         if last is not None and self.checks - last < self.rules.cooldown:
@@ -145,7 +194,8 @@ class AlertEngine:
             return None
         self.last_raised[name] = self.checks
         self.raised[name] = self.raised.get(name, 0) + 1
-        return Alert(name, step, message, ADVICE[name], self.suppressed.pop(name, 0))
+        advice = STUCK_ADVICE[self.stuck_cause] if name == "stuck_at_ln2" else ADVICE[name]
+        return Alert(name, step, message, advice, self.suppressed.pop(name, 0))
 
     def summary(self) -> dict[str, int]:
         """Times each alert was raised (shown) during the run."""
