@@ -85,15 +85,16 @@ def test_tensorboard_events_and_end_of_training_plot(healthy):
 
 def test_swapped_labels_alert(tmp_path, model_dirs):
     """The policy already learned the real preference (a first DPO stage); the second stage's data has chosen and
-    rejected swapped, with the original model as reference: margins go negative and the alert says so."""
+    rejected swapped, with the original model as reference: margins go negative, every pair prefers rejected, and
+    the alert says the labels are swapped."""
     base = model_dirs("qwen3")
     stage1 = run(tmp_path, base, "stage1", easy_rows(48, seed=1), learning_rate=2e-3, beta=0.5)
     swapped = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in easy_rows(48, seed=2)]
     run(tmp_path, stage1["final_dir"], "stage2", swapped, ref_model=str(base), learning_rate=1e-4, max_steps=4)
     got = alerts(tmp_path / "stage2")
-    assert "swapped_labels" in [a["name"] for a in got]
-    first = next(a for a in got if a["name"] == "swapped_labels")
-    assert first["step"] == 3 and "chosen and rejected may be swapped; check the data" in first["advice"]
+    assert "accuracy_zero" in [a["name"] for a in got]
+    first = next(a for a in got if a["name"] == "accuracy_zero")
+    assert first["step"] == 3 and "chosen and rejected are swapped" in first["advice"]
 
 
 def test_exploding_learning_rate_raises_kl_ratio(tmp_path, model_dirs):

@@ -11,8 +11,8 @@ The engine is a pure function of the logged records (plus the expected update ga
 | accuracy_stuck | mean rewards/accuracies within `stuck_band` of 0.5 over 4 x `patience` logged steps | nothing learned |
 | nonfinite | loss or gradients NaN/Inf since the last log (those updates were skipped) | overflow, lr, bad rows |
 | update_gap | optimizer updates per micro-steps differ from gradient accumulation | accumulation logic broken |
-| stuck_at_ln2 | loss within 2e-3 of ln 2 and rewards/margins within 1e-3 of 0 for `patience` logged steps | nothing moves: the cause named from the record (learning rate 0, log-ratios exactly 0, or too small) |
-| accuracy_zero | rewards/accuracies 0 with negative margins for `patience` logged steps | every pair prefers rejected: labels swapped |
+| stuck_at_ln2 | loss within 2e-3 of ln 2, margins within 1e-3 of 0, `patience` logged steps | nothing moves (cause named) |
+| accuracy_zero | rewards/accuracies 0 with negative margins for `patience` logged steps | labels swapped |
 """
 
 from __future__ import annotations
