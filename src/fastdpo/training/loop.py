@@ -37,6 +37,7 @@ from fastdpo.parallel.collectives import any_rank, max_over_ranks
 from fastdpo.parallel.distributed import Dist, barrier, heartbeat, init_distributed, shutdown
 from fastdpo.parallel.wrap import full_state_dict
 from fastdpo.training.callbacks import Callbacks
+from fastdpo.training.certificate import Certificate
 from fastdpo.training.evaluate import TrainingEval
 from fastdpo.training.measure import auto_policy, mfu, pairs_flops
 from fastdpo.training.monitor import Monitor
@@ -79,6 +80,8 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Call
     s, out = trainer.s, Path(cfg.output_dir)
     identity = RunIdentity(cfg, s.pairs)  # recorded in every checkpoint, compared on resume
     start, resume = resume_training(trainer, out, identity)
+    if cfg.certificate != "off":  # checked by this process's first step
+        trainer.certificate, trainer.resumed = Certificate(cfg.certificate), start > 0
     ckpt.warn_later_checkpoints(out, start)
     ckpt.check_disk_space(out, s.model, cfg, s.total_steps - start, [s.reference.model] if cfg.sync_ref_model else [])
     evaluator = TrainingEval(cfg, s.val_pairs, ckpt.load_progress(resume) if resume is not None else None,
@@ -171,7 +174,7 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Call
         by = stop.name or ("callback" if hooks.should_stop else "")
         log.warning("Stopped by %s after step %d: saved %s. Continue with --resume_from_checkpoint latest.",
                     by or "a signal or callback on another rank", trainer.global_step, stopped_at)
-        run = report_run(bar, last, s, out, stopped=by or "SIGTERM", **evaluator.summary())
+        run = report_run(bar, last, s, out, stopped=by or "SIGTERM", **evaluator.summary(), **certified(trainer))
         code = stop.exit_code() if stop.requested else 0 if hooks.should_stop else 128 + signal.SIGTERM
         return trainer, {"final_dir": None, "stopped": by or "SIGTERM", "checkpoint": str(stopped_at),
                          "exit_code": code, "last": last, "run_summary": run, **summary, **evaluator.summary()}
@@ -189,12 +192,18 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Call
         from fastdpo.observe.plot import dashboard_after_training  # matplotlib loads only when asked for
 
         dashboard_after_training(out)
-    run = report_run(bar, last, s, out, final_dir=str(final), timeline_s=timeline.marks, **evaluator.summary())
+    run = report_run(bar, last, s, out, final_dir=str(final), timeline_s=timeline.marks, **evaluator.summary(),
+                     **certified(trainer))
     if cfg.push_to_hub and d.is_main:
         what = "LoRA adapter" if cfg.uses_lora else "model"
         url = push_folder(final, hub_repo(cfg.hub_model_id, cfg.output_dir), cfg.hub_private_repo, what)
         log.info("--push_to_hub: uploaded the %s in %s to %s.", what, final, url)
     return trainer, {"final_dir": str(final), "last": last, "run_summary": run, **summary, **evaluator.summary()}
+
+
+def certified(trainer: Trainer) -> dict:
+    """The run's certificate for its summary (nothing with --certificate off)."""
+    return {"certificate": trainer.certificate.to_dict()} if trainer.certificate is not None else {}
 
 
 def train_result(trainer: Trainer, info: dict, keep_model: bool) -> TrainResult:

@@ -53,6 +53,7 @@ from fastdpo.parallel.distributed import Dist
 from fastdpo.parallel.sequence import split_micro_batch
 from fastdpo.parallel.split import rank_micro_batches, rank_units
 from fastdpo.parallel.wrap import gather_step_start, grad_sync, policy_logps
+from fastdpo.training.certificate import Certificate
 from fastdpo.training.monitor import finite_flag
 from fastdpo.training.setup import Setup, build_setup, pad_id
 
@@ -284,6 +285,8 @@ class Trainer:
         self.current_pairs: list[TokenizedPair] = []  # the step running (or last run): named if it runs out of memory
         self.pack_ahead = True  # pack the next step's first micro-batch before waiting for this one's update
         self._ahead: Ahead | None = None
+        self.certificate: Certificate | None = None  # checked by this process's first step when set (`train` sets it)
+        self.resumed = False  # set by a resume: the policy has trained before this process's first step
 
     @property
     def plan(self) -> RunPlan | None:
@@ -323,6 +326,11 @@ class Trainer:
         metrics = UnpairedMetrics(s.device) if s.unpaired else StepMetrics(
             s.device, mean_logp_rewards(name for name, _ in s.loss_terms), loss_metric_names(s.loss_terms))
         beta = s.beta.value()
+        cert = self.certificate if self.certificate is not None and not self.certificate.checks else None
+        if cert is not None:  # this process's first step: the certificate's checks before its update
+            cert.before(s, step_pairs, (ahead.groups if ahead is not None else step_groups(s, step_pairs))[0],
+                        self.resumed)
+            cert.enforce(final=False)
         run_step(s, step_pairs, metrics, ahead)
         tokens = sum(p.num_tokens for p in step_pairs)
         # the step's sums over all ranks (the guard below decides alike everywhere); counts are known here
@@ -363,6 +371,9 @@ class Trainer:
             undo_step_count(self.optimizer)
         if cfg.sync_ref_model and self.global_step % cfg.ref_model_sync_steps == 0:
             s.reference.sync(s.model, cfg.ref_model_mixup_alpha)
+        if cert is not None and ok:  # a skipped (non-finite) update is judged by the guard, not here
+            cert.after(s)
+            cert.enforce(final=True)
         return StepResult(metrics, step_pairs, tokens, grad_norm, lr, float(beta), ok, stepped, t_queued - t_start,
                           t_read - t_queued)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from fastdpo.config.fields import Section, at_least, option
+from fastdpo.config.fields import Section, at_least, check_choice, option
 from fastdpo.errors import FastDPOError
 
 REPORT_TARGETS = ("tensorboard", "wandb", "mlflow", "trackio", "swanlab")
@@ -59,6 +59,9 @@ class MonitoringSection(Section):
                                        "than the margin grows, whichever way the log-probs move.")
     max_nonfinite_steps: int = option(5, "Steps with a NaN/Inf loss or gradient skip their update; stop after this many "
                                       "in a row (0: never stop).")
+    certificate: str = option("on", "The run's certificate, checked on its first micro-batch (the packed path against "
+                              "the padded one, the reference against the starting policy, and apart from it after "
+                              "the first update), in summary.json: on (a FAIL stops the run), warn (logged only), off.")
 
     def validate_monitoring(self) -> None:
         at_least(self, 1, "logging_steps")
@@ -69,3 +72,4 @@ class MonitoringSection(Section):
         if self.kl_ratio_threshold <= 0:
             raise FastDPOError(f"--kl_ratio_threshold must be > 0, got {self.kl_ratio_threshold}.")
         at_least(self, 0, "max_nonfinite_steps", hint=" (0: never stop)")
+        check_choice("certificate", self.certificate, ("on", "warn", "off"))

@@ -1,0 +1,182 @@
+"""The run's certificate: checks, on the run's own model and its first real micro-batch, that what trains is what is
+claimed, each PASS, FAIL or SKIP (with why) with the measured figure and the tolerance it was held to. Written to
+summary.json and the run's log; a FAIL stops the run before its first update is kept, unless `--certificate warn`.
+
+- `fast_path`: the policy's completion log-probs through the run's packed layout against the plain padded path (one
+  row per sequence, the model's own attention), both in the run's dtype, before the first update: a wrong attention
+  mask, positions or targets change them.
+- `reference_at_start`: the reference's log-probs of that batch against the policy's before the first update, where
+  they must agree (a frozen copy, LoRA adapters switched off, a precomputed or cached table of the starting weights):
+  a stale or foreign cache, or a reference that is not the starting model, fails it.
+- `reference_apart`: after the first update the policy's log-probs of that batch differ from the reference's, both
+  computed then: a reference that follows the policy (the policy itself) fails it.
+
+Cost: a packed and a padded policy forward and a reference forward of one micro-batch before the first step, a
+policy and a reference forward after it, all without gradient; in the run's summary as `certificate.seconds`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.errors import FastDPOError
+from fastdpo.model.backend import Backend, build_mask, make_batch
+from fastdpo.model.seqlogps import completion_logps
+from fastdpo.parallel.collectives import any_rank
+from fastdpo.parallel.wrap import policy_logps
+
+log = logging.getLogger("fastdpo")
+# relative error of completion log-prob sums allowed between two computations of the same forward, by dtype
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+# reference strategies whose log-probs equal the starting policy's (a --ref_model or --ref_adapters differs)
+STARTS_EQUAL = ("copy", "adapter_off", "precompute")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    detail: str
+    measured: float | None = None  # the largest relative difference found
+    tolerance: float | None = None
+
+    def line(self) -> str:
+        figures = f" (measured {self.measured:.3g}, tolerance {self.tolerance:.3g})" if self.measured is not None else ""
+        return f"certificate {self.name}: {self.status}{figures}: {self.detail}"
+
+
+@dataclass
+class Certificate:
+    """The checks of one run, filled in by the first step (`Trainer.step` calls `before` and `after`)."""
+
+    mode: str = "on"  # on: a FAIL stops the run; warn: logged only
+    checks: list[Check] = field(default_factory=list)
+    seconds: float = 0.0
+    _batch: list[TokenizedPair] | None = None
+    _ref: torch.Tensor | None = None
+
+    @property
+    def status(self) -> str:
+        if any(c.status == "FAIL" for c in self.checks):
+            return "FAIL"
+        return "PASS" if self.checks else "SKIP"
+
+    def to_dict(self) -> dict:
+        return {"status": self.status, "seconds": round(self.seconds, 3),
+                "checks": [asdict(c) for c in self.checks]}
+
+    def before(self, s, step_pairs: list[TokenizedPair], first: list[TokenizedPair], resumed: bool = False) -> None:
+        """Before the first update: the fast path against the plain path, and the reference against the policy, on
+        the step's first micro-batch `first` (this rank's). A `resumed` run's policy has trained: it is not checked
+        against the reference, only apart from it after its first update."""
+        t0 = time.perf_counter()
+        pairs = first or step_pairs[:1]
+        self._batch = pairs
+        dtype = next(s.model.parameters()).dtype
+        tol = TOLERANCE.get(dtype, 1e-2)
+        if s.dist.sp_size > 1 or s.dist.mode == "fsdp":
+            self.checks.append(Check("fast_path", "SKIP", "the weights are sharded or the packed row is split over "
+                                     "ranks; `fastdpo verify` checks that path"))
+        else:
+            with _eval(s.model):
+                fast = _sums(s, pairs)
+                plain = _plain_sums(s, pairs)
+            err = _relative(fast, plain)
+            self._add("fast_path", err, tol, f"policy log-probs of {len(pairs)} pair(s) through the {s.backend.name} "
+                      f"layout against the padded two-forward path, {str(dtype).removeprefix('torch.')}", s)
+        ref = s.reference
+        if ref.strategy == "none":
+            self.checks.append(Check("reference_at_start", "SKIP", "the loss is reference-free"))
+        elif s.dist.sp_size > 1 or ref.runner is not None:
+            self.checks.append(Check("reference_at_start", "SKIP", "the reference runs sharded or split over ranks"))
+        else:
+            with _eval(s.model):
+                policy = _sums(s, pairs)
+                batch = make_batch(pairs, s.backend, _pad(s), s.device, 0)
+                self._ref = ref.logps(s.model, batch, s.backend).resolved(batch).sums.float()
+            if resumed:
+                self.checks.append(Check("reference_at_start", "SKIP", "a resumed run: the policy has trained"))
+            elif ref.strategy in STARTS_EQUAL and not (ref.strategy == "precompute" and (s.cfg.ref_model or
+                                                                                         s.cfg.ref_adapters)):
+                what = {"copy": "the frozen copy", "adapter_off": "the model with its adapters switched off",
+                        "precompute": "the precomputed table"}[ref.strategy]
+                self._add("reference_at_start", _relative(self._ref, policy), tol,
+                          f"{what} against the starting policy on {len(pairs)} pair(s)", s)
+            else:
+                self.checks.append(Check("reference_at_start", "SKIP", f"the reference ({ref.strategy}) is another "
+                                         "model than the starting policy"))
+        self.seconds += time.perf_counter() - t0
+
+    def after(self, s) -> None:
+        """After the first update: the policy's log-probs of the same batch have moved away from the reference's."""
+        t0 = time.perf_counter()
+        if self._ref is not None:
+            with _eval(s.model):
+                policy = _sums(s, self._batch)
+                batch = make_batch(self._batch, s.backend, _pad(s), s.device, 0)
+                ref = s.reference.logps(s.model, batch, s.backend).resolved(batch).sums.float()
+            moved = _relative(policy, ref)
+            apart = any_rank(moved > 0.0, s.dist, s.device)
+            check = Check("reference_apart", "PASS" if apart else "FAIL",
+                          "the policy's log-probs after the first update differ from the reference's" if apart else
+                          "after the first update the policy's log-probs equal the reference's exactly: the reference "
+                          "follows the policy (it is the policy itself), or the update changed nothing the forward "
+                          "uses (check --target_modules with LoRA, and that grad_norm is not 0)", moved, 0.0)
+            self.checks.append(check)
+        self.seconds += time.perf_counter() - t0
+        self._batch, self._ref = None, None
+
+    def _add(self, name: str, err: float, tol: float, what: str, s) -> None:
+        failed = any_rank(not err <= tol, s.dist, s.device)  # NaN fails too
+        self.checks.append(Check(name, "FAIL" if failed else "PASS", what, err, tol))
+
+    def enforce(self, final: bool) -> None:
+        """Raise on a FAIL unless the run asked to continue (`--certificate warn`); when `final`, log every check."""
+        if final or self.status == "FAIL":
+            for c in self.checks:
+                (log.info if c.status != "FAIL" else log.error)("%s", c.line())
+        if self.status == "FAIL" and self.mode == "on":
+            failed = "; ".join(c.line() for c in self.checks if c.status == "FAIL")
+            raise FastDPOError(f"The run's certificate failed, so what would train is not what is claimed: {failed}. "
+                               "Nothing was saved from this step. Report it with the run's log; "
+                               "--certificate warn trains anyway.")
+
+
+def _pad(s) -> int:
+    return s.tokenizer.pad_token_id or 0
+
+
+@torch.no_grad()
+def _sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
+    """The policy's completion log-prob sums through the run's own forward (its layout, DDP or FSDP2 wrapping)."""
+    batch = make_batch(pairs, s.backend, _pad(s), s.device, 0)
+    return policy_logps(s.policy, batch, build_mask(batch, s.backend), prompt=False).sums.float()
+
+
+@torch.no_grad()
+def _plain_sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
+    """The same through the plain path: padded rows, one per sequence, the model's own attention."""
+    plain = Backend("padded")
+    batch = make_batch(pairs, plain, _pad(s), s.device, 0)
+    return completion_logps(s.model, batch, plain, prompt=False).sums.float()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| / max(|b|, 1) over the sequences."""
+    return float(((a - b).abs() / b.abs().clamp(min=1.0)).max())
+
+
+@contextlib.contextmanager
+def _eval(model):
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)

@@ -1,0 +1,99 @@
+"""The run's certificate: every check passes on a sound run, and each fails when the thing it checks is broken (a
+wrong attention mask, a stale reference cache, a reference that is the policy itself); a FAIL stops the run with a
+clear message unless `--certificate warn`, and the summary holds the checks with their figures."""
+
+import json
+
+import pytest
+from data_helpers import easy_rows, write_jsonl
+from safetensors.torch import load_file, save_file
+
+from fastdpo.config import TrainConfig
+from fastdpo.errors import FastDPOError
+from fastdpo.training.loop import train
+
+
+def config(tmp_path, model_dirs, name, **kw) -> TrainConfig:
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        write_jsonl(data, easy_rows(16, seed=4))
+    base = dict(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / name), device="cpu",
+                max_steps=2, learning_rate=1e-3, per_device_train_batch_size=4, save_steps=0,
+                disable_progress=True)
+    return TrainConfig(**{**base, **kw})
+
+
+def certificate(out) -> dict:
+    cert = json.loads((out / "summary.json").read_text())["certificate"]
+    return {c["name"]: c for c in cert["checks"]} | {"status": cert["status"], "seconds": cert["seconds"]}
+
+
+@pytest.mark.parametrize("kw,reference", [({}, "the frozen copy"),
+                                          ({"train_type": "lora"}, "adapters switched off"),
+                                          ({"precompute_ref_log_probs": True}, "the precomputed table")])
+def test_a_sound_run_passes_every_check(tmp_path, model_dirs, kw, reference):
+    if kw.get("precompute_ref_log_probs"):
+        kw["ref_cache_dir"] = str(tmp_path / "cache")
+    train(config(tmp_path, model_dirs, "run", **kw), progress=False)
+    c = certificate(tmp_path / "run")
+    assert c["status"] == "PASS" and c["seconds"] >= 0
+    assert c["fast_path"]["status"] == "PASS" and c["fast_path"]["measured"] <= c["fast_path"]["tolerance"] == 1e-4
+    assert c["reference_at_start"]["status"] == "PASS" and reference in c["reference_at_start"]["detail"]
+    assert c["reference_apart"]["status"] == "PASS" and c["reference_apart"]["measured"] > 0
+
+
+def test_a_wrong_mask_fails_the_fast_path(tmp_path, model_dirs, monkeypatch):
+    """Rejected tokens that may also see chosen (the packed mask's one rule broken): the packed log-probs leave the
+    padded path's, and the run stops before its first update is kept."""
+    from fastdpo.model import attention
+
+    plain = attention.dense_mask
+
+    def leaky(batch, window=None):
+        mask = plain(batch, window)
+        pid = batch.pair_ids
+        causal = mask.new_ones(mask.shape[-2:], dtype=bool).tril()
+        return mask | ((pid[:, None] == pid[None, :]) & causal)[None, None]
+
+    monkeypatch.setattr(attention, "dense_mask", leaky)
+    with pytest.raises(FastDPOError, match="certificate failed.*fast_path: FAIL"):
+        train(config(tmp_path, model_dirs, "leaky"), progress=False)
+    warned = train(config(tmp_path, model_dirs, "warned", certificate="warn"), progress=False)
+    assert warned.summary["certificate"]["status"] == "FAIL"
+
+
+def test_a_stale_reference_cache_fails(tmp_path, model_dirs):
+    """A cached table whose values no longer are the starting model's (edited, or written by other weights under
+    the same key) is caught against the live forward."""
+    cache = tmp_path / "cache"
+    train(config(tmp_path, model_dirs, "first", precompute_ref_log_probs=True, ref_cache_dir=str(cache)),
+          progress=False)
+    (path,) = cache.glob("*.safetensors")
+    table = load_file(str(path))
+    table["logps"] = table["logps"] * 1.01
+    save_file(table, str(path))
+    with pytest.raises(FastDPOError, match="reference_at_start: FAIL.*the precomputed table"):
+        train(config(tmp_path, model_dirs, "second", precompute_ref_log_probs=True, ref_cache_dir=str(cache)),
+              progress=False)
+
+
+def test_a_reference_that_is_the_policy_fails(tmp_path, model_dirs, monkeypatch):
+    """A reference that follows the policy gives the loss ln 2 forever; after the first update its log-probs still
+    equal the policy's, and the certificate says so."""
+    from fastdpo.dpo.reference import Reference
+
+    def same(self, policy, batch, backend, mask=None):
+        from fastdpo.model.seqlogps import completion_logps
+
+        return completion_logps(policy, batch, backend, mask, prompt=False)
+
+    monkeypatch.setattr(Reference, "logps", same)
+    with pytest.raises(FastDPOError, match="reference_apart: FAIL.*follows the policy"):
+        train(config(tmp_path, model_dirs, "self"), progress=False)
+
+
+def test_off_writes_no_certificate(tmp_path, model_dirs):
+    result = train(config(tmp_path, model_dirs, "off", certificate="off"), progress=False)
+    assert "certificate" not in result.summary
+    with pytest.raises(FastDPOError, match="--certificate"):
+        config(tmp_path, model_dirs, "bad", certificate="maybe").validate()
