@@ -32,8 +32,10 @@ from fastdpo.parallel.collectives import any_rank
 from fastdpo.parallel.wrap import policy_logps
 
 log = logging.getLogger("fastdpo")
-# relative error of completion log-prob sums allowed between two computations of the same forward, by dtype
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+# the difference allowed between two computations of the same completions' log-probs, by dtype: the sum over
+# sequences of |difference of log-prob sums| per completion token (nats per token; rounding stays far below, a
+# wrong mask or a stale table far above)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 # reference strategies whose log-probs equal the starting policy's (a --ref_model or --ref_adapters differs)
 STARTS_EQUAL = ("copy", "adapter_off", "precompute")
 
@@ -43,11 +45,12 @@ class Check:
     name: str
     status: str  # PASS | FAIL | SKIP
     detail: str
-    measured: float | None = None  # the largest relative difference found
+    measured: float | None = None  # the difference found, nats per completion token (`per_token`)
     tolerance: float | None = None
 
     def line(self) -> str:
-        figures = f" (measured {self.measured:.3g}, tolerance {self.tolerance:.3g})" if self.measured is not None else ""
+        figures = (f" (measured {self.measured:.3g}, tolerance {self.tolerance:.3g} nats per token)"
+                   if self.measured is not None else "")
         return f"certificate {self.name}: {self.status}{figures}: {self.detail}"
 
 
@@ -87,7 +90,7 @@ class Certificate:
             with _eval(s.model):
                 fast = _sums(s, pairs)
                 plain = _plain_sums(s, pairs)
-            err = _relative(fast, plain)
+            err = per_token(fast, plain, self._tokens(s, pairs))
             self._add("fast_path", err, tol, f"policy log-probs of {len(pairs)} pair(s) through the {s.backend.name} "
                       f"layout against the padded two-forward path, {str(dtype).removeprefix('torch.')}", s)
         ref = s.reference
@@ -106,7 +109,7 @@ class Certificate:
                                                                                          s.cfg.ref_adapters)):
                 what = {"copy": "the frozen copy", "adapter_off": "the model with its adapters switched off",
                         "precompute": "the precomputed table"}[ref.strategy]
-                self._add("reference_at_start", _relative(self._ref, policy), tol,
+                self._add("reference_at_start", per_token(self._ref, policy, self._tokens(s, pairs)), tol,
                           f"{what} against the starting policy on {len(pairs)} pair(s)", s)
             else:
                 self.checks.append(Check("reference_at_start", "SKIP", f"the reference ({ref.strategy}) is another "
@@ -121,7 +124,7 @@ class Certificate:
                 policy = _sums(s, self._batch)
                 batch = make_batch(self._batch, s.backend, _pad(s), s.device, 0)
                 ref = s.reference.logps(s.model, batch, s.backend).resolved(batch).sums.float()
-            moved = _relative(policy, ref)
+            moved = per_token(policy, ref, self._tokens(s, self._batch))
             apart = any_rank(moved > 0.0, s.dist, s.device)
             check = Check("reference_apart", "PASS" if apart else "FAIL",
                           "the policy's log-probs after the first update differ from the reference's" if apart else
@@ -131,6 +134,11 @@ class Certificate:
             self.checks.append(check)
         self.seconds += time.perf_counter() - t0
         self._batch, self._ref = None, None
+
+    @staticmethod
+    def _tokens(s, pairs: list[TokenizedPair]) -> int:
+        """Completion tokens of the pairs' sequences (what the sums run over)."""
+        return sum(len(p.chosen) + len(p.rejected) for p in pairs)
 
     def _add(self, name: str, err: float, tol: float, what: str, s) -> None:
         failed = any_rank(not err <= tol, s.dist, s.device)  # NaN fails too
@@ -167,9 +175,9 @@ def _plain_sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
     return completion_logps(s.model, batch, plain, prompt=False).sums.float()
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest |a - b| / max(|b|, 1) over the sequences."""
-    return float(((a - b).abs() / b.abs().clamp(min=1.0)).max())
+def per_token(a: torch.Tensor, b: torch.Tensor, tokens: int) -> float:
+    """sum over sequences of |a - b| (their completion log-prob sums) per completion token, in nats."""
+    return float((a - b).abs().sum()) / max(tokens, 1)
 
 
 @contextlib.contextmanager
