@@ -149,6 +149,28 @@ def test_cache_is_reused_and_rebuilt_on_model_data_or_max_length_change(tmp_path
     assert not res["reused"] and res["path"] not in paths
 
 
+def test_a_sweep_shares_one_reference_pass(tmp_path, model_dirs, monkeypatch, caplog):
+    """Runs that differ only in beta, the loss or the learning rate share one precomputed reference: the first
+    computes it, the others reuse it, each saying so in its log, and each certifies it against its starting
+    policy."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="fastdpo")
+    calls = []
+    real = fastdpo.dpo.refcache.compute_table
+    monkeypatch.setattr(fastdpo.dpo.reference, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    base = {**config(tmp_path, model_dirs("qwen3"), "sweep").to_dict(), "precompute_ref_log_probs": True,
+            "max_steps": 1}
+    sweep = [dict(beta=0.05), dict(beta=0.1), dict(beta=0.3), dict(beta=0.1, loss_type="ipo"),
+             dict(beta=0.1, learning_rate=1e-4)]
+    for i, change in enumerate(sweep):
+        result = train(TrainConfig(**{**base, **change, "output_dir": str(tmp_path / f"run{i}")}), progress=False)
+        assert result.summary["certificate"]["status"] == "PASS"
+    assert len(calls) == 1
+    assert caplog.text.count("Precomputing reference log-probs") == 1
+    assert caplog.text.count("Reference log-probs reused from") == len(sweep) - 1
+
+
 def test_precompute_ref_command(tmp_path, model_dirs, monkeypatch, capsys):
     import fastdpo.cli
 
