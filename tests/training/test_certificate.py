@@ -5,6 +5,7 @@ clear message unless `--certificate warn`, and the summary holds the checks with
 import json
 
 import pytest
+import torch
 from data_helpers import easy_rows, write_jsonl
 from safetensors.torch import load_file, save_file
 
@@ -82,6 +83,7 @@ def test_a_reference_that_is_the_policy_fails(tmp_path, model_dirs, monkeypatch)
     equal the policy's, and the certificate says so."""
     from fastdpo.dpo.reference import Reference
 
+    @torch.no_grad()
     def same(self, policy, batch, backend, mask=None):
         from fastdpo.model.seqlogps import completion_logps
 
@@ -90,6 +92,17 @@ def test_a_reference_that_is_the_policy_fails(tmp_path, model_dirs, monkeypatch)
     monkeypatch.setattr(Reference, "logps", same)
     with pytest.raises(FastDPOError, match="reference_apart: FAIL.*follows the policy"):
         train(config(tmp_path, model_dirs, "self"), progress=False)
+
+
+def test_the_last_check_waits_for_an_update_that_moves_the_weights(tmp_path, model_dirs):
+    """A warm-up from 0 moves nothing at step 1: the check runs at the first update with a learning rate above 0;
+    a run that never moves its weights says so instead of failing."""
+    result = train(config(tmp_path, model_dirs, "warm", warmup_steps=2, max_steps=3), progress=False)
+    c = {x["name"]: x for x in result.summary["certificate"]["checks"]}
+    assert c["reference_apart"]["status"] == "PASS"
+    result = train(config(tmp_path, model_dirs, "still", learning_rate=0.0), progress=False)
+    c = {x["name"]: x for x in result.summary["certificate"]["checks"]}
+    assert c["reference_apart"]["status"] == "SKIP" and "moved the weights" in c["reference_apart"]["detail"]
 
 
 def test_off_writes_no_certificate(tmp_path, model_dirs):

@@ -242,7 +242,7 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
             index = start_index + k if indices is None else indices[k]
             if rows[k].unpaired:  # the completion, and as `rejected` the same uncut: another row's KL completion
                 out.append(TokenizedPair(fitted[0], fitted[1], got[2], index, label=rows[k].label))
-            elif fitted[1] == fitted[2]:  # the completions differ only past the cut: no preference is left to learn
+            elif fitted[1] == fitted[2] and got[1] != got[2]:  # they differ only past the cut: no preference left
                 stats.dropped_identical_cut += 1
             else:
                 out.append(TokenizedPair(*fitted, index))

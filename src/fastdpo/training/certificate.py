@@ -129,10 +129,19 @@ class Certificate:
                                          "model than the starting policy"))
         self.seconds += time.perf_counter() - t0
 
+    @property
+    def pending(self) -> bool:
+        """`before` ran and `after` has not: waiting for the first update that moves the weights."""
+        return self._batch is not None
+
     def after(self, s) -> None:
-        """After the first update: the policy's log-probs of the same batch have moved away from the reference's."""
+        """After the first update with a learning rate above 0: the policy's log-probs of the same batch have moved
+        away from the reference's."""
         t0 = time.perf_counter()
-        if self._ref is not None:
+        if self._ref is not None and s.cfg.sync_ref_model:
+            self.checks.append(Check("reference_apart", "SKIP", "--sync_ref_model moves the reference toward the "
+                                     "policy by design (TR-DPO)"))
+        elif self._ref is not None:
             with _eval(s.model):
                 policy = _sums(s, self._batch)
                 batch = make_batch(self._batch, s.backend, _pad(s), s.device, s.plan.max_tokens_per_batch)
@@ -152,6 +161,15 @@ class Certificate:
     def _tokens(s, pairs: list[TokenizedPair]) -> int:
         """Completion tokens of the pairs' sequences (what the sums run over)."""
         return sum(len(p.chosen) + len(p.rejected) for p in pairs)
+
+    def finish(self) -> None:
+        """At the end of the run: a check still waiting for an update that moved the weights is skipped, said why."""
+        if self.pending:
+            if self._ref is not None:
+                self.checks.append(Check("reference_apart", "SKIP", "no update of this run moved the weights (a "
+                                         "learning rate of 0, or gradients that cancel to 0)"))
+            self._batch, self._ref = None, None
+            self.enforce(final=True)
 
     def _add(self, name: str, err: float, tol: float, what: str, s) -> None:
         failed = any_rank(not err <= tol, s.dist, s.device)  # NaN fails too

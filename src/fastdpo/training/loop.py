@@ -203,7 +203,10 @@ def run_training(cfg: TrainConfig, d: Dist, console, progress: bool, hooks: Call
 
 def certified(trainer: Trainer) -> dict:
     """The run's certificate for its summary (nothing with --certificate off)."""
-    return {"certificate": trainer.certificate.to_dict()} if trainer.certificate is not None else {}
+    if trainer.certificate is None:
+        return {}
+    trainer.certificate.finish()
+    return {"certificate": trainer.certificate.to_dict()}
 
 
 def train_result(trainer: Trainer, info: dict, keep_model: bool) -> TrainResult:

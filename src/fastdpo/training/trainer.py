@@ -326,8 +326,8 @@ class Trainer:
         metrics = UnpairedMetrics(s.device) if s.unpaired else StepMetrics(
             s.device, mean_logp_rewards(name for name, _ in s.loss_terms), loss_metric_names(s.loss_terms))
         beta = s.beta.value()
-        cert = self.certificate if self.certificate is not None and not self.certificate.checks else None
-        if cert is not None:  # this process's first step: the certificate's checks before its update
+        cert = self.certificate
+        if cert is not None and not cert.checks:  # this process's first step: the checks before its update
             cert.before(s, step_pairs, (ahead.groups if ahead is not None else step_groups(s, step_pairs))[0],
                         self.resumed)
             cert.enforce(final=False)
@@ -371,7 +371,10 @@ class Trainer:
             undo_step_count(self.optimizer)
         if cfg.sync_ref_model and self.global_step % cfg.ref_model_sync_steps == 0:
             s.reference.sync(s.model, cfg.ref_model_mixup_alpha)
-        if cert is not None and ok:  # a skipped (non-finite) update is judged by the guard, not here
+        # the certificate's last check waits for the first update that moves the weights: a warm-up from 0 or a
+        # gradient that cancels to 0 (contradicting pairs: the grad_collapse alert's) moves nothing, and a
+        # non-finite update is the guard's to judge
+        if cert is not None and cert.pending and ok and lr > 0 and float(grad_norm) > 0:
             cert.after(s)
             cert.enforce(final=True)
         return StepResult(metrics, step_pairs, tokens, grad_norm, lr, float(beta), ok, stepped, t_queued - t_start,
