@@ -110,3 +110,33 @@ def test_off_writes_no_certificate(tmp_path, model_dirs):
     assert "certificate" not in result.summary
     with pytest.raises(FastDPOError, match="--certificate"):
         config(tmp_path, model_dirs, "bad", certificate="maybe").validate()
+
+
+def test_a_resumed_run_checks_its_first_step_against_the_checkpoint(tmp_path, model_dirs, monkeypatch):
+    """A checkpoint records the pairs and log-probs of the step a resume runs first; the resumed run checks both:
+    restored as saved, PASS; weights that were not restored as saved, FAIL."""
+    from fastdpo.checkpoint import restore
+
+    first = config(tmp_path, model_dirs, "run", max_steps=4, save_steps=2)
+    train(first, progress=False)
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "state" / "trainer_state.json").read_text())
+    assert len(state["certificate_next"]["indices"]) == 2 and state["certificate_next"]["tokens"] > 0
+
+    resumed = train(TrainConfig(**{**first.to_dict(), "resume_from_checkpoint": str(tmp_path / "run" /
+                                                                                      "checkpoint-2")}),
+                    progress=False)
+    c = {x["name"]: x for x in resumed.summary["certificate"]["checks"]}
+    assert c["resumed_step"]["status"] == "PASS" and c["resumed_step"]["measured"] <= 1e-6
+    assert c["reference_at_start"]["status"] == "SKIP"
+
+    real = restore.load_weights
+
+    def off_by_a_little(model, path):
+        real(model, path)
+        with torch.no_grad():
+            next(model.parameters()).mul_(1.05)
+
+    monkeypatch.setattr(restore, "load_weights", off_by_a_little)
+    with pytest.raises(FastDPOError, match="resumed_step: FAIL"):
+        train(TrainConfig(**{**first.to_dict(), "resume_from_checkpoint": str(tmp_path / "run" / "checkpoint-2")}),
+              progress=False)

@@ -10,6 +10,8 @@ summary.json and the run's log; a FAIL stops the run before its first update is 
   a stale or foreign cache, or a reference that is not the starting model, fails it.
 - `reference_apart`: after the first update the policy's log-probs of that batch differ from the reference's, both
   computed then: a reference that follows the policy (the policy itself) fails it.
+- `resumed_step` (a resumed run): the first pairs of its first step and their log-probs against what the checkpoint
+  recorded of the step it would have run next: a data order or weights not restored fail it.
 
 Cost: a packed and a padded policy forward and a reference forward of two pairs of the first micro-batch before the
 first step, a policy and a reference forward after it, all without gradient; in the run's summary as
@@ -77,15 +79,19 @@ class Certificate:
         return {"status": self.status, "seconds": round(self.seconds, 3),
                 "checks": [asdict(c) for c in self.checks]}
 
-    def before(self, s, step_pairs: list[TokenizedPair], first: list[TokenizedPair], resumed: bool = False) -> None:
+    def before(self, s, step_pairs: list[TokenizedPair], first: list[TokenizedPair], resumed: bool = False,
+               record: dict | None = None) -> None:
         """Before the first update: the fast path against the plain path, and the reference against the policy, on
         the step's first micro-batch `first` (this rank's). A `resumed` run's policy has trained: it is not checked
-        against the reference, only apart from it after its first update."""
+        against the reference, only apart from it after its first update; instead its first step is checked against
+        `record`, what the checkpoint wrote of it (`next_step_record`)."""
         t0 = time.perf_counter()
         pairs = (first or step_pairs[:1])[:PAIRS]
         self._batch = pairs
         dtype = next(s.model.parameters()).dtype
         tol = TOLERANCE.get(dtype, 1e-2)
+        if resumed:
+            self._resumed_step(s, step_pairs, record, tol)
         if s.dist.sp_size > 1 or s.dist.mode == "fsdp":
             self.checks.append(Check("fast_path", "SKIP", "the weights are sharded or the packed row is split over "
                                      "ranks; `fastdpo verify` checks that path"))
@@ -128,6 +134,34 @@ class Certificate:
                 self.checks.append(Check("reference_at_start", "SKIP", f"the reference ({ref.strategy}) is another "
                                          "model than the starting policy"))
         self.seconds += time.perf_counter() - t0
+
+    def _resumed_step(self, s, step_pairs: list[TokenizedPair], record: dict | None, tol: float) -> None:
+        """The checkpoint's record of the step it would have run next against the resumed step: its recorded pairs
+        are in this step (the data order restored; micro-batching and the world size may have changed) and their
+        log-probs are as recorded (the weights restored)."""
+        if record is None:
+            self.checks.append(Check("resumed_step", "SKIP", "the checkpoint holds no record of its next step (written "
+                                     "before records were kept, by a stream, or with sharded weights)"))
+            return
+        if s.dist.mode == "fsdp" or s.dist.sp_size > 1:
+            self.checks.append(Check("resumed_step", "SKIP", "the resumed run shards the weights or splits the row "
+                                     "over ranks: one rank cannot run the recorded pairs alone"))
+            return
+        if s.cfg.resume_ignore_changes:
+            self.checks.append(Check("resumed_step", "SKIP", "--resume_ignore_changes: the data order or objective "
+                                     "may differ from the checkpoint's on purpose"))
+            return
+        err, what = 0.0, "the pairs the checkpoint recorded for its next step and their log-probs, as recorded"
+        by_index = {p.index: p for p in step_pairs}
+        if s.dist.dp_rank == 0 and s.dist.speaks_for_group:  # the record is rank 0's
+            missing = [i for i in record["indices"] if i not in by_index]
+            if missing:
+                err, what = float("inf"), (f"rows {missing}, recorded by the checkpoint for its next step, are not in "
+                                            "the resumed step: the data order was not restored")
+            else:
+                now = next_step_sums(s, [by_index[i] for i in record["indices"]])
+                err = per_token(now, torch.tensor(record["sums"], device=now.device), record["tokens"])
+        self._add("resumed_step", err, tol, what, s)
 
     @property
     def pending(self) -> bool:
@@ -185,6 +219,25 @@ class Certificate:
             raise FastDPOError(f"The run's certificate failed, so what would train is not what is claimed: {failed}. "
                                "Nothing was saved from this step. Report it with the run's log; "
                                "--certificate warn trains anyway.")
+
+
+@torch.no_grad()
+def next_step_sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
+    """The model's own completion log-prob sums of `pairs` (no wrapper, so one rank alone may run it), in eval mode."""
+    with _eval(s.model):
+        batch = make_batch(pairs, s.backend, _pad(s), s.device, s.plan.max_tokens_per_batch)
+        return completion_logps(s.model, batch, s.backend, prompt=False).sums.float()
+
+
+def next_step_record(s, first: list[TokenizedPair]) -> dict | None:
+    """What a checkpoint records of the step a resume will run first: the first pairs of this rank's first
+    micro-batch, their completion tokens and log-prob sums (None under FSDP2 or sequence parallelism, whose forward
+    needs every rank)."""
+    if s.dist.mode == "fsdp" or s.dist.sp_size > 1 or not first:
+        return None
+    pairs = first[:PAIRS]
+    return {"indices": [p.index for p in pairs], "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs),
+            "sums": next_step_sums(s, pairs).tolist()}
 
 
 def _pad(s) -> int:

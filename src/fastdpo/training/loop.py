@@ -37,14 +37,14 @@ from fastdpo.parallel.collectives import any_rank, max_over_ranks
 from fastdpo.parallel.distributed import Dist, barrier, heartbeat, init_distributed, shutdown
 from fastdpo.parallel.wrap import full_state_dict
 from fastdpo.training.callbacks import Callbacks
-from fastdpo.training.certificate import Certificate
+from fastdpo.training.certificate import Certificate, next_step_record
 from fastdpo.training.evaluate import TrainingEval
 from fastdpo.training.measure import auto_policy, mfu, pairs_flops
 from fastdpo.training.monitor import Monitor
 from fastdpo.training.result import TrainResult
 from fastdpo.training.setup import build_setup, speed_hint
 from fastdpo.training.signals import GracefulStop
-from fastdpo.training.trainer import StepResult, Trainer
+from fastdpo.training.trainer import StepResult, Trainer, step_groups
 
 log = logging.getLogger("fastdpo")
 
@@ -288,6 +288,11 @@ def save_checkpoint(trainer: Trainer, evaluator: TrainingEval, out: Path, done: 
     evaluator.best.saved(done, out / f"checkpoint-{done}")
     state = {"epoch": epoch, "beta": s.beta.state_dict(), **evaluator.progress(),
              "pairs_per_step": trainer.pairs_per_step, "world_size": d.world_size, "drop_last": cfg.dataloader_drop_last}
+    if trainer.certificate is not None and s.stream is None and done < s.total_steps:
+        # what a resume must find when it runs the next step first (rank 0's first pairs; every rank computes its own
+        # so the forwards stay alike, rank 0's is written)
+        first = step_groups(s, trainer.next_pairs())[0]
+        state["certificate_next"] = next_step_record(s, first)
     if d.is_main:  # rank 0 writes trainer_state.json
         state["run"] = identity.record()
     if d.sharded:
@@ -339,6 +344,7 @@ def resume_training(trainer: Trainer, out: Path, identity: RunIdentity) -> tuple
     follow_changed_schedule(resume, cfg, scheduler, s.total_steps, d)
     state = ckpt.load_progress(resume)
     start = state["step"]
+    trainer.resume_record = state.get("certificate_next")
     s.beta.load_state_dict(state.get("beta", {}))
     if d.is_main:
         ckpt.truncate_metrics(out / "metrics.jsonl", start)

@@ -287,6 +287,7 @@ class Trainer:
         self._ahead: Ahead | None = None
         self.certificate: Certificate | None = None  # checked by this process's first step when set (`train` sets it)
         self.resumed = False  # set by a resume: the policy has trained before this process's first step
+        self.resume_record: dict | None = None  # what the resumed checkpoint recorded of the step run first
 
     @property
     def plan(self) -> RunPlan | None:
@@ -329,7 +330,7 @@ class Trainer:
         cert = self.certificate
         if cert is not None and not cert.checks:  # this process's first step: the checks before its update
             cert.before(s, step_pairs, (ahead.groups if ahead is not None else step_groups(s, step_pairs))[0],
-                        self.resumed)
+                        self.resumed, self.resume_record)
             cert.enforce(final=False)
         run_step(s, step_pairs, metrics, ahead)
         tokens = sum(p.num_tokens for p in step_pairs)
