@@ -110,15 +110,21 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tens
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
 
 
-def prompt_runs(pairs: list[TokenizedPair]) -> list[int] | None:
-    """Lengths of the runs of consecutive pairs with the same prompt (a record of several completions, or rows
-    written one pair per line in prompt order); None when every run is one pair."""
+def run_lengths(keys: list) -> list[int]:
+    """Lengths of the runs of consecutive equal keys, in order."""
     runs: list[int] = []
-    for i, p in enumerate(pairs):
-        if i and p.prompt == pairs[i - 1].prompt:
+    for i, key in enumerate(keys):
+        if i and key == keys[i - 1]:
             runs[-1] += 1
         else:
             runs.append(1)
+    return runs
+
+
+def prompt_runs(pairs: list[TokenizedPair]) -> list[int] | None:
+    """Lengths of the runs of consecutive pairs with the same prompt (a record of several completions, or rows
+    written one pair per line in prompt order); None when every run is one pair."""
+    runs = run_lengths([p.prompt for p in pairs])
     return runs if len(runs) < len(pairs) else None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastdpo.data.formats import Row
+from fastdpo.data.pack import run_lengths
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 
@@ -52,10 +53,4 @@ def rankings(pairs: list[TokenizedPair], rows: list[Row]) -> tuple[list[Tokenize
 
 def ranking_sizes(pairs: list[TokenizedPair]) -> list[int]:
     """The number of pairs of each ranking, in order (consecutive pairs with the same `chunk`)."""
-    sizes: list[int] = []
-    for i, p in enumerate(pairs):
-        if i and p.chunk == pairs[i - 1].chunk:
-            sizes[-1] += 1
-        else:
-            sizes.append(1)
-    return sizes
+    return run_lengths([p.chunk for p in pairs])
