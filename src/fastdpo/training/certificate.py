@@ -14,7 +14,7 @@ summary.json and the run's log; a FAIL stops the run before its first update is 
   recorded of the step it would have run next: a data order or weights not restored fail it.
 
 Cost: a packed and a padded policy forward and a reference forward of two pairs of the first micro-batch before the
-first step, a policy and a reference forward after it, all without gradient; in the run's summary as
+first step (the packed one serves both checks), a policy and a reference forward after it, all without gradient; in the run's summary as
 `certificate.seconds`.
 """
 
@@ -92,6 +92,7 @@ class Certificate:
         tol = TOLERANCE.get(dtype, 1e-2)
         if resumed:
             self._resumed_step(s, step_pairs, record, tol)
+        fast = None  # the policy's sums through the run's layout: the fast-path check's, reused by the reference's
         if s.dist.sp_size > 1 or s.dist.mode == "fsdp":
             self.checks.append(Check("fast_path", "SKIP", "the weights are sharded or the packed row is split over "
                                      "ranks; `fastdpo verify` checks that path"))
@@ -119,7 +120,6 @@ class Certificate:
             self.checks.append(Check("reference_at_start", "SKIP", "the reference runs sharded or split over ranks"))
         else:
             with _eval(s.model):
-                policy = _sums(s, pairs)
                 batch = make_batch(pairs, s.backend, _pad(s), s.device, s.plan.max_tokens_per_batch)
                 self._ref = ref.logps(s.model, batch, s.backend).resolved(batch).sums.float()
             if resumed:
@@ -128,7 +128,10 @@ class Certificate:
                                                                                          s.cfg.ref_adapters)):
                 what = {"copy": "the frozen copy", "adapter_off": "the model with its adapters switched off",
                         "precompute": "the precomputed table"}[ref.strategy]
-                self._add("reference_at_start", per_token(self._ref, policy, self._tokens(s, pairs)), tol,
+                if fast is None:
+                    with _eval(s.model):
+                        fast = _sums(s, pairs)
+                self._add("reference_at_start", per_token(self._ref, fast, self._tokens(s, pairs)), tol,
                           f"{what} against the starting policy on {len(pairs)} pair(s)", s)
             else:
                 self.checks.append(Check("reference_at_start", "SKIP", f"the reference ({ref.strategy}) is another "
