@@ -14,8 +14,8 @@ summary.json and the run's log; a FAIL stops the run before its first update is 
   recorded of the step it would have run next: a data order or weights not restored fail it.
 
 Cost: a packed and a padded policy forward and a reference forward of two pairs of the first micro-batch before the
-first step (the packed one serves both checks), a policy and a reference forward after it, all without gradient; in the run's summary as
-`certificate.seconds`.
+first step (the packed one serves both checks), a policy and a reference forward after it, all without gradient; in
+the run's summary as `certificate.seconds`.
 """
 
 from __future__ import annotations
