@@ -20,6 +20,7 @@ import torch
 
 from fastdpo.data.load import Row
 from fastdpo.data.pack import split_micro_batches
+from fastdpo.data.rankings import ranking_sizes
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.dpo.reference import REF_ADAPTER, Reference, active_adapter, precomputed_table
 from fastdpo.kernels.logprob_head import chunk_logits as _chunk_logits
@@ -31,11 +32,15 @@ from fastdpo.losses import (
     loss_metrics,
     loss_params,
     mean_logp_rewards,
+    needs_kl_completions,
     needs_prompt_targets,
     total_loss,
+    trains_rankings,
+    trains_unpaired,
 )
 from fastdpo.model.backend import Backend, build_mask, choose_backend, make_batch, output_head, target_hidden
 from fastdpo.model.seqlogps import completion_logps
+from fastdpo.observe.metrics import UnpairedMetrics
 
 log = logging.getLogger("fastdpo")
 
@@ -138,9 +143,6 @@ def held_out_metrics(x: LossInputs, pairs: list[TokenizedPair], params: LossPara
                      rpo_alpha: float = 0.0) -> dict:
     """The metrics of scored held-out `pairs` (`x` in their order for unpaired rows and rankings): KTO's for unpaired
     rows, the pair metrics otherwise, with a listwise loss's `loss` the mean over rankings."""
-    from fastdpo.data.rankings import ranking_sizes
-    from fastdpo.losses import trains_rankings, trains_unpaired
-
     names = [name for name, _ in terms]
     if trains_unpaired(names):
         return unpaired_metrics(x, pairs, params, terms)
@@ -155,9 +157,6 @@ def unpaired_metrics(x: LossInputs, pairs: list[TokenizedPair], params: LossPara
     """Held-out metrics of unpaired rows (KTO) with the training step's arithmetic (`UnpairedMetrics`), each chunk of
     rows (their KL chunks, as TRL builds them for the eval set) in the place of a micro-batch: `loss` the mean over
     chunks of each chunk's mean row loss, `kl` and the per-label rewards and log-probs means over chunks."""
-    from fastdpo.losses import needs_kl_completions
-    from fastdpo.observe.metrics import UnpairedMetrics
-
     labels = torch.tensor([bool(p.label) for p in pairs])
     chunk_of = torch.tensor([p.chunk for p in pairs])
     chunks = chunk_of.unique(sorted=True)
