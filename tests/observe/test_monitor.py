@@ -151,6 +151,46 @@ def test_a_loss_near_ln2_that_moves_is_not_stuck():
         assert eng.check(rec(s, loss=math.log(2) - 1e-4 * s, **{"rewards/margins": 0.002 * s})) == []
 
 
+def memory(step, held, peak, largest=4096, gpu=True):
+    """A logged record's memory figures: a GPU run's (allocated between steps, peak) or a CPU run's (RSS)."""
+    names_ = ("memory/allocated_gib", "memory/peak_gib") if gpu else ("memory/rss_gib", "memory/peak_rss_gib")
+    return rec(step, **{names_[0]: held, names_[1]: peak, "batch/largest_tokens": largest,
+                        **({} if gpu else {"memory/peak_gib": 0.0})})
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+@pytest.mark.parametrize("cause", ["leak", "lengths", "allocator"])
+def test_memory_rising_names_its_cause(cause, gpu):
+    """Memory rising step over step: raised after the patience past the warm-up, with the cause the record shows:
+    the memory held between steps grew (a leak), the largest micro-batch grew with the peak, or neither."""
+    eng = AlertEngine(AlertRules(patience=3))
+    got = []
+    for s in range(1, 10):
+        held = 10.0 + (0.25 * s if cause == "leak" else 0.0)
+        peak = 20.0 + 0.5 * s + (0.25 * s if cause == "leak" else 0.0)
+        largest = 4096 + (512 * s if cause == "lengths" else 0)
+        got += eng.check(memory(s, held, peak, largest, gpu))
+    assert names(got) == ["memory_rising"]
+    assert got[0].step == 6  # steps 1-2 are the warm-up; 3 to 6 rise three times
+    want = {"leak": ("held between steps grew from 10.750 to 11.500 GiB", "--profile_memory"),
+            "lengths": ("largest micro-batch grew from 5632 to 7168 tokens", "--max_tokens_per_batch"),
+            "allocator": ("stayed at or below 4096 tokens", "expandable_segments:True")}[cause]
+    assert want[0] in got[0].message and want[1] in got[0].advice
+    assert got[0].message.startswith("peak memory 21.500 -> 23.000 GiB" if cause != "leak" else "peak memory 22.250")
+
+
+def test_steady_or_settling_memory_raises_nothing():
+    """A healthy run: the peak rises over the first steps (optimizer state, longer batches) and then settles; the
+    memory held between steps wobbles by the allocator's rounding. A step that does not rise restarts the count."""
+    eng = AlertEngine(AlertRules(patience=3))
+    peaks = [5.0, 9.0, 11.0, 12.0, 12.5, 12.5, 13.0, 13.1, 13.1, 13.1, 13.1, 13.1]
+    helds = [4.0, 8.0, 8.0, 8.01, 8.0, 8.02, 8.03, 8.04, 8.05, 8.05, 8.06, 8.07]  # a few MiB: not a leak
+    for s, (held, peak) in enumerate(zip(helds, peaks), 1):
+        assert eng.check(memory(s, held, peak, 4096 + 100 * s)) == []
+    for s in range(13, 30):  # no memory figures at all (an older log): nothing
+        assert eng.check(rec(s)) == []
+
+
 def test_swapped_needs_both_negative_margin_and_low_accuracy():
     eng = AlertEngine(AlertRules(patience=2))
     for s in range(1, 10):

@@ -13,6 +13,7 @@ The engine is a pure function of the logged records (plus the expected update ga
 | update_gap | optimizer updates per micro-steps differ from gradient accumulation | accumulation logic broken |
 | stuck_at_ln2 | loss within 2e-3 of ln 2, margins within 1e-3 of 0, `patience` logged steps | nothing moves (cause named) |
 | accuracy_zero | rewards/accuracies 0 with negative margins for `patience` logged steps | labels swapped |
+| memory_rising | peak or held memory higher at each of `patience` logged steps | a leak, longer rows (cause named) |
 """
 
 from __future__ import annotations
@@ -53,7 +54,20 @@ STUCK_ADVICE = {
     "too_slow": "the policy moves, but too slowly for the margin to grow: raise --learning_rate (full fine-tuning "
                 "usually trains DPO at 5e-7 to 5e-6, LoRA at 5e-6 to 1e-4) or --beta.",
 }
+# memory_rising: the advice follows the cause the record shows
+MEMORY_ADVICE = {
+    "leak": "something keeps each step's tensors alive: a callback or your own code that stores metrics or outputs as "
+            "tensors (keep float(x) or x.item() instead), or a tensor that holds the autograd graph. On a GPU, find it with "
+            "--profile_steps N-M --profile_memory, which names what is alive at the peak by source line.",
+    "lengths": "the data's longer rows are arriving: the peak follows the largest micro-batch so far, and settles at "
+               "the longest one. If it will not fit, cap it with --max_tokens_per_batch or --max_length; `fastdpo "
+               "check-data` shows the length distribution.",
+    "allocator": "neither the memory held between steps nor the largest micro-batch grew: the allocator's cache is "
+                 "fragmenting. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.",
+}
 LN2 = math.log(2)
+MEMORY_WARM_UP = 2  # logged steps before memory counts (the optimizer's state and the kernels' buffers arrive first)
+LEAK_MIN_GIB = 1 / 16  # growth of the held memory over the window below which it is noise (allocator rounding)
 
 
 @dataclass
@@ -68,6 +82,7 @@ class AlertRules:
     cooldown: int = 50  # logged steps before the same alert may be raised again
     ln2_band: float = 2e-3  # stuck_at_ln2: the loss this close to ln 2 ...
     zero_margin: float = 1e-3  # ... and the margin this close to 0
+    leak_share: float = 0.01  # memory_rising: the held memory grew by this share of itself (and LEAK_MIN_GIB)
 
 
 @dataclass
@@ -104,6 +119,8 @@ class AlertEngine:
         self.suppressed: dict[str, int] = {}
         self.raised: dict[str, int] = {}  # name -> times shown (for the summary)
         self.stuck_cause = ""  # what stuck_at_ln2 found, for its advice
+        self.memory: deque[tuple] = deque(maxlen=self.rules.patience + 1)  # (held, peak, largest micro-batch)
+        self.memory_cause = ""
 
     def _streak(self, name: str, holds: bool) -> int:
         self.streaks[name] = self.streaks.get(name, 0) + 1 if holds else 0
@@ -128,9 +145,9 @@ class AlertEngine:
                 found.append(("accuracy_stuck", f"rewards/accuracies averaged {mean_acc:.3f} over the last "
                                                 f"{len(self.accuracies)} logged steps"))
 
-        stuck = self._stuck_at_ln2(r)
-        if stuck is not None:
-            found.append(stuck)
+        for rule in (self._stuck_at_ln2, self._memory_rising):
+            if (hit := rule(r)) is not None:
+                found.append(hit)
 
         ratio = r.get("kl_ratio")
         if _finite(ratio) and ratio > rules.kl_ratio_threshold:
@@ -187,6 +204,34 @@ class AlertEngine:
         return "stuck_at_ln2", (f"loss {loss:.4f} ≈ ln 2 with rewards/margins {margin:.2g} for "
                                 f"{self.streaks['stuck_at_ln2']} logged steps: {what}")
 
+    def _memory_rising(self, r: dict) -> tuple[str, str] | None:
+        """The memory held between steps (`memory/allocated_gib`, or the process's `memory/rss_gib` on the CPU) or
+        the peak higher at each of the last `patience` logged steps, and which cause the record shows: the held
+        memory grew (a leak), the largest micro-batch grew with the peak (longer rows), or neither (the allocator)."""
+        held = r.get("memory/allocated_gib", r.get("memory/rss_gib"))
+        peak = r.get("memory/peak_gib") or r.get("memory/peak_rss_gib")
+        if self.checks <= MEMORY_WARM_UP or not (_finite(held) and _finite(peak)):
+            return None
+        self.memory.append((held, peak, r.get("batch/largest_tokens") or 0))
+        if len(self.memory) < self.memory.maxlen:
+            return None
+        helds, peaks, tokens = zip(*self.memory)
+        grew = all(b > a for a, b in zip(helds, helds[1:]))
+        leak = grew and helds[-1] - helds[0] >= max(LEAK_MIN_GIB, self.rules.leak_share * helds[0])
+        rising = all(b > a for a, b in zip(peaks, peaks[1:]))
+        if not (leak or rising):
+            return None
+        cause = "leak" if leak else "lengths" if tokens[-1] > tokens[0] else "allocator"
+        self.memory_cause = cause
+        n = len(self.memory) - 1
+        what = {"leak": f"the memory held between steps grew from {helds[0]:.3f} to {helds[-1]:.3f} GiB",
+                "lengths": f"the largest micro-batch grew from {tokens[0]} to {tokens[-1]} tokens",
+                "allocator": f"the largest micro-batch stayed at or below {max(tokens)} tokens and the memory held "
+                             f"between steps at {max(helds):.3f} GiB"}[cause]
+        self.memory.clear()  # a new window: the same growth is not counted twice
+        return "memory_rising", (f"peak memory {peaks[0]:.3f} -> {peaks[-1]:.3f} GiB over the last {n} logged steps: "
+                                 f"{what}")
+
     def _rate_limit(self, name: str, message: str, step: int) -> Alert | None:
         last = self.last_raised.get(name)
         if last is not None and self.checks - last < self.rules.cooldown:
@@ -194,7 +239,8 @@ class AlertEngine:
             return None
         self.last_raised[name] = self.checks
         self.raised[name] = self.raised.get(name, 0) + 1
-        advice = STUCK_ADVICE[self.stuck_cause] if name == "stuck_at_ln2" else ADVICE[name]
+        advice = (STUCK_ADVICE[self.stuck_cause] if name == "stuck_at_ln2" else
+                  MEMORY_ADVICE[self.memory_cause] if name == "memory_rising" else ADVICE[name])
         return Alert(name, step, message, advice, self.suppressed.pop(name, 0))
 
     def summary(self) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """--profile_memory: record every GPU allocation over the --profile_steps window, then say what was alive at its peak
-(and `peak_rss_gib`, the process's peak resident memory, a CPU run's memory figure).
+(and `peak_rss_gib` / `rss_gib`, the process's peak and current resident memory, a CPU run's memory figures).
 
 Written per rank into `output_dir/profile/rank{R}/`: `memory_snapshot.pickle` (torch's allocator history; drop it on
 https://pytorch.org/memory_viz for the timeline) and `memory.txt`, which answers the usual question without it: the
@@ -10,6 +10,7 @@ the source line that made them.
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from collections import defaultdict
@@ -30,6 +31,16 @@ def peak_rss_gib() -> float | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (GiB if sys.platform == "darwin" else 2**20)
+
+
+def rss_gib() -> float | None:
+    """This process's resident memory (RSS) now, in GiB; None where the OS does not say (Linux's /proc only)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / GiB
 
 
 def site(frames: list[dict]) -> str:

@@ -32,6 +32,7 @@ class StepMetrics:
         self.has_reference = False
         self.micro_batches = 0  # this rank's forwards and backwards in the step
         self.computed_tokens = 0  # token positions they ran, padding and filler included
+        self.largest_tokens = 0  # the largest of those micro-batches, in token positions
 
     @property
     def loss_sum(self) -> torch.Tensor:
@@ -73,6 +74,7 @@ class StepMetrics:
         """One micro-batch run by this rank (zero-weight ones too: they cost the same)."""
         self.micro_batches += 1
         self.computed_tokens += batch.input_ids.numel()
+        self.largest_tokens = max(self.largest_tokens, batch.input_ids.numel())
 
     def finish(self) -> dict:
         v = self.sums.tolist()
@@ -144,6 +146,7 @@ class UnpairedMetrics:
     def count_batch(self, batch) -> None:
         self.micro_batches += 1
         self.computed_tokens += batch.input_ids.numel()
+        self.largest_tokens = max(self.largest_tokens, batch.input_ids.numel())
 
     def finish(self) -> dict:
         v = self.sums.tolist()
@@ -186,6 +189,13 @@ def kl_ratio(logratio_mean: float, margin: float) -> float:
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    return 0.0
+
+
+def held_memory_gib(device: torch.device) -> float:
+    """The device memory in use now, between steps: the weights, the optimizer's state and whatever else is kept."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
     return 0.0
 
 

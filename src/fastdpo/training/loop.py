@@ -24,8 +24,8 @@ from fastdpo.model.load import (
 from fastdpo.model.upload import hub_repo, push_folder
 from fastdpo.observe.diagnostics import oom_error
 from fastdpo.observe.gcpause import GcPauses
-from fastdpo.observe.memtrace import peak_rss_gib
-from fastdpo.observe.metrics import Throughput, device_peak_flops, padding, peak_memory_gib
+from fastdpo.observe.memtrace import peak_rss_gib, rss_gib
+from fastdpo.observe.metrics import Throughput, device_peak_flops, held_memory_gib, padding, peak_memory_gib
 from fastdpo.observe.profile import StepProfiler
 from fastdpo.observe.progress import KernelBuilds, RunProgress, Timeline, run_summary, save_summary, summary_line
 from fastdpo.observe.streams import run_log
@@ -252,9 +252,11 @@ class StepLog:
         self.peak = device_peak_flops(s.device)
         self.rate = Throughput()
         self.flops = 0.0
+        self.largest = 0  # the largest micro-batch since the last record, in token positions
 
     def add(self, r: StepResult) -> None:
         self.rate.add(len(r.pairs), r.tokens)
+        self.largest = max(self.largest, r.metrics.largest_tokens)
         if self.peak:
             s = self.t.s
             self.flops += pairs_flops(self.lm_config, r.pairs, s.reference.online, s.backend.group, s.backend.dedupe)
@@ -269,14 +271,17 @@ class StepLog:
             record["mfu"] = mfu(self.flops, max(time.perf_counter() - t0, 1e-9), self.peak, d.world_size)
             self.flops = 0.0
         record.update(self.rate.read())
-        mem, gc_ms, gc_n, busiest, rss = max_over_ranks([peak_memory_gib(s.device), gcs["gc/pause_ms"],
-                                                         gcs["gc/collections"], r.metrics.computed_tokens,
-                                                         peak_rss_gib() or 0.0], d, s.device)
+        mem, held, gc_ms, gc_n, busiest, largest, rss, rss_now = max_over_ranks(
+            [peak_memory_gib(s.device), held_memory_gib(s.device), gcs["gc/pause_ms"], gcs["gc/collections"],
+             r.metrics.computed_tokens, self.largest, peak_rss_gib() or 0.0, rss_gib() or 0.0], d, s.device)
+        self.largest = 0
         if s.device.type != "cuda":
-            record["memory/peak_rss_gib"] = round(rss, 3)
+            record.update({"memory/peak_rss_gib": round(rss, 3), "memory/rss_gib": round(rss_now, 3)})
+        else:
+            record["memory/allocated_gib"] = round(held, 3)
         record.update({"memory/peak_gib": round(mem, 3), "gc/pause_ms": round(gc_ms, 3),
                        "gc/collections": int(gc_n), "batch/micro_batches": r.metrics.micro_batches,
-                       "batch/padding": padding(int(busiest), r.tokens, d.dp_size)})
+                       "batch/largest_tokens": int(largest), "batch/padding": padding(int(busiest), r.tokens, d.dp_size)})
         return record
 
 
