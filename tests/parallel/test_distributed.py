@@ -514,7 +514,7 @@ def test_kto_two_ranks_take_trl_rounds(tmp_path, model_dirs):
     logged = metrics(tmp_path / "ws2")[0]
     cert = json.loads((tmp_path / "ws2" / "summary.json").read_text())["certificate"]
     assert [(c["name"], c["status"]) for c in cert["checks"]] == [  # each rank checked its own first chunk
-        ("fast_path", "PASS"), ("reference_at_start", "SKIP"), ("reference_apart", "PASS")]
+        ("fast_path", "PASS"), ("head_float32", "PASS"), ("reference_at_start", "SKIP"), ("reference_apart", "PASS")]
 
     tok = load_tokenizer(str(policy))
     read = [Row(r["prompt"], r["completion"], r["completion"], f"d:{i}", label=r["label"]) for i, r in enumerate(rows)]

@@ -39,6 +39,7 @@ def test_a_sound_run_passes_every_check(tmp_path, model_dirs, kw, reference):
     c = certificate(tmp_path / "run")
     assert c["status"] == "PASS" and c["seconds"] >= 0
     assert c["fast_path"]["status"] == "PASS" and c["fast_path"]["measured"] <= c["fast_path"]["tolerance"] == 1e-4
+    assert c["head_float32"]["status"] == "PASS" and c["head_float32"]["measured"] <= 1e-5
     assert c["reference_at_start"]["status"] == "PASS" and reference in c["reference_at_start"]["detail"]
     assert c["reference_apart"]["status"] == "PASS" and c["reference_apart"]["measured"] > 0
 
@@ -61,6 +62,41 @@ def test_a_wrong_mask_fails_the_fast_path(tmp_path, model_dirs, monkeypatch):
         train(config(tmp_path, model_dirs, "leaky"), progress=False)
     warned = train(config(tmp_path, model_dirs, "warned", certificate="warn"), progress=False)
     assert warned.summary["certificate"]["status"] == "FAIL"
+
+
+def test_a_head_that_computes_something_else_fails(tmp_path, model_dirs, monkeypatch):
+    """A log-prob head that is off (here: its logit scale by 2 %) gives the packed and the padded path the same
+    wrong log-probs, so only the float32 head catches it."""
+    from fastdpo.model import seqlogps
+
+    real = seqlogps.token_logps
+
+    def off(hidden, weight, targets, chunk=4096, scale=1.0, softcap=None, kernels=False):
+        return real(hidden, weight, targets, chunk, scale * 1.02, softcap, kernels)
+
+    monkeypatch.setattr(seqlogps, "token_logps", off)
+    result = train(config(tmp_path, model_dirs, "off", certificate="warn"), progress=False)
+    c = {x["name"]: x for x in result.summary["certificate"]["checks"]}
+    assert c["fast_path"]["status"] == "PASS"
+    assert c["head_float32"]["status"] == "FAIL" and c["head_float32"]["measured"] > 1e-3
+
+
+def test_the_float32_head_is_log_softmax_in_float32():
+    """The plain head the run's is held to, against log_softmax of the full float32 logits, soft-cap and scale
+    included, across vocabulary chunks."""
+    from fastdpo.training import certificate as cert
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(37, 16, dtype=torch.bfloat16), torch.randn(50, 16, dtype=torch.bfloat16)
+    targets = torch.randint(0, 50, (37,))
+    old, cert.VOCAB_CHUNK = cert.VOCAB_CHUNK, 7
+    try:
+        got = cert.float32_token_logps(hidden, weight, targets, scale=0.5, softcap=3.0)
+    finally:
+        cert.VOCAB_CHUNK = old
+    logits = 3.0 * torch.tanh(hidden.float() @ weight.float().T * 0.5 / 3.0)
+    want = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_a_stale_reference_cache_fails(tmp_path, model_dirs):

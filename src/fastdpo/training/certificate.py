@@ -5,6 +5,9 @@ summary.json and the run's log; a FAIL stops the run before its first update is 
 - `fast_path`: the policy's completion log-probs through the run's packed layout against the plain padded path (one
   row per sequence, the model's own attention), both in the run's dtype, before the first update: a wrong attention
   mask, positions or targets change them.
+- `head_float32`: the completion log-probs from the plain path's final hidden states through the run's log-prob head
+  (its fused kernels, its dtype) against a float32 computation of the same head (logits, soft-cap, log-softmax),
+  chunked over the vocabulary: a head kernel that computes something else fails it.
 - `reference_at_start`: the reference's log-probs of that batch against the policy's before the first update, where
   they must agree (a frozen copy, LoRA adapters switched off, a precomputed or cached table of the starting weights):
   a stale or foreign cache, or a reference that is not the starting model, fails it.
@@ -14,8 +17,8 @@ summary.json and the run's log; a FAIL stops the run before its first update is 
   recorded of the step it would have run next: a data order or weights not restored fail it.
 
 Cost: a packed and a padded policy forward and a reference forward of two pairs of the first micro-batch before the
-first step (the packed one serves both checks), a policy and a reference forward after it, all without gradient; in
-the run's summary as `certificate.seconds`.
+first step (the packed one serves two checks, the padded one's hidden states the head's), a policy and a reference
+forward after it, all without gradient; in the run's summary as `certificate.seconds`.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import torch
 
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
-from fastdpo.model.backend import Backend, build_mask, make_batch
-from fastdpo.model.seqlogps import completion_logps
+from fastdpo.model import seqlogps
+from fastdpo.model.backend import Backend, build_mask, make_batch, output_head, target_hidden
+from fastdpo.model.seqlogps import completion_logps, summarise
 from fastdpo.parallel.collectives import any_rank
 from fastdpo.parallel.wrap import policy_logps
 
@@ -39,6 +43,7 @@ log = logging.getLogger("fastdpo")
 # sequences of |difference of log-prob sums| per completion token (nats per token; rounding stays far below, a
 # wrong mask or a stale table far above)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+VOCAB_CHUNK = 16384  # rows of lm_head the float32 head takes at a time (a float32 copy of 16384 x 4096: 256 MiB)
 PAIRS = 2  # pairs of the first micro-batch the checks run on: enough to see a mask, little to compute
 # reference strategies whose log-probs equal the starting policy's (a --ref_model or --ref_adapters differs)
 STARTS_EQUAL = ("copy", "adapter_off", "precompute")
@@ -100,19 +105,22 @@ class Certificate:
             with _eval(s.model):
                 fast = _sums(s, pairs)
                 try:
-                    plain = _plain_sums(s, pairs)
+                    plain, exact = _plain_sums(s, pairs)
                 except torch.OutOfMemoryError:  # the padded rows' attention next to the run: not worth the run
-                    plain = None
+                    plain = exact = None
                     if s.device.type == "cuda":
                         torch.cuda.empty_cache()
             if not any_rank(plain is None, s.dist, s.device):
-                err = per_token(fast, plain, self._tokens(s, pairs))
-                self._add("fast_path", err, tol, f"policy log-probs of {len(pairs)} pair(s) through the "
-                          f"{s.backend.name} layout against the padded two-forward path, "
-                          f"{str(dtype).removeprefix('torch.')}", s)
+                tokens, kind = self._tokens(s, pairs), str(dtype).removeprefix("torch.")
+                self._add("fast_path", per_token(fast, plain, tokens), tol, f"policy log-probs of {len(pairs)} "
+                          f"pair(s) through the {s.backend.name} layout against the padded two-forward path, {kind}", s)
+                self._add("head_float32", per_token(plain, exact, tokens), tol, "the log-prob head of the run "
+                          f"({'fused kernels' if output_head(s.model).kernels else 'chunked'}, {kind} hidden states) "
+                          "against a float32 computation of the same head", s)
             else:
-                self.checks.append(Check("fast_path", "SKIP", "the padded path did not fit in memory next to the run; "
-                                         "`fastdpo verify` checks the fast path on a smaller batch"))
+                why = ("the padded path did not fit in memory next to the run; `fastdpo verify` checks the fast path on "
+                       "a smaller batch")
+                self.checks += [Check("fast_path", "SKIP", why), Check("head_float32", "SKIP", why)]
         ref = s.reference
         if ref.strategy == "none":
             self.checks.append(Check("reference_at_start", "SKIP", "the loss is reference-free"))
@@ -255,11 +263,35 @@ def _sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _plain_sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
-    """The same through the plain path: padded rows, one per sequence, the model's own attention."""
+def _plain_sums(s, pairs: list[TokenizedPair]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same through the plain path (padded rows, one per sequence, the model's own attention), its final hidden
+    states through the run's head and through a float32 one."""
     plain = Backend("padded")
     batch = make_batch(pairs, plain, _pad(s), s.device, 0)
-    return completion_logps(s.model, batch, plain, prompt=False).sums.float()
+    hidden = target_hidden(s.model, batch, plain)
+    head = output_head(s.model)
+    run = seqlogps.token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap,
+                               kernels=head.kernels)  # as `completion_logps` calls it
+    exact = float32_token_logps(hidden, head.weight, batch.tgt, head.scale, head.softcap)
+    return tuple(summarise(tok, batch.seq, batch.lengths).resolved(batch).sums.float() for tok in (run, exact))
+
+
+def float32_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float = 1.0,
+                        softcap: float | None = None) -> torch.Tensor:
+    """log p(target | hidden) computed plainly in float32: logits = scale * hidden @ weight^T (soft-capped), and
+    log-softmax, VOCAB_CHUNK rows of the weight at a time (a running log-sum-exp)."""
+    h = hidden.float()
+    lse = torch.full((h.shape[0],), float("-inf"), device=h.device)
+    picked = torch.zeros(h.shape[0], device=h.device)
+    for start in range(0, weight.shape[0], VOCAB_CHUNK):
+        logits = (h @ weight[start:start + VOCAB_CHUNK].float().T) * scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+        inside = (targets >= start) & (targets < start + logits.shape[1])
+        here = logits.gather(1, (targets - start).clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1)
+        picked = torch.where(inside, here, picked)
+    return picked - lse
 
 
 def per_token(a: torch.Tensor, b: torch.Tensor, tokens: int) -> float:
