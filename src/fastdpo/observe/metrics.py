@@ -116,6 +116,7 @@ class UnpairedMetrics:
         self.tokens = 0
         self.micro_batches = 0
         self.computed_tokens = 0
+        self.largest_tokens = 0
 
     def start(self, rounds: int) -> None:
         """The step runs `rounds` micro-batches on every rank."""
