@@ -142,10 +142,22 @@ def cmd_plot(args: argparse.Namespace, console) -> int:
 def cmd_verify(args: argparse.Namespace, console) -> int:
     import json
 
+    if args.run:
+        from fastdpo.commands.verify_run import print_saved, verify_saved_run
+
+        cert = verify_saved_run(args.run, "" if args.device == "auto" else args.device, args.torch_dtype or "")
+        print_saved(cert, console, args.run)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(cert.to_dict(), f, indent=1)
+        return 0 if cert.status != "FAIL" else 1
+    if not args.model or not args.dataset:
+        raise FastDPOError("fastdpo verify needs --model and --dataset (a model and data to check the fast paths on), "
+                           "or --run DIR (a finished run's certificate checked again on its saved model).")
     from fastdpo.commands.verify import print_results, results_json, run_verify
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    results = run_verify(args.model, args.dataset, args.pairs, args.max_length, args.device, args.torch_dtype,
+    results = run_verify(args.model, args.dataset, args.pairs, args.max_length, args.device, args.torch_dtype or "float32",
                          args.tolerance, policies, args.compile, args.seed, args.trust_remote_code, args.template,
                          args.system)
     print_results(results, console, cuda=results[0].peak_mib is not None)
@@ -284,15 +296,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("output_dir", help="The --output_dir of a training run (holds metrics.jsonl).")
     pl.add_argument("--out", default=None, help="PNG path (default: OUTPUT_DIR/metrics.png).")
     pl.set_defaults(func=cmd_plot)
-    v = sub.add_parser("verify", help="Check that every fast path and checkpointing policy gives the plain gradients.",
-                       allow_abbrev=False)
-    v.add_argument("--model", required=True, help="Local HF model dir or hub id.")
-    v.add_argument("--dataset", required=True, nargs="+", help="JSONL/JSON files with prompt/chosen/rejected.")
+    v = sub.add_parser("verify", help="Check that every fast path and checkpointing policy gives the plain gradients; "
+                       "or, with --run, a finished run's certificate on its saved model.", allow_abbrev=False)
+    v.add_argument("--run", default="", metavar="DIR",
+                   help="The --output_dir of a finished training run: check its certificate again on the saved model "
+                        "(its recorded pairs' log-probs, fast path, float32 head, reference); --device and "
+                        "--torch_dtype (default: the run's) apply, the other flags do not.")
+    v.add_argument("--model", default="", help="Local HF model dir or hub id.")
+    v.add_argument("--dataset", default=None, nargs="+", help="JSONL/JSON files with prompt/chosen/rejected.")
     v.add_argument("--pairs", type=int, default=8, help="Pairs in the verified batch (the first N rows).")
     v.add_argument("--max_length", type=int, default=512, help="Max tokens per sequence.")
     v.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N.")
-    v.add_argument("--torch_dtype", default="float32",
-                   help="float32 (default)|bfloat16|float16: the paths run in it; the reference runs in float32.")
+    v.add_argument("--torch_dtype", default=None,
+                   help="float32 (default; with --run: the run's)|bfloat16|float16: the paths run in it; the reference "
+                        "runs in float32.")
     v.add_argument("--tolerance", type=float, default=None,
                    help="Max relative gradient difference to the float32 plain path (default: 2 x the plain path's "
                         "own error in --torch_dtype, at least 1e-4 / 3e-2 / 1e-2 for float32 / bfloat16 / float16).")

@@ -18,7 +18,8 @@ summary.json and the run's log; a FAIL stops the run before its first update is 
 
 Cost: a packed and a padded policy forward and a reference forward of two pairs of the first micro-batch before the
 first step (the packed one serves two checks, the padded one's hidden states the head's), a policy and a reference
-forward after it, all without gradient; in the run's summary as `certificate.seconds`.
+forward after it, and at the end of the run the same two again for the record `fastdpo verify --run` checks the
+saved model against (`final_record`), all without gradient; in the run's summary as `certificate.seconds`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ class Certificate:
     mode: str = "on"  # on: a FAIL stops the run; warn: logged only
     checks: list[Check] = field(default_factory=list)
     seconds: float = 0.0
+    record: dict | None = None  # the checked pairs' log-probs with the run's last weights (`final_record`)
     _batch: list[TokenizedPair] | None = None
+    _first: list[TokenizedPair] | None = None
     _ref: torch.Tensor | None = None
 
     @property
@@ -81,8 +84,10 @@ class Certificate:
         return "PASS" if self.checks else "SKIP"
 
     def to_dict(self) -> dict:
-        return {"status": self.status, "seconds": round(self.seconds, 3),
-                "checks": [asdict(c) for c in self.checks]}
+        out = {"status": self.status, "seconds": round(self.seconds, 3), "checks": [asdict(c) for c in self.checks]}
+        if self.record is not None:
+            out["record"] = self.record
+        return out
 
     def before(self, s, step_pairs: list[TokenizedPair], first: list[TokenizedPair], resumed: bool = False,
                record: dict | None = None) -> None:
@@ -92,44 +97,19 @@ class Certificate:
         `record`, what the checkpoint wrote of it (`next_step_record`)."""
         t0 = time.perf_counter()
         pairs = (first or step_pairs[:1])[:PAIRS]
-        self._batch = pairs
+        self._batch = self._first = pairs
         dtype = next(s.model.parameters()).dtype
         tol = TOLERANCE.get(dtype, 1e-2)
         if resumed:
             self._resumed_step(s, step_pairs, record, tol)
-        fast = None  # the policy's sums through the run's layout: the fast-path check's, reused by the reference's
-        if s.dist.sp_size > 1 or s.dist.mode == "fsdp":
-            self.checks.append(Check("fast_path", "SKIP", "the weights are sharded or the packed row is split over "
-                                     "ranks; `fastdpo verify` checks that path"))
-        else:
-            with _eval(s.model):
-                fast = _sums(s, pairs)
-                try:
-                    plain, exact = _plain_sums(s, pairs)
-                except torch.OutOfMemoryError:  # the padded rows' attention next to the run: not worth the run
-                    plain = exact = None
-                    if s.device.type == "cuda":
-                        torch.cuda.empty_cache()
-            if not any_rank(plain is None, s.dist, s.device):
-                tokens, kind = self._tokens(s, pairs), str(dtype).removeprefix("torch.")
-                self._add("fast_path", per_token(fast, plain, tokens), tol, f"policy log-probs of {len(pairs)} "
-                          f"pair(s) through the {s.backend.name} layout against the padded two-forward path, {kind}", s)
-                self._add("head_float32", per_token(plain, exact, tokens), tol, "the log-prob head of the run "
-                          f"({'fused kernels' if output_head(s.model).kernels else 'chunked'}, {kind} hidden states) "
-                          "against a float32 computation of the same head", s)
-            else:
-                why = ("the padded path did not fit in memory next to the run; `fastdpo verify` checks the fast path on "
-                       "a smaller batch")
-                self.checks += [Check("fast_path", "SKIP", why), Check("head_float32", "SKIP", why)]
+        fast = self._fast_path(s, pairs, tol)  # the policy's sums through the run's layout, reused below
         ref = s.reference
         if ref.strategy == "none":
             self.checks.append(Check("reference_at_start", "SKIP", "the loss is reference-free"))
         elif s.dist.sp_size > 1 or ref.runner is not None:
             self.checks.append(Check("reference_at_start", "SKIP", "the reference runs sharded or split over ranks"))
         else:
-            with _eval(s.model):
-                batch = make_batch(pairs, s.backend, _pad(s), s.device, s.plan.max_tokens_per_batch)
-                self._ref = ref.logps(s.model, batch, s.backend).resolved(batch).sums.float()
+            self._ref = reference_sums(s, pairs)
             if resumed:
                 self.checks.append(Check("reference_at_start", "SKIP", "a resumed run: the policy has trained"))
             elif ref.strategy in STARTS_EQUAL and not (ref.strategy == "precompute" and (s.cfg.ref_model or
@@ -145,6 +125,34 @@ class Certificate:
                 self.checks.append(Check("reference_at_start", "SKIP", f"the reference ({ref.strategy}) is another "
                                          "model than the starting policy"))
         self.seconds += time.perf_counter() - t0
+
+    def _fast_path(self, s, pairs: list[TokenizedPair], tol: float) -> torch.Tensor | None:
+        """`fast_path` and `head_float32` on `pairs`; the policy's sums through the run's layout (None where that
+        path is not checked)."""
+        if s.dist.sp_size > 1 or s.dist.mode == "fsdp":
+            self.checks.append(Check("fast_path", "SKIP", "the weights are sharded or the packed row is split over "
+                                     "ranks; `fastdpo verify` checks that path"))
+            return None
+        with _eval(s.model):
+            fast = _sums(s, pairs)
+            try:
+                plain, exact = _plain_sums(s, pairs)
+            except torch.OutOfMemoryError:  # the padded rows' attention next to the run: not worth the run
+                plain = exact = None
+                if s.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if not any_rank(plain is None, s.dist, s.device):
+            tokens, kind = self._tokens(s, pairs), str(next(s.model.parameters()).dtype).removeprefix("torch.")
+            self._add("fast_path", per_token(fast, plain, tokens), tol, f"policy log-probs of {len(pairs)} pair(s) "
+                      f"through the {s.backend.name} layout against the padded two-forward path, {kind}", s)
+            self._add("head_float32", per_token(plain, exact, tokens), tol, "the log-prob head of the run "
+                      f"({'fused kernels' if output_head(s.model).kernels else 'chunked'}, {kind} hidden states) "
+                      "against a float32 computation of the same head", s)
+        else:
+            why = ("the padded path did not fit in memory next to the run; `fastdpo verify` checks the fast path on a "
+                   "smaller batch")
+            self.checks += [Check("fast_path", "SKIP", why), Check("head_float32", "SKIP", why)]
+        return fast
 
     def _resumed_step(self, s, step_pairs: list[TokenizedPair], record: dict | None, tol: float) -> None:
         """The checkpoint's record of the step it would have run next against the resumed step: its recorded pairs
@@ -189,8 +197,7 @@ class Certificate:
         elif self._ref is not None:
             with _eval(s.model):
                 policy = _sums(s, self._batch)
-                batch = make_batch(self._batch, s.backend, _pad(s), s.device, s.plan.max_tokens_per_batch)
-                ref = s.reference.logps(s.model, batch, s.backend).resolved(batch).sums.float()
+            ref = reference_sums(s, self._batch)
             moved = per_token(policy, ref, self._tokens(s, self._batch))
             apart = any_rank(moved > 0.0, s.dist, s.device)
             check = Check("reference_apart", "PASS" if apart else "FAIL",
@@ -207,8 +214,14 @@ class Certificate:
         """Completion tokens of the pairs' sequences (what the sums run over)."""
         return sum(len(p.chosen) + len(p.rejected) for p in pairs)
 
-    def finish(self) -> None:
-        """At the end of the run: a check still waiting for an update that moved the weights is skipped, said why."""
+    def finish(self, s=None) -> None:
+        """At the end of the run: a check still waiting for an update that moved the weights is skipped, said why;
+        with the run's set-up `s`, the checked pairs' log-probs with its last weights are recorded, for `fastdpo
+        verify --run` to check the saved model against."""
+        if s is not None and self._first and self.record is None:
+            t0 = time.perf_counter()
+            self.record = final_record(s, self._first)
+            self.seconds += time.perf_counter() - t0
         if self.pending:
             if self._ref is not None:
                 self.checks.append(Check("reference_apart", "SKIP", "no update of this run moved the weights (a "
@@ -249,6 +262,61 @@ def next_step_record(s, first: list[TokenizedPair]) -> dict | None:
     pairs = first[:PAIRS]
     return {"indices": [p.index for p in pairs], "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs),
             "sums": next_step_sums(s, pairs).tolist()}
+
+
+@torch.no_grad()
+def reference_sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
+    """The run's reference's completion log-prob sums of `pairs` (its table, copy, adapters off, or model)."""
+    with _eval(s.model):
+        batch = make_batch(pairs, s.backend, _pad(s), s.device, s.plan.max_tokens_per_batch)
+        return s.reference.logps(s.model, batch, s.backend).resolved(batch).sums.float()
+
+
+def final_record(s, pairs: list[TokenizedPair]) -> dict | None:
+    """The pairs' completion log-prob sums under the policy's current weights and under the run's reference, what
+    `check_saved` holds a saved model to (None under FSDP2 or sequence parallelism, whose forward needs every rank,
+    and for a stream, whose pairs cannot be found again by index)."""
+    if s.dist.mode == "fsdp" or s.dist.sp_size > 1 or s.stream is not None:
+        return None
+    ref = None
+    if s.reference.strategy != "none" and s.reference.runner is None:
+        ref = reference_sums(s, pairs).tolist()
+    return {"indices": [p.index for p in pairs], "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs),
+            "sums": next_step_sums(s, pairs).tolist(), "ref_sums": ref, "reference": s.reference.strategy,
+            "dtype": str(next(s.model.parameters()).dtype).removeprefix("torch.")}
+
+
+def check_saved(s, pairs: list[TokenizedPair], record: dict) -> Certificate:
+    """A finished run's certificate checked again on its saved model (`fastdpo verify --run`): `s` is set up with
+    the saved weights and a live reference, `pairs` are the run's recorded pairs. `saved_model`: their log-probs as
+    the run's last weights gave them; `fast_path` and `head_float32` as in training; `reference`: the reference the
+    run trained against (its table or forward) against a live forward of that reference now; `reference_apart`: the
+    saved policy differs from it."""
+    cert = Certificate("warn")
+    t0 = time.perf_counter()
+    tol = TOLERANCE.get(next(s.model.parameters()).dtype, 1e-2)
+    now = next_step_sums(s, pairs)
+    cert._add("saved_model", per_token(now, torch.tensor(record["sums"], device=now.device), record["tokens"]), tol,
+              f"the saved model's log-probs of the run's {len(pairs)} recorded pair(s) against its last weights' "
+              f"({record.get('dtype', '?')})", s)
+    cert._fast_path(s, pairs, tol)
+    if record.get("ref_sums") is None:
+        cert.checks.append(Check("reference", "SKIP", "the run was reference-free, or its reference ran sharded"))
+    elif s.cfg.sync_ref_model:
+        cert.checks.append(Check("reference", "SKIP", "--sync_ref_model moved the reference during the run (TR-DPO)"))
+    else:
+        live = reference_sums(s, pairs)
+        what = "its precomputed table" if record.get("reference") == "precompute" else "its forward"
+        cert._add("reference", per_token(live, torch.tensor(record["ref_sums"], device=live.device),
+                                         record["tokens"]), tol,
+                  f"the reference the run trained against ({what}) against a live forward of the reference now", s)
+        moved = per_token(now, live, record["tokens"])
+        cert.checks.append(Check("reference_apart", "PASS" if moved > 0 else "FAIL",
+                                 "the saved policy's log-probs differ from the reference's" if moved > 0 else
+                                 "the saved policy's log-probs equal the reference's: nothing of the training was "
+                                 "saved, or the saved adapters are not applied", moved, 0.0))
+    cert.seconds = time.perf_counter() - t0
+    return cert
 
 
 def _pad(s) -> int:

@@ -205,7 +205,7 @@ def certified(trainer: Trainer) -> dict:
     """The run's certificate for its summary (nothing with --certificate off)."""
     if trainer.certificate is None:
         return {}
-    trainer.certificate.finish()
+    trainer.certificate.finish(trainer.s)
     return {"certificate": trainer.certificate.to_dict()}
 
 
