@@ -298,6 +298,10 @@ def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
     # the CPU runs every op as it is queued: the step's host time is nearly all of it, its wait nearly nothing
     assert 0 < r["host_queue_ms"] <= r["s_per_step"] * 1e3 and 0 <= r["device_wait_ms"] < r["host_queue_ms"]
     assert "the host queued it in" in text
+    # the run's certificate, checked by the first (warm-up) step, as training checks it
+    assert r["certificate"]["status"] == "PASS" and r["certificate"]["checks"]["fast_path"][0] == "PASS"
+    assert set(r["certificate"]["checks"]) == {"fast_path", "head_float32", "reference_at_start", "reference_apart"}
+    assert "certificate PASS in" in text
 
 
 def test_bench_trains_kto_on_the_pairs_unpaired(tmp_path, model_dirs):
@@ -636,6 +640,7 @@ def test_bench_job_times_whole_jobs_from_process_start(tmp_path, capsys):
     assert trl["fastdpo_wall_ratio"] == pytest.approx(ours["wall_s"] / trl["wall_s"], abs=1e-3)
     assert (work / "inductor-fastdpo").parent == work and (work / "fastdpo.log").exists()
     assert "process start to saved model" in text
+    assert ours["certificate"]["status"] == "PASS" and "of the job" in text
     # a second job never reuses outputs or warm caches
     assert main(["bench", "--shape", "tiny", "--job", "--rows", "2", "--device", "cpu", "--job_dir", str(work)]) != 0
     assert "is not empty" in capsys.readouterr().out

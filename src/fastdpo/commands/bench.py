@@ -35,7 +35,7 @@ from fastdpo.errors import FastDPOError
 from fastdpo.model.load import resolve_device, resolve_dtype
 from fastdpo.model.shapes import bench_model
 from fastdpo.observe.profile import synchronize
-from fastdpo.training.measure import run_fastdpo
+from fastdpo.training.measure import certificate_line, run_fastdpo
 from fastdpo.training.setup import assemble, seed_all
 from fastdpo.training.trainer import Trainer
 
@@ -286,6 +286,8 @@ def run_bench(cfg: TrainConfig, shape: str | None, steps: int, warmup: int, comp
         print_table(console, results, "rows" if cfg.trains_unpaired() else "pairs")
         if (line := host_line(results[0])) is not None:
             console.print(line)
+        if "certificate" in results[0]:
+            console.print(certificate_line(results[0]["certificate"]), highlight=False)
         if "profile" in results[0]:
             console.print(f"Profile of two steps ({results[0]['profile']['dir']}): {results[0]['profile']['line']}.")
     return results
@@ -408,6 +410,10 @@ def fastdpo_job(cfg: TrainConfig, model_dir: Path, rows: Path, work: Path, limit
         run = json.loads(summary.read_text())
         rec.update(saved=(out / "final").is_dir(), peak_gib=run.get("peak_memory_gib"),
                    pairs_per_s=run.get("train_samples_per_second"), timeline_s=run.get("timeline_s"))
+        if run.get("certificate"):
+            cert = run["certificate"]
+            rec["certificate"] = {"status": cert["status"], "seconds": cert["seconds"],
+                                  "checks": {c["name"]: [c["status"], c["measured"]] for c in cert["checks"]}}
     config_yaml = out / "config.yaml"
     if config_yaml.exists():  # what the run chose for what the flags left open
         import yaml
@@ -477,6 +483,9 @@ def run_jobs(cfg: TrainConfig, shape: str, rows: int, compare: list[str], worklo
         if ours.get("timeline_s"):
             console.print("fastdpo timeline (s since process start): " +
                           ", ".join(f"{k} {v}" for k, v in ours["timeline_s"].items()))
+        if ours.get("certificate"):
+            share = f", {ours['certificate']['seconds'] / ours['wall_s']:.1%} of the job" if ours.get("wall_s") else ""
+            console.print(f"{certificate_line(ours['certificate'])}{share}", highlight=False)
     if not keep:
         import shutil
 

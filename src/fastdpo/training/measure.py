@@ -26,6 +26,7 @@ from fastdpo.model.shapes import bench_model
 from fastdpo.observe.gcpause import GcPauses
 from fastdpo.observe.metrics import device_peak_flops, model_flops_per_token, padding, step_flops
 from fastdpo.observe.profile import report, start_profiler, synchronize
+from fastdpo.training.certificate import Certificate
 from fastdpo.training.setup import assemble, pairs_for_loss, rows_for_loss, seed_all
 from fastdpo.training.trainer import StepResult, Trainer, attended_pairs
 
@@ -88,6 +89,8 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     per_step = cfg.pairs_per_step
     chunks = [pairs[i * per_step:(i + 1) * per_step] for i in range(warmup + steps)]
     trainer = Trainer(cfg, assemble(cfg, device, model, tokenizer, pairs, steps=chunks))
+    if cfg.certificate != "off":  # checked by the first (warm-up) step, as training checks it
+        trainer.certificate = Certificate(cfg.certificate)
     s = trainer.s
     lm_cfg = base_causal_lm(s.model).config
     times, flops, tokens, n_pairs, computed = [], 0.0, 0, 0, 0
@@ -146,7 +149,21 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
         "params": sum(p.numel() for p in s.model.parameters()),
         "flops_per_token_fwd": model_flops_per_token(lm_cfg),
         **({"profile": profile} if profile else {}),
+        **({"certificate": certificate_brief(trainer.certificate)} if trainer.certificate is not None else {}),
     }
+
+
+def certificate_brief(cert: Certificate) -> dict:
+    """The certificate of a bench run: its status, cost and each check's status and figure."""
+    cert.finish()
+    return {"status": cert.status, "seconds": round(cert.seconds, 3),
+            "checks": {c.name: [c.status, c.measured] for c in cert.checks}}
+
+
+def certificate_line(brief: dict) -> str:
+    checks = ", ".join(f"{name} {status}" + (f" {measured:.3g}" if measured is not None else "")
+                       for name, (status, measured) in brief["checks"].items())
+    return f"certificate {brief['status']} in {brief['seconds']:.2f} s: {checks} (nats per completion token)"
 
 
 def profile_steps(one_step, steps: list, device: torch.device, out_dir: str) -> dict:
