@@ -72,6 +72,7 @@ class Certificate:
     mode: str = "on"  # on: a FAIL stops the run; warn: logged only
     checks: list[Check] = field(default_factory=list)
     seconds: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)  # seconds of each stage (what `seconds` sums)
     record: dict | None = None  # the checked pairs' log-probs with the run's last weights (`final_record`)
     _batch: list[TokenizedPair] | None = None
     _first: list[TokenizedPair] | None = None
@@ -84,7 +85,9 @@ class Certificate:
         return "PASS" if self.checks else "SKIP"
 
     def to_dict(self) -> dict:
-        out = {"status": self.status, "seconds": round(self.seconds, 3), "checks": [asdict(c) for c in self.checks]}
+        out = {"status": self.status, "seconds": round(self.seconds, 3),
+               "seconds_by_part": {k: round(v, 3) for k, v in self.parts.items()},
+               "checks": [asdict(c) for c in self.checks]}
         if self.record is not None:
             out["record"] = self.record
         return out
@@ -102,7 +105,11 @@ class Certificate:
         tol = TOLERANCE.get(dtype, 1e-2)
         if resumed:
             self._resumed_step(s, step_pairs, record, tol)
+            self._took("resumed_step", t0)
+        t1 = time.perf_counter()
         fast = self._fast_path(s, pairs, tol)  # the policy's sums through the run's layout, reused below
+        self._took("fast_path", t1)
+        t1 = time.perf_counter()
         ref = s.reference
         if ref.strategy == "none":
             self.checks.append(Check("reference_at_start", "SKIP", "the loss is reference-free"))
@@ -124,7 +131,7 @@ class Certificate:
             else:
                 self.checks.append(Check("reference_at_start", "SKIP", f"the reference ({ref.strategy}) is another "
                                          "model than the starting policy"))
-        self.seconds += time.perf_counter() - t0
+        self._took("reference_at_start", t1)
 
     def _fast_path(self, s, pairs: list[TokenizedPair], tol: float) -> torch.Tensor | None:
         """`fast_path` and `head_float32` on `pairs`; the policy's sums through the run's layout (None where that
@@ -206,8 +213,13 @@ class Certificate:
                           "follows the policy (it is the policy itself), or the update changed nothing the forward "
                           "uses (check --target_modules with LoRA, and that grad_norm is not 0)", moved, 0.0)
             self.checks.append(check)
-        self.seconds += time.perf_counter() - t0
+        self._took("reference_apart", t0)
         self._batch, self._ref = None, None
+
+    def _took(self, part: str, since: float) -> None:
+        took = time.perf_counter() - since
+        self.parts[part] = self.parts.get(part, 0.0) + took
+        self.seconds += took
 
     @staticmethod
     def _tokens(s, pairs: list[TokenizedPair]) -> int:
@@ -221,7 +233,7 @@ class Certificate:
         if s is not None and self._first and self.record is None:
             t0 = time.perf_counter()
             self.record = final_record(s, self._first)
-            self.seconds += time.perf_counter() - t0
+            self._took("record", t0)
         if self.pending:
             if self._ref is not None:
                 self.checks.append(Check("reference_apart", "SKIP", "no update of this run moved the weights (a "
