@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The run's certificate on a CUDA machine (from the repo root): its cost on the cold 600-pair Qwen3-1.7B job (on, then
+# off, same machine) and on Qwen3-8B LoRA r16 (the first step with and without it), and its checks on every bench
+# workload. Usage: benchmarks/certificate.sh [jobs|lora|workloads]...  Logs and JSON land in $OUT (default cert-out).
+set -u
+OUT=${OUT:-cert-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+jobs() {
+  for c in on off; do
+    rm -rf "/tmp/cert-job-$c"
+    timeout -k 20 ${T_JOB:-170} python3 -m fastdpo bench --shape qwen3-1.7b --job --rows 600 --certificate $c \
+      --job_dir "/tmp/cert-job-$c" --json "$OUT/job_$c.json" > "$OUT/job_$c.log" 2>&1
+    echo "job certificate=$c rc=$?"; grep -E "process start|^│ fastdpo|certificate|timeline" "$OUT/job_$c.log" | head -n 6
+  done
+}
+
+lora() {
+  for c in on off; do
+    timeout -k 20 ${T_LORA:-170} python3 -m fastdpo bench --shape qwen3-8b --train_type lora --lora_rank 16 \
+      --steps 3 --warmup 1 --certificate $c --json "$OUT/lora_$c.json" > "$OUT/lora_$c.log" 2>&1
+    echo "8B LoRA certificate=$c rc=$?"; grep -E "certificate|bench step 0" "$OUT/lora_$c.log" | head -n 3
+    python3 -c "import json; r=json.load(open('$OUT/lora_$c.json'))['results'][0]; print('  first_step_s', r['first_step_s'], 'pairs/s', r['pairs_per_s'], 'peak', r['peak_gib'])"
+  done
+}
+
+workloads() {
+  for w in anchor long-prompt long-answer grouped; do
+    timeout -k 20 ${T_W:-120} python3 -m fastdpo bench --shape qwen3-1.7b --workload $w --steps 2 --warmup 1 \
+      --json "$OUT/w_$w.json" > "$OUT/w_$w.log" 2>&1
+    echo "workload $w rc=$?"; grep -E "certificate" "$OUT/w_$w.log" | head -n 2
+  done
+  timeout -k 20 ${T_W:-120} python3 -m fastdpo bench --shape qwen3-1.7b --loss_type kto --steps 2 --warmup 1 \
+    --json "$OUT/w_kto.json" > "$OUT/w_kto.log" 2>&1
+  echo "workload anchor, kto rc=$?"; grep -E "certificate" "$OUT/w_kto.log" | head -n 2
+}
+
+parts=("$@"); [ $# -eq 0 ] && parts=(jobs lora workloads)
+for part in "${parts[@]}"; do $part; done
