@@ -113,8 +113,8 @@ class Certificate:
         ref = s.reference
         if ref.strategy == "none":
             self.checks.append(Check("reference_at_start", "SKIP", "the loss is reference-free"))
-        elif s.dist.sp_size > 1 or ref.runner is not None:
-            self.checks.append(Check("reference_at_start", "SKIP", "the reference runs sharded or split over ranks"))
+        elif s.dist.sp_size > 1:
+            self.checks.append(Check("reference_at_start", "SKIP", "the packed row is split over ranks"))
         else:
             self._ref = reference_sums(s, pairs)
             if resumed:
@@ -137,8 +137,8 @@ class Certificate:
         """`fast_path` and `head_float32` on `pairs`; the policy's sums through the run's layout (None where that
         path is not checked)."""
         if s.dist.sp_size > 1 or s.dist.mode == "fsdp":
-            self.checks.append(Check("fast_path", "SKIP", "the weights are sharded or the packed row is split over "
-                                     "ranks; `fastdpo verify` checks that path"))
+            why = "the weights are sharded or the packed row is split over ranks; `fastdpo verify` checks that path"
+            self.checks += [Check("fast_path", "SKIP", why), Check("head_float32", "SKIP", why)]
             return None
         with _eval(s.model):
             fast = _sums(s, pairs)
@@ -281,7 +281,7 @@ def reference_sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
     """The run's reference's completion log-prob sums of `pairs` (its table, copy, adapters off, or model)."""
     with _eval(s.model):
         batch = make_batch(pairs, s.backend, _pad(s), s.device, s.plan.max_tokens_per_batch)
-        return s.reference.logps(s.model, batch, s.backend).resolved(batch).sums.float()
+        return s.reference.logps(s.model, batch, s.backend, build_mask(batch, s.backend)).resolved(batch).sums.float()
 
 
 def final_record(s, pairs: list[TokenizedPair]) -> dict | None:
@@ -290,9 +290,7 @@ def final_record(s, pairs: list[TokenizedPair]) -> dict | None:
     and for a stream, whose pairs cannot be found again by index)."""
     if s.dist.mode == "fsdp" or s.dist.sp_size > 1 or s.stream is not None:
         return None
-    ref = None
-    if s.reference.strategy != "none" and s.reference.runner is None:
-        ref = reference_sums(s, pairs).tolist()
+    ref = None if s.reference.strategy == "none" else reference_sums(s, pairs).tolist()
     return {"indices": [p.index for p in pairs], "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs),
             "sums": next_step_sums(s, pairs).tolist(), "ref_sums": ref, "reference": s.reference.strategy,
             "dtype": str(next(s.model.parameters()).dtype).removeprefix("torch.")}
@@ -313,7 +311,7 @@ def check_saved(s, pairs: list[TokenizedPair], record: dict) -> Certificate:
               f"({record.get('dtype', '?')})", s)
     cert._fast_path(s, pairs, tol)
     if record.get("ref_sums") is None:
-        cert.checks.append(Check("reference", "SKIP", "the run was reference-free, or its reference ran sharded"))
+        cert.checks.append(Check("reference", "SKIP", "the run was reference-free"))
     elif s.cfg.sync_ref_model:
         cert.checks.append(Check("reference", "SKIP", "--sync_ref_model moved the reference during the run (TR-DPO)"))
     else:
