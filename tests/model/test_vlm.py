@@ -11,7 +11,7 @@ import torch
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.model.tiny import build_tiny_vlm
-from fastdpo.model.vlm import image_embeddings, pack_vision_pairs, vision_sequence_logps
+from fastdpo.model.vlm import image_embeddings, mrope_positions, pack_vision_pairs, vision_sequence_logps
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl"]
 ATOL = 1e-5
@@ -214,3 +214,42 @@ def test_lora_on_the_language_model(model):
     torch.testing.assert_close(adapted, expected, atol=ATOL, rtol=0)
     assert (adapted - plain).abs().max() > 1e-3
     torch.testing.assert_close(off, plain, atol=ATOL, rtol=0)
+
+
+def test_mrope_positions_by_hand():
+    """One pair: prompt [a, image of 2 x 3 merged tokens, b], chosen [c, d], rejected [e]. The image starts at 1 and
+    spans rows 1..2 and columns 1..3, so b resumes at 1 + max(1, 2, 3) = 4; both completions start at 5."""
+    img = 9
+    row = torch.tensor([[0] + [img] * 6 + [1, 2, 3, 4]])
+    got = mrope_positions(row, [(8, 2, 1)], torch.tensor([[1, 4, 6]]), img, 2)
+    assert got[:, 0].tolist() == [[0, 1, 1, 1, 1, 1, 1, 4, 5, 6, 5],   # temporal
+                                  [0, 1, 1, 1, 2, 2, 2, 4, 5, 6, 5],   # height
+                                  [0, 1, 2, 3, 1, 2, 3, 4, 5, 6, 5]]   # width
+
+
+def test_pixels_from_the_image_processor(model):
+    """The inputs transformers' (PIL) Qwen2-VL image processor writes for two PIL images of 32 x 24 and 16 x 16
+    pixels (4-pixel patches, 2 x 2 merge): grids (1, 6, 8) and (1, 4, 4); the packed sums equal the separate
+    forwards' on them too."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rng = torch.Generator().manual_seed(3)
+    pictures = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
+                for h, w in ((24, 32), (16, 16))]
+    processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64,
+                                         max_pixels=64 * 64)
+    out = processor(images=pictures, return_tensors="pt")
+    grids = out["image_grid_thw"]
+    assert grids.tolist() == [[1, 6, 8], [1, 4, 4]]
+    patches = grids.prod(-1).tolist()
+    first = (out["pixel_values"][: patches[0]], grids[:1])
+    second = (out["pixel_values"][patches[0]:], grids[1:])
+    cfg = model.config
+    pairs = [TokenizedPair([3] + placeholders(cfg, first[1]) + [5, 6], [20, 21], [22], 0),
+             TokenizedPair([3, 7] + placeholders(cfg, second[1]), [23], [24, 25, 26], 1)]
+    images = [[first], [second]]
+    with torch.no_grad():
+        packed, _ = vision_sequence_logps(model, batch_of(model, pairs, images))
+        expected, _ = separate_sums(model, pairs, images)
+    torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)

@@ -99,11 +99,6 @@ def vision_ids(config) -> tuple[int, int]:
     return int(config.image_token_id), int(vision.spatial_merge_size)
 
 
-def image_tokens(grid_thw: torch.Tensor, spatial_merge_size: int) -> list[int]:
-    """Placeholder tokens of each image: its t h w patches merged in m x m squares."""
-    return (grid_thw.prod(-1) // spatial_merge_size**2).tolist()
-
-
 def mrope_positions(input_ids: torch.Tensor, pair_lengths, image_grid_thw: torch.Tensor | None, image_token_id: int,
                     spatial_merge_size: int) -> torch.Tensor:
     """(3, 1, T) long M-RoPE positions of a packed row (the module docstring, point 2).
