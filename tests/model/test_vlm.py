@@ -95,6 +95,17 @@ def test_packed_logps_equal_separate_forwards(model):
     torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_attention_takes_the_mask_too(family):
+    model = build_tiny_vlm(family, initializer_range=0.2)
+    model.set_attn_implementation("eager")
+    pairs, images = example(model.config, seed=5)
+    with torch.no_grad():
+        packed, _ = vision_sequence_logps(model, batch_of(model, pairs, images))
+        expected, _ = separate_sums(model, pairs, images)
+    torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
+
+
 def test_mrope_positions_equal_get_rope_index_per_sequence(model):
     pairs, images = example(model.config)
     batch = batch_of(model, pairs, images)

@@ -38,8 +38,9 @@ merger: features per image, image after image), `model.get_input_embeddings()`, 
 `config.image_token_id` / `config.vision_config.spatial_merge_size`. The positions are computed here, not by the
 model's `get_rope_index` (the tests compare the two).
 
-Grouping pairs by prompt (`pack_pairs(..., group=True)`) is refused: two prompts with the same token ids may hold
-different images. Videos are not handled.
+Pairs are never grouped by prompt (`pack_pairs(..., group=True)`): two prompts with the same token ids may hold
+different images. Videos are not handled. The vision tower keeps the model's own attention: switching every
+sub-config to fastdpo's attention (`backend.target_hidden` does so for text models) would break it.
 """
 
 from __future__ import annotations
