@@ -137,7 +137,7 @@ def mrope_positions(input_ids: torch.Tensor, pair_lengths, image_grid_thw: torch
                                    "not supported).")
             hm, wm = h // spatial_merge_size, w // spatial_merge_size
             n = t * hm * wm
-            if ids[off + i : off + i + n] != [image_token_id] * n:
+            if i + n > n_prompt or ids[off + i : off + i + n] != [image_token_id] * n:
                 raise FastDPOError(f"image {image - 1} (grid {t}x{h}x{w}) needs {n} placeholder tokens in its prompt.")
             grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(hm), torch.arange(wm), indexing="ij"))
             chunks.append(grid.reshape(3, n) + pos)
