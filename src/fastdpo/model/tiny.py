@@ -63,3 +63,42 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", words: list[str
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+# Vision-language families: (config class, model class). Their vision towers differ in shape names.
+VLM_FAMILIES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+}
+VLM_PATCH = 4  # pixels per patch side; with a 2 x 2 merge an image of 8k x 8l pixels gives k l placeholder tokens
+
+
+def tiny_vlm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, **overrides):
+    """A tiny Qwen2-VL / Qwen2.5-VL config: 2 text layers with GQA and M-RoPE sections (2, 3, 3) of a head of 16, a
+    2-block vision tower of 4-pixel patches merged 2 x 2 (Qwen2.5-VL: one windowed block, one full). The vision
+    special tokens take the last four ids: image, video, vision start, vision end."""
+    import transformers
+
+    text = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=1,
+                bos_token_id=3, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(depth=2, num_heads=2, patch_size=VLM_PATCH, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_5_vl":
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden, window_size=4 * VLM_PATCH,
+                      fullatt_block_indexes=[1])
+    else:
+        vision.update(embed_dim=32, hidden_size=hidden, mlp_ratio=2)
+    ids = dict(image_token_id=vocab_size - 4, video_token_id=vocab_size - 3, vision_start_token_id=vocab_size - 2,
+               vision_end_token_id=vocab_size - 1)
+    ids.update(overrides)
+    return getattr(transformers, VLM_FAMILIES[family][0])(text_config=text, vision_config=vision, **ids)
+
+
+def build_tiny_vlm(family: str = "qwen2_5_vl", vocab_size: int = 80, seed: int = 0, **overrides):
+    """A random-init tiny vision-language model of `family` in float32, in eval mode (no dropout)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cls = getattr(transformers, VLM_FAMILIES[family][1])
+    return cls(tiny_vlm_config(family, vocab_size, **overrides)).float().eval()

@@ -1,0 +1,239 @@
+"""Vision-language pairs (the Qwen2-VL / Qwen2.5-VL family) through the packed, prefix-shared layout (DESIGN §1).
+
+A multimodal pair is two sequences that share a prompt holding images:
+
+    [prompt with image placeholders | chosen]   and   [prompt with image placeholders | rejected]
+
+As for text (`fastdpo.data.pack`), both are computed in one packed row [prompt | chosen | rejected], the prompt
+once. Three things differ from text:
+
+1. Image features. A prompt's images run through the vision tower once per call, all images of the micro-batch in
+   one call (`image_embeddings`), and their features replace the token embeddings at the placeholder positions
+   (`merged_embeddings`). Each prompt appears once in the packed row, so each image's features are placed once; the
+   two sequences of a pair see them through attention to the prompt. Separate forwards would run each image twice.
+
+2. M-RoPE positions (`mrope_positions`). These models rotate queries and keys by three position ids per token
+   (temporal, height, width). A text token at text position p gets (p, p, p). An image whose placeholders start at
+   position s, with a grid of t x h x w patches merged in m x m squares (h' = h / m, w' = w / m merged tokens per
+   side), puts its t h' w' tokens, in row-major (t, h', w') order, at
+
+       (s + i_t, s + i_h, s + i_w),   0 <= i_t < t, 0 <= i_h < h', 0 <= i_w < w'
+
+   and the text after it resumes at one past the image's largest position, s + max(t, h', w') (still images have
+   t = 1). So a prompt of P tokens ends at some position q (not P - 1 once an image is in it), chosen takes
+   q + 1 .. q + C on all three axes, and rejected restarts at q + 1 (q + 1 .. q + R): exactly the positions the
+   model gives [prompt | chosen] and [prompt | rejected] run separately.
+
+3. The attention rule is the text one (`fastdpo.model.attention.allowed`: same pair, causal in packed order, a key
+   is a prompt token or in the query's own segment), built as a dense mask by `attention.dense_mask` and handed to
+   the language model as a ready 4-D additive mask (0 where allowed, the dtype's minimum elsewhere), which its
+   eager and SDPA attention both take as is. The positions never enter the mask: M-RoPE only rotates.
+
+Then, as for text (DESIGN §4): the final hidden states at the positions that predict the completion tokens, through
+the output head in chunks, float32 log-sum-exp, summed per sequence.
+
+transformers API used: `model.get_image_features(pixel_values, image_grid_thw)` (the vision tower and its patch
+merger: features per image, image after image), `model.get_input_embeddings()`, the language model from
+`model.get_decoder()` called with `inputs_embeds`, 3-row `position_ids` and a 4-D `attention_mask`, and
+`config.image_token_id` / `config.vision_config.spatial_merge_size`. The positions are computed here, not by the
+model's `get_rope_index` (the tests compare the two).
+
+Pairs are never grouped by prompt (`pack_pairs(..., group=True)`): two prompts with the same token ids may hold
+different images. Videos are not handled. The vision tower keeps the model's own attention: switching every
+sub-config to fastdpo's attention (`backend.target_hidden` does so for text models) would break it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastdpo.data.pack import PairBatch, pack_pairs
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.errors import FastDPOError
+from fastdpo.kernels.logprob_head import token_logps
+from fastdpo.model import attention
+from fastdpo.model.backend import decoder, output_head, sliding_window
+from fastdpo.model.load import base_causal_lm
+from fastdpo.model.logprobs import sequence_sums
+
+# attention implementations of the language model that take a ready 4-D additive mask as it is
+MASKED_ATTENTION = ("eager", "sdpa", attention.ATTN_NAME)
+
+
+@dataclass
+class VisionPairBatch:
+    """A micro-batch of B vision-language pairs in the packed layout.
+
+    pairs: the text layout of `pack_pairs` (input_ids (1, T) with each prompt's image placeholders, targets, pair ids
+      and segments); its `position_ids` are the plain 1-D ones and are not used by the model.
+    positions: (3, 1, T) long, the M-RoPE positions (temporal, height, width) of every packed token.
+    pixel_values: (patches, C * temporal_patch * patch^2) the images' patches, image after image in the order their
+      placeholders appear in the row (pair after pair, in a prompt from left to right); None without images.
+    image_grid_thw: (I, 3) long, each image's (t, h, w) patch grid, in the same order; None without images.
+    """
+
+    pairs: PairBatch
+    positions: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    @property
+    def num_images(self) -> int:
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+
+    def to(self, device: torch.device | str) -> VisionPairBatch:
+        def move(v):
+            return None if v is None else v.to(device)
+
+        return VisionPairBatch(self.pairs.to(device), self.positions.to(device), move(self.pixel_values),
+                               move(self.image_grid_thw))
+
+
+def vision_ids(config) -> tuple[int, int]:
+    """(image placeholder token id, spatial merge size) of a Qwen2-VL-style model config."""
+    vision = getattr(config, "vision_config", None)
+    if getattr(config, "image_token_id", None) is None or vision is None:
+        raise FastDPOError(f"model_type {getattr(config, 'model_type', '?')!r} has no image placeholder token or "
+                           "vision tower config: vision-language pairs need a Qwen2-VL or Qwen2.5-VL model.")
+    return int(config.image_token_id), int(vision.spatial_merge_size)
+
+
+def mrope_positions(input_ids: torch.Tensor, pair_lengths, image_grid_thw: torch.Tensor | None, image_token_id: int,
+                    spatial_merge_size: int) -> torch.Tensor:
+    """(3, 1, T) long M-RoPE positions of a packed row (the module docstring, point 2).
+
+    input_ids (1, T) the packed row; pair_lengths: (prompt, chosen, rejected) tokens of each pair in packed order
+    (`PairBatch.pair_lengths`); image_grid_thw (I, 3) the grids of the images in the order their placeholders appear.
+    A run of an image's t h' w' placeholders takes the next grid; trailing filler gets position 0 like text filler."""
+    ids = input_ids[0].tolist()
+    grids = [] if image_grid_thw is None else image_grid_thw.tolist()
+    chunks: list[torch.Tensor] = []
+    image = off = 0
+
+    def text(start: int, n: int) -> None:
+        chunks.append(torch.arange(start, start + n).expand(3, n))
+
+    for pair, run in enumerate(pair_lengths):
+        assert len(run) == 3, "vision-language pairs are packed one pair per prompt (no groups)"
+        n_prompt, n_chosen, n_rejected = run
+        pos = i = 0  # next text position, next prompt token
+        while i < n_prompt:
+            if ids[off + i] != image_token_id:
+                j = i
+                while j < n_prompt and ids[off + j] != image_token_id:
+                    j += 1
+                text(pos, j - i)
+                pos += j - i
+                i = j
+                continue
+            if image >= len(grids):
+                raise FastDPOError(f"pair {pair}: more image placeholder runs than images ({len(grids)}).")
+            t, h, w = grids[image]
+            image += 1
+            if t != 1:
+                raise FastDPOError(f"image {image - 1} has a temporal grid of {t}; still images have 1 (videos are "
+                                   "not supported).")
+            hm, wm = h // spatial_merge_size, w // spatial_merge_size
+            n = t * hm * wm
+            if i + n > n_prompt or ids[off + i : off + i + n] != [image_token_id] * n:
+                raise FastDPOError(f"image {image - 1} (grid {t}x{h}x{w}) needs {n} placeholder tokens in its prompt.")
+            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(hm), torch.arange(wm), indexing="ij"))
+            chunks.append(grid.reshape(3, n) + pos)
+            pos += max(t, hm, wm)
+            i += n
+        text(pos, n_chosen)
+        text(pos, n_rejected)  # rejected restarts where chosen started
+        off += n_prompt + n_chosen + n_rejected
+    if image != len(grids):
+        raise FastDPOError(f"{len(grids)} images for {image} image placeholder runs in the pairs' prompts.")
+    chunks.append(torch.zeros(3, len(ids) - off, dtype=torch.long))
+    return torch.cat(chunks, dim=1).unsqueeze(1).to(input_ids.device)
+
+
+def pack_vision_pairs(pairs: list[TokenizedPair], config, pixel_values: torch.Tensor | None = None,
+                      image_grid_thw: torch.Tensor | None = None, pad_id: int = 0) -> VisionPairBatch:
+    """Pairs whose prompts hold image placeholders (each image's run of t h' w' `image_token_id` tokens already
+    expanded, as the model's processor writes them) laid out as one packed row, with their M-RoPE positions.
+    `pixel_values` / `image_grid_thw`: the images of all pairs, in the order their placeholders appear (pair after
+    pair), as the model's image processor gives them (a pair without images contributes none). `config`: the
+    model's config (its image token id and merge size)."""
+    image_token_id, merge = vision_ids(config)
+    batch = pack_pairs(pairs, 1, pad_id)
+    positions = mrope_positions(batch.input_ids, batch.pair_lengths, image_grid_thw, image_token_id, merge)
+    if (pixel_values is None) != (image_grid_thw is None):
+        raise FastDPOError("pixel_values and image_grid_thw come together.")
+    if image_grid_thw is not None and int(image_grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
+        raise FastDPOError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw says "
+                           f"{int(image_grid_thw.prod(-1).sum())}.")
+    return VisionPairBatch(batch, positions, pixel_values, image_grid_thw)
+
+
+def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    """(tokens, H) the features of all images of a micro-batch, image after image: one call of the vision tower
+    (patch embedding, its blocks, the patch merger) over all of them, whatever the number of pairs."""
+    out = base_causal_lm(model).get_image_features(pixel_values, image_grid_thw)
+    features = getattr(out, "pooler_output", out)  # transformers 5: an output whose pooler_output splits per image
+    if isinstance(features, (tuple, list)):
+        features = torch.cat(list(features), dim=0)
+    return features
+
+
+def merged_embeddings(model, input_ids: torch.Tensor, features: torch.Tensor | None, image_token_id: int
+                      ) -> torch.Tensor:
+    """(1, T, H) token embeddings of the packed row with the image features in place of the placeholders, in order:
+    the k-th placeholder token of the row takes row k of `features`."""
+    embeds = base_causal_lm(model).get_input_embeddings()(input_ids)
+    where = (input_ids[0] == image_token_id).nonzero().squeeze(1)
+    n = 0 if features is None else features.shape[0]
+    if where.numel() != n:
+        raise FastDPOError(f"{where.numel()} image placeholder tokens in the row, {n} image features.")
+    if n == 0:
+        return embeds
+    return embeds[0].index_copy(0, where, features.to(embeds.dtype)).unsqueeze(0)
+
+
+def additive_mask(batch: PairBatch, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, T, T) the pair attention rule (`attention.dense_mask`) as an additive mask: 0 where a query may see a
+    key, the dtype's minimum elsewhere."""
+    allowed = attention.dense_mask(batch)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def check_language_model(model) -> None:
+    """The packed forward's mask is the language model's whole attention rule: no sliding window, an attention that
+    takes a ready additive mask."""
+    text = decoder(model)
+    impl = getattr(text.config, "_attn_implementation", None)
+    if impl not in MASKED_ATTENTION:
+        raise FastDPOError(f"vision-language pairs run the language model with attention {list(MASKED_ATTENTION)}, "
+                           f"not {impl!r}: load the model with attn_implementation='sdpa'.")
+    ok, window, reason = sliding_window(text.config)
+    if not ok or window is not None:
+        raise FastDPOError(f"vision-language pairs: the language model's {reason or 'sliding window'} is not "
+                           "supported by the packed layout.")
+
+
+def vision_target_hidden(model, batch: VisionPairBatch) -> torch.Tensor:
+    """(N, H) final hidden states at the packed positions that predict the N completion targets."""
+    check_language_model(model)
+    image_token_id, _ = vision_ids(base_causal_lm(model).config)
+    features = None
+    if batch.num_images:
+        features = image_embeddings(model, batch.pixel_values, batch.image_grid_thw)
+    pairs = batch.pairs
+    embeds = merged_embeddings(model, pairs.input_ids, features, image_token_id)
+    hidden = decoder(model)(inputs_embeds=embeds, position_ids=batch.positions,
+                            attention_mask=additive_mask(pairs, embeds.dtype), use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, pairs.src)
+
+
+def vision_sequence_logps(model, batch: VisionPairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completion log-prob sums (2B,) float32, chosen of pairs 0..B-1 then rejected, and the per-token log-probs
+    (N,), of vision-language pairs in the packed layout: the vision tower once per image, the prompt once per pair."""
+    hidden = vision_target_hidden(model, batch)
+    head = output_head(model)
+    tok = token_logps(hidden, head.weight, batch.pairs.tgt, scale=head.scale, softcap=head.softcap,
+                      kernels=head.kernels)
+    return sequence_sums(tok, batch.pairs.seq, batch.pairs.lengths.numel()), tok

@@ -1,0 +1,266 @@
+"""Vision-language pairs in the packed layout (`fastdpo.model.vlm`) against the model's own forwards, run separately
+on [prompt | chosen] and [prompt | rejected]: log-prob sums, M-RoPE positions, gradients, one vision call per image.
+
+The images are built directly as the model takes them, not through an image processor: an image of h x w patches
+(4-pixel patches, `fastdpo.model.tiny.VLM_PATCH`) is `pixel_values` of h w rows of 3 x 2 x 4 x 4 values (channels x
+temporal patch x patch x patch) and a grid (1, h, w); its prompt holds (h / 2) (w / 2) placeholder tokens."""
+
+import pytest
+import torch
+
+from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.errors import FastDPOError
+from fastdpo.model.tiny import build_tiny_vlm
+from fastdpo.model.vlm import image_embeddings, mrope_positions, pack_vision_pairs, vision_sequence_logps
+
+FAMILIES = ["qwen2_5_vl", "qwen2_vl"]
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    # weights 10x the default spread, so that an image moves the log-probs well above float32 rounding
+    return build_tiny_vlm(request.param, initializer_range=0.2)
+
+
+def image(h: int, w: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values (h w, 96), grid (1, 3)) of an image of h x w patches."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(h * w, 3 * 2 * 4 * 4, generator=g), torch.tensor([[1, h, w]])
+
+
+def placeholders(config, grid: torch.Tensor) -> list[int]:
+    t, h, w = grid[0].tolist()
+    return [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [config.vision_end_token_id]
+
+
+def example(config, seed: int = 0) -> tuple[list[TokenizedPair], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Three pairs and their images: one square image; two images of other sizes, one not square; no image. Prompts
+    and completions of different lengths."""
+    a, b, c = image(4, 4, seed), image(8, 6, seed + 1), image(2, 4, seed + 2)
+    images = [[a], [b, c], []]
+    prompts = [[3, 5] + placeholders(config, a[1]) + [6, 7],
+               [3] + placeholders(config, b[1]) + [8] + placeholders(config, c[1]) + [9, 10, 11],
+               [3, 12, 13]]
+    completions = [([20, 21, 22], [23, 24]), ([25], [26, 27, 28, 29]), ([30, 31, 32, 33], [34, 35, 36])]
+    pairs = [TokenizedPair(p, ch, rj, i) for i, (p, (ch, rj)) in enumerate(zip(prompts, completions))]
+    return pairs, images
+
+
+def batch_of(model, pairs, images):
+    flat = [im for ims in images for im in ims]
+    pixels = torch.cat([p for p, _ in flat]) if flat else None
+    grids = torch.cat([g for _, g in flat]) if flat else None
+    return pack_vision_pairs(pairs, model.config, pixels, grids)
+
+
+def separate_forward(model, prompt, completion, images):
+    """The model's own forward on [prompt | completion] (the processor's inputs, mm_token_type_ids included: without
+    them transformers 5 falls back to 1-D positions), full float32 logits: (completion log-prob sum, its positions)."""
+    ids = torch.tensor([prompt + completion])
+    kw = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    if images:
+        kw.update(pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.cat([g for _, g in images]))
+    logits = model(input_ids=ids, use_cache=False, **kw).logits[0].float()
+    logps = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    positions, _ = model.model.get_rope_index(ids, kw["mm_token_type_ids"], kw.get("image_grid_thw"))
+    return logps[len(prompt) - 1:].sum(), positions
+
+
+def separate_sums(model, pairs, images):
+    """(2B,) chosen then rejected sums and each sequence's positions (3, 1, L), from 2B separate forwards."""
+    chosen = [separate_forward(model, p.prompt, p.chosen, ims) for p, ims in zip(pairs, images)]
+    rejected = [separate_forward(model, p.prompt, p.rejected, ims) for p, ims in zip(pairs, images)]
+    return torch.stack([s for s, _ in chosen + rejected]), [pos for _, pos in chosen + rejected]
+
+
+def segments(batch):
+    """The packed token indices of each sequence, chosen of every pair then rejected: [prompt | own completion]."""
+    chosen, rejected, off = [], [], 0
+    for n_p, n_c, n_r in batch.pairs.pair_lengths:
+        prompt = list(range(off, off + n_p))
+        chosen.append(prompt + list(range(off + n_p, off + n_p + n_c)))
+        rejected.append(prompt + list(range(off + n_p + n_c, off + n_p + n_c + n_r)))
+        off += n_p + n_c + n_r
+    return chosen + rejected
+
+
+def test_packed_logps_equal_separate_forwards(model):
+    pairs, images = example(model.config)
+    batch = batch_of(model, pairs, images)
+    with torch.no_grad():
+        packed, tok = vision_sequence_logps(model, batch)
+        expected, _ = separate_sums(model, pairs, images)
+    assert packed.dtype == torch.float32 and packed.shape == (6,) and tok.shape == (batch.pairs.tgt.numel(),)
+    torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_attention_takes_the_mask_too(family):
+    model = build_tiny_vlm(family, initializer_range=0.2)
+    model.set_attn_implementation("eager")
+    pairs, images = example(model.config, seed=5)
+    with torch.no_grad():
+        packed, _ = vision_sequence_logps(model, batch_of(model, pairs, images))
+        expected, _ = separate_sums(model, pairs, images)
+    torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
+
+
+def test_mrope_positions_equal_get_rope_index_per_sequence(model):
+    pairs, images = example(model.config)
+    batch = batch_of(model, pairs, images)
+    with torch.no_grad():
+        _, positions = separate_sums(model, pairs, images)
+    for s, (index, expected) in enumerate(zip(segments(batch), positions)):
+        assert torch.equal(batch.positions[:, :, index], expected), s
+    # images move the text after them: pair 1's prompt of 23 tokens (packed at 15..37) ends at position 14, not 22;
+    # its chosen and its rejected completion both start at 15
+    assert batch.pairs.pair_lengths[1] == (23, 1, 4)
+    assert batch.positions[:, 0, 37].tolist() == [14, 14, 14]
+    assert batch.positions[:, 0, 38].tolist() == batch.positions[:, 0, 39].tolist() == [15, 15, 15]
+
+
+def test_an_image_changes_its_own_pair_only(model):
+    pairs, images = example(model.config)
+    with torch.no_grad():
+        before, _ = vision_sequence_logps(model, batch_of(model, pairs, images))
+        pixels, grid = images[1][1]
+        changed = [images[0], [images[1][0], (pixels + torch.randn_like(pixels), grid)], images[2]]
+        after, _ = vision_sequence_logps(model, batch_of(model, pairs, changed))
+    moved = (after - before).abs()
+    assert moved[[1, 4]].min() > 1e-3, moved  # pair 1's chosen and rejected
+    torch.testing.assert_close(after[[0, 2, 3, 5]], before[[0, 2, 3, 5]], atol=1e-6, rtol=0)
+
+
+def test_the_vision_tower_runs_once_per_call_on_every_image(model, monkeypatch):
+    pairs, images = example(model.config)
+    batch = batch_of(model, pairs, images)
+    visual = model.model.visual
+    calls = []
+    forward = visual.forward
+
+    def counted(hidden_states, grid_thw, **kwargs):
+        calls.append((hidden_states.shape[0], grid_thw.clone()))
+        return forward(hidden_states, grid_thw, **kwargs)
+
+    monkeypatch.setattr(visual, "forward", counted)
+    with torch.no_grad():
+        vision_sequence_logps(model, batch)
+    assert len(calls) == 1, "one vision call for the 3 images of 3 pairs (separate forwards: 6 calls, 6 images)"
+    assert calls[0][0] == batch.pixel_values.shape[0]
+    assert torch.equal(calls[0][1], batch.image_grid_thw)
+    assert image_embeddings(model, batch.pixel_values, batch.image_grid_thw).shape == (4 + 12 + 2, 64)
+
+
+def test_placeholders_and_images_must_agree(model):
+    pairs, images = example(model.config)
+    with pytest.raises(FastDPOError, match="more image placeholder runs than images"):
+        batch_of(model, pairs, [images[0], images[1][:1], []])
+    with pytest.raises(FastDPOError, match="4 images for 3 image placeholder runs"):
+        batch_of(model, pairs, [images[0], images[1], [image(2, 2, 9)]])
+    short = TokenizedPair(pairs[0].prompt[:3] + pairs[0].prompt[4:], [20], [21], 0)  # one placeholder less
+    with pytest.raises(FastDPOError, match="placeholder tokens"):
+        batch_of(model, [short], [images[0]])
+
+
+def weighted_grads(model, sums_of) -> dict[str, torch.Tensor]:
+    """Gradients by parameter name of a fixed weighting of the (2B,) log-prob sums `sums_of()` returns."""
+    model.zero_grad()
+    sums = sums_of()
+    weights = torch.linspace(-1.0, 1.5, sums.numel())
+    (sums * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return grads
+
+
+def assert_grads_close(packed: dict, separate: dict, tol: float = ATOL) -> None:
+    """Each gradient within `tol` of the reference, relative to the reference's largest entry when that is above 1
+    (these gradients reach about 70: float32 rounding of sums over ~40 tokens is some 1e-5 absolute there)."""
+    assert packed.keys() == separate.keys()
+    for name in packed:
+        scale = max(1.0, separate[name].abs().max().item())
+        assert (packed[name] - separate[name]).abs().max().item() <= tol * scale, name
+
+
+def test_gradients_equal_separate_forwards(model):
+    """Every parameter's gradient, the language model's and the vision tower's: the packed forward uses each image
+    once where the separate forwards use it twice, and the gradients still agree."""
+    pairs, images = example(model.config)
+    batch = batch_of(model, pairs, images)
+    packed = weighted_grads(model, lambda: vision_sequence_logps(model, batch)[0])
+    separate = weighted_grads(model, lambda: separate_sums(model, pairs, images)[0])
+    assert any(n.startswith("model.visual.") for n in packed) and any("language_model" in n for n in packed)
+    assert_grads_close(packed, separate)
+
+
+def test_lora_on_the_language_model(model):
+    """PEFT LoRA on the language model's attention only (B drawn at random): the packed sums and the adapters'
+    gradients equal the separate forwards'; with the adapters off, the sums are the base model's."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build_tiny_vlm(model.config.model_type, initializer_range=0.2)
+    pairs, images = example(base.config)
+    batch = batch_of(base, pairs, images)
+    with torch.no_grad():
+        plain, _ = vision_sequence_logps(base, batch)
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q|k|v|o)_proj"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:  # PEFT starts B at zero, which would hide the adapters
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    trainable = [n for n, p in peft.named_parameters() if p.requires_grad]
+    assert trainable and all("language_model" in n and "lora_" in n for n in trainable)
+    hf = peft.get_base_model()  # the same modules, adapters in place: the model's own forward
+    packed = weighted_grads(peft, lambda: vision_sequence_logps(peft, batch)[0])
+    separate = weighted_grads(peft, lambda: separate_sums(hf, pairs, images)[0])
+    assert packed.keys() == set(trainable)
+    assert_grads_close(packed, separate)
+    with torch.no_grad():
+        adapted, _ = vision_sequence_logps(peft, batch)
+        expected, _ = separate_sums(hf, pairs, images)
+        with peft.disable_adapter():
+            off, _ = vision_sequence_logps(peft, batch)
+    torch.testing.assert_close(adapted, expected, atol=ATOL, rtol=0)
+    assert (adapted - plain).abs().max() > 1e-3
+    torch.testing.assert_close(off, plain, atol=ATOL, rtol=0)
+
+
+def test_mrope_positions_by_hand():
+    """One pair: prompt [a, image of 2 x 3 merged tokens, b], chosen [c, d], rejected [e]. The image starts at 1 and
+    spans rows 1..2 and columns 1..3, so b resumes at 1 + max(1, 2, 3) = 4; both completions start at 5."""
+    img = 9
+    row = torch.tensor([[0] + [img] * 6 + [1, 2, 3, 4]])
+    got = mrope_positions(row, [(8, 2, 1)], torch.tensor([[1, 4, 6]]), img, 2)
+    assert got[:, 0].tolist() == [[0, 1, 1, 1, 1, 1, 1, 4, 5, 6, 5],   # temporal
+                                  [0, 1, 1, 1, 2, 2, 2, 4, 5, 6, 5],   # height
+                                  [0, 1, 2, 3, 1, 2, 3, 4, 5, 6, 5]]   # width
+
+
+def test_pixels_from_the_image_processor(model):
+    """The inputs transformers' (PIL) Qwen2-VL image processor writes for two PIL images of 32 x 24 and 16 x 16
+    pixels (4-pixel patches, 2 x 2 merge): grids (1, 6, 8) and (1, 4, 4); the packed sums equal the separate
+    forwards' on them too."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rng = torch.Generator().manual_seed(3)
+    pictures = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
+                for h, w in ((24, 32), (16, 16))]
+    processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64,
+                                         max_pixels=64 * 64)
+    out = processor(images=pictures, return_tensors="pt")
+    grids = out["image_grid_thw"]
+    assert grids.tolist() == [[1, 6, 8], [1, 4, 4]]
+    patches = grids.prod(-1).tolist()
+    first = (out["pixel_values"][: patches[0]], grids[:1])
+    second = (out["pixel_values"][patches[0]:], grids[1:])
+    cfg = model.config
+    pairs = [TokenizedPair([3] + placeholders(cfg, first[1]) + [5, 6], [20, 21], [22], 0),
+             TokenizedPair([3, 7] + placeholders(cfg, second[1]), [23], [24, 25, 26], 1)]
+    images = [[first], [second]]
+    with torch.no_grad():
+        packed, _ = vision_sequence_logps(model, batch_of(model, pairs, images))
+        expected, _ = separate_sums(model, pairs, images)
+    torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
