@@ -59,14 +59,12 @@ def _convert(linear: torch.nn.Linear) -> None:
 def convert_to_fp8_base(model: torch.nn.Module) -> int:
     """Hold every decoder projection of `model` (q/k/v/o and gate/up/down, under a PEFT wrapper too) in FP8 with
     row-wise scales and run its products in FP8; the embeddings, norms and output head are left as they are.
-    Idempotent; returns how many linears are FP8 now."""
+    Idempotent; returns how many linears it converted (0 when called again)."""
     n = 0
     for name, m in model.named_modules():
-        if type(m) is not torch.nn.Linear or not _projection(name):
-            continue
-        if not is_fp8_linear(m):
+        if type(m) is torch.nn.Linear and _projection(name) and not is_fp8_linear(m):
             _convert(m)
-        n += 1
+            n += 1
     return n
 
 
