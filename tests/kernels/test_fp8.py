@@ -1,7 +1,7 @@
 """The FP8 linear (`fastdpo.kernels.fp8`): row-wise e4m3 quantisation, and the Function's output and input gradient
 against a float32 computation of the same quantised math (tight) and against the unquantised product (loose: the
 bound e4m3's three mantissa bits allow). On the CPU the emulated path runs; the `_scaled_mm` path is checked against
-it in tests/model/test_gpu_fp8.py."""
+it in tests/kernels/test_fp8_gpu.py."""
 
 import pytest
 import torch
