@@ -44,6 +44,15 @@ def test_quantise_rowwise_scales_each_row_by_its_absolute_maximum():
     assert torch.equal(q, (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3))
 
 
+def test_a_column_scale_is_applied_before_the_row_quantisation():
+    g = torch.Generator().manual_seed(5)
+    x, cols = torch.randn(6, 32, generator=g), torch.rand(1, 32, generator=g) + 0.01
+    q, scale = quantise_rowwise(x, col_scale=cols)
+    want_q, want_scale = quantise_rowwise(x * cols)
+    assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
+    assert not torch.equal(q, quantise_rowwise(x)[0])
+
+
 def emulated_reference(x, wq, w_scale, g):
     """The same quantised math written out in float32: x quantised per row, times the dequantised weight; x's gradient
     from g scaled by the weight's row scales, quantised per row, times the FP8 weight."""
