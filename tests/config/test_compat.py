@@ -128,6 +128,35 @@ def test_swift_qlora_spelling_trains_qlora(caplog):
         parse("--train_type", "full", "--quant_method", "bnb")
 
 
+def test_swift_fp8_spelling_trains_lora_on_the_fp8_base(caplog):
+    """ms-swift's FP8 base is --quant_method fp8 --quant_bits 8: here LoRA with --fp8_base, bnb still QLoRA."""
+    caplog.set_level(logging.INFO, logger="fastdpo")
+    cfg = parse("--quant_method", "fp8", "--quant_bits", "8")
+    assert (cfg.train_type, cfg.fp8_base) == ("lora", True)
+    assert "--train_type lora --fp8_base" in caplog.text and "--quant_bits" not in caplog.text  # no no-op note
+    assert parse("--train_type", "lora", "--quant_method", "FP8").fp8_base
+    assert parse("--quant_method", "bnb", "--quant_bits", "8").fp8_base is False
+    with pytest.raises(FastDPOError, match="--quant_method fp8 --quant_bits 4: an FP8 base has 8 bits"):
+        parse("--quant_method", "fp8", "--quant_bits", "4")
+    with pytest.raises(FastDPOError, match="--quant_method fp8 with --train_type full: the FP8 base is the frozen"):
+        parse("--train_type", "full", "--quant_method", "fp8")
+    with pytest.raises(FastDPOError, match="--quant_method fp8 means --fp8_base True, but --fp8_base is already"):
+        parse("--quant_method", "fp8", "--fp8_base", "false")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (("--fp8_base", "true"), "--train_type full trains every weight .*--fp8, which is not available yet"),
+    (("--train_type", "qlora", "--fp8_base", "true"), "--fp8_base and --train_type qlora both quantise"),
+    (("--train_type", "lora", "--fp8_base", "true", "--device", "cpu"), "--fp8_base needs a CUDA GPU with FP8"),
+])
+def test_fp8_base_is_refused_where_it_cannot_serve(flags, needle):
+    cfg = parse("--model", "m", "--dataset", "d", *flags)
+    with pytest.raises(FastDPOError, match=needle):
+        cfg.validate_training()
+    assert parse("--model", "m", "--dataset", "d", "--train_type", "lora", "--fp8_base", "true").fp8_base
+    assert parse("--model", "m", "--dataset", "d").fp8_base is False  # off by default
+
+
 @pytest.mark.parametrize("flags", [("--lora_rank", "8", "--lora_alpha", "32"), ("--target_modules", "q_proj,v_proj"),
                                    ("--train_type", "full", "--lora_dropout", "0.1")])
 def test_adapter_flags_on_a_full_fine_tune_are_refused(flags):

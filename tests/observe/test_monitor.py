@@ -382,6 +382,10 @@ def test_oom_next_steps_follow_the_settings():
     assert not any("precompute" in s or "bfloat16" in s for s in steps)
     full = oom_next_steps(TrainConfig(model="m", dataset=["d"]), longest_micro_tokens=3000)
     assert full[0].startswith("--max_tokens_per_batch 1500") and any("--precompute_ref_log_probs" in s for s in full)
+    lora = oom_next_steps(TrainConfig(model="m", dataset=["d"], train_type="lora"), None)
+    assert any("--train_type qlora" in s and "--fp8_base" in s for s in lora)
+    fp8 = oom_next_steps(TrainConfig(model="m", dataset=["d"], train_type="lora", fp8_base=True), None)
+    assert any("--train_type qlora" in s for s in fp8) and not any("--fp8_base" in s for s in fp8)
 
 
 def test_runs_logged_with_kl_names_read_back_as_logratios(tmp_path):

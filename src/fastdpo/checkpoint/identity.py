@@ -81,7 +81,7 @@ GUARDED = {
     "ref_model_sync_steps": lambda c: bool(c.get("sync_ref_model")),
     # what trains
     "train_type": _always, "lora_rank": _lora, "lora_alpha": _lora, "lora_dropout": _lora, "target_modules": _lora,
-    "use_dora": _lora,
+    "use_dora": _lora, "fp8_base": _lora,
     "quant_bits": lambda c: c.get("train_type") == "qlora",
     # the data and its order
     "seed": _always, "shuffle": _always, "streaming": _always,

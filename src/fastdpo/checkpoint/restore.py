@@ -131,7 +131,10 @@ def nonfinite_tensors(modules: dict[str, torch.nn.Module], optimizer=None) -> li
 
     def add(name: str, t) -> None:
         t = t.to_local() if hasattr(t, "to_local") else t
-        if t.is_floating_point() and t.numel():
+        if t.dtype == torch.float8_e4m3fn and t.numel():  # an FP8 base (--fp8_base): no Inf, NaN is S.1111.111
+            names.append(name)
+            flags.append(((t.detach().view(torch.uint8) & 0x7F) != 0x7F).all())
+        elif t.is_floating_point() and t.numel():
             names.append(name)
             flags.append(torch.isfinite(torch.stack([t.detach().amax(), t.detach().amin()]).float()).all())
 

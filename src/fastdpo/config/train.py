@@ -83,6 +83,10 @@ class TrainConfig(ParallelSection, MonitoringSection, ProfilingSection, RunSecti
             log.warning("--learning_rate %g with --train_type %s: LoRA adapters start at zero, and at a full fine-tune's "
                         "rate they barely move (LoRA DPO usually trains at 5e-6 to 1e-4; leave the flag out for %g).",
                         self.learning_rate, self.train_type, LORA_LEARNING_RATE)
+        if self.fp8_base and self.device == "cpu":
+            raise FastDPOError("--fp8_base needs a CUDA GPU with FP8 tensor cores (Ada or Hopper, compute capability "
+                               "8.9 or newer), and --device cpu trains on the CPU. Drop --fp8_base (plain --train_type "
+                               "lora).")
         if self.torch_dtype == "float16" and self.train_type == "full":
             raise FastDPOError(
                 "--torch_dtype float16 (or --fp16 true) with --train_type full: AdamW's updates and second moments do "

@@ -6,7 +6,8 @@ change the numbers:
   model         content of the reference weights and config (and of --ref_adapters),
   data          the text of every row, in order,
   tokenisation  the token ids of every pair, and --max_length,
-  dtype         the parameter dtype of the pass.
+  dtype         the parameter dtype of the pass,
+  base          with --fp8_base: the FP8 base the pass ran on.
 Any change gives another key and so a rebuild; otherwise the file is reused across epochs and runs.
 """
 

@@ -192,6 +192,8 @@ def cache_path(cfg: TrainConfig, pairs: list[TokenizedPair], rows: list[Row]) ->
         "max_length": cfg.max_length,
         "dtype": str(resolve_dtype(cfg.torch_dtype, resolve_device(cfg.device))),
     }
+    if cfg.fp8_base and not cfg.ref_model:  # the pass ran on the FP8 base (a --ref_model keeps its own precision)
+        parts["base"] = "fp8_e4m3_rowwise"
     return cache_dir / f"{cache_key(parts)}.safetensors", parts
 
 

@@ -7,6 +7,8 @@ autograd Functions that call them (with the eager torch path the Function takes 
 - `logprob_head`: token log-probs through the output head, a chunk of the vocabulary's logits at a time.
 - `gather_rows`: the backward of a row gather that takes each row once or twice (the varlen keys).
 - `lora`: the LoRA linear's three-GEMM forward, and the dropout kernels that apply its mask in registers.
+- `fp8`: a frozen linear held in FP8 (e4m3, row-wise scales), its product and input gradient through
+  `torch._scaled_mm` (no Triton: an emulation in float32 where that does not serve).
 - `adamw`: the fused AdamW step, stochastic rounding included, for every tensor of a dtype in one launch.
 - `launch`: what every launcher shares (whether the kernels serve a tensor, the launch itself, block sizes).
 - `warmup`: building a model's kernels on a background thread while the run loads.

@@ -33,6 +33,7 @@ import torch
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels import launch, rms_norm, rope, swiglu
 from fastdpo.model import lora
+from fastdpo.model.fp8 import is_fp8_linear
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.memory import recomputing
 
@@ -58,7 +59,7 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_linear(m) -> bool:
-    return type(m) is torch.nn.Linear and m.bias is None
+    return type(m) is torch.nn.Linear and m.bias is None and not is_fp8_linear(m)  # an FP8 base runs its own forward
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:

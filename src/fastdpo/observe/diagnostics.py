@@ -68,7 +68,9 @@ def oom_next_steps(cfg, longest_micro_tokens: int | None, plan=None) -> list[str
         steps.append("--train_type lora (the reference is the same model with adapters off, no second copy, and "
                      "optimizer state only for the adapters), or --train_type qlora to also quantise the base weights.")
     elif cfg.train_type == "lora":
-        steps.append("--train_type qlora --quant_bits 4: the frozen base weights in 4 bits (CUDA).")
+        fp8 = "" if getattr(cfg, "fp8_base", False) else (", or --fp8_base: its decoder projections in FP8, half "
+                                                           "their bf16 bytes (Ada/Hopper GPUs)")
+        steps.append(f"--train_type qlora --quant_bits 4: the frozen base weights in 4 bits (CUDA){fp8}.")
     if cfg.torch_dtype == "float32":
         steps.append("--torch_dtype bfloat16 (half the memory of float32 weights and activations).")
     if cfg.max_length > 1024:

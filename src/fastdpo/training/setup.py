@@ -34,6 +34,7 @@ from fastdpo.kernels.warmup import build_ahead, head_size, norm_widths
 from fastdpo.kernels.warmup import ready as kernels_ready
 from fastdpo.losses import needs_kl_completions, trains_rankings, trains_unpaired
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
+from fastdpo.model.fp8 import check_fp8_device, convert_to_fp8_base
 from fastdpo.model.fused import fuse_layers, kernels_wanted, unfused
 from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
 from fastdpo.model.lora import DORA_NOTE, fuse_lora
@@ -225,6 +226,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
                            cfg.quant_bits if cfg.train_type == "qlora" else 0)
     else:
         model = model.to(device)
+    fp8_base(cfg, model, device, d)  # before any reference log-prob (held-out ones below): both see the FP8 base
     mark("model")
     vocab = model.get_input_embeddings().weight.shape[0]  # ids past it fail at the first step, far from the cause
     check_vocab(pairs, rows, vocab, cfg.model)
@@ -306,6 +308,21 @@ def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, tr
         build_ahead(widths, dtype, device, head_size(config), lora, lora_dropout_rank)
 
 
+def fp8_base(cfg: TrainConfig, model, device: torch.device, d: Dist | None = None) -> None:
+    """--fp8_base: the frozen decoder projections of the LoRA base in FP8 (`fastdpo.model.fp8`), converted once,
+    before the reference's log-probs are computed and before LoRA wraps the model (idempotent)."""
+    if not cfg.fp8_base:
+        return
+    check_fp8_device(device)
+    if d is not None and d.mode == "fsdp":
+        raise FastDPOError("--fp8_base with FSDP2: sharding casts each parameter to the compute dtype, which would "
+                           "read the FP8 weights without their scales. Train on one GPU or with DDP (no --fsdp, or "
+                           "--fsdp no_shard), or drop --fp8_base.")
+    if n := convert_to_fp8_base(model):
+        log.info("FP8 base: %d frozen decoder projections held in e4m3 with row-wise scales (half the bytes of "
+                 "bf16); their products and x's gradient run in FP8. The adapters stay in their dtype.", n)
+
+
 def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
     """--kernels: the Triton norms, MLPs and rotary embeddings where they serve, once they are known to build here (idempotent;
     logged once per model). A GPU where they cannot be built trains on the model's own layers, with a warning (an
@@ -367,6 +384,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     elif backend.name == "flex" and not given:  # a stream: no pairs to size a budget from
         log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
                     "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
+    fp8_base(cfg, model, device, d)  # before the reference and LoRA: policy and reference share the FP8 base
     fuse_kernels(cfg, model, device)
     ranks = Ranks(d.rank, d.world_size, lambda obj: gather_objects(obj, d))  # they share a precompute pass
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, ranks)

@@ -60,7 +60,8 @@ NOOPS: dict[str, Callable[[Any], str | None]] = {
                                        if c.streaming and c.dataloader_drop_last else None),
     "dataset_cache_dir": lambda c: None if c.load_from_cache_file else (
         f"--load_from_cache_file false caches nothing; {NO_EFFECT}"),
-    "quant_bits": lambda c: None if c.train_type == "qlora" else _only_with("--train_type qlora"),
+    "quant_bits": lambda c: None if c.train_type == "qlora" or (c.fp8_base and c.quant_bits == 8) else _only_with(
+        "--train_type qlora"),  # ms-swift's FP8 base is --quant_method fp8 --quant_bits 8
     "num_train_epochs": lambda c: None if c.max_steps <= 0 else f"--max_steps {c.max_steps} sets the length; {NO_EFFECT}",
     "warmup_ratio": lambda c: None if c.warmup_steps <= 0 else f"--warmup_steps {c.warmup_steps} wins; {NO_EFFECT}",
     "lr_scheduler_kwargs": lambda c: None if not c.lr_scheduler_kwargs or "cosine" in c.lr_scheduler_type else (

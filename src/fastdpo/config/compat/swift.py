@@ -91,10 +91,15 @@ def _master_port(value: Any, values: dict) -> str | None:
 
 def _quant_method(value: str, values: dict) -> str | None:
     """ms-swift's QLoRA is `--train_type lora --quant_method bnb --quant_bits 4` (lora is its default train_type):
-    here that is --train_type qlora."""
-    if str(value).lower() not in ("bnb", "bitsandbytes"):
+    here that is --train_type qlora. Its FP8 base, `--quant_method fp8 --quant_bits 8`, is --train_type lora
+    --fp8_base."""
+    method = str(value).lower()
+    if method == "fp8":
+        return _fp8_base(value, values)
+    if method not in ("bnb", "bitsandbytes"):
         raise FastDPOError(f"--quant_method {value}: QLoRA quantises the base with bitsandbytes (nf4 with double "
-                           "quantisation for --quant_bits 4, LLM.int8 for 8). Pass --quant_method bnb or drop the flag.")
+                           "quantisation for --quant_bits 4, LLM.int8 for 8), and fp8 holds it in FP8 (--fp8_base). "
+                           "Pass --quant_method bnb or fp8, or drop the flag.")
     kind = values.get("train_type", "lora")
     if kind == "full":
         raise FastDPOError(f"--quant_method {value} with --train_type full: a quantised base can only train adapters. "
@@ -103,6 +108,21 @@ def _quant_method(value: str, values: dict) -> str | None:
         return None
     values["train_type"] = "qlora"
     return f"training QLoRA: --train_type qlora (LoRA on a {values.get('quant_bits', 4)}-bit base)."
+
+
+def _fp8_base(value: str, values: dict) -> str | None:
+    """`--quant_method fp8` (with --quant_bits 8 or none): LoRA on the FP8 base."""
+    bits = values.get("quant_bits", 8)
+    if number(bits, int) != 8:
+        raise FastDPOError(f"--quant_method fp8 --quant_bits {bits}: an FP8 base has 8 bits. Pass --quant_bits 8 or "
+                           "drop it.")
+    kind = values.get("train_type", "lora")
+    if kind != "lora":
+        raise FastDPOError(f"--quant_method fp8 with --train_type {kind}: the FP8 base is the frozen base of LoRA "
+                           "(--train_type lora --fp8_base). Use --train_type lora or drop --quant_method.")
+    values["train_type"] = "lora"
+    assign(values, "fp8_base", True, "quant_method", value)
+    return "training LoRA on an FP8 base: --train_type lora --fp8_base (CUDA, compute capability 8.9+)."
 
 
 def _precision(dtype: str) -> Callable[[Any, dict], str | None]:
@@ -159,7 +179,8 @@ FLAGS: dict[str, Foreign] = {
     "save_strategy": Foreign("HF: steps (see --save_steps), epoch or no.", _save_strategy),
     "eval_strategy": Foreign("HF: steps (see --eval_steps), epoch or no.", _eval_strategy),
     "evaluation_strategy": Foreign("HF (older name of --eval_strategy).", _eval_strategy),
-    "quant_method": Foreign("ms-swift: bnb (bitsandbytes, what --train_type qlora uses).", _quant_method),
+    "quant_method": Foreign("ms-swift: bnb (bitsandbytes, what --train_type qlora uses), or fp8 with --quant_bits 8 "
+                            "(= --train_type lora --fp8_base).", _quant_method),
     "ulysses_num_heads": Foreign("ms-swift Ulysses sequence parallelism over K ranks: = --sequence_parallel_size K "
                                  "--sequence_parallel_mode ulysses (1 = off).", _ulysses_num_heads),
     "ring_attn": Foreign("ms-swift ring attention: true = --sequence_parallel_mode ring (the ranks from "

@@ -47,6 +47,9 @@ class LoraSection(Section):
                             "and B), through PEFT's own forward (the fused LoRA path serves plain LoRA only).")
     adapters: str = option("", "LoRA: start the trained adapter from this PEFT adapter dir instead of a fresh one.")
     ref_adapters: str = option("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
+    fp8_base: bool = option(False, "LoRA: hold the frozen base's decoder projections in FP8 (e4m3, row-wise scales; half "
+                            "the bytes of bf16) and run their products in FP8. CUDA GPUs of compute capability 8.9+ "
+                            "(Ada, Hopper); the policy and the reference (adapters off) share the FP8 base.")
 
     @property
     def uses_lora(self) -> bool:
@@ -64,5 +67,12 @@ class LoraSection(Section):
                                f"{self.lora_dropout}.")
         if self.use_dora and not self.uses_lora:
             raise FastDPOError("--use_dora trains DoRA adapters: it needs --train_type lora (or qlora).")
+        if self.fp8_base and self.train_type == "full":
+            raise FastDPOError("--fp8_base holds the frozen base of LoRA in FP8, but --train_type full trains every "
+                               "weight (FP8 training of a full fine-tune would be --fp8, which is not available yet). "
+                               "Use --train_type lora --fp8_base, or drop --fp8_base.")
+        if self.fp8_base and self.train_type == "qlora":
+            raise FastDPOError("--fp8_base and --train_type qlora both quantise the frozen base (FP8 / bitsandbytes): "
+                               "choose one, --train_type lora --fp8_base or --train_type qlora.")
         if self.adapters and not self.uses_lora:
             raise FastDPOError("--adapters starts a LoRA adapter from a saved one: it needs --train_type lora.")

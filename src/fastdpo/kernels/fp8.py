@@ -1,0 +1,129 @@
+"""A frozen linear whose weight is held in FP8 (e4m3, one float32 scale per output row): y = x @ W^T, and x's
+gradient dY @ W, both as FP8 matrix products. No weight gradient: the weight is frozen (a LoRA base).
+
+The weight is quantised once (`quantise_rowwise`: each row's absolute maximum maps to e4m3's largest value, 448),
+x per token at each call. On CUDA GPUs that have FP8 tensor cores (compute capability 8.9: Ada, Hopper) the products
+run as `torch._scaled_mm` with the row-wise scales applied in its epilogue; elsewhere (the CPU, tests, and shapes
+`_scaled_mm` refuses) they are emulated: the same e4m3 values and scales, dequantised to float32 and multiplied in
+float32, so the emulation computes what the GPU computes up to the order of the float32 sums.
+
+The input gradient dX = dY @ W needs W's scales along the product's inner dimension (W's rows), where `_scaled_mm`
+takes only outer (row / column) scales. The algebra W = diag(s_w) Wq gives dX = (dY diag(s_w)) @ Wq exactly: dY's
+columns are multiplied by the weight's row scales, the product quantised per row to e4m3, and multiplied by the
+same Wq the forward uses, with no scale on its side. No second FP8 copy of the weight is kept (that would cost what a
+bfloat16 weight costs); `_scaled_mm`'s second operand must be column-major, so the backward takes a transposed copy
+of Wq for the call (one layer's FP8 weight at a time, freed after). The gradient is quantised to e4m3, not e5m2: the
+per-row scale already covers the range between tokens, and e4m3's extra mantissa bit halves the rounding error
+within a row (torchao's row-wise recipe chooses the same). On CUDA the quantisation of an activation or a gradient
+is one compiled kernel (multiplying by the column scales, the row maximum, the scale and the cast in one pass).
+
+`_scaled_mm` needs the inner and outer widths (in and out features) to be multiples of 16 and a bfloat16 output
+with row-wise scales; a layer that misses these (tiny test models, float16 or float32 activations) runs the
+emulation on the GPU too: correct, slow, and never met by the shapes of real models."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fastdpo.kernels.launch import HAVE_TRITON
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+_TINY = 1e-12  # a row of zeros gets this amax: its values quantise to 0 whatever the scale
+
+
+def _quantise(x: torch.Tensor, col_scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    fmax = torch.finfo(dtype).max
+    xf = x.detach().float() if col_scale is None else x.detach().float() * col_scale
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / fmax
+    return (xf / scale).clamp(-fmax, fmax).to(dtype), scale
+
+
+@functools.cache
+def _compiled_quantise():
+    return torch.compile(_quantise, dynamic=True)
+
+
+def quantise_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3,
+                     col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) for a 2-D `x` (M, K): q (M, K) in the FP8 `dtype`, scale (M, 1) float32, with x ~ q * scale; each
+    row's scale is its absolute maximum over the format's largest value, so that the row's largest element maps
+    to it (computed in float32, clamped, then cast: round to nearest even). `col_scale` (1, K), float32: quantise
+    x * col_scale instead (each column multiplied first, in the same pass).
+
+    On CUDA the passes run as one compiled kernel (dynamic shapes: one build for every token count): eager torch's
+    five passes over the activation cost more than the FP8 product saves (measured on an H100, see the training
+    guide). Elsewhere, and inside a compiled region (which fuses them itself), eager torch."""
+    if x.is_cuda and HAVE_TRITON and not torch.compiler.is_compiling():
+        return _compiled_quantise()(x, col_scale, dtype)
+    return _quantise(x, col_scale, dtype)
+
+
+def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q * scale in float32: the values an FP8 tensor and its row scales stand for."""
+    return q.float() * scale
+
+
+def scaled_mm_serves(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """`torch._scaled_mm` computes a @ b^T for FP8 a (M, K) and b (N, K) with row-wise scales here: on a CUDA GPU
+    of compute capability 8.9 or newer, K and N multiples of 16, a bfloat16 output."""
+    if not (a.is_cuda and b.is_cuda and out_dtype == torch.bfloat16):
+        return False
+    if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
+        return False
+    return torch.cuda.get_device_capability(a.device) >= (8, 9)
+
+
+def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor | None,
+               out_dtype: torch.dtype, emulate: bool = False) -> torch.Tensor:
+    """(a * a_scale) @ (b * b_scale)^T in `out_dtype` for FP8 a (M, K), b (N, K) and float32 row scales a_scale
+    (M, 1), b_scale (N, 1) (None: 1). `_scaled_mm` where it serves (b read column-major: b must be row-major (N, K),
+    as a weight is stored), else (or with `emulate`) float32 math on the dequantised values."""
+    if not emulate and scaled_mm_serves(a, b, out_dtype):
+        if b_scale is None:
+            b_scale = torch.ones((b.shape[0], 1), dtype=torch.float32, device=b.device)
+        return torch._scaled_mm(a.contiguous(), b.t(), scale_a=a_scale.contiguous(), scale_b=b_scale.t().contiguous(),
+                                out_dtype=out_dtype)
+    bf = b.float() if b_scale is None else dequantise(b, b_scale)
+    return (dequantise(a, a_scale) @ bf.t()).to(out_dtype)
+
+
+def fp8_linear_forward(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, emulate: bool = False) -> torch.Tensor:
+    """x @ W^T in x's dtype for a 2-D x (M, K) and the FP8 weight wq (N, K) with its row scales (N, 1): x quantised
+    per row to e4m3."""
+    xq, x_scale = quantise_rowwise(x)
+    return fp8_matmul(xq, x_scale, wq, w_scale, x.dtype, emulate)
+
+
+def fp8_linear_input_grad(g: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                          emulate: bool = False) -> torch.Tensor:
+    """dY @ W in g's dtype for the output's gradient g (M, N): (g * w_scale^T) quantised per row to e4m3, times wq
+    (N, K) (taken transposed, so that `_scaled_mm` reads it column-major)."""
+    gq, g_scale = quantise_rowwise(g, col_scale=w_scale.t())
+    return fp8_matmul(gq, g_scale, wq.t().contiguous(), None, g.dtype, emulate)
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """x @ W^T (+ bias) for 2-D x (M, in) over a frozen FP8 weight `wq` (out, in) with float32 row scales `w_scale`
+    (out, 1): both products (the output and x's gradient) in FP8. Nothing of x is kept for the backward: the weight
+    has no gradient, and x's gradient needs only the weight. `emulate`: the float32 emulation even where
+    `_scaled_mm` serves (what the GPU tests compare against)."""
+
+    @staticmethod
+    def forward(ctx, x, wq, w_scale, bias, emulate: bool = False):
+        out = fp8_linear_forward(x, wq, w_scale, emulate)
+        if bias is not None:
+            out = out.add_(bias.to(out.dtype))
+        ctx.save_for_backward(wq, w_scale)
+        ctx.emulate = emulate
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        wq, w_scale = ctx.saved_tensors
+        g = g.contiguous()
+        g_x = fp8_linear_input_grad(g, wq, w_scale, ctx.emulate) if ctx.needs_input_grad[0] else None
+        g_bias = g.sum(0) if ctx.needs_input_grad[3] else None
+        return g_x, None, None, g_bias, None

@@ -1,0 +1,50 @@
+"""The FP8 linear's `torch._scaled_mm` path against its float32 emulation, on a CUDA GPU with FP8 tensor cores
+(compute capability 8.9+): `pytest -m gpu tests/kernels/test_fp8_gpu.py`. Both read the same e4m3 values and
+scales, so they differ only in the order of float32 sums and in the bfloat16 rounding of the output."""
+
+import pytest
+import torch
+
+from fastdpo.kernels.fp8 import Fp8LinearFunction, quantise_rowwise, scaled_mm_serves
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)")]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("m,k,n", [(8192, 2048, 4096), (1000, 2048, 6144), (37, 64, 48), (1, 16, 32)])
+def test_scaled_mm_matches_the_emulation_forward_and_backward(m, k, n):
+    """Token counts that are not multiples of 16 too (1000, 37, 1): `_scaled_mm` needs only the widths to be."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    wq, w_scale = quantise_rowwise(w.bfloat16())
+    up = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    assert scaled_mm_serves(wq, wq, torch.bfloat16)
+    outs = {}
+    for emulate in (False, True):
+        xr = x.clone().requires_grad_()
+        y = Fp8LinearFunction.apply(xr, wq, w_scale, None, emulate)
+        (gx,) = torch.autograd.grad(y, xr, up)
+        assert y.dtype == gx.dtype == torch.bfloat16
+        outs[emulate] = (y, gx)
+    (y, gx), (ey, egx) = outs[False], outs[True]
+    # the same FP8 operands: within bfloat16 rounding of each other (2**-8 relative), not FP8's few percent
+    assert rel(y, ey) < 4e-3 and rel(gx, egx) < 4e-3
+    # and both within FP8's bound of the bfloat16 product
+    assert rel(y, x.float() @ w.t()) < 0.06 and rel(gx, up.float() @ w) < 0.06
+
+
+def test_widths_not_multiples_of_16_fall_back_to_the_emulation_on_the_gpu():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(5, 24, device="cuda", generator=g).bfloat16().requires_grad_()
+    wq, w_scale = quantise_rowwise(torch.randn(40, 24, device="cuda", generator=g))
+    assert not scaled_mm_serves(wq, wq, torch.bfloat16)
+    y = Fp8LinearFunction.apply(x, wq, w_scale, None)
+    (gx,) = torch.autograd.grad(y.float().sum(), x)
+    ey = Fp8LinearFunction.apply(x.detach(), wq, w_scale, None, True)
+    assert torch.equal(y, ey) and gx.shape == x.shape and torch.isfinite(gx).all()
