@@ -72,6 +72,9 @@ class TokenizeStats:
     several: int = 0  # records that gave more than one pair
     dropped_no_pair: int = 0  # records of scored completions that gave no pair (every completion ties, ...)
     left_out: dict = field(default_factory=dict)  # what pairing rules left out, by reason: tied pairs, ...
+    dropped_image_cut: int = 0  # rows with images whose prompt a length limit would cut through an image
+    images: int = 0  # images of the tokenised rows (`fastdpo.data.vision_tokenize`)
+    image_tokens: int = 0  # their placeholder tokens in the prompts kept
 
     def add(self, other: TokenizeStats) -> None:
         for f in fields(self):
@@ -85,7 +88,7 @@ class TokenizeStats:
     @property
     def dropped(self) -> int:
         return (self.dropped_prompt_too_long + self.dropped_too_long + self.dropped_identical + self.dropped_no_pair
-                + self.dropped_identical_cut)
+                + self.dropped_identical_cut + self.dropped_image_cut)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
