@@ -25,14 +25,16 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from fastdpo.data.formats import Row, RowError
 from fastdpo.data.template import ChatRenderer
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats, common_prefix_length, fit_length
 from fastdpo.data.vision import IMAGE_TAG, check_images
 from fastdpo.errors import FastDPOError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

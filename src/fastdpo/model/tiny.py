@@ -127,6 +127,8 @@ def tiny_vlm_processor(words: list[str] | None = None, vocab_size: int = 80, min
     from tokenizers import AddedToken
     from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
+    from fastdpo.model.processor import image_only_processor
+
     words = words if words is not None else ["user", "assistant", "system"] + [f"w{i}" for i in range(40)]
     base = len(SPECIALS) + len(TINY_VLM_TOKENS)
     if base + len(words) > vocab_size - len(VISION_TOKENS):
@@ -138,14 +140,7 @@ def tiny_vlm_processor(words: list[str] | None = None, vocab_size: int = 80, min
     assert len(tok) == vocab_size and tok.convert_tokens_to_ids("<|image_pad|>") == vocab_size - 4
     images = Qwen2VLImageProcessorPil(patch_size=VLM_PATCH, merge_size=2, temporal_patch_size=2,
                                       min_pixels=min_pixels, max_pixels=max_pixels)
-    try:
-        return Qwen2VLProcessor(image_processor=images, tokenizer=tok, chat_template=TINY_VLM_TEMPLATE)
-    except AttributeError:  # without torchvision transformers has no video processor class to check against
-        from unittest import mock
-
-        with mock.patch.object(Qwen2VLProcessor, "check_argument_for_proper_class", lambda *a: None):
-            return Qwen2VLProcessor(image_processor=images, tokenizer=tok, video_processor=None,
-                                    chat_template=TINY_VLM_TEMPLATE)
+    return image_only_processor(Qwen2VLProcessor, images, tok, TINY_VLM_TEMPLATE)
 
 
 def build_tiny_vlm_dir(out_dir: str | Path, family: str = "qwen2_5_vl", vocab_size: int = 80, seed: int = 0,
@@ -154,5 +149,9 @@ def build_tiny_vlm_dir(out_dir: str | Path, family: str = "qwen2_5_vl", vocab_si
     an HF model dir that `AutoProcessor.from_pretrained` and the model class load without downloads."""
     out = Path(out_dir)
     build_tiny_vlm(family, vocab_size, seed).save_pretrained(out, safe_serialization=True)
-    tiny_vlm_processor(vocab_size=vocab_size, **processor_kw).save_pretrained(out)
+    processor = tiny_vlm_processor(vocab_size=vocab_size, **processor_kw)
+    # part by part: a processor without a video processor cannot save itself whole
+    processor.tokenizer.save_pretrained(out)
+    processor.image_processor.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(processor.chat_template, encoding="utf-8")
     return out
