@@ -143,3 +143,34 @@ def test_bad_images_are_problems_of_their_row(tmp_path, processor):
     assert [p.pair.index for p in pairs] == [1] and [e.reason for e in problems] == ["unreadable image"]
     with pytest.raises(RowError, match="d.jsonl:1: field 'images\\[0\\]' cannot be read as an image"):
         tokenize_vision_rows(processor, [row_with([bad], prompt="<image>w1")], TokenizeOptions())
+
+
+def test_prepared_rows_score_as_the_model_scores_the_processors_own_inputs(tmp_path, processor):
+    """End to end: rows read with images, prepared here and packed (`fastdpo.model.vlm`), give the log-prob sums of
+    the model's own forward on what its processor makes of each whole conversation."""
+    from PIL import Image
+
+    from fastdpo.model.tiny import build_tiny_vlm
+    from fastdpo.model.vlm import pack_vision_pairs, vision_sequence_logps
+
+    model = build_tiny_vlm("qwen2_5_vl", initializer_range=0.2)
+    a, b = write_image(tmp_path / "a.png", 24, 16), write_image(tmp_path / "b.png", 16, 16, (0, 90, 0))
+    rows = [row_with([a, b]), row_with([b], prompt="w3 <image>", chosen="w8", rejected="w9 w9")]
+    pairs, _ = tokenize_vision_rows(processor, rows, TokenizeOptions())
+    batch = pack_vision_pairs([p.pair for p in pairs], model.config, torch.cat([p.pixel_values for p in pairs]),
+                              torch.cat([p.image_grid_thw for p in pairs]))
+    expected = []
+    with torch.no_grad():
+        packed, _ = vision_sequence_logps(model, batch)
+        for side in ("chosen", "rejected"):
+            for row in rows:
+                prompt = [{"role": "user", "content": parts(row.prompt[0]["content"])}]
+                images = [Image.open(ref.path) for ref in row.images]
+                texts = (processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+                         processor.apply_chat_template(prompt + getattr(row, side), tokenize=False))
+                alone, enc = (processor(text=[t], images=images, return_tensors="pt", add_special_tokens=False)
+                              for t in texts)
+                ids = enc["input_ids"][0]
+                logps = torch.log_softmax(model(**enc, use_cache=False).logits[0, :-1].float(), -1)
+                expected.append(logps.gather(1, ids[1:, None])[alone["input_ids"].shape[1] - 1:].sum())
+    assert torch.allclose(packed, torch.stack(expected), atol=1e-5), (packed, expected)
