@@ -169,3 +169,22 @@ def test_without_the_reading_option_rows_with_images_stay_refused(tmp_path, pict
 def test_rows_differing_only_in_their_images_are_not_duplicates(tmp_path, pictures):
     a, b = rows_of(write_jsonl(tmp_path / "d.jsonl", [swift(), swift(images=["img/b.png", "img/a.png"])]))
     assert a.key() != b.key() and a.prompt == b.prompt
+
+
+def test_text_rows_of_a_vision_dataset_may_hold_part_lists(tmp_path, pictures):
+    value = {"images": [], "prompt": [{"role": "user", "content": [{"type": "text", "text": "w1"}]}],
+             "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "w5"}]}],
+             "rejected": [assistant("w7")]}
+    (row,) = rows_of(write_jsonl(tmp_path / "d.jsonl", [value]))
+    assert row.prompt == [user("w1")] and row.chosen == [assistant("w5")] and row.images == ()
+
+
+@pytest.mark.parametrize("change,field,needle", [
+    ({"audios": ["a.wav"]}, "audios", "holds audio, which fastdpo does not train."),
+    ({"messages": [user("<image>w1 <image><video>"), assistant("w5")]}, None, "holds <video> tags, but videos are "
+                                                                               "not trained"),
+    ({"images": ["img/a.png", "data:image/png;base64,AAAA"]}, "images[1]", "is a data URL."),
+])
+def test_other_media_are_refused(tmp_path, pictures, change, field, needle):
+    e = error_of(tmp_path, swift(**change))
+    assert e.field == field and needle in str(e), str(e)

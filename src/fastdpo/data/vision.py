@@ -68,10 +68,17 @@ class ImageRef:
 
 
 def has_media(value: dict) -> bool:
-    """A record holds images or videos (columns, tags, or media parts in its messages)."""
+    """A record read as a row with images: it holds images or videos (columns, tags, media parts in its messages),
+    or messages whose content is a list of parts (the text rows of a TRL vision dataset are written so too)."""
     if any(value.get(k) not in (None, [], "") for k in IMAGE_COLUMNS + VIDEO_COLUMNS + ("rejected_images",)):
         return True
-    return any(_parts_media(value.get(k)) for k in MESSAGE_COLUMNS)
+    return any(_parts_media(value.get(k)) or _part_lists(value.get(k)) for k in MESSAGE_COLUMNS)
+
+
+def _part_lists(value: object) -> bool:
+    """A message (or message list) whose content is a list of parts."""
+    messages = value if isinstance(value, list) else [value]
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
 
 
 def _parts_media(value: object, depth: int = 0) -> bool:
