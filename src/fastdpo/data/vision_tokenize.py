@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from fastdpo.data.formats import Row, RowError
 from fastdpo.data.template import ChatRenderer
-from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats, common_prefix_length, fit_length
+from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats, count_row, fit_length, merge_error
 from fastdpo.data.vision import IMAGE_TAG, check_images
 from fastdpo.errors import FastDPOError
 
@@ -151,13 +151,9 @@ def vision_ids(processor, row: Row, renderer: ChatRenderer, pixels: PixelOptions
     tok = processor.tokenizer
     prompt, full_c, full_r = _render(renderer, row)
     p0, pc, pr = tok([prompt, full_c, full_r], add_special_tokens=False)["input_ids"]
-    for name, full in (("chosen", pc), ("rejected", pr)):
-        if full[: len(p0)] != p0:
-            i = common_prefix_length(p0, full)
-            raise RowError(row.source, None, f"the prompt's last tokens merge with the {name} reply's first tokens "
-                           f"({tok.decode(p0[i:])!r} is tokenised differently inside the conversation).",
-                           "End the template's generation prompt on a token boundary.",
-                           kind="prompt tokens merge with the reply")
+    err = merge_error(tok, row.source, p0, pc, pr)
+    if err is not None:
+        raise err
     images = _open(row) if row.images else None
     kw = {}
     size = pixels.size(processor.image_processor)
@@ -196,11 +192,7 @@ def tokenize_vision_rows(processor, rows: list[Row], options: TokenizeOptions, p
     image_id = image_token_id(processor)
     out: list[VisionPair] = []
     for k, row in enumerate(rows):
-        if row.member == 0:
-            stats.records += 1
-            stats.formats[row.format] = stats.formats.get(row.format, 0) + 1
-        if row.identical:
-            stats.dropped_identical += 1
+        if not count_row(row, stats):
             continue
         try:
             p, c, r, pixel_values, grid = vision_ids(processor, row, renderer, pixels)
