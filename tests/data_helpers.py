@@ -64,3 +64,12 @@ def user(text: str) -> dict:
 
 def assistant(text: str) -> dict:
     return {"role": "assistant", "content": text}
+
+
+def write_image(path: Path, width: int = 16, height: int = 16, color: tuple = (200, 30, 30)) -> Path:
+    """A small PNG image (the directories made as needed)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (width, height), color).save(path)
+    return path

@@ -29,7 +29,7 @@ INFO = {
                 "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                          "assistant_tag": "assistant"}},
     "sft_data": {"file_name": "alpaca.jsonl"},
-    "pictures": {"file_name": "alpaca.jsonl", "ranking": True, "columns": {"prompt": "question", "images": "imgs"}},
+    "clips": {"file_name": "alpaca.jsonl", "ranking": True, "columns": {"prompt": "question", "videos": "vids"}},
     "modelscope": {"ms_hub_url": "org/prefs", "ranking": True},
     "hub": {"hf_hub_url": "org/prefs", "ms_hub_url": "org/ms", "subset": "en", "split": "test", "ranking": True},
     "hub_train": {"hf_hub_url": "org/other", "ranking": True, "formatting": "sharegpt"},
@@ -102,7 +102,7 @@ def test_hub_entries_name_the_dataset_subset_and_split(lf):
 @pytest.mark.parametrize("keys,needle", [
     ({"dataset": "sft_data"}, "dataset sft_data: ranking is not true .* so it is not preference data"),
     ({"dataset": "my_chta"}, "dataset my_chta: not in data/dataset_info.json. Did you mean my_chat"),
-    ({"dataset": "pictures"}, "dataset pictures: columns.images \\(imgs\\): fastdpo trains on text"),
+    ({"dataset": "clips"}, "dataset clips: columns.videos \\(vids\\): fastdpo reads text and images; videos are not read"),
     ({"dataset": "modelscope"}, "dataset modelscope: ms_hub_url names a ModelScope dataset"),
     ({"dataset_dir": "nowhere"}, "dataset_dir nowhere: no dataset_info.json there"),
     ({"dataset": "data/alpaca.jsonl"}, "data/alpaca.jsonl is a file, but with dataset_dir every dataset is a name"),

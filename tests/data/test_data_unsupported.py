@@ -1,6 +1,6 @@
-"""Rows fastdpo cannot train (multimodal) are refused at `check-data` and `train` with counts and one clear sentence,
-instead of training as text or failing once per row with "field 'chosen' is missing". Unpaired rows are read (see
-test_data_unpaired)."""
+"""Rows fastdpo cannot train (multimodal) are refused at `train` with counts and one clear sentence, instead of
+training as text or failing once per row with "field 'chosen' is missing"; `check-data` reads and checks them.
+Unpaired rows are read (see test_data_unpaired)."""
 
 import pickle
 
@@ -36,17 +36,13 @@ def test_the_row_error_survives_worker_processes():
     assert e.kind == MULTIMODAL and str(e).startswith("d.jsonl:3: holds the images column. fastdpo trains text-only")
 
 
-@pytest.mark.parametrize("row,needle", [
-    (SWIFT_IMAGE, "40 of 42 rows are multimodal (<image> tags, the images column; "),
-    (TRL_VISION, "40 of 42 rows are multimodal (images in the messages, the images column; "),
-])
-def test_check_data_counts_them_in_one_message(tmp_path, capsys, row, needle):
-    f = write_jsonl(tmp_path / "d.jsonl", [GOOD] + [row] * 40 + [GOOD])
+def test_check_data_reads_them_and_names_a_problem_of_many_rows_once(tmp_path, capsys):
+    """check-data reads rows with images (test_check_data_images): here every image is missing, one message."""
+    f = write_jsonl(tmp_path / "d.jsonl", [GOOD] + [SWIFT_IMAGE] * 40 + [GOOD])
     code, out = run_cli(capsys, "check-data", "--dataset", f)
-    assert code == 1 and needle in out, out
-    assert f"{f}:2, {f}:3, {f}:4 ..." in out and "FAILED: 1 error." in out
-    assert "is missing" not in out and out.count("fastdpo trains") == 1
-    assert "ms-swift or TRL" in out
+    assert code == 1 and f"missing image in 40 of 42 rows of {f} (lines 2, 3, 4, ...)" in out, out
+    assert "field 'images[0]' names an image file that does not exist: /data/cat.png" in out
+    assert "FAILED: 1 error." in out and "is missing" not in out
 
 
 @pytest.mark.parametrize("row,needle", [(SWIFT_IMAGE, "rows are multimodal"), (TRL_VISION, "rows are multimodal")])

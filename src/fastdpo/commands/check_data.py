@@ -2,10 +2,12 @@
 
 Errors (non-zero exit): unreadable rows (JSON syntax, invalid UTF-8, malformed CSV), missing fields, wrong types,
 empty completions, chosen identical to rejected, a label that is not true or false, unpaired rows mixed with pairs,
-and with `--model` rows the chat template or tokenizer cannot handle. Warnings: duplicate pairs, pairs over
-`--max_length`. With `--model`: p50/p95/max token lengths and what the length flags would drop or trim. Unpaired (KTO)
-datasets: how many rows are desirable and undesirable. Every message names the file and line (or index), the field
-and a fix.
+and with `--model` rows the chat template or tokenizer cannot handle. Rows with images (`fastdpo.data.vision`) are
+read and checked: each image opened and verified, tags against images; with a vision-language `--model` their
+token lengths count the images' placeholder tokens (its processor, `--max_pixels` / `--min_pixels`). Training
+refuses them for now, which the report says as a warning. Warnings: duplicate pairs, pairs over `--max_length`.
+With `--model`: p50/p95/max token lengths and what the length flags would drop or trim. Unpaired (KTO) datasets:
+how many rows are desirable and undesirable. Every message names the file and line (or index), the field and a fix.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from fastdpo.data.rejects import REJECTS_FILE, by_reason, same_problem
 from fastdpo.data.sources import parse_spec, select
 from fastdpo.data.tokenize import TokenizeOptions, TokenizeStats, tokenize_chunk
 from fastdpo.data.unsupported import UnsupportedCount, UnsupportedRow
+from fastdpo.data.vision import check_images
+from fastdpo.data.vision_tokenize import tokenize_vision_rows
 from fastdpo.errors import FastDPOError
 
 CHUNK = 512
@@ -48,6 +52,9 @@ class CheckReport:
     labels: dict = field(default_factory=dict)  # spec -> (desirable, undesirable) unpaired rows used for training
     pair_tokens: int = 0  # with a tokenizer, rows of several pairs: tokens as one pair per row (prompt repeated)
     group_tokens: int = 0  # the same rows' tokens with each prompt and each distinct completion once
+    image_rows: int = 0  # rows with images used for training
+    images: int = 0  # their images, each opened and verified
+    image_rows_untokenized: int = 0  # rows with images left out of the token lengths (no vision-language processor)
 
     @property
     def ok(self) -> bool:
@@ -60,10 +67,11 @@ def percentile(sorted_values: list[int], q: float) -> int:
 
 
 class _Checker:
-    def __init__(self, opts: DataOptions, tokenizer, report: CheckReport):
-        self.opts, self.tokenizer, self.report = opts, tokenizer, report
+    def __init__(self, opts: DataOptions, tokenizer, report: CheckReport, processor=None):
+        self.opts, self.tokenizer, self.report, self.processor = opts, tokenizer, report, processor
         self.seen: dict[bytes, str] = {}
         self.pending: list[Row] = []
+        self.vision_pending: list[Row] = []  # rows with images, tokenised by the processor
         self.errors: list[tuple[int, str]] = []  # (record ordinal, message): sorted into row order at the end
         self.ordinal = 0
         self.ordinals: dict[str, int] = {}  # source -> ordinal of the pending rows
@@ -74,6 +82,7 @@ class _Checker:
         self.spaced: set[str] = set()  # collapsed prompts already reported
         self.used: set[str] = set()  # sources of the rows checked so far
         self.flagged: set[str] = set()  # sources already reported by the tokenizer pass
+        self.bad_images: set[str] = set()  # sources of rows with a missing or unreadable image
 
     def error(self, message: str, ordinal: int | None = None) -> None:
         self.errors.append((self.ordinal if ordinal is None else ordinal, message))
@@ -96,11 +105,30 @@ class _Checker:
         if key in self.seen and not repeat:
             self.report.duplicates.append(f"{row.source}: the same pair as {self.seen[key]}. Drop one of them.")
         self.seen.setdefault(key, row.source)
-        if self.tokenizer is not None:
-            self.pending.append(row)
+        if row.images and not self._images(row, ordinal, repeat):
+            return
+        if row.images and self.processor is None:
+            self.report.image_rows_untokenized += not repeat
+        elif self.tokenizer is not None or (row.images and self.processor is not None):
+            (self.vision_pending if row.images else self.pending).append(row)
             self.ordinals[row.source] = ordinal
-            if len(self.pending) >= CHUNK:
+            if len(self.pending) >= CHUNK or len(self.vision_pending) >= CHUNK:
                 self.flush()
+
+    def _images(self, row: Row, ordinal: int, repeat: bool) -> bool:
+        """Count a row's images and open each: False (the error recorded) when one is missing or unreadable."""
+        if repeat:
+            return row.source not in self.bad_images
+        self.report.image_rows += 1
+        self.report.images += len(row.images)
+        try:
+            check_images(row)
+        except RowError as e:
+            self.bad_images.add(row.source)
+            self.invalid(e)
+            self.error(str(e), ordinal)
+            return False
+        return True
 
     def _spacing(self, row: Row) -> None:
         """Note a prompt that differs from an earlier one only in whitespace: their tokens differ, so their pairs
@@ -130,14 +158,21 @@ class _Checker:
         return as_pairs, sum(g["prompt"] + sum(g["completions"].values()) for g in self.groups.values())
 
     def flush(self) -> None:
-        if not self.pending:
-            return
-        rows, self.pending, ordinals = self.pending, [], self.ordinals
-        self.ordinals = {}
-        problems: list = []
-        lengths: list = []
+        ordinals, self.ordinals = self.ordinals, {}
         o: TokenizeOptions = self.opts.tokenize
-        _, stats = tokenize_chunk(self.tokenizer, rows, o, problems=problems, lengths=lengths)
+        if self.pending:
+            rows, self.pending, problems, lengths = self.pending, [], [], []
+            _, stats = tokenize_chunk(self.tokenizer, rows, o, problems=problems, lengths=lengths)
+            self._tokenised(rows, stats, problems, lengths, ordinals)
+        if self.vision_pending:
+            rows, self.vision_pending, problems, lengths = self.vision_pending, [], [], []
+            _, stats = tokenize_vision_rows(self.processor, rows, o, self.opts.pixels, problems=problems,
+                                            lengths=lengths)
+            self._tokenised(rows, stats, problems, lengths, ordinals)
+
+    def _tokenised(self, rows: list[Row], stats: TokenizeStats, problems: list, lengths: list, ordinals: dict) -> None:
+        """Record what tokenising `rows` found: problems, lengths, pairs over --max_length."""
+        o: TokenizeOptions = self.opts.tokenize
         self.report.stats.add(stats)
         for e in problems:
             if e.where not in self.flagged:
@@ -199,11 +234,13 @@ def _read(spec, opts: DataOptions, checker: _Checker) -> tuple[list[tuple[int, R
     return items, True
 
 
-def check_data(specs: list[str], opts: DataOptions, tokenizer=None) -> CheckReport:
+def check_data(specs: list[str], opts: DataOptions, tokenizer=None, processor=None) -> CheckReport:
     """Validate every row of `specs` (all problems are collected, none raised); then check the rows training would
-    use (`#N` selects them as training does), tokenising with `tokenizer` if given."""
+    use (`#N` selects them as training does), tokenising with `tokenizer` if given, and rows with images with
+    `processor` (a vision-language model's) if given."""
     report = CheckReport()
-    checker = _Checker(opts, tokenizer, report)
+    opts = dataclasses.replace(opts, read=dataclasses.replace(opts.read, images=True))  # rows with images: checked
+    checker = _Checker(opts, tokenizer, report, processor)
     plain: list[Row] = []
     every = RowKinds()  # all datasets' rows: one kind for the run
     for text in specs:
@@ -296,12 +333,22 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
         counts = ", ".join(f"{k} {r}" for r, k in sorted(report.invalid.items(), key=lambda kv: -kv[1]))
         lines.append(f"invalid rows: {n} of {rows} ({counts}). Training stops at them; --strict false skips them "
                      f"and writes them to {REJECTS_FILE} in --output_dir.")
+    if report.image_rows:
+        lines.append(f"images: {report.image_rows} rows hold {report.images} images, each opened and verified.")
     lines += _listing("errors", report.errors)
+    if report.image_rows:
+        lines += _listing("warnings: rows with images", [
+            f"`fastdpo train` refuses the {report.image_rows} rows with images for now (vision-language training is "
+            "not wired in yet); check-data reads and checks them as training will read them."])
     lines += _listing("warnings: duplicate pairs", report.duplicates)
     lines += _listing("warnings: prompts that differ only in whitespace", report.near_prompts)
     if model:
         o = opts.tokenize
-        lines.append(f"token lengths under the tokenizer of {model}:")
+        lines.append(f"token lengths under the tokenizer of {model}"
+                     + (", image placeholder tokens included:" if report.stats.images else ":"))
+        if report.image_rows_untokenized:
+            lines.append(f"  ({report.image_rows_untokenized} rows with images left out: {model} has no "
+                         "vision-language processor to count their image tokens)")
         lines.append(f"  {'':9}{'p50':>8}{'p95':>8}{'max':>8}")
         for name, values in report.lengths.items():
             v = sorted(values)
@@ -313,8 +360,14 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
                      + (f" --max_prompt_length {o.max_prompt_length}" if o.max_prompt_length else "")
                      + (f" --max_completion_length {o.max_completion_length}" if o.max_completion_length else "")
                      + f": {s.pairs} pairs kept; dropped {s.dropped_prompt_too_long} (prompt fills max_length) and "
-                     f"{s.dropped_too_long} (over a length limit); completions cut in {s.truncated}, prompts "
-                     f"trimmed in {s.prompt_trimmed}.")
+                     f"{s.dropped_too_long} (over a length limit)"
+                     + (f" and {s.dropped_image_cut} (the prompt would be cut through an image)" if s.dropped_image_cut
+                        else "")
+                     + f"; completions cut in {s.truncated}, prompts trimmed in {s.prompt_trimmed}.")
+        if s.images:
+            lines.append(f"  {s.images} images of the pairs kept hold {s.image_tokens} placeholder tokens"
+                         + (f" (--max_pixels {opts.pixels.max_pixels})" if opts.pixels.max_pixels else "")
+                         + (f" (--min_pixels {opts.pixels.min_pixels})" if opts.pixels.min_pixels else "") + ".")
     else:
         lines.append("token lengths: pass --model to count tokens and see what --max_length would drop.")
     n = len(report.errors)
@@ -325,23 +378,26 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
 def run_check_data(cfg, console) -> int:
     """The command: validate the data flags, check every row, print the report; 1 when there are errors."""
     cfg.validate_data()
-    tokenizer = None
+    tokenizer = processor = None
     if cfg.model:
         from fastdpo.model.load import load_tokenizer
+        from fastdpo.model.processor import is_vision_model, load_processor
 
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+        if is_vision_model(cfg.model, cfg.trust_remote_code):  # rows with images: their image tokens counted
+            processor = load_processor(cfg.model, cfg.trust_remote_code)
     opts = DataOptions.from_config(cfg)
-    ok = _check_and_print(cfg.dataset, opts, tokenizer, cfg.model, console, cfg.trust_remote_code)
+    ok = _check_and_print(cfg.dataset, opts, tokenizer, cfg.model, console, cfg.trust_remote_code, processor)
     if cfg.val_dataset:  # held-out pairs are read whole, from their own split
         console.print(f"held-out pairs (--val_dataset, split {cfg.val_split}):", markup=False, highlight=False)
         held_out = dataclasses.replace(opts, split=cfg.val_split, streaming=False)
-        ok = _check_and_print(cfg.val_dataset, held_out, tokenizer, cfg.model, console) and ok
+        ok = _check_and_print(cfg.val_dataset, held_out, tokenizer, cfg.model, console, processor=processor) and ok
     return 0 if ok else 1
 
 
 def _check_and_print(specs: list[str], opts: DataOptions, tokenizer, model: str, console,
-                     trust_remote_code: bool = False) -> bool:
-    report = check_data(specs, opts, tokenizer)
+                     trust_remote_code: bool = False, processor=None) -> bool:
+    report = check_data(specs, opts, tokenizer, processor)
     lines = report_lines(report, opts, model)
     if model and report.longest:
         lines[-1:-1] = activation_lines(model, report.longest, trust_remote_code)

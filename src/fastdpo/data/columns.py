@@ -18,7 +18,7 @@ from fastdpo.errors import FastDPOError
 # the columns fastdpo reads (see fastdpo.data.formats): what --columns may rename a dataset column to
 COLUMN_NAMES = ("prompt", "chosen", "rejected", "system", "tools", "messages", "rejected_response", "rejected_messages",
                 "instruction", "input", "history", "conversations", "completions", "scores", "ranks", "completion",
-                "label")
+                "label", "images", "rejected_images")
 KEY_FLAGS = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected"}  # OpenRLHF
 MAX_ROW_BYTES = 16 << 20  # --max_row_mb's default: far above any row that fits a context window
 
@@ -97,6 +97,7 @@ class RowOptions:
     max_samples: int = 0  # the first N rows of each dataset, after `#N` (0: all)
     max_row_bytes: int = MAX_ROW_BYTES  # a larger row (line, array element, CSV record) is refused as it is read
     pairing: Pairing = DEFAULT_PAIRING  # which pairs a record of scored completions gives
+    images: bool = False  # read rows with images (`fastdpo.data.vision`); else they are refused (training)
 
     @classmethod
     def from_config(cls, cfg) -> RowOptions:

@@ -39,7 +39,7 @@ REQUIRED = ("instruction", "conversations", "chosen", "rejected")  # a row witho
 # an unpaired (KTO) entry's columns: the judged reply (alpaca's response column) and the tag read as the label
 KTO_COLUMNS = {"alpaca": {"response": ("output", "output"), "kto_tag": (None, "label")},
                "sharegpt": {"kto_tag": (None, "label")}}
-MEDIA_COLUMNS = ("images", "videos", "audios")
+MEDIA_COLUMNS = ("videos", "audios")  # not read; `images` is (its rows are checked by check-data, refused by train)
 # tag key -> (its default, the sharegpt role fastdpo's reader knows); role_tag / content_tag name the turn's keys
 TAGS = {"role_tag": ("from", None), "content_tag": ("value", None), "user_tag": ("human", "human"),
         "assistant_tag": ("gpt", "gpt"), "observation_tag": ("observation", "observation"),
@@ -214,15 +214,17 @@ def _columns(name: str, entry: dict, formatting: str) -> tuple[tuple[str, str], 
     kto = _kto_tag(entry) is not None
     if kto:  # unpaired: the reply and the tag, no chosen / rejected; unnamed columns under their default names
         known = {k: v for k, v in known.items() if k not in ("chosen", "rejected")} | KTO_COLUMNS[formatting]
+    mapping: dict[str, str] = {}
     for key, column in (given or {}).items():
+        if key == "images" and column:
+            mapping[str(column)] = "images"
         if key in MEDIA_COLUMNS and column:
-            raise FastDPOError(f"dataset {name}: columns.{key} ({column}): fastdpo trains on text; {key} are not read. "
-                               "Give a text-only dataset.")
+            raise FastDPOError(f"dataset {name}: columns.{key} ({column}): fastdpo reads text and images; {key} are "
+                               "not read. Drop the column from the entry and the rows.")
         if key not in LF_COLUMN_NAMES:  # other formattings' columns, SFT's response and KTO's tag are not read
             close = difflib.get_close_matches(key, list(known), n=1)
             raise FastDPOError(f"dataset {name}: columns.{key} is not a LLaMA-Factory column."
                                + (f" Did you mean {close[0]}?" if close else f" Known: {', '.join(known)}."))
-    mapping: dict[str, str] = {}
     for key, (default, target) in known.items():
         source = (given or {}).get(key, default if given is None or kto or key in ("chosen", "rejected") else None)
         if source:

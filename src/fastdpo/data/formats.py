@@ -109,6 +109,9 @@ class Row:
     # an unpaired row (KTO): one completion judged desirable (True) or undesirable (False), held as both `chosen` and
     # `rejected`; None for a pair
     label: bool | None = None
+    # the images of the prompt, in the order of its <image> tags (`fastdpo.data.vision.ImageRef`: paths or encoded
+    # bytes, never pixels); () for a text row
+    images: tuple = ()
 
     @property
     def conversational(self) -> bool:
@@ -125,6 +128,7 @@ class Row:
     def key(self) -> str:
         """A canonical text of the pair, for duplicate detection."""
         fields = [self.prompt, self.chosen, self.rejected, self.tools] + ([self.label] if self.unpaired else [])
+        fields += [[image.key() for image in self.images]] if self.images else []
         return json.dumps(fields, sort_keys=True, ensure_ascii=False)
 
 

@@ -20,6 +20,7 @@ from fastdpo.data.parallel import ordered_map
 from fastdpo.data.rejects import REJECTS_FILE, STRICT_HINT, Rejects, row_record
 from fastdpo.data.template import resolve_template
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats, no_pairs_error, tokenize_chunk
+from fastdpo.data.vision_tokenize import PixelOptions
 from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
@@ -40,6 +41,7 @@ class DataOptions:
     num_workers: int = 0
     shuffle_buffer_size: int = 10_000
     read: RowOptions = field(default_factory=RowOptions)  # column mapping and prompt handling
+    pixels: PixelOptions = field(default_factory=PixelOptions)  # image size bounds for rows with images
 
     @classmethod
     def from_config(cls, cfg) -> DataOptions:
@@ -51,7 +53,8 @@ class DataOptions:
                    use_cache=cfg.load_from_cache_file, cache_dir=cfg.dataset_cache_dir, streaming=cfg.streaming,
                    num_workers=cfg.dataloader_num_workers,
                    shuffle_buffer_size=cfg.shuffle_buffer_size if cfg.shuffle else 1,  # a 1-pair buffer keeps the order
-                   read=RowOptions.from_config(cfg))
+                   read=RowOptions.from_config(cfg),
+                   pixels=PixelOptions.resolve(getattr(cfg, "max_pixels", 0) or None, getattr(cfg, "min_pixels", 0) or None))
 
     @classmethod
     def for_scoring(cls, cfg) -> DataOptions:

@@ -1,16 +1,19 @@
 """One raw row as read from a source (`Record`), and how it becomes a `Row`: its dataset's reading, CSV cells holding
-JSON (or a label's true / false) decoded, multimodal rows refused, and rows over the size limit (--max_row_mb)
+JSON (or a label's true / false) decoded, multimodal rows refused (or, where the reading asks for them, read with
+their images: `fastdpo.data.vision`), and rows over the size limit (--max_row_mb)
 refused."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastdpo.data.columns import AS_GIVEN, RowOptions
 from fastdpo.data.formats import Row, RowError
 from fastdpo.data.groups import to_rows
 from fastdpo.data.unsupported import refuse_unsupported
+from fastdpo.data.vision import has_media, split_media, with_images
 
 # CSV cells hold text; these columns may hold JSON lists (messages, tool schemas) written as text
 # the end of an error after which the rest of the file could not be read: such a row cannot be skipped alone
@@ -30,6 +33,7 @@ class Record:
     error: str | None = None
     text_cells: bool = False
     dataset: str = ""  # the spec it was read from
+    base: str = ""  # the directory of the data file it was read from: relative image paths are read against it
 
     def rows(self, read: RowOptions = AS_GIVEN) -> list[Row]:
         """The record as its pairs (one Row for a pair record; see `fastdpo.data.groups`), read as its dataset's own
@@ -43,13 +47,19 @@ class Record:
         value = own.project(self.value, where) if own else read.rename(self.value, where)
         if self.text_cells:
             value = {k: _csv_value(k, v) for k, v in value.items()}
-        refuse_unsupported(value, where)  # multimodal rows would otherwise train as text
+        media = read.images and isinstance(value, dict) and has_media(value)
+        if media:
+            value, images, rejected_images = split_media(value, where, Path(self.base) if self.base else None)
+        else:
+            refuse_unsupported(value, where)  # multimodal rows would otherwise train as text
         try:
             rows = to_rows(value, where, own.formatting if own else None, read.pairing)
         except RowError as e:
             if own and e.field == "label":  # the label is the dataset's tag column: name that
                 raise RowError(e.where, own.source_of("label"), e.problem, e.fix, e.kind) from None
             raise
+        if media:
+            rows = [with_images(row, images, rejected_images, where) for row in rows]
         size = max(size_over(row, read.max_row_bytes) for row in rows)
         if size:  # from a source read whole (Parquet, HF datasets, a JSON object of rows)
             raise RowError(where, None, too_large(size, read.max_row_bytes), kind="row too large")

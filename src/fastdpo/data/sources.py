@@ -242,14 +242,21 @@ def iter_records(spec: Spec, split: str = "train", streaming: bool = False,
         yield rec
 
 
+def _based(records: Iterator[Record], base: Path) -> Iterator[Record]:
+    """Records of a data file, knowing its directory (relative image paths are read against it)."""
+    for rec in records:
+        rec.base = str(base.resolve())
+        yield rec
+
+
 def _spec_records(spec: Spec, split: str, streaming: bool, limit: int) -> Iterator[Record]:
     kind = source_kind(spec)
     path = Path(spec.name).expanduser()
     if kind == "file":
-        yield from file_records(path, limit)
+        yield from _based(file_records(path, limit), path.parent)
     elif kind == "dir":
         for f in data_files(path):
-            yield from file_records(f, limit)
+            yield from _based(file_records(f, limit), f.parent)
     elif kind == "memory":
         for i, value in enumerate(spec.name.rows):
             yield Record(f"in-memory {spec.name.kind} row {i}", value)

@@ -72,6 +72,9 @@ class TokenizeStats:
     several: int = 0  # records that gave more than one pair
     dropped_no_pair: int = 0  # records of scored completions that gave no pair (every completion ties, ...)
     left_out: dict = field(default_factory=dict)  # what pairing rules left out, by reason: tied pairs, ...
+    dropped_image_cut: int = 0  # rows with images whose prompt a length limit would cut through an image
+    images: int = 0  # images of the tokenised rows (`fastdpo.data.vision_tokenize`)
+    image_tokens: int = 0  # their placeholder tokens in the prompts kept
 
     def add(self, other: TokenizeStats) -> None:
         for f in fields(self):
@@ -85,7 +88,7 @@ class TokenizeStats:
     @property
     def dropped(self) -> int:
         return (self.dropped_prompt_too_long + self.dropped_too_long + self.dropped_identical + self.dropped_no_pair
-                + self.dropped_identical_cut)
+                + self.dropped_identical_cut + self.dropped_image_cut)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -162,16 +165,42 @@ def _chat_ids(tokenizer, texts: list[tuple[str, str, str]], rows: list[Row]) -> 
     out: list = []
     for k, row in enumerate(rows):
         p, pc, pr = ids[3 * k: 3 * k + 3]
-        bad = next((n for n, full in (("chosen", pc), ("rejected", pr)) if full[: len(p)] != p), None)
-        if bad:
-            i = common_prefix_length(p, pc if bad == "chosen" else pr)
-            out.append(RowError(row.source, None, f"the prompt's last tokens merge with the {bad} reply's first "
-                                f"tokens ({tokenizer.decode(p[i:])!r} is tokenised differently inside the "
-                                "conversation).", "End the template's generation prompt on a token boundary (a "
-                                "newline or a special token).", kind="prompt tokens merge with the reply"))
-        else:
-            out.append((p, pc[len(p):], pr[len(p):]))
+        err = merge_error(tokenizer, row.source, p, pc, pr)
+        out.append(err if err is not None else (p, pc[len(p):], pr[len(p):]))
     return out
+
+
+def merge_error(tokenizer, source: str, p: list[int], pc: list[int], pr: list[int]) -> RowError | None:
+    """A RowError when the prompt's tokens `p` are not a prefix of the conversation's (`pc`: with chosen, `pr`:
+    with rejected), the prompt's last text merging with the reply's first; None when they are."""
+    bad = next((n for n, full in (("chosen", pc), ("rejected", pr)) if full[: len(p)] != p), None)
+    if bad is None:
+        return None
+    i = common_prefix_length(p, pc if bad == "chosen" else pr)
+    return RowError(source, None, f"the prompt's last tokens merge with the {bad} reply's first tokens "
+                    f"({tokenizer.decode(p[i:])!r} is tokenised differently inside the conversation).",
+                    "End the template's generation prompt on a token boundary (a newline or a special token).",
+                    kind="prompt tokens merge with the reply")
+
+
+def count_row(row: Row, stats: TokenizeStats) -> bool:
+    """Count a row in `stats` (its record, format, what its pairing left out); False when it gives no pair to
+    tokenise (its record gave none, or chosen is identical to rejected: counted as dropped)."""
+    if row.member == 0:
+        stats.records += 1
+        stats.formats[row.format] = stats.formats.get(row.format, 0) + 1
+        for reason, n in row.notes:
+            stats.left_out[reason] = stats.left_out.get(reason, 0) + n
+    elif row.member == 1:
+        stats.several += 1
+    if row.dropped:
+        stats.dropped_no_pair += 1
+        stats.left_out[row.dropped] = stats.left_out.get(row.dropped, 0) + 1
+        return False
+    if row.identical:
+        stats.dropped_identical += 1
+        return False
+    return True
 
 
 def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_index: int = 0, renderer=None,
@@ -187,19 +216,9 @@ def tokenize_chunk(tokenizer, rows: list[Row], options: TokenizeOptions, start_i
     stats = TokenizeStats(rows=len(rows))
     keep: list[int] = []
     for k, row in enumerate(rows):
-        if row.member == 0:
-            stats.records += 1
-            stats.formats[row.format] = stats.formats.get(row.format, 0) + 1
-            for reason, n in row.notes:
-                stats.left_out[reason] = stats.left_out.get(reason, 0) + n
-        elif row.member == 1:
-            stats.several += 1
-        if row.dropped:
-            stats.dropped_no_pair += 1
-            stats.left_out[row.dropped] = stats.left_out.get(row.dropped, 0) + 1
-        elif row.identical:
-            stats.dropped_identical += 1
-        elif options.system and not row.conversational:
+        if not count_row(row, stats):
+            continue
+        if options.system and not row.conversational:
             err = RowError(row.source, None, "is plain text, but --system applies to conversational rows only "
                            "(plain text is tokenised without a chat template).",
                            "Put the system text in the prompt, or give the row as messages.",

@@ -102,3 +102,56 @@ def build_tiny_vlm(family: str = "qwen2_5_vl", vocab_size: int = 80, seed: int =
     torch.manual_seed(seed)
     cls = getattr(transformers, VLM_FAMILIES[family][1])
     return cls(tiny_vlm_config(family, vocab_size, **overrides)).float().eval()
+
+
+# Qwen2-VL's chat template, reduced to what the tests need: system/user/assistant turns, text and image parts (a
+# string content is text). Image parts become the vision start, one image pad and the vision end, which the
+# processor expands to the image's placeholder run.
+TINY_VLM_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_VLM_TOKENS = ["<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # the config's last 4 ids
+
+
+def tiny_vlm_processor(words: list[str] | None = None, vocab_size: int = 80, min_pixels: int = 16 * 16,
+                       max_pixels: int = 64 * 64):
+    """A Qwen2-VL processor over a whitespace word tokenizer (no BOS: the chat template holds the specials) whose
+    vision tokens have the ids `tiny_vlm_config` gives them (the last four of `vocab_size`), and the PIL image
+    processor with the tiny tower's 4-pixel patches merged 2 x 2: an image resized to 8k x 8l pixels gives k l
+    placeholder tokens. `min_pixels` / `max_pixels` bound the resized image's area."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    from fastdpo.model.processor import image_only_processor
+
+    words = words if words is not None else ["user", "assistant", "system"] + [f"w{i}" for i in range(40)]
+    base = len(SPECIALS) + len(TINY_VLM_TOKENS)
+    if base + len(words) > vocab_size - len(VISION_TOKENS):
+        raise ValueError(f"{len(words)} words do not fit a vocabulary of {vocab_size}.")
+    filler = [f"<unused{i}>" for i in range(vocab_size - len(VISION_TOKENS) - base - len(words))]
+    tok = word_tokenizer(TINY_VLM_TOKENS + words + filler, add_bos=False)
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in TINY_VLM_TOKENS
+                                                           + VISION_TOKENS]})
+    assert len(tok) == vocab_size and tok.convert_tokens_to_ids("<|image_pad|>") == vocab_size - 4
+    images = Qwen2VLImageProcessorPil(patch_size=VLM_PATCH, merge_size=2, temporal_patch_size=2,
+                                      min_pixels=min_pixels, max_pixels=max_pixels)
+    return image_only_processor(Qwen2VLProcessor, images, tok, TINY_VLM_TEMPLATE)
+
+
+def build_tiny_vlm_dir(out_dir: str | Path, family: str = "qwen2_5_vl", vocab_size: int = 80, seed: int = 0,
+                       **processor_kw) -> Path:
+    """Save a tiny vision-language model (`build_tiny_vlm`) with its processor (`tiny_vlm_processor`) to `out_dir`,
+    an HF model dir that `AutoProcessor.from_pretrained` and the model class load without downloads."""
+    out = Path(out_dir)
+    build_tiny_vlm(family, vocab_size, seed).save_pretrained(out, safe_serialization=True)
+    processor = tiny_vlm_processor(vocab_size=vocab_size, **processor_kw)
+    # part by part: a processor without a video processor cannot save itself whole
+    processor.tokenizer.save_pretrained(out)
+    processor.image_processor.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(processor.chat_template, encoding="utf-8")
+    return out

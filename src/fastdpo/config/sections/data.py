@@ -49,6 +49,11 @@ class DataReading(Section):
     ultrafeedback_score: str = option("auto", "The score that ranks UltraFeedback's raw completions: fine-grained_score "
                                       "(mean of the aspect ratings), overall_score, ratings (mean of the numeric "
                                       "annotations' Rating), or auto (the first of these a completion has).")
+    max_pixels: int = option(0, "Rows with images: the largest area of an image after resizing, in pixels, passed to the "
+                             "model's image processor (ms-swift's name; 0: the MAX_PIXELS environment variable, else "
+                             "the processor's own).")
+    min_pixels: int = option(0, "Rows with images: the smallest area of an image after resizing, in pixels (0: the "
+                             "MIN_PIXELS environment variable, else the processor's own).")
     template_timeout: float = option(10.0, "Seconds the chat template may take to render one row (0: no limit): a longer "
                                      "rendering is an error naming the row and the template, not a silent hang.")
 
@@ -62,7 +67,7 @@ class DataReading(Section):
         check_choice("ultrafeedback_score", self.ultrafeedback_score, ULTRAFEEDBACK_SCORES)
         if self.max_length < 1:
             raise FastDPOError(f"--max_length must be >= 1, got {self.max_length}.")
-        for name in ("max_prompt_length", "max_completion_length"):
+        for name in ("max_prompt_length", "max_completion_length", "max_pixels", "min_pixels"):
             if getattr(self, name) < 0:
                 raise FastDPOError(f"--{name} must be >= 0, got {getattr(self, name)}.")
         if not self.max_row_mb > 0:

@@ -1,0 +1,63 @@
+"""The processor of a vision-language model dir (tokenizer, image processor, chat template), for rows with images.
+
+`AutoProcessor` builds it. Without torchvision, transformers 5 cannot build Qwen2-VL's processor (it checks its
+video processor against a class that needs torchvision): the processor is then built from the dir's tokenizer, its
+image processor on the PIL backend and its chat template, without a video processor (fastdpo reads no videos).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastdpo.errors import FastDPOError
+
+
+def is_vision_model(path: str | Path, trust_remote_code: bool = False) -> bool:
+    """The model dir's config has a vision tower (a vision-language model)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception:  # a tokenizer dir without a model config: not a vision-language model
+        return False
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_only_processor(cls, image_processor, tokenizer, chat_template: str | None):
+    """A processor of class `cls` (Qwen2-VL's kind) without a video processor, also where transformers cannot check
+    one (no torchvision)."""
+    try:
+        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+    except AttributeError:  # the video processor's class check needs torchvision
+        from unittest import mock
+
+        with mock.patch.object(cls, "check_argument_for_proper_class", lambda *a: None):
+            return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                       chat_template=chat_template)
+
+
+def load_processor(path: str | Path, trust_remote_code: bool = False):
+    """The processor saved in a vision-language model dir; a FastDPOError when it has none."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        first = e
+    try:  # without torchvision: the parts, on the PIL image backend
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        name = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(config.model_type)
+        if name is None:
+            raise first
+        images = AutoImageProcessor.from_pretrained(path, backend="pil")
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        template = getattr(tokenizer, "chat_template", None)
+        jinja = Path(path) / "chat_template.jinja"
+        if jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        return image_only_processor(getattr(transformers, name), images, tokenizer, template)
+    except Exception:
+        raise FastDPOError(f"{path}: cannot load the model's processor ({type(first).__name__}: {first}). Rows with "
+                           "images need the processor saved with a vision-language model (preprocessor_config.json "
+                           "beside the tokenizer).") from None
