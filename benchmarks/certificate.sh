@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The run's certificate on a CUDA machine (from the repo root): its cost on the cold 600-pair Qwen3-1.7B job (on, then
-# off, same machine) and on Qwen3-8B LoRA r16 (the first step with and without it), and its checks on every bench
-# workload. Usage: benchmarks/certificate.sh [jobs|lora|workloads]...  Logs and JSON land in $OUT (default cert-out).
+# off, same machine) and on Qwen3-8B LoRA r16 (its own timing by stage; LORA_OFF=1 adds a run without it), the same
+# LoRA on the FP8 base (--fp8_base: speed and memory against bf16), and its checks on every bench workload. Usage: benchmarks/certificate.sh [jobs|lora|workloads]...  Logs and JSON land in $OUT (default cert-out).
 set -u
 OUT=${OUT:-cert-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -15,17 +15,18 @@ jobs() {
   done
 }
 
-lora() {
-  for c in on off; do
+lora() {  # 8B LoRA r16: the certificate's cost on its first step; then the same with the FP8 base (its speed, memory)
+  for v in "on" "on --fp8_base" ${LORA_OFF:+off}; do
+    n=$(echo "$v" | tr -d ' -')
     timeout -k 20 ${T_LORA:-170} python3 -m fastdpo bench --shape qwen3-8b --train_type lora --lora_rank 16 \
-      --steps 3 --warmup 1 --certificate $c --json "$OUT/lora_$c.json" > "$OUT/lora_$c.log" 2>&1
-    echo "8B LoRA certificate=$c rc=$?"; grep -E "certificate|bench step 0" "$OUT/lora_$c.log" | head -n 3
-    python3 -c "import json; r=json.load(open('$OUT/lora_$c.json'))['results'][0]; print('  first_step_s', r['first_step_s'], 'pairs/s', r['pairs_per_s'], 'peak', r['peak_gib'])"
+      --steps 3 --warmup 1 --certificate $v --json "$OUT/lora_$n.json" > "$OUT/lora_$n.log" 2>&1
+    echo "8B LoRA --certificate $v rc=$?"; grep -E "certificate|bench step" "$OUT/lora_$n.log" | head -n 5
+    python3 -c "import json; r=json.load(open('$OUT/lora_$n.json'))['results'][0]; print('  first_step_s', r['first_step_s'], 'pairs/s', r['pairs_per_s'], 'peak', r['peak_gib'], 'mfu', r['mfu'])"
   done
 }
 
 workloads() {
-  for w in anchor long-prompt long-answer grouped; do
+  for w in ${WORKLOADS:-anchor long-prompt long-answer grouped}; do
     timeout -k 20 ${T_W:-120} python3 -m fastdpo bench --shape qwen3-1.7b --workload $w --steps 2 --warmup 1 \
       --json "$OUT/w_$w.json" > "$OUT/w_$w.log" 2>&1
     echo "workload $w rc=$?"; grep -E "certificate" "$OUT/w_$w.log" | head -n 2
