@@ -147,13 +147,29 @@ def _loads_onto(device: torch.device) -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # vision-language models fastdpo trains (`fastdpo.model.vlm`)
+
+
+def is_vision_config(config) -> bool:
+    """A vision-language model config of a family fastdpo trains (a vision tower beside the language model)."""
+    return getattr(config, "vision_config", None) is not None and config.model_type in VISION_FAMILIES
+
+
+def model_class(config):
+    """The transformers auto class a config loads with: image-text-to-text for the vision-language families, a
+    causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
                model_type: str = "", quant_bits: int = 0, flag: str = "model"):
     """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
     `quant_bits` 4 or 8 loads a quantised base for QLoRA. `flag` names the option `path` came from. Model code named
     in config.json's auto_map runs only with `trust_remote_code` (without it the load is refused)."""
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     quant = quantization_config(quant_bits, device, dtype) if quant_bits else None
 
@@ -189,7 +205,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             extra = {"device_map": {"": device}}
         # use_kernels=False: transformers 5 kernelizes by default when the `kernels` package is present, fetching
         # layer code from the hub and rebinding each RMSNorm's forward on every .train(), which would undo ours
-        model = AutoModelForCausalLM.from_pretrained(
+        model = model_class(config).from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", use_kernels=False,
             **extra
         )
@@ -261,6 +277,11 @@ def _name_base(peft_model, base):
 def base_causal_lm(model):
     """The transformers CausalLM under a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder(model):
+    lm = base_causal_lm(model)
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
 
 
 def model_summary(model) -> dict:
