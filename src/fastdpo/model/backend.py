@@ -46,6 +46,11 @@ class Backend:
         images)."""
         return dataclasses.replace(self, group=group and self.name != "padded" and self.vision is None, dedupe=dedupe)
 
+    def plain(self) -> Backend:
+        """The padded path for the same model: the plain computation this backend is held to (a vision-language
+        model's keeps its images)."""
+        return Backend("padded", vision=self.vision)
+
     def micro_batches(self, pairs: list, max_tokens: int, pairs_per_micro: int) -> list[list]:
         """One step's pairs cut into micro-batches (`split_micro_batches`), counting tokens as this layout packs them."""
         return split_micro_batches(pairs, max_tokens, pairs_per_micro, self.group, self.dedupe)

@@ -244,15 +244,18 @@ def check_adapter_dir(path: str, flag: str) -> Path:
 
 
 def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, adapters: str = "",
-             use_dora: bool = False):
+             use_dora: bool = False, pattern: str | None = None):
     """Wrap `model` with a trainable LoRA adapter named "default": a fresh one (DoRA with `use_dora`), or the one
-    saved in `adapters`."""
+    saved in `adapters`. `pattern`: a regex of full module names to adapt instead of `target_modules`' names (a
+    vision-language model's parts, `fastdpo.model.vlm_parts.lora_pattern`)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapters:
         return _name_base(PeftModel.from_pretrained(model, str(check_adapter_dir(adapters, "--adapters")),
                                                     is_trainable=True), model)
-    if target_modules in ("all-linear", "default"):
+    if pattern is not None:
+        targets = pattern
+    elif target_modules in ("all-linear", "default"):
         targets = None if target_modules == "default" else target_modules  # None: PEFT's modules for the architecture
     else:
         targets = [t.strip() for t in target_modules.split(",")]
