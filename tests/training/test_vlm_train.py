@@ -101,3 +101,88 @@ def test_rows_with_images_and_a_text_only_model_are_refused(tmp_path, model_dirs
 def test_freeze_flags_are_refused_with_a_text_only_model(tmp_path, model_dirs):
     with pytest.raises(FastDPOError, match="text-only"):
         train(config(tmp_path, model_dirs("qwen3"), "text", freeze_vit=False), progress=False)
+
+
+def sequence_logp(model, pair, completion) -> torch.Tensor:
+    """The model's own forward of [prompt | completion] (its processor's inputs, mm_token_type_ids included), full
+    float32 logits: the completion's log-prob sum."""
+    ids = torch.tensor([pair.prompt + completion])
+    kw = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    if pair.num_images:
+        kw.update(pixel_values=pair.pixel_values, image_grid_thw=pair.image_grid_thw)
+    logits = model(input_ids=ids, use_cache=False, **kw).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[len(pair.prompt) - 1:, 0].sum()
+
+
+def plain_step(policy, reference, pairs, beta) -> torch.Tensor:
+    """The sigmoid DPO loss of `pairs`, mean over pairs, from 4 separate forwards per pair; backward into `policy`."""
+    losses = []
+    for p in pairs:
+        with torch.no_grad():
+            ref = sequence_logp(reference, p, p.chosen) - sequence_logp(reference, p, p.rejected)
+        pol = sequence_logp(policy, p, p.chosen) - sequence_logp(policy, p, p.rejected)
+        losses.append(-torch.nn.functional.logsigmoid(beta * (pol - ref)))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss
+
+
+def trainer_of(tmp_path, model, **kw):
+    from fastdpo.training.trainer import Trainer
+
+    return Trainer(config(tmp_path, model, "step", max_grad_norm=0.0, **kw))
+
+
+@pytest.mark.parametrize("kw", [{"per_device_train_batch_size": 4}, {"gradient_accumulation_steps": 2},
+                                {"freeze_vit": False, "freeze_aligner": False, "per_device_train_batch_size": 4}])
+def test_one_step_equals_the_plain_computation(tmp_path, vlm_dir, kw):
+    import copy
+
+    trainer = trainer_of(tmp_path, vlm_dir, **kw)
+    s = trainer.s
+    pairs = s.pairs[:4]
+    assert sum(p.num_images for p in pairs) == 4 and s.backend.name == "dense" and s.backend.vision
+    policy, reference = copy.deepcopy(s.model), copy.deepcopy(s.model).eval()
+    grads = {}
+    for name, q in s.model.named_parameters():  # the accumulated gradient, before the update clears it
+        if q.requires_grad:
+            q.register_post_accumulate_grad_hook(lambda q, name=name: grads.__setitem__(name, q.grad.clone()))
+    result = trainer.step(pairs)
+    assert result.metrics.micro_batches == (2 if "gradient_accumulation_steps" in kw else 1)
+    loss = plain_step(policy, reference, pairs, s.cfg.beta)
+    assert result.metrics.finish()["loss"] == pytest.approx(float(loss), abs=ATOL)
+    trained = {n for n, q in policy.named_parameters() if q.requires_grad}
+    assert grads.keys() == trained and any(n.startswith("model.visual.") for n in trained) == bool(
+        kw.get("freeze_vit") is False)
+    for name, q in policy.named_parameters():
+        if name in trained:
+            torch.testing.assert_close(grads[name], q.grad, atol=ATOL, rtol=0, msg=name)
+
+
+def test_the_vision_tower_runs_once_per_micro_batch_forward(tmp_path, vlm_dir):
+    """Two micro-batches of two pairs: the policy's tower runs twice and the reference copy's twice, each time on the
+    images of its micro-batch only (never an image twice in a step's forwards of one model)."""
+    trainer = trainer_of(tmp_path, vlm_dir, gradient_accumulation_steps=2)
+    s = trainer.s
+    pairs = s.pairs[:4]
+    calls = {"policy": [], "reference": []}
+    for who, model in (("policy", s.model), ("reference", s.reference.model)):
+        model.model.visual.register_forward_pre_hook(
+            lambda m, args, kwargs, who=who: calls[who].append(int(kwargs.get("grid_thw", args[-1]).shape[0])),
+            with_kwargs=True)
+    trainer.step(pairs)
+    images = [sum(p.num_images for p in pairs[:2]), sum(p.num_images for p in pairs[2:])]
+    assert calls == {"policy": images, "reference": images}
+
+
+def test_an_image_moves_the_first_steps_log_probs(tmp_path, vlm_dir):
+    def first_logps(name, colors):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", rows(tmp_path / name, colors))
+        train(config(tmp_path, vlm_dir, name, data=data, max_steps=1), progress=False)
+        first = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+        return first["logps/chosen"], first["logps/rejected"]
+
+    a = first_logps("a", ((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)))
+    same = first_logps("same", ((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)))
+    b = first_logps("b", ((10, 10, 10), (30, 200, 30), (30, 30, 200), (200, 200, 30)))  # pair 0's image only
+    assert a == same and a[0] != b[0] and a[1] != b[1]
