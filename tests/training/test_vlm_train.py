@@ -81,16 +81,28 @@ def test_full_fine_tuning_trains_and_freezes_the_vision_parts(tmp_path, vlm_dir,
         assert changed & vit and changed & merger
     else:
         assert not changed & (vit | merger)
+    assert (tmp_path / "run" / "final" / "preprocessor_config.json").is_file()  # the saved dir keeps its processor
     assert result.summary is not None
 
 
-def test_lora_trains_adapters_on_the_language_model_only(tmp_path, vlm_dir):
-    train(config(tmp_path, vlm_dir, "lora", train_type="lora", lora_rank=4), progress=False)
+@pytest.mark.parametrize("kw", [{}, {"freeze_vit": False}])
+def test_lora_trains_adapters_on_the_language_model_only(tmp_path, vlm_dir, kw):
+    train(config(tmp_path, vlm_dir, "lora", train_type="lora", lora_rank=4, **kw), progress=False)
     c = certificate(tmp_path / "lora")
     assert c["status"] == "PASS" and c["fast_path"]["status"] == "PASS", c
     adapter = saved(tmp_path / "lora", "adapter_model.safetensors")
-    assert adapter and all("language_model" in k for k in adapter), sorted(adapter)[:4]
+    vit = {k for k in adapter if ".visual.blocks." in k}
     assert any(k.endswith("q_proj.lora_A.weight") for k in adapter)
+    assert all("language_model" in k for k in set(adapter) - vit) and not any(".merger." in k for k in adapter)
+    assert bool(vit) == bool(kw), sorted(adapter)[:4]
+
+
+def test_text_rows_train_with_a_vision_language_model(tmp_path, vlm_dir):
+    data = write_jsonl(tmp_path / "text.jsonl", [{k: v for k, v in r.items() if k != "images"} | {
+        "messages": [{**m, "content": m["content"].replace("<image>", "")} for m in r["messages"]]}
+        for r in rows(tmp_path)])
+    train(config(tmp_path, vlm_dir, "text", data=data), progress=False)
+    assert certificate(tmp_path / "text")["status"] == "PASS"
 
 
 def test_rows_with_images_and_a_text_only_model_are_refused(tmp_path, model_dirs):

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import torch
@@ -331,6 +332,26 @@ def host_state_dict(model, gpu_only: bool = True) -> dict | None:
     return out
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def keep_processor_files(model, out: Path) -> None:
+    """A vision-language model's processor files (image processor, chat template) copied from the dir it was loaded
+    from into `out` beside the tokenizer, so the saved dir loads its processor as the original did."""
+    lm = base_causal_lm(model)
+    if not is_vision_config(lm.config):
+        return
+    source = Path(str(getattr(lm, "name_or_path", "") or "")).expanduser()
+    if not source.is_dir():
+        source = hub_snapshot(str(lm.name_or_path)) if lm.name_or_path else None
+    if source is None or Path(source).resolve() == Path(out).resolve():
+        return
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file() and not (out / name).exists():
+            shutil.copyfile(Path(source) / name, out / name)
+
+
 def save_model(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
     """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer. `state_dict`: full weights
     gathered from shards (FSDP2), saved instead of the model's own."""
@@ -341,4 +362,5 @@ def save_model(model, tokenizer, out: Path, state_dict: dict | None = None) -> N
     model.save_pretrained(out, safe_serialization=True, state_dict=state_dict, **only_trained)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    keep_processor_files(model, out)
     (out / "fastdpo.json").write_text(json.dumps({"format": "fastdpo-model", "version": 1}))
