@@ -33,7 +33,7 @@ def test_kinds(value, kind):
 
 def test_the_row_error_survives_worker_processes():
     e = pickle.loads(pickle.dumps(UnsupportedRow("d.jsonl:3", MULTIMODAL, "the images column")))
-    assert e.kind == MULTIMODAL and str(e).startswith("d.jsonl:3: holds the images column. fastdpo trains text-only")
+    assert e.kind == MULTIMODAL and str(e).startswith("d.jsonl:3: holds the images column. The model is text-only")
 
 
 def test_check_data_reads_them_and_names_a_problem_of_many_rows_once(tmp_path, capsys):

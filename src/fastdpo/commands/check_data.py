@@ -5,9 +5,10 @@ empty completions, chosen identical to rejected, a label that is not true or fal
 and with `--model` rows the chat template or tokenizer cannot handle. Rows with images (`fastdpo.data.vision`) are
 read and checked: each image opened and verified, tags against images; with a vision-language `--model` their
 token lengths count the images' placeholder tokens (its processor, `--max_pixels` / `--min_pixels`). Training
-refuses them for now, which the report says as a warning. Warnings: duplicate pairs, pairs over `--max_length`.
-With `--model`: p50/p95/max token lengths and what the length flags would drop or trim. Unpaired (KTO) datasets:
-how many rows are desirable and undesirable. Every message names the file and line (or index), the field and a fix.
+takes them only with a vision-language model, which the report says as a warning. Warnings: duplicate pairs, pairs
+over `--max_length`. With `--model`: p50/p95/max token lengths and what the length flags would drop or trim.
+Unpaired (KTO) datasets: how many rows are desirable and undesirable. Every message names the file and line (or
+index), the field and a fix.
 """
 
 from __future__ import annotations
@@ -338,8 +339,9 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
     lines += _listing("errors", report.errors)
     if report.image_rows:
         lines += _listing("warnings: rows with images", [
-            f"`fastdpo train` refuses the {report.image_rows} rows with images for now (vision-language training is "
-            "not wired in yet); check-data reads and checks them as training will read them."])
+            f"`fastdpo train` trains the {report.image_rows} rows with images with a vision-language --model "
+            "(Qwen2-VL, Qwen2.5-VL) and refuses them with a text-only one; check-data reads and checks them as "
+            "training will read them."])
     lines += _listing("warnings: duplicate pairs", report.duplicates)
     lines += _listing("warnings: prompts that differ only in whitespace", report.near_prompts)
     if model:

@@ -58,6 +58,10 @@ class PairBatch:
       group (1..K), pair_lengths holds (prompt, y1, ..., yK) per group; seq_alias (2B,) long, when some sequence
       has no targets of its own, maps each sequence to the one whose sums it takes; prompt_alias (B,) likewise for
       the prompt targets (held by the first pair of each group).
+    Pairs with images (vision-language models, `fastdpo.model.vlm`; never grouped): pixel_values (patches, D) and
+      image_grid_thw (I, 3) long, the images in the order their placeholders appear in input_ids (row after row; in
+      the padded layout each pair's images twice, for its chosen and its rejected row); in the packed layout
+      vision_positions (3, 1, T) long, the M-RoPE positions (position_ids stays the plain one-axis numbering).
     """
 
     input_ids: torch.Tensor
@@ -78,6 +82,9 @@ class PairBatch:
     offsets: torch.Tensor | None = None
     seq_alias: torch.Tensor | None = None
     prompt_alias: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    vision_positions: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:

@@ -20,7 +20,7 @@ from fastdpo.data.parallel import ordered_map
 from fastdpo.data.rejects import REJECTS_FILE, STRICT_HINT, Rejects, row_record
 from fastdpo.data.template import resolve_template
 from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats, no_pairs_error, tokenize_chunk
-from fastdpo.data.vision_tokenize import PixelOptions
+from fastdpo.data.vision_tokenize import PixelOptions, tokenize_vision_rows
 from fastdpo.errors import FastDPOError
 
 log = logging.getLogger("fastdpo")
@@ -144,6 +144,38 @@ def load_pairs(specs: list[str], tokenizer, opts: DataOptions) -> tuple[list[Tok
     pairs, summary = tokenize_pairs(load_rows(specs, opts.seed, opts.split, opts.read), tokenizer, opts)
     summary.datasets = list(specs)
     return pairs, summary
+
+
+def tokenize_rows(rows: list[Row], tokenizer, opts: DataOptions, rejects: Rejects | None = None, processor=None
+                  ) -> tuple[list[TokenizedPair], DataSummary]:
+    """Rows -> pairs: with a vision-language model's `processor` and a row with images among them, every row through
+    the processor (`tokenize_image_pairs`); else as text (`tokenize_pairs`)."""
+    if processor is not None and any(row.images for row in rows):
+        return tokenize_image_pairs(rows, processor, opts, rejects)
+    return tokenize_pairs(rows, tokenizer, opts, rejects)
+
+
+def tokenize_image_pairs(rows: list[Row], processor, opts: DataOptions, rejects: Rejects | None = None
+                         ) -> tuple[list[TokenizedPair], DataSummary]:
+    """Rows, some with images, -> pairs holding their images (`TokenizedPair.pixel_values`), index = position in
+    `rows`: each conversation through the processor's chat template, each image through its image processor
+    (`fastdpo.data.vision_tokenize`, --max_pixels / --min_pixels), in this process. Not cached: the cache keeps
+    token ids only, and the images are read again each run."""
+    skip = rejects is not None and rejects.skip
+    problems: list[RowError] | None = [] if skip else None
+    try:
+        got, stats = tokenize_vision_rows(processor, rows, opts.tokenize, opts.pixels, problems=problems)
+    except RowError as e:
+        raise FastDPOError(f"{e} {STRICT_HINT}") from None
+    if rejects is not None:
+        rejects.rows = max(rejects.rows, len(rows))
+        by_source = {r.source: r for r in rows}
+        for e in problems or []:
+            rejects.add(e, row_record(by_source[e.where]))
+    pairs = [dataclasses.replace(v.pair, pixel_values=v.pixel_values, image_grid_thw=v.image_grid_thw) for v in got]
+    if not pairs:
+        raise no_pairs_error(opts.tokenize, stats)
+    return pairs, DataSummary(stats, opts.tokenize)
 
 
 def tokenize_pairs(rows: list[Row], tokenizer, opts: DataOptions,

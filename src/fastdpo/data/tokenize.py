@@ -31,7 +31,13 @@ class TokenizedPair:
 
     An unpaired row (KTO) is held the same way: `chosen` is its completion, `label` its judgement (True:
     desirable), and `rejected` its KL completion once `fastdpo.data.kto.kl_completions` has set it (before, the
-    completion itself, uncut by the length limits); `chunk` is the batch of rows its KL completion was taken in."""
+    completion itself, uncut by the length limits); `chunk` is the batch of rows its KL completion was taken in.
+
+    A row with images (`fastdpo.data.vision_tokenize`) keeps them here, so that every step's grouping, ordering and
+    splitting, which work on pairs, carry them along: `prompt` holds each image's placeholder run, `pixel_values`
+    (patches, C * temporal_patch * patch^2) its images' patches image after image, `image_grid_thw` (I, 3) their
+    (t, h, w) patch grids; None without images. They count toward no token number, and such pairs are not cached
+    (`fastdpo.data.cache` keeps token ids only)."""
 
     prompt: list[int]
     chosen: list[int]
@@ -39,6 +45,12 @@ class TokenizedPair:
     index: int
     label: bool | None = None
     chunk: int = -1
+    pixel_values: object = field(default=None, compare=False, repr=False)  # torch.Tensor | None
+    image_grid_thw: object = field(default=None, compare=False, repr=False)  # torch.Tensor | None
+
+    @property
+    def num_images(self) -> int:
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,8 @@
 """Rows fastdpo cannot train, recognised before they would be read as something else: multimodal rows (ms-swift's and
 LLaMA-Factory's `images` / `videos` / `audios` columns and `<image>` tags, TRL's vision rows with an image column or
-image parts in the messages) would train as text with the media dropped. They are refused with what they hold and
+image parts in the messages) read where images are not (a text-only model, a command that reads text) would train
+as text with the media dropped. (`fastdpo train` with a vision-language model reads rows with images:
+`fastdpo.data.vision`.) They are refused with what they hold and
 what to do; over a whole dataset, with counts. (Unpaired rows, a completion with a label, are read: see
 `fastdpo.data.formats`.)
 """
@@ -23,9 +25,10 @@ MULTIMODAL = "multimodal"
 SHOWN = 3  # row locations named in a dataset's message
 
 ADVICE = {
-    MULTIMODAL: ("fastdpo trains text-only DPO: the media would be dropped and a tag such as <image> trained as text. "
-                 "Train multimodal DPO with ms-swift or TRL, or remove the media columns and tags for a text-only "
-                 "run."),
+    MULTIMODAL: ("The model is text-only (or this command reads text only): the media would be dropped and a tag such "
+                 "as <image> trained as text. Rows with images train with a vision-language model such as Qwen2.5-VL "
+                 "or Qwen2-VL (videos and audio are not trained); use one, or remove the media columns and tags for "
+                 "a text-only run."),
 }
 
 

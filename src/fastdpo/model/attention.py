@@ -42,6 +42,24 @@ def allowed(q_pair, k_pair, q_seg, k_seg, q_idx, k_idx, q_pos, k_pos, window: in
     return ok
 
 
+def sliding_window(config) -> tuple[bool, int | None, str]:
+    """(supported by the packed path, uniform window or None, reason if not supported)."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return False, None, "attention logit soft-capping"
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types:
+        kinds = set(types)
+        if kinds == {"full_attention"}:
+            return True, None, ""
+        if kinds == {"sliding_attention"} and window:
+            return True, int(window), ""
+        return False, None, f"mixed attention layer types {sorted(kinds)}"
+    if window and getattr(config, "use_sliding_window", True):
+        return True, int(window), ""
+    return True, None, ""
+
+
 def dense_mask(batch: PairBatch, window: int | None = None) -> torch.Tensor:
     """(1, 1, T, T) boolean mask, True where attention is allowed. O(T^2) memory: small inputs only."""
     pid, seg = batch.pair_ids, batch.segments

@@ -14,8 +14,10 @@ from fastdpo.data.pack import PairBatch, pack_pairs, packed_tokens, pad_pairs, s
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels.logprob_head import token_logps
 from fastdpo.model import attention
-from fastdpo.model.load import base_causal_lm
-from fastdpo.model.logprobs import sequence_sums
+from fastdpo.model.attention import sliding_window
+from fastdpo.model.load import base_causal_lm, decoder, is_vision_config
+from fastdpo.model.logprobs import output_head, sequence_sums
+from fastdpo.model.vlm import packed_vision_hidden, padded_vision_hidden, vision_batch, vision_ids
 
 log = logging.getLogger("fastdpo")
 
@@ -30,56 +32,24 @@ PACKED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "grani
 
 
 @dataclass
-class Head:
-    """What the log-prob computation needs from the output layer."""
-
-    weight: torch.Tensor
-    scale: float
-    softcap: float | None
-    kernels: bool = False  # the Triton log-prob kernels (`fuse_layers(..., use_kernels=True)` marks the head)
-
-
-def output_head(model) -> Head:
-    lm = base_causal_lm(model)
-    head = lm.get_output_embeddings()
-    assert getattr(head, "bias", None) is None, "lm_head with a bias is not supported"
-    cfg = lm.config
-    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
-    if getattr(cfg, "logits_scaling", None):
-        scale /= float(cfg.logits_scaling)
-    return Head(head.weight, scale, getattr(cfg, "final_logit_softcapping", None), getattr(head, "_fastdpo_kernels", False))
-
-
-def sliding_window(config) -> tuple[bool, int | None, str]:
-    """(supported by the packed path, uniform window or None, reason if not supported)."""
-    if getattr(config, "attn_logit_softcapping", None):
-        return False, None, "attention logit soft-capping"
-    types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if types:
-        kinds = set(types)
-        if kinds == {"full_attention"}:
-            return True, None, ""
-        if kinds == {"sliding_attention"} and window:
-            return True, int(window), ""
-        return False, None, f"mixed attention layer types {sorted(kinds)}"
-    if window and getattr(config, "use_sliding_window", True):
-        return True, int(window), ""
-    return True, None, ""
-
-
-@dataclass
 class Backend:
     name: str  # varlen | flex | dense | padded
     window: int | None = None
     lengths: int = SHAPE_BUCKETS  # flex: static micro-batch lengths per token budget (`flex_length`)
     group: bool = False  # packed layouts: the pairs of one prompt as one group (`fastdpo.data.pack`)
     dedupe: bool = True  # in a group, a completion several pairs share is computed once
+    vision: tuple[int, int] | None = None  # a vision-language model: its (image token id, merge size), `fastdpo.model.vlm`
 
     def grouping(self, group: bool, dedupe: bool = True) -> Backend:
         """This backend laying out micro-batches in prompt groups (`group`; never on the padded path, which is the
-        plain reference computation)."""
-        return dataclasses.replace(self, group=group and self.name != "padded", dedupe=dedupe)
+        plain reference computation, nor for a vision-language model: two prompts of equal ids may hold different
+        images)."""
+        return dataclasses.replace(self, group=group and self.name != "padded" and self.vision is None, dedupe=dedupe)
+
+    def plain(self) -> Backend:
+        """The padded path for the same model: the plain computation this backend is held to (a vision-language
+        model's keeps its images)."""
+        return Backend("padded", vision=self.vision)
 
     def micro_batches(self, pairs: list, max_tokens: int, pairs_per_micro: int) -> list[list]:
         """One step's pairs cut into micro-batches (`split_micro_batches`), counting tokens as this layout packs them."""
@@ -100,6 +70,8 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
                    lengths: int = SHAPE_BUCKETS) -> Backend:
     """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
     cfg = base_causal_lm(model).config
+    if is_vision_config(cfg):
+        return vision_backend(cfg, attn_impl, padding_free, device)
     if attn_impl in FOREIGN_ATTN:
         log.info("--attn_impl %s: using the %s backend. %s", attn_impl, "flex" if device.type == "cuda" else "dense",
                  FOREIGN_ATTN[attn_impl])
@@ -120,6 +92,21 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
         if why:
             raise FastDPOError(f"--attn_impl varlen: {why}. Use --attn_impl flex (or auto).")
     return Backend(name, window, lengths)
+
+
+def vision_backend(cfg, attn_impl: str, padding_free: bool, device: torch.device) -> Backend:
+    """A vision-language model (Qwen2-VL, Qwen2.5-VL): its pairs packed with the dense pair mask through the language
+    model's own attention (`fastdpo.model.vlm`), or the padded rows through the model's own multimodal forward."""
+    ids = vision_ids(cfg)
+    if not padding_free or attn_impl == "padded":
+        return Backend("padded", vision=ids)
+    if attn_impl not in ("auto", "dense", *FOREIGN_ATTN):
+        raise FastDPOError(f"--attn_impl {attn_impl}: vision-language models ({cfg.model_type}) train with the dense "
+                           "pair mask (--attn_impl dense or auto) or padded rows (--attn_impl padded) for now.")
+    if device.type == "cuda":
+        log.warning("Vision-language model: the packed pairs run the dense pair mask (memory grows with the square of "
+                    "a micro-batch's tokens); keep micro-batches small (--max_tokens_per_batch).")
+    return Backend("dense", vision=ids)
 
 
 def varlen_unsupported(model) -> str:
@@ -162,11 +149,6 @@ def prepare_packed(model, backend: Backend) -> None:
         module._fastdpo_window = backend.window
 
 
-def decoder(model):
-    lm = base_causal_lm(model)
-    return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-
-
 def flex_length(tokens: int, budget: int, lengths: int = SHAPE_BUCKETS) -> int:
     """Padded length of a flex micro-batch holding `tokens`: the next multiple of budget / `lengths` (rounded up to
     the flex block), so a budget gives `lengths` static lengths and compiled kernels are built a few times, not per
@@ -201,8 +183,11 @@ def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device,
                prompt_targets: bool = False) -> PairBatch:
     """A micro-batch of TokenizedPairs in the backend's layout (packed, or padded rows), on `device`. Flex batches are
     padded to one of a few static lengths (`flex_length`). `prompt_targets`: with the prompt tokens' targets (a loss
-    whose NLL covers the prompt, `losses.needs_prompt_targets`)."""
-    if backend.name == "padded":
+    whose NLL covers the prompt, `losses.needs_prompt_targets`). A vision-language model's batches carry the pairs'
+    images (`fastdpo.model.vlm.vision_batch`)."""
+    if backend.vision is not None:
+        batch = vision_batch(pairs, backend.vision, pad_id, prompt_targets, padded=backend.name == "padded")
+    elif backend.name == "padded":
         batch = pad_pairs(pairs, pad_id, prompt_targets)
     elif backend.name == "flex":
         tokens = packed_tokens(pairs, backend.group, backend.dedupe)
@@ -230,6 +215,10 @@ def target_hidden(model, batch: PairBatch, backend: Backend, mask=None, src: tor
     positions `src`). A mask that names its own attention function (`attn_name`: varlen's offsets, or a
     sequence-parallel context) reaches every layer's attention as the keyword arguments of its `kwargs()`;
     transformers then builds no mask of its own."""
+    if backend.vision is not None:  # the vision tower keeps the model's own attention: no switch here
+        if backend.name == "padded":
+            return padded_vision_hidden(model, batch, src)
+        return packed_vision_hidden(model, batch, mask, src)
     if mask is None:
         mask = build_mask(batch, backend)
     name = getattr(mask, "attn_name", None)

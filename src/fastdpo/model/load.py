@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import torch
@@ -147,13 +148,29 @@ def _loads_onto(device: torch.device) -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # vision-language models fastdpo trains (`fastdpo.model.vlm`)
+
+
+def is_vision_config(config) -> bool:
+    """A vision-language model config of a family fastdpo trains (a vision tower beside the language model)."""
+    return getattr(config, "vision_config", None) is not None and config.model_type in VISION_FAMILIES
+
+
+def model_class(config):
+    """The transformers auto class a config loads with: image-text-to-text for the vision-language families, a
+    causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
                model_type: str = "", quant_bits: int = 0, flag: str = "model"):
     """Load a causal LM from a local HF dir or a hub id, in `dtype`, on `device`, with SDPA attention;
     `quant_bits` 4 or 8 loads a quantised base for QLoRA. `flag` names the option `path` came from. Model code named
     in config.json's auto_map runs only with `trust_remote_code` (without it the load is refused)."""
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     quant = quantization_config(quant_bits, device, dtype) if quant_bits else None
 
@@ -189,7 +206,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             extra = {"device_map": {"": device}}
         # use_kernels=False: transformers 5 kernelizes by default when the `kernels` package is present, fetching
         # layer code from the hub and rebinding each RMSNorm's forward on every .train(), which would undo ours
-        model = AutoModelForCausalLM.from_pretrained(
+        model = model_class(config).from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa", use_kernels=False,
             **extra
         )
@@ -228,15 +245,18 @@ def check_adapter_dir(path: str, flag: str) -> Path:
 
 
 def add_lora(model, rank: int, alpha: int, dropout: float, target_modules: str, adapters: str = "",
-             use_dora: bool = False):
+             use_dora: bool = False, pattern: str | None = None):
     """Wrap `model` with a trainable LoRA adapter named "default": a fresh one (DoRA with `use_dora`), or the one
-    saved in `adapters`."""
+    saved in `adapters`. `pattern`: a regex of full module names to adapt instead of `target_modules`' names (a
+    vision-language model's parts, `fastdpo.model.vlm_parts.lora_pattern`)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapters:
         return _name_base(PeftModel.from_pretrained(model, str(check_adapter_dir(adapters, "--adapters")),
                                                     is_trainable=True), model)
-    if target_modules in ("all-linear", "default"):
+    if pattern is not None:
+        targets = pattern
+    elif target_modules in ("all-linear", "default"):
         targets = None if target_modules == "default" else target_modules  # None: PEFT's modules for the architecture
     else:
         targets = [t.strip() for t in target_modules.split(",")]
@@ -261,6 +281,11 @@ def _name_base(peft_model, base):
 def base_causal_lm(model):
     """The transformers CausalLM under a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder(model):
+    lm = base_causal_lm(model)
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
 
 
 def model_summary(model) -> dict:
@@ -307,6 +332,26 @@ def host_state_dict(model, gpu_only: bool = True) -> dict | None:
     return out
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def keep_processor_files(model, out: Path) -> None:
+    """A vision-language model's processor files (image processor, chat template) copied from the dir it was loaded
+    from into `out` beside the tokenizer, so the saved dir loads its processor as the original did."""
+    lm = base_causal_lm(model)
+    if not is_vision_config(lm.config):
+        return
+    source = Path(str(getattr(lm, "name_or_path", "") or "")).expanduser()
+    if not source.is_dir():
+        source = hub_snapshot(str(lm.name_or_path)) if lm.name_or_path else None
+    if source is None or Path(source).resolve() == Path(out).resolve():
+        return
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file() and not (out / name).exists():
+            shutil.copyfile(Path(source) / name, out / name)
+
+
 def save_model(model, tokenizer, out: Path, state_dict: dict | None = None) -> None:
     """HF dir with safetensors (full) or a PEFT adapter dir (LoRA), plus the tokenizer. `state_dict`: full weights
     gathered from shards (FSDP2), saved instead of the model's own."""
@@ -317,4 +362,5 @@ def save_model(model, tokenizer, out: Path, state_dict: dict | None = None) -> N
     model.save_pretrained(out, safe_serialization=True, state_dict=state_dict, **only_trained)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    keep_processor_files(model, out)
     (out / "fastdpo.json").write_text(json.dumps({"format": "fastdpo-model", "version": 1}))

@@ -4,9 +4,33 @@ log-prob a chunk of logits at a time)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fastdpo.kernels.logprob_head import DEFAULT_CHUNK, chunk_logits
+from fastdpo.model.load import base_causal_lm
+
+
+@dataclass
+class Head:
+    """What the log-prob computation needs from the output layer."""
+
+    weight: torch.Tensor
+    scale: float
+    softcap: float | None
+    kernels: bool = False  # the Triton log-prob kernels (`fuse_layers(..., use_kernels=True)` marks the head)
+
+
+def output_head(model) -> Head:
+    lm = base_causal_lm(model)
+    head = lm.get_output_embeddings()
+    assert getattr(head, "bias", None) is None, "lm_head with a bias is not supported"
+    cfg = lm.config
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    return Head(head.weight, scale, getattr(cfg, "final_logit_softcapping", None), getattr(head, "_fastdpo_kernels", False))
 
 
 def sequence_sums(values: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:

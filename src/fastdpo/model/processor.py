@@ -10,17 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastdpo.errors import FastDPOError
+from fastdpo.model.load import is_vision_config
 
 
 def is_vision_model(path: str | Path, trust_remote_code: bool = False) -> bool:
-    """The model dir's config has a vision tower (a vision-language model)."""
+    """The model dir's config is a vision-language model fastdpo trains (Qwen2-VL, Qwen2.5-VL: `is_vision_config`)."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception:  # a tokenizer dir without a model config: not a vision-language model
         return False
-    return getattr(config, "vision_config", None) is not None
+    return is_vision_config(config)
 
 
 def image_only_processor(cls, image_processor, tokenizer, chat_template: str | None):

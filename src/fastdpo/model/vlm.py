@@ -49,14 +49,14 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdpo.data.pack import PairBatch, pack_pairs
+from fastdpo.data.pack import PairBatch, pack_pairs, pad_pairs
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels.logprob_head import token_logps
 from fastdpo.model import attention
-from fastdpo.model.backend import decoder, output_head, sliding_window
-from fastdpo.model.load import base_causal_lm
-from fastdpo.model.logprobs import sequence_sums
+from fastdpo.model.attention import sliding_window
+from fastdpo.model.load import base_causal_lm, decoder
+from fastdpo.model.logprobs import output_head, sequence_sums
 
 # attention implementations of the language model that take a ready 4-D additive mask as it is
 MASKED_ATTENTION = ("eager", "sdpa", attention.ATTN_NAME)
@@ -159,15 +159,45 @@ def pack_vision_pairs(pairs: list[TokenizedPair], config, pixel_values: torch.Te
     `pixel_values` / `image_grid_thw`: the images of all pairs, in the order their placeholders appear (pair after
     pair), as the model's image processor gives them (a pair without images contributes none). `config`: the
     model's config (its image token id and merge size)."""
-    image_token_id, merge = vision_ids(config)
     batch = pack_pairs(pairs, 1, pad_id)
-    positions = mrope_positions(batch.input_ids, batch.pair_lengths, image_grid_thw, image_token_id, merge)
+    with_images(batch, vision_ids(config), pixel_values, image_grid_thw)
+    return VisionPairBatch(batch, batch.vision_positions, pixel_values, image_grid_thw)
+
+
+def with_images(batch: PairBatch, ids: tuple[int, int], pixel_values: torch.Tensor | None,
+                image_grid_thw: torch.Tensor | None) -> PairBatch:
+    """`batch` (the packed or the padded layout, on the host) given its images: `pixel_values`, `image_grid_thw`, and
+    in the packed layout the M-RoPE positions (`PairBatch.vision_positions`). `ids`: `vision_ids` of the model."""
     if (pixel_values is None) != (image_grid_thw is None):
         raise FastDPOError("pixel_values and image_grid_thw come together.")
     if image_grid_thw is not None and int(image_grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
         raise FastDPOError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw says "
                            f"{int(image_grid_thw.prod(-1).sum())}.")
-    return VisionPairBatch(batch, positions, pixel_values, image_grid_thw)
+    batch.pixel_values, batch.image_grid_thw = pixel_values, image_grid_thw
+    if batch.attention_mask is None:
+        batch.vision_positions = mrope_positions(batch.input_ids, batch.pair_lengths, image_grid_thw, *ids)
+    return batch
+
+
+def pair_images(pairs: list[TokenizedPair], times: int = 1) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(pixel_values, image_grid_thw) of the pairs' images, pair after pair (`times` over: the padded layout holds
+    each prompt twice); (None, None) when none has an image."""
+    held = [p for p in pairs if p.num_images]
+    if not held:
+        return None, None
+    pixels = torch.cat([p.pixel_values for p in held])
+    grids = torch.cat([p.image_grid_thw for p in held]).long()
+    return pixels.repeat(times, 1), grids.repeat(times, 1)
+
+
+def vision_batch(pairs: list[TokenizedPair], ids: tuple[int, int], pad_id: int = 0, prompt_targets: bool = False,
+                 padded: bool = False) -> PairBatch:
+    """A micro-batch of pairs that may hold images (`TokenizedPair.pixel_values`), on the host: one packed row with
+    its M-RoPE positions (never grouped by prompt), or with `padded` the plain layout of 2B rows (prompt+chosen, then
+    prompt+rejected), each pair's images once per row. `ids`: `vision_ids` of the model."""
+    if padded:
+        return with_images(pad_pairs(pairs, pad_id, prompt_targets), ids, *pair_images(pairs, 2))
+    return with_images(pack_pairs(pairs, 1, pad_id, prompt_targets), ids, *pair_images(pairs))
 
 
 def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -194,13 +224,6 @@ def merged_embeddings(model, input_ids: torch.Tensor, features: torch.Tensor | N
     return embeds[0].index_copy(0, where, features.to(embeds.dtype)).unsqueeze(0)
 
 
-def additive_mask(batch: PairBatch, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, T, T) the pair attention rule (`attention.dense_mask`) as an additive mask: 0 where a query may see a
-    key, the dtype's minimum elsewhere."""
-    allowed = attention.dense_mask(batch)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
 def check_language_model(model) -> None:
     """The packed forward's mask is the language model's whole attention rule: no sliding window, an attention that
     takes a ready additive mask."""
@@ -215,18 +238,42 @@ def check_language_model(model) -> None:
                            "supported by the packed layout.")
 
 
-def vision_target_hidden(model, batch: VisionPairBatch) -> torch.Tensor:
-    """(N, H) final hidden states at the packed positions that predict the N completion targets."""
+def packed_vision_hidden(model, batch: PairBatch, mask: torch.Tensor | None = None,
+                         src: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, H) final hidden states of a packed batch with images (`vision_batch`) at the positions that predict its
+    completion targets (or at the flattened positions `src`): the vision tower once over all of the batch's images,
+    their features in place of the placeholders, then the language model alone with the M-RoPE positions and the
+    pair rule as an additive mask (`mask`: the boolean `attention.dense_mask`, when built already)."""
     check_language_model(model)
     image_token_id, _ = vision_ids(base_causal_lm(model).config)
     features = None
-    if batch.num_images:
+    if batch.image_grid_thw is not None:
         features = image_embeddings(model, batch.pixel_values, batch.image_grid_thw)
-    pairs = batch.pairs
-    embeds = merged_embeddings(model, pairs.input_ids, features, image_token_id)
-    hidden = decoder(model)(inputs_embeds=embeds, position_ids=batch.positions,
-                            attention_mask=additive_mask(pairs, embeds.dtype), use_cache=False).last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, pairs.src)
+    embeds = merged_embeddings(model, batch.input_ids, features, image_token_id)
+    allowed = attention.dense_mask(batch) if mask is None else mask
+    additive = torch.zeros(allowed.shape, dtype=embeds.dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(embeds.dtype).min)
+    hidden = decoder(model)(inputs_embeds=embeds, position_ids=batch.vision_positions, attention_mask=additive,
+                            use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src if src is None else src)
+
+
+def padded_vision_hidden(model, batch: PairBatch, src: torch.Tensor | None = None) -> torch.Tensor:
+    """The same for the padded layout, through the model's own multimodal forward (its vision tower on every row's
+    images, its rope index, its attention): the plain computation the packed one is held to."""
+    lm = base_causal_lm(model)
+    image_token_id, _ = vision_ids(lm.config)
+    kw = {}
+    if batch.image_grid_thw is not None:
+        kw = {"pixel_values": batch.pixel_values, "image_grid_thw": batch.image_grid_thw}
+    hidden = lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                      mm_token_type_ids=(batch.input_ids == image_token_id).int(), **kw).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src if src is None else src)
+
+
+def vision_target_hidden(model, batch: VisionPairBatch) -> torch.Tensor:
+    """(N, H) final hidden states at the packed positions that predict the N completion targets."""
+    return packed_vision_hidden(model, batch.pairs)
 
 
 def vision_sequence_logps(model, batch: VisionPairBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ import torch
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.model import seqlogps
-from fastdpo.model.backend import Backend, build_mask, make_batch, output_head, target_hidden
+from fastdpo.model.backend import build_mask, make_batch, output_head, target_hidden
 from fastdpo.model.seqlogps import completion_logps, summarise
 from fastdpo.parallel.collectives import any_rank
 from fastdpo.parallel.wrap import policy_logps
@@ -344,7 +344,7 @@ def _sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
 def _plain_sums(s, pairs: list[TokenizedPair]) -> tuple[torch.Tensor, torch.Tensor]:
     """The same through the plain path (padded rows, one per sequence, the model's own attention), its final hidden
     states through the run's head and through a float32 one."""
-    plain = Backend("padded")
+    plain = s.backend.plain()
     batch = make_batch(pairs, plain, _pad(s), s.device, 0)
     hidden = target_hidden(s.model, batch, plain)
     head = output_head(s.model)

@@ -4,6 +4,7 @@ memory policy, DDP/FSDP2, step counts (`build_setup` from a config, `assemble` a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -19,7 +20,7 @@ from fastdpo.config import RunPlan, TrainConfig
 from fastdpo.data.kto import check_unpaired, kl_completions, label_counts, unpair_rows
 from fastdpo.data.load import Row, load_rows
 from fastdpo.data.pack import prompt_runs
-from fastdpo.data.prepare import DataOptions, log_rejects, tokenize_pairs
+from fastdpo.data.prepare import DataOptions, log_rejects, tokenize_rows
 from fastdpo.data.rankings import ranking_sizes
 from fastdpo.data.rankings import rankings as gather_rankings
 from fastdpo.data.rejects import Rejects
@@ -36,8 +37,18 @@ from fastdpo.losses import needs_kl_completions, trains_rankings, trains_unpaire
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
 from fastdpo.model.fp8 import check_fp8_device, convert_to_fp8_base
 from fastdpo.model.fused import fuse_layers, kernels_wanted, unfused
-from fastdpo.model.load import add_lora, base_causal_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
+from fastdpo.model.load import (
+    add_lora,
+    base_causal_lm,
+    is_vision_config,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
 from fastdpo.model.lora import DORA_NOTE, fuse_lora
+from fastdpo.model.processor import is_vision_model, load_processor
+from fastdpo.model.vlm_parts import freeze_parts, lora_pattern
 from fastdpo.parallel import sequence
 from fastdpo.parallel.distributed import Dist, check_sequence_parallel_size
 from fastdpo.parallel.objects import gather_objects
@@ -105,21 +116,25 @@ def load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Row], list[TokenizedPai
     return load_splits(cfg, tokenizer)[:2]
 
 
-def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
+def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None, processor=None
                 ) -> tuple[list[Row], list[TokenizedPair], list[Row], list[TokenizedPair]]:
     """Training rows and pairs, then the held-out rows and pairs (--val_dataset or --split_dataset_ratio). The data
     summary is logged (and saved in `summary_dir`). With --streaming the training data is read lazily by a
-    PairStream instead: no training rows or pairs here."""
+    PairStream instead: no training rows or pairs here. `processor`: a vision-language model's (`load_processor`):
+    rows with images are read and prepared with it; without one they are refused."""
     opts = DataOptions.from_config(cfg)
+    if processor is not None:
+        opts = dataclasses.replace(opts, read=dataclasses.replace(opts.read, images=True))
     rejects = Rejects(skip=not cfg.strict)
     rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read,
                                                                            rejects))
     names = [name for name, _ in cfg.loss_terms()]
+    check_image_rows(rows + val_rows, names)
     rows, val_rows = rows_for_loss(rows, names), rows_for_loss(val_rows, names, "the validation rows")
     shape = (cfg.per_device_train_batch_size, cfg.max_length, cfg.max_completion_length)
     pairs: list[TokenizedPair] = []
     if not cfg.streaming:
-        pairs, summary = tokenize_pairs(rows, tokenizer, opts, rejects)
+        pairs, summary = tokenize_rows(rows, tokenizer, opts, rejects, processor)
         pairs = pairs_for_loss(pairs, rows, names, *shape)
         if trains_unpaired(names) and cfg.shuffle:
             log.info("data: --loss_type %s trains the rows in the dataset's order, every epoch (TRL's KTOTrainer "
@@ -132,10 +147,19 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None
             log.warning("data: %s", note)
         if summary_dir is not None:
             summary.save(summary_dir / "data_summary.json")
-    val_pairs = tokenize_pairs(val_rows, tokenizer, opts)[0] if val_rows else []
+    val_pairs = tokenize_rows(val_rows, tokenizer, opts, processor=processor)[0] if val_rows else []
     if val_pairs:  # TRL rotates the eval set's completions in chunks of the training batch too
         val_pairs = pairs_for_loss(val_pairs, val_rows, names, *shape, which="held-out ")
     return rows, pairs, val_rows, val_pairs
+
+
+def check_image_rows(rows: list[Row], names: list[str]) -> None:
+    """Rows with images train under pairwise losses: unpaired (KTO) and listwise losses rebuild their pairs from token
+    ids alone, which would lose the images."""
+    held = next((row for row in rows if row.images), None)
+    if held is not None and (trains_unpaired(names) or trains_rankings(names)):
+        raise FastDPOError(f"{held.source}: rows with images train under pairwise losses (sigmoid, ipo, ...), not "
+                           f"--loss_type {','.join(names)} yet. Choose a pairwise loss, or drop the images.")
 
 
 def rows_for_loss(rows: list[Row], names: list[str], where: str = "--dataset") -> list[Row]:
@@ -170,6 +194,21 @@ def pairs_for_loss(pairs: list[TokenizedPair], rows: list[Row], names: list[str]
     if not pairs:
         raise FastDPOError("No ranking survives the length limits (each needs all of its pairs). Raise --max_length.")
     return pairs
+
+
+def check_vision_flags(cfg: TrainConfig, vision: bool) -> None:
+    """What a vision-language model's training refuses, and the --freeze_* flags a text-only model refuses."""
+    if not vision:
+        if not cfg.freezes_default:
+            raise FastDPOError(f"--freeze_vit / --freeze_aligner / --freeze_llm choose which parts of a vision-language "
+                               f"model train; {cfg.model} is text-only. Drop them.")
+        return
+    if cfg.streaming:
+        raise FastDPOError("--streaming with a vision-language model: its rows are prepared with the model's processor "
+                           "before training, not streamed. Drop --streaming.")
+    if cfg.group_prompts:
+        log.info("Vision-language model: pairs are not grouped by prompt (--group_prompts): two prompts of equal "
+                 "token ids may hold different images.")
 
 
 def warn_small_steps(cfg: TrainConfig, world_size: int) -> None:
@@ -209,7 +248,11 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
 
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None)
+    vision = is_vision_config(base_causal_lm(model).config) if model is not None else is_vision_model(
+        cfg.model, cfg.trust_remote_code)
+    check_vision_flags(cfg, vision)
+    processor = load_processor(cfg.model, cfg.trust_remote_code) if vision else None
+    rows, pairs, val_rows, val_pairs = load_splits(cfg, tokenizer, out if d is None or d.is_main else None, processor)
     mark("data")
     stream = PairStream(cfg.dataset, tokenizer, DataOptions.from_config(cfg)) if cfg.streaming else None
     keep_template(tokenizer, cfg.template)  # saved with every checkpoint: infer and eval format prompts the same way
@@ -390,9 +433,15 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, ranks)
     if reference.model is not None and reference.model is not model:  # a --ref_model loaded on its own
         fuse_kernels(cfg, reference.model, device)
+    vision = is_vision_config(base_causal_lm(model).config)
+    freezes = (cfg.freeze_vit, cfg.freeze_aligner, cfg.freeze_llm)
+    if vision and not cfg.uses_lora:
+        log.info("Vision-language model: training the %s (--freeze_vit %s, --freeze_aligner %s, --freeze_llm %s).",
+                 ", ".join(freeze_parts(model, *freezes)), *freezes)
     if cfg.uses_lora:
+        pattern = lora_pattern(model, cfg.target_modules, *freezes) if vision and not cfg.adapters else None
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules, cfg.adapters,
-                         cfg.use_dora)
+                         cfg.use_dora, pattern)
         if cfg.use_dora:
             log.info("%s", DORA_NOTE)
         if reference.strategy == "ref_adapter":

@@ -46,10 +46,22 @@ class LoraSection(Section):
     use_dora: bool = option(False, "LoRA: DoRA adapters (weight-decomposed: a trained magnitude per output row beside A "
                             "and B), through PEFT's own forward (the fused LoRA path serves plain LoRA only).")
     adapters: str = option("", "LoRA: start the trained adapter from this PEFT adapter dir instead of a fresh one.")
+    freeze_vit: bool = option(True, "Vision-language models: keep the vision tower (its patch embedding and blocks) "
+                              "frozen; false trains it too (full fine-tuning: its weights; LoRA: adapters on its "
+                              "linear layers).")
+    freeze_aligner: bool = option(True, "Vision-language models: keep the aligner (the patch merger that projects "
+                                  "image features into the language model) frozen; false trains it too.")
+    freeze_llm: bool = option(False, "Vision-language models: keep the language model (and its output head) frozen, "
+                              "training only what the other --freeze_* flags leave trainable.")
     ref_adapters: str = option("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
     fp8_base: bool = option(False, "LoRA: hold the frozen base's decoder projections in FP8 (e4m3, row-wise scales; half "
                             "the bytes of bf16) and run their products in FP8. CUDA GPUs of compute capability 8.9+ "
                             "(Ada, Hopper); the policy and the reference (adapters off) share the FP8 base.")
+
+    @property
+    def freezes_default(self) -> bool:
+        """The --freeze_* flags are at their defaults (what a text-only model allows)."""
+        return (self.freeze_vit, self.freeze_aligner, self.freeze_llm) == (True, True, False)
 
     @property
     def uses_lora(self) -> bool:

@@ -1,0 +1,203 @@
+"""DPO on rows with images with a tiny Qwen2.5-VL model dir (`fastdpo.model.tiny.build_tiny_vlm_dir`), on CPU in
+float32: whole runs (full fine-tuning and LoRA) pass the certificate and save; the vision tower and merger stay as
+they were unless --freeze_vit / --freeze_aligner say otherwise; one step's loss and gradients equal the plain
+computation (the model's own forwards of [prompt | chosen] and [prompt | rejected], full logits, the sigmoid loss
+against a frozen copy); the vision tower runs once per micro-batch forward; an image moves the log-probs; rows with
+images and a text-only model are refused."""
+
+import json
+
+import pytest
+import torch
+from data_helpers import write_image, write_jsonl
+from safetensors.torch import load_file
+
+from fastdpo.config import TrainConfig
+from fastdpo.errors import FastDPOError
+from fastdpo.model.tiny import build_tiny_vlm_dir
+from fastdpo.training.loop import train
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_tiny_vlm_dir(tmp_path_factory.mktemp("vlm") / "model", "qwen2_5_vl")
+
+
+def rows(tmp_path, colors=((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30))) -> list[dict]:
+    """Four ms-swift rows: images of two sizes (one pair with two, one with none), prompts and completions of other
+    lengths."""
+    paths = [write_image(tmp_path / "img" / f"{i}.png", 16 + 8 * (i % 2), 16, c) for i, c in enumerate(colors)]
+    return [
+        {"messages": [{"role": "user", "content": "<image>w1 w2"}, {"role": "assistant", "content": "w5 w6"}],
+         "rejected_response": "w7", "images": [str(paths[0])]},
+        {"messages": [{"role": "user", "content": "w3 <image>w4 <image>"}, {"role": "assistant", "content": "w8"}],
+         "rejected_response": "w9 w10 w11", "images": [str(paths[1]), str(paths[2])]},
+        {"messages": [{"role": "user", "content": "w12 w13"}, {"role": "assistant", "content": "w14 w15"}],
+         "rejected_response": "w16"},
+        {"messages": [{"role": "user", "content": "<image>w17"}, {"role": "assistant", "content": "w18 w19 w20"}],
+         "rejected_response": "w21 w22", "images": [str(paths[3])]},
+    ]
+
+
+def config(tmp_path, model, name, data=None, **kw) -> TrainConfig:
+    data = data or write_jsonl(tmp_path / "data.jsonl", rows(tmp_path))
+    base = dict(model=str(model), dataset=[str(data)], output_dir=str(tmp_path / name), device="cpu",
+                torch_dtype="float32", max_steps=2, learning_rate=1e-2, per_device_train_batch_size=2,
+                gradient_accumulation_steps=1, shuffle=False, save_steps=0, disable_progress=True, seed=1)
+    return TrainConfig(**{**base, **kw})
+
+
+def certificate(out) -> dict:
+    cert = json.loads((out / "summary.json").read_text())["certificate"]
+    return {c["name"]: c for c in cert["checks"]} | {"status": cert["status"]}
+
+
+def saved(out, name="model.safetensors") -> dict:
+    return load_file(out / "final" / name)
+
+
+def start(model_dir) -> dict:
+    return load_file(model_dir / "model.safetensors")
+
+
+@pytest.mark.parametrize("kw", [{}, {"freeze_vit": False, "freeze_aligner": False}])
+def test_full_fine_tuning_trains_and_freezes_the_vision_parts(tmp_path, vlm_dir, kw):
+    result = train(config(tmp_path, vlm_dir, "run", **kw), progress=False)
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    c = certificate(tmp_path / "run")
+    assert c["status"] == "PASS" and c["fast_path"]["status"] == "PASS", c
+    before, after = start(vlm_dir), saved(tmp_path / "run")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    vit = {k for k in before if k.startswith("visual.") and not k.startswith("visual.merger.")}
+    merger = {k for k in before if k.startswith("visual.merger.")}
+    assert vit and merger
+    llm = set(before) - vit - merger
+    assert changed & llm
+    if kw:
+        assert changed & vit and changed & merger
+    else:
+        assert not changed & (vit | merger)
+    assert (tmp_path / "run" / "final" / "preprocessor_config.json").is_file()  # the saved dir keeps its processor
+    assert result.summary is not None
+
+
+@pytest.mark.parametrize("kw", [{}, {"freeze_vit": False}])
+def test_lora_trains_adapters_on_the_language_model_only(tmp_path, vlm_dir, kw):
+    train(config(tmp_path, vlm_dir, "lora", train_type="lora", lora_rank=4, **kw), progress=False)
+    c = certificate(tmp_path / "lora")
+    assert c["status"] == "PASS" and c["fast_path"]["status"] == "PASS", c
+    adapter = saved(tmp_path / "lora", "adapter_model.safetensors")
+    vit = {k for k in adapter if ".visual.blocks." in k}
+    assert any(k.endswith("q_proj.lora_A.weight") for k in adapter)
+    assert all("language_model" in k for k in set(adapter) - vit) and not any(".merger." in k for k in adapter)
+    assert bool(vit) == bool(kw), sorted(adapter)[:4]
+
+
+def test_text_rows_train_with_a_vision_language_model(tmp_path, vlm_dir):
+    data = write_jsonl(tmp_path / "text.jsonl", [{k: v for k, v in r.items() if k != "images"} | {
+        "messages": [{**m, "content": m["content"].replace("<image>", "")} for m in r["messages"]]}
+        for r in rows(tmp_path)])
+    train(config(tmp_path, vlm_dir, "text", data=data), progress=False)
+    assert certificate(tmp_path / "text")["status"] == "PASS"
+
+
+def test_rows_with_images_and_a_text_only_model_are_refused(tmp_path, model_dirs):
+    with pytest.raises(FastDPOError, match=r"data.jsonl:1.*The model is text-only.*such as Qwen2.5-VL"):
+        train(config(tmp_path, model_dirs("qwen3"), "text"), progress=False)
+
+
+def test_freeze_flags_are_refused_with_a_text_only_model(tmp_path, model_dirs):
+    with pytest.raises(FastDPOError, match="text-only"):
+        train(config(tmp_path, model_dirs("qwen3"), "text", freeze_vit=False), progress=False)
+
+
+def sequence_logp(model, pair, completion) -> torch.Tensor:
+    """The model's own forward of [prompt | completion] (its processor's inputs, mm_token_type_ids included), full
+    float32 logits: the completion's log-prob sum."""
+    ids = torch.tensor([pair.prompt + completion])
+    kw = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    if pair.num_images:
+        kw.update(pixel_values=pair.pixel_values, image_grid_thw=pair.image_grid_thw)
+    logits = model(input_ids=ids, use_cache=False, **kw).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[len(pair.prompt) - 1:, 0].sum()
+
+
+def plain_step(policy, reference, pairs, beta) -> torch.Tensor:
+    """The sigmoid DPO loss of `pairs`, mean over pairs, from 4 separate forwards per pair; backward into `policy`."""
+    losses = []
+    for p in pairs:
+        with torch.no_grad():
+            ref = sequence_logp(reference, p, p.chosen) - sequence_logp(reference, p, p.rejected)
+        pol = sequence_logp(policy, p, p.chosen) - sequence_logp(policy, p, p.rejected)
+        losses.append(-torch.nn.functional.logsigmoid(beta * (pol - ref)))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss
+
+
+def trainer_of(tmp_path, model, **kw):
+    from fastdpo.training.trainer import Trainer
+
+    return Trainer(config(tmp_path, model, "step", max_grad_norm=0.0, **kw))
+
+
+@pytest.mark.parametrize("kw", [{"per_device_train_batch_size": 4}, {"gradient_accumulation_steps": 2},
+                                {"freeze_vit": False, "freeze_aligner": False, "per_device_train_batch_size": 4}])
+def test_one_step_equals_the_plain_computation(tmp_path, vlm_dir, kw):
+    import copy
+
+    trainer = trainer_of(tmp_path, vlm_dir, **kw)
+    s = trainer.s
+    pairs = s.pairs[:4]
+    assert sum(p.num_images for p in pairs) == 4 and s.backend.name == "dense" and s.backend.vision
+    trainer.step(pairs)  # a first step moves the policy away from the reference: the second's loss is not log 2
+    policy, reference = copy.deepcopy(s.model), copy.deepcopy(s.reference.model).eval()
+    policy.zero_grad(set_to_none=True)
+    grads = {}
+    for name, q in s.model.named_parameters():  # the accumulated gradient, before the update clears it
+        if q.requires_grad:
+            q.register_post_accumulate_grad_hook(lambda q, name=name: grads.__setitem__(name, q.grad.clone()))
+    result = trainer.step(pairs)
+    assert result.metrics.micro_batches == (2 if "gradient_accumulation_steps" in kw else 1)
+    loss = plain_step(policy, reference, pairs, s.cfg.beta)
+    assert abs(float(loss) - 0.6931) > 1e-3
+    assert result.metrics.finish()["loss"] == pytest.approx(float(loss), abs=ATOL)
+    trained = {n for n, q in policy.named_parameters() if q.requires_grad}
+    assert grads.keys() == trained and any(n.startswith("model.visual.") for n in trained) == bool(
+        kw.get("freeze_vit") is False)
+    for name, q in policy.named_parameters():
+        if name in trained:
+            torch.testing.assert_close(grads[name], q.grad, atol=ATOL, rtol=0, msg=name)
+
+
+def test_the_vision_tower_runs_once_per_micro_batch_forward(tmp_path, vlm_dir):
+    """Two micro-batches of two pairs: the policy's tower runs twice and the reference copy's twice, each time on the
+    images of its micro-batch only (never an image twice in a step's forwards of one model)."""
+    trainer = trainer_of(tmp_path, vlm_dir, gradient_accumulation_steps=2)
+    s = trainer.s
+    pairs = s.pairs[:4]
+    calls = {"policy": [], "reference": []}
+    for who, model in (("policy", s.model), ("reference", s.reference.model)):
+        model.model.visual.register_forward_pre_hook(
+            lambda m, args, kwargs, who=who: calls[who].append(int(kwargs.get("grid_thw", args[-1]).shape[0])),
+            with_kwargs=True)
+    trainer.step(pairs)
+    images = [sum(p.num_images for p in pairs[:2]), sum(p.num_images for p in pairs[2:])]
+    assert calls == {"policy": images, "reference": images}
+
+
+def test_an_image_moves_the_first_steps_log_probs(tmp_path, vlm_dir):
+    def first_logps(name, colors):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", rows(tmp_path / name, colors))
+        train(config(tmp_path, vlm_dir, name, data=data, max_steps=1), progress=False)
+        first = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+        return first["logps/chosen"], first["logps/rejected"]
+
+    a = first_logps("a", ((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)))
+    same = first_logps("same", ((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)))
+    b = first_logps("b", ((10, 10, 10), (30, 200, 30), (30, 30, 200), (200, 200, 30)))  # pair 0's image only
+    assert a == same and a[0] != b[0] and a[1] != b[1]
