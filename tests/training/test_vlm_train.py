@@ -3,7 +3,7 @@ float32: whole runs (full fine-tuning and LoRA) pass the certificate and save; t
 they were unless --freeze_vit / --freeze_aligner say otherwise; one step's loss and gradients equal the plain
 computation (the model's own forwards of [prompt | chosen] and [prompt | rejected], full logits, the sigmoid loss
 against a frozen copy); the vision tower runs once per micro-batch forward; an image moves the log-probs; rows with
-images and a text-only model are refused."""
+images and a text-only model are refused; one step equals TRL's DPOTrainer on the same rows."""
 
 import json
 
@@ -16,8 +16,10 @@ from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
 from fastdpo.model.tiny import build_tiny_vlm_dir
 from fastdpo.training.loop import train
+from fastdpo.training.trainer import Trainer
 
 ATOL = 1e-5
+TRL_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +142,6 @@ def plain_step(policy, reference, pairs, beta) -> torch.Tensor:
 
 
 def trainer_of(tmp_path, model, **kw):
-    from fastdpo.training.trainer import Trainer
 
     return Trainer(config(tmp_path, model, "step", max_grad_norm=0.0, **kw))
 
@@ -201,3 +202,60 @@ def test_an_image_moves_the_first_steps_log_probs(tmp_path, vlm_dir):
     same = first_logps("same", ((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)))
     b = first_logps("b", ((10, 10, 10), (30, 200, 30), (30, 30, 200), (200, 200, 30)))  # pair 0's image only
     assert a == same and a[0] != b[0] and a[1] != b[1]
+
+def trl_rows(ms_swift_rows: list[dict]) -> list[dict]:
+    from PIL import Image
+
+    def parts(text: str) -> list[dict]:
+        out = []
+        for i, piece in enumerate(text.split("<image>")):
+            out += ([{"type": "image"}] if i else []) + ([{"type": "text", "text": piece}] if piece else [])
+        return out
+
+    return [{"images": [Image.open(p).convert("RGB") for p in r["images"]],
+             "prompt": [{"role": "user", "content": parts(r["messages"][0]["content"])}],
+             "chosen": [{"role": "assistant", "content": r["messages"][1]["content"]}],
+             "rejected": [{"role": "assistant", "content": r["rejected_response"]}]} for r in ms_swift_rows]
+
+
+def grads_of(model) -> dict:
+    got = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda q, n=n: got.__setitem__(n, q.grad.clone()))
+    return got
+
+
+def test_one_step_equals_trl_dpo_trainer_on_rows_with_images(tmp_path, vlm_dir):
+    """TRL 1.16's DPOTrainer on the same rows (its vision format: image parts in the prompt, PIL images), the same
+    processor, float32 (TRL defaults to bfloat16 autocast: off): loss, log-probs, rewards and every parameter's
+    gradient (the vision tower and merger trained, as TRL trains them) within TRL_TOL."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForImageTextToText
+    from trl import DPOConfig, DPOTrainer
+
+    from fastdpo.model.processor import load_processor
+
+    with_images = [r for r in rows(tmp_path) if "images" in r]
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm_dir), dtype=torch.float32)
+    theirs = grads_of(model)
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(with_images), max_steps=1,
+                     use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", max_grad_norm=0.0,
+                     learning_rate=1e-2, beta=0.1)
+    tr = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(trl_rows(with_images)),
+                    processing_class=load_processor(str(vlm_dir)))
+    tr.train()
+    logged = next(h for h in tr.state.log_history if "loss" in h)
+
+    data = write_jsonl(tmp_path / "images.jsonl", with_images)
+    ours = Trainer(config(tmp_path, vlm_dir, "ours", data=data, per_device_train_batch_size=len(with_images),
+                          max_grad_norm=0.0, freeze_vit=False, freeze_aligner=False, beta=0.1))
+    mine = grads_of(ours.s.model)
+    got = ours.step(ours.s.pairs[:len(with_images)]).metrics.finish()
+
+    for key in ("loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert got[key] == pytest.approx(logged[key], abs=TRL_TOL), key
+    assert set(mine) == set(theirs) and any(n.startswith("model.visual.") for n in theirs)
+    for name, g in theirs.items():
+        torch.testing.assert_close(mine[name], g, rtol=0, atol=TRL_TOL, msg=name)
