@@ -361,9 +361,8 @@ def test_compile_warmup_on_two_ranks_matches_one_rank_without_it(fsdp, tmp_path,
     assert_weights_close(weights(tmp_path / "ws2"), weights(tmp_path / "ws1"), atol=1e-5)
     cert = json.loads((tmp_path / "ws2" / "summary.json").read_text())["certificate"]
     checks = {c["name"]: c["status"] for c in cert["checks"]}
-    if fsdp:  # sharded weights: one rank cannot run the padded path alone; the reference checks run on all ranks
-        assert checks == {"fast_path": "SKIP", "head_float32": "SKIP", "reference_at_start": "PASS",
-                          "reference_apart": "PASS"} and "record" not in cert
+    if fsdp:  # sharded weights: the checks are `fastdpo verify`'s, not the run's
+        assert set(checks.values()) == {"SKIP"} and "record" not in cert
     else:
         assert set(checks.values()) == {"PASS"} and len(cert["record"]["indices"]) == 2
 

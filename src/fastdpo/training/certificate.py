@@ -113,8 +113,9 @@ class Certificate:
         ref = s.reference
         if ref.strategy == "none":
             self.checks.append(Check("reference_at_start", "SKIP", "the loss is reference-free"))
-        elif s.dist.sp_size > 1:
-            self.checks.append(Check("reference_at_start", "SKIP", "the packed row is split over ranks"))
+        elif s.dist.sp_size > 1 or s.dist.mode == "fsdp":  # forwards outside the step would disturb the sharding
+            self.checks.append(Check("reference_at_start", "SKIP", "the weights are sharded or the packed row is split "
+                                     "over ranks"))
         else:
             self._ref = reference_sums(s, pairs)
             if resumed:
