@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The run's certificate on a CUDA machine (from the repo root): its cost on the cold 600-pair Qwen3-1.7B job (on, then
-# off, same machine) and on Qwen3-8B LoRA r16 (its own timing by stage; LORA_OFF=1 adds a run without it), the same
-# LoRA on the FP8 base (--fp8_base: speed and memory against bf16), and its checks on every bench workload. Usage: benchmarks/certificate.sh [jobs|lora|workloads]...  Logs and JSON land in $OUT (default cert-out).
+# off, same machine) and on Qwen3-8B LoRA r16 (its own timing by stage; LORA_OFF=1 adds a run without it, LORA_FP8=1
+# one on the FP8 base: speed and memory against bf16), and its checks on every bench workload (WORKLOADS to choose).
+# Usage: benchmarks/certificate.sh [jobs|lora|workloads]...  Logs and JSON land in $OUT (default cert-out).
 set -u
 OUT=${OUT:-cert-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -16,7 +17,7 @@ jobs() {
 }
 
 lora() {  # 8B LoRA r16: the certificate's cost on its first step; then the same with the FP8 base (its speed, memory)
-  for v in "on" "on --fp8_base" ${LORA_OFF:+off}; do
+  for v in "on" ${LORA_FP8:+"on --fp8_base"} ${LORA_OFF:+off}; do
     n=$(echo "$v" | tr -d ' -')
     timeout -k 20 ${T_LORA:-170} python3 -m fastdpo bench --shape qwen3-8b --train_type lora --lora_rank 16 \
       --steps 3 --warmup 1 --certificate $v --json "$OUT/lora_$n.json" > "$OUT/lora_$n.log" 2>&1
