@@ -16,7 +16,8 @@ from fastdpo.config.sections.generation import GenerationArgs, ModelArgs
 from fastdpo.data.template import keep_template, special_prefix, turn_end
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import use_model_attention
-from fastdpo.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
+from fastdpo.model.load import base_causal_lm, is_vision_config, load_model, load_tokenizer, resolve_device, resolve_dtype
+from fastdpo.model.processor import load_processor
 
 log = logging.getLogger("fastdpo")
 
@@ -26,12 +27,14 @@ Prompt = str | list  # plain prompt text, or a list of chat messages {"role", "c
 @dataclass
 class Loaded:
     """A model ready to generate. `base` is a separate base model (full checkpoints only); with an adapter the base is
-    the same model with the adapter switched off."""
+    the same model with the adapter switched off. `processor`: a vision-language model's (`load_processor`), None for
+    a text-only model."""
 
     model: torch.nn.Module
     tokenizer: object
     tuned: bool  # an adapter or checkpoint is on top of --model
     base: torch.nn.Module | None = None
+    processor: object = None
 
     def base_model(self):
         """Context manager yielding the base model: adapters disabled, or the separate base."""
@@ -94,11 +97,20 @@ def load_for_generation(args: ModelArgs, need_base: bool = False) -> Loaded:
         base = load_model(args.model, dtype, device, args.trust_remote_code) if need_base else None
         if base is not None:
             base.eval()
-        return Loaded(model.eval(), tokenizer, True, base)
+        return Loaded(model.eval(), tokenizer, True, base, vision_processor(model, full, args))
     model = load_model(args.model, dtype, device, args.trust_remote_code)
     if adapter:
         model = load_adapter(model, adapter, "checkpoint" if args.checkpoint else "adapters")
-    return Loaded(model.eval(), tokenizer, bool(adapter))
+    return Loaded(model.eval(), tokenizer, bool(adapter), processor=vision_processor(model, "", args))
+
+
+def vision_processor(model, full: str, args: ModelArgs):
+    """A vision-language model's processor: the full checkpoint's when it saved one (training and export copy the
+    processor files), else --model's; None for a text-only model."""
+    if not is_vision_config(base_causal_lm(model).config):
+        return None
+    own = full and (Path(full) / "preprocessor_config.json").is_file()
+    return load_processor(full if own else args.model, args.trust_remote_code)
 
 
 def has_tokenizer(path: str) -> bool:
