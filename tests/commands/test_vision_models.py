@@ -76,3 +76,76 @@ def test_eval_without_an_adapter_has_zero_margins_against_itself(tmp_path, vlm):
 def test_eval_refuses_rows_with_images_for_a_text_only_model(tmp_path, vlm, model_dirs):
     with pytest.raises(FastDPOError, match=r"data.jsonl:1.*text-only"):
         run_eval(eval_config(tmp_path, model_dirs("qwen3"), vlm[2]))
+
+
+def direct_generate(model, processor, text_parts: list, images: list, new_tokens: int) -> str:
+    """The model's own `generate` on its processor's inputs (one user turn of `text_parts`), greedy: the answer."""
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p}
+                                             for p in text_parts]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=[Image.open(p) for p in images], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        seqs = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False)
+    return processor.tokenizer.decode(seqs[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def infer_config(base, **kw):
+    from fastdpo.commands.infer import InferConfig
+
+    return InferConfig(**{"model": str(base), "device": "cpu", "torch_dtype": "float32", "max_new_tokens": 6,
+                          "stream": False, **kw})
+
+
+@pytest.mark.parametrize("prompt", ["<image>w1 w2", "w1 w2"])  # no tag: the image goes before the text
+def test_infer_with_an_image_generates_what_the_models_own_generate_gives(tmp_path, vlm, prompt):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from fastdpo.commands.infer import run_infer
+    from fastdpo.model.processor import load_processor
+
+    base, adapter, data = vlm
+    image = image_rows(tmp_path)[1]["images"][0]
+    got = run_infer(infer_config(base, adapters=str(adapter), prompt=prompt, images=[image], compare=True))[0]
+    processor = load_processor(base)
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
+    tuned = direct_generate(model, processor, [None, "w1 w2"], [image], 6)
+    with model.disable_adapter():
+        plain = direct_generate(model, processor, [None, "w1 w2"], [image], 6)
+    assert got["response"] == tuned and got["base_response"] == plain and tuned != plain
+    other = image_rows(tmp_path / "other", colors=[(0, 0, 0)] * 4)[1]["images"][0]  # 24 x 16: other placeholders
+    assert run_infer(infer_config(base, adapters=str(adapter), prompt=prompt, images=[other]))[0]["response"] == \
+        direct_generate(model, processor, [None, "w1 w2"], [other], 6)
+
+
+def test_infer_answers_rows_with_images_of_a_preference_file(tmp_path, vlm):
+    import json
+
+    from fastdpo.commands.infer import run_infer
+
+    base, adapter, data = vlm
+    out = tmp_path / "answers.jsonl"
+    results = run_infer(infer_config(base, adapters=str(adapter), val_dataset=[str(data)], result_path=str(out)))
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(written) == 4 and all(r["response"] for r in written)
+    assert [len(r.get("images", [])) for r in written] == [1, 2, 0, 1]
+    assert written[0]["images"][0] == json.loads(data.read_text().splitlines()[0])["images"][0]
+    alone = run_infer(infer_config(base, adapters=str(adapter), messages=json.dumps(
+        json.loads(data.read_text().splitlines()[1])["messages"][:1]), images=written[1]["images"]))
+    assert alone[0]["response"] == results[1]["response"]  # the same prompt and images, given on the command line
+
+
+def test_infer_refuses_images_it_cannot_use(tmp_path, vlm, model_dirs):
+    from fastdpo.commands.infer import run_infer
+
+    image = image_rows(tmp_path)[0]["images"][0]
+    with pytest.raises(FastDPOError, match="text-only model"):
+        run_infer(infer_config(model_dirs("qwen3"), prompt="w1", images=[image]))
+    with pytest.raises(FastDPOError, match=r"--images .*nope.png: file not found"):
+        run_infer(infer_config(vlm[0], prompt="w1", images=[str(tmp_path / "nope.png")]))
+    with pytest.raises(FastDPOError, match="2 <image> tags and 1 image"):
+        run_infer(infer_config(vlm[0], prompt="<image>w1<image>", images=[image]))
+    with pytest.raises(FastDPOError, match="text-only"):
+        run_infer(infer_config(model_dirs("qwen3"), val_dataset=[str(vlm[2])]))
