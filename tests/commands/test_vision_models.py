@@ -149,3 +149,25 @@ def test_infer_refuses_images_it_cannot_use(tmp_path, vlm, model_dirs):
         run_infer(infer_config(vlm[0], prompt="<image>w1<image>", images=[image]))
     with pytest.raises(FastDPOError, match="text-only"):
         run_infer(infer_config(model_dirs("qwen3"), val_dataset=[str(vlm[2])]))
+
+
+def test_eval_after_a_lora_run_gives_the_runs_own_held_out_metrics(tmp_path, vlm):
+    """Two LoRA steps on rows with images, held out as --val_dataset (evaluated at the end of training): `fastdpo eval`
+    of the saved adapter reports the metrics the run logged for the same rows, and they moved off zero."""
+    import json
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.training.loop import train
+
+    base, _, data = vlm
+    cfg = TrainConfig(model=str(base), dataset=[str(data)], val_dataset=[str(data)], output_dir=str(tmp_path / "run"),
+                      device="cpu", torch_dtype="float32", train_type="lora", lora_rank=4, lora_alpha=16,
+                      target_modules="all-linear", max_steps=2, learning_rate=5e-2, per_device_train_batch_size=2,
+                      shuffle=False, save_steps=0, disable_progress=True, seed=1, beta=BETA)
+    result = train(cfg, progress=False)
+    logged = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if "eval_loss" in r][-1]
+    m = run_eval(eval_config(tmp_path, base, data, adapters=result["final_dir"]))["metrics"]
+    assert abs(m["rewards/margins"]) > 1e-4
+    for name in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected"):
+        assert m[name] == pytest.approx(logged["eval_" + name], abs=1e-4), name
