@@ -102,3 +102,33 @@ def test_export_defaults_next_to_the_adapter(tmp_path, capsys, model_dirs):
     assert_same_generation(base, adapter, tmp_path / "checkpoint-4-merged", max_new_tokens=4)
     rc, text = run_cli(capsys, "export", "--adapters", adapter, "--merge_lora", "true")
     assert rc == 1 and "exists and is not empty" in text, text
+
+
+def test_merge_of_an_adapter_on_a_vision_language_model_keeps_its_processor(tmp_path):
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+    from vlm_helpers import image_rows, random_vlm_adapter
+
+    from fastdpo.model.processor import load_processor
+    from fastdpo.model.tiny import build_tiny_vlm_dir
+
+    base = build_tiny_vlm_dir(tmp_path / "vlm", "qwen2_5_vl")
+    adapter = random_vlm_adapter(base, tmp_path / "adapter")
+    out = merge_lora(ExportConfig(model=str(base), adapters=str(adapter), merge_lora=True,
+                                  output_dir=str(tmp_path / "merged")))
+    assert {"preprocessor_config.json", "chat_template.jinja", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    processor = load_processor(out)
+    row = image_rows(tmp_path)[1]
+    images = [Image.open(p).convert("RGB") for p in row["images"]]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "w3 "}, {"type": "image"},
+                                             {"type": "text", "text": "w4 "}, {"type": "image"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    merged = AutoModelForImageTextToText.from_pretrained(out).eval()
+    tuned = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
+    with torch.no_grad():
+        want = tuned(**inputs).logits
+        torch.testing.assert_close(merged(**inputs).logits, want, rtol=1e-4, atol=1e-4)
+        with tuned.disable_adapter():
+            assert not torch.allclose(tuned(**inputs).logits, want, atol=1e-3)  # the adapter matters

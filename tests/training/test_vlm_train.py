@@ -9,8 +9,9 @@ import json
 
 import pytest
 import torch
-from data_helpers import write_image, write_jsonl
+from data_helpers import write_jsonl
 from safetensors.torch import load_file
+from vlm_helpers import image_rows, sequence_logp
 
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
@@ -27,24 +28,8 @@ def vlm_dir(tmp_path_factory):
     return build_tiny_vlm_dir(tmp_path_factory.mktemp("vlm") / "model", "qwen2_5_vl")
 
 
-def rows(tmp_path, colors=((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30))) -> list[dict]:
-    """Four ms-swift rows: images of two sizes (one pair with two, one with none), prompts and completions of other
-    lengths."""
-    paths = [write_image(tmp_path / "img" / f"{i}.png", 16 + 8 * (i % 2), 16, c) for i, c in enumerate(colors)]
-    return [
-        {"messages": [{"role": "user", "content": "<image>w1 w2"}, {"role": "assistant", "content": "w5 w6"}],
-         "rejected_response": "w7", "images": [str(paths[0])]},
-        {"messages": [{"role": "user", "content": "w3 <image>w4 <image>"}, {"role": "assistant", "content": "w8"}],
-         "rejected_response": "w9 w10 w11", "images": [str(paths[1]), str(paths[2])]},
-        {"messages": [{"role": "user", "content": "w12 w13"}, {"role": "assistant", "content": "w14 w15"}],
-         "rejected_response": "w16"},
-        {"messages": [{"role": "user", "content": "<image>w17"}, {"role": "assistant", "content": "w18 w19 w20"}],
-         "rejected_response": "w21 w22", "images": [str(paths[3])]},
-    ]
-
-
 def config(tmp_path, model, name, data=None, **kw) -> TrainConfig:
-    data = data or write_jsonl(tmp_path / "data.jsonl", rows(tmp_path))
+    data = data or write_jsonl(tmp_path / "data.jsonl", image_rows(tmp_path))
     base = dict(model=str(model), dataset=[str(data)], output_dir=str(tmp_path / name), device="cpu",
                 torch_dtype="float32", max_steps=2, learning_rate=1e-2, per_device_train_batch_size=2,
                 gradient_accumulation_steps=1, shuffle=False, save_steps=0, disable_progress=True, seed=1)
@@ -102,7 +87,7 @@ def test_lora_trains_adapters_on_the_language_model_only(tmp_path, vlm_dir, kw):
 def test_text_rows_train_with_a_vision_language_model(tmp_path, vlm_dir):
     data = write_jsonl(tmp_path / "text.jsonl", [{k: v for k, v in r.items() if k != "images"} | {
         "messages": [{**m, "content": m["content"].replace("<image>", "")} for m in r["messages"]]}
-        for r in rows(tmp_path)])
+        for r in image_rows(tmp_path)])
     train(config(tmp_path, vlm_dir, "text", data=data), progress=False)
     assert certificate(tmp_path / "text")["status"] == "PASS"
 
@@ -115,17 +100,6 @@ def test_rows_with_images_and_a_text_only_model_are_refused(tmp_path, model_dirs
 def test_freeze_flags_are_refused_with_a_text_only_model(tmp_path, model_dirs):
     with pytest.raises(FastDPOError, match="text-only"):
         train(config(tmp_path, model_dirs("qwen3"), "text", freeze_vit=False), progress=False)
-
-
-def sequence_logp(model, pair, completion) -> torch.Tensor:
-    """The model's own forward of [prompt | completion] (its processor's inputs, mm_token_type_ids included), full
-    float32 logits: the completion's log-prob sum."""
-    ids = torch.tensor([pair.prompt + completion])
-    kw = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
-    if pair.num_images:
-        kw.update(pixel_values=pair.pixel_values, image_grid_thw=pair.image_grid_thw)
-    logits = model(input_ids=ids, use_cache=False, **kw).logits[0].float()
-    return torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[len(pair.prompt) - 1:, 0].sum()
 
 
 def plain_step(policy, reference, pairs, beta) -> torch.Tensor:
@@ -193,7 +167,7 @@ def test_the_vision_tower_runs_once_per_micro_batch_forward(tmp_path, vlm_dir):
 
 def test_an_image_moves_the_first_steps_log_probs(tmp_path, vlm_dir):
     def first_logps(name, colors):
-        data = write_jsonl(tmp_path / f"{name}.jsonl", rows(tmp_path / name, colors))
+        data = write_jsonl(tmp_path / f"{name}.jsonl", image_rows(tmp_path / name, colors))
         train(config(tmp_path, vlm_dir, name, data=data, max_steps=1), progress=False)
         first = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
         return first["logps/chosen"], first["logps/rejected"]
@@ -237,7 +211,7 @@ def test_one_step_equals_trl_dpo_trainer_on_rows_with_images(tmp_path, vlm_dir):
 
     from fastdpo.model.processor import load_processor
 
-    with_images = [r for r in rows(tmp_path) if "images" in r]
+    with_images = [r for r in image_rows(tmp_path) if "images" in r]
     model = AutoModelForImageTextToText.from_pretrained(str(vlm_dir), dtype=torch.float32)
     theirs = grads_of(model)
     args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(with_images), max_steps=1,

@@ -1,5 +1,7 @@
 """`fastdpo eval`: preference metrics of held-out pairs for a base and a tuned model, generations scored by a reward
-function or reward model (mean rewards and the win rate), also on files of prompts alone, and lm-eval tasks."""
+function or reward model (mean rewards and the win rate), also on files of prompts alone, and lm-eval tasks. With a
+vision-language model (Qwen2-VL, Qwen2.5-VL) the held-out pairs may hold images: they are read and prepared as
+training prepares them (its processor), and scored through the same vision forward."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ log = logging.getLogger("fastdpo")
 
 # flags of a training run that say how it read its rows and prompts, and scored pairs: eval takes them from the run
 RUN_READING = ("apply_chat_template", "input_template", "template", "system", "columns", "max_length",
-               "truncation_strategy", "max_prompt_length", "max_completion_length", "beta")
+               "truncation_strategy", "max_prompt_length", "max_completion_length", "max_pixels", "min_pixels", "beta")
 
 
 @dataclass
@@ -252,7 +254,11 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
             prepare_packed(ref_model, backend)
 
     terms = [(name, 1.0) for name in cfg.loss_type.split(",")]
-    rows, pairs = scored_pairs(cfg, read, tok, [name for name, _ in terms])
+    rows, pairs = scored_pairs(cfg, read, tok, [name for name, _ in terms], loaded.processor)
+    if scorer is not None and any(r.images for r in rows):
+        raise FastDPOError(f"{next(r for r in rows if r.images).source}: --reward_fn / --reward_model answer the "
+                           "prompts as text, and these rows hold images. Score rows with images by their preference "
+                           "metrics alone (drop the scorer), or answer them with `fastdpo infer --val_dataset`.")
     pad_id = tok.pad_token_id or 0
     in_order = trains_unpaired(name for name, _ in terms) or trains_rankings(name for name, _ in terms)
     budget = 0 if in_order else micro_batch_budget(backend, cfg.max_tokens_per_batch, pairs,
@@ -278,14 +284,24 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
     return _write_report(report, out, console)
 
 
-def scored_pairs(cfg: EvalConfig, read: RowOptions, tok, names: list[str]) -> tuple[list[Row], list]:
+def scored_pairs(cfg: EvalConfig, read: RowOptions, tok, names: list[str], processor=None) -> tuple[list[Row], list]:
     """The rows of --dataset and their pairs, read and tokenised exactly as training does for the losses `names`
-    (KTO's KL completions in batches of --per_device_eval_batch_size rows, Plackett-Luce's whole rankings)."""
-    from fastdpo.data.prepare import DataOptions, tokenize_pairs
-    from fastdpo.training.setup import pairs_for_loss, rows_for_loss
+    (KTO's KL completions in batches of --per_device_eval_batch_size rows, Plackett-Luce's whole rankings). With a
+    vision-language model's `processor`, rows with images are read and go through it, images and all (as training
+    prepares them); without one they are refused."""
+    import dataclasses
 
-    rows = rows_for_loss(load_rows(cfg.dataset, cfg.seed, cfg.split, read=read), names)
-    pairs, _ = tokenize_pairs(rows, tok, DataOptions.for_scoring(cfg))
+    from fastdpo.data.prepare import DataOptions, tokenize_rows
+    from fastdpo.training.setup import check_image_rows, pairs_for_loss, rows_for_loss
+
+    opts = DataOptions.for_scoring(cfg)
+    if processor is not None:
+        read = dataclasses.replace(read, images=True)
+        opts = dataclasses.replace(opts, read=read)
+    rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=read)
+    check_image_rows(rows, names)
+    rows = rows_for_loss(rows, names)
+    pairs, _ = tokenize_rows(rows, tok, opts, processor=processor)
     return rows, pairs_for_loss(pairs, rows, names, cfg.per_device_eval_batch_size, cfg.max_length)
 
 

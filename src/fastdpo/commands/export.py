@@ -1,5 +1,6 @@
 """`fastdpo export --merge_lora`: fold a LoRA adapter into its base model and write a standalone HF model dir
-(safetensors, tokenizer, generation config) that generates exactly what base + adapter generates."""
+(safetensors, tokenizer, generation config; a vision-language model's processor files too) that generates exactly what
+base + adapter generates."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def merge_lora(cfg: ExportConfig, console=None) -> Path:
     import torch
 
     from fastdpo.model.generate import has_tokenizer, load_adapter
-    from fastdpo.model.load import load_model, load_tokenizer
+    from fastdpo.model.load import keep_processor_files, load_model, load_tokenizer
 
     cfg.validate()
     tokenizer = load_tokenizer(cfg.adapters if has_tokenizer(cfg.adapters) else cfg.model, cfg.trust_remote_code)
@@ -84,6 +85,7 @@ def merge_lora(cfg: ExportConfig, console=None) -> Path:
     tmp.mkdir(parents=True)
     merged.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    keep_processor_files(merged, tmp)  # a vision-language base: its image processor and chat template
     if not (tmp / "generation_config.json").exists() and getattr(merged, "generation_config", None) is not None:
         merged.generation_config.save_pretrained(tmp)
     (tmp / "fastdpo.json").write_text(json.dumps({"format": "fastdpo-model", "version": 1, "merged_from": {

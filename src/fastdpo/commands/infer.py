@@ -4,6 +4,11 @@ side, or write a batch to JSONL (`fastdpo infer`).
 
 `fastdpo.model.generate.generate_texts(model, tokenizer, prompts, GenerationArgs(...))` is the one entry point other
 commands (eval, demo) use: greedy at temperature 0, answers returned in prompt order.
+
+With a vision-language model (Qwen2-VL, Qwen2.5-VL: a base dir, adapters on it, or a trained full model) prompts may
+hold images: `--images` for one --prompt / --messages (one per `<image>` tag, or put before the text when it has no
+tag), and the rows with images of --val_dataset / --load_data_args, read as training reads them. Those prompts go
+through the model's processor (`fastdpo.model.generate.generate_vision_ids`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class InferConfig(ModelArgs, GenerationArgs):
                                   "infer_held_out.jsonl in the run's output_dir).")
     template: str = option("", "Chat template for the prompts: chatml|llama3|identity|hh or a Jinja file (default: the "
                            "tokenizer's own; a model trained here saves the --template it trained with).")
+    images: list = option([], "Images for --prompt / --messages (a vision-language model: Qwen2-VL, Qwen2.5-VL): one per "
+                          "<image> tag of the prompt, in order; a prompt without tags gets them before its text.",
+                          nargs="+")
 
     def validate(self) -> None:
         self.validate_model()
@@ -64,6 +72,12 @@ class InferConfig(ModelArgs, GenerationArgs):
             conversation(self.messages)  # raises on bad JSON or shape
         if self.compare and not (self.adapters or self.checkpoint):
             raise FastDPOError("--compare needs a tuned model to compare with the base: add --adapters or --checkpoint.")
+        if self.images and not (self.prompt or self.messages):
+            raise FastDPOError("--images go with one --prompt or --messages. Rows of --val_dataset carry their own "
+                               "images (their images column).")
+        for path in self.images:
+            if not Path(path).expanduser().is_file():
+                raise FastDPOError(f"--images {path}: file not found.")
 
 
 # ---------------------------------------------------------------- loading
@@ -92,6 +106,9 @@ def read_prompts(path: str) -> list[dict]:
             raise FastDPOError(f"{where}: invalid JSON ({e.msg}, column {e.colno}). Fix or remove this line.") from None
         if not isinstance(row, dict):
             raise FastDPOError(f"{where}: expected a JSON object with `prompt` or `messages`.")
+        if any(row.get(k) not in (None, [], "") for k in ("images", "image")):
+            raise FastDPOError(f"{where}: a row with images. --prompts reads text prompts; give rows with images as "
+                               "--val_dataset (read as training reads them), or one prompt with --prompt and --images.")
         if isinstance(row.get("prompt"), str):
             pass
         elif isinstance(row.get("messages"), list) and all(isinstance(m, dict) for m in row["messages"]):
@@ -119,9 +136,10 @@ def conversation(text: str) -> list[dict]:
     return messages
 
 
-def val_rows(cfg: InferConfig) -> list[dict]:
+def val_rows(cfg: InferConfig, images: bool = False) -> list[dict]:
     """--val_dataset's rows as prompt rows, read as the run that wrote --adapters / --checkpoint read its data (its
-    --columns, --input_template, --apply_chat_template), or as given without such a run."""
+    --columns, --input_template, --apply_chat_template), or as given without such a run; rows with images are read
+    with `images` (a vision-language model), else refused."""
     import dataclasses
 
     from fastdpo.checkpoint.saved_run import run_config
@@ -132,12 +150,15 @@ def val_rows(cfg: InferConfig) -> list[dict]:
     trained = run_config(tuned)[0] if tuned else None
     read = AS_GIVEN if trained is None else \
         dataclasses.replace(RowOptions.from_config(trained), datasets=(), max_samples=0)
-    return prompt_rows(load_rows(cfg.val_dataset, read=read))
+    return prompt_rows(load_rows(cfg.val_dataset, read=dataclasses.replace(read, images=images)))
 
 
-def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
-    """The held-out rows of the run that wrote `tuned` (its final/ or a checkpoint-N/), read as training read them,
-    as prompt rows (with their chosen and rejected kept); and the run's output_dir."""
+def held_out_prompts(tuned: str, images: bool = False) -> tuple[list[dict], Path]:
+    """The held-out rows of the run that wrote `tuned` (its final/ or a checkpoint-N/), read as training read them
+    (rows with images with `images`: a vision-language model), as prompt rows (with their chosen and rejected kept);
+    and the run's output_dir."""
+    import dataclasses
+
     from fastdpo.checkpoint.saved_run import run_config
     from fastdpo.data.columns import RowOptions
     from fastdpo.data.load import load_rows
@@ -150,16 +171,18 @@ def held_out_prompts(tuned: str) -> tuple[list[dict], Path]:
     if not cfg.val_dataset and cfg.split_dataset_ratio <= 0:
         raise FastDPOError(f"--load_data_args: the run in {run} held out no pairs (no --val_dataset or "
                            "--split_dataset_ratio). Give the prompts with --prompts FILE.jsonl instead.")
-    rows = [] if cfg.val_dataset else load_rows(cfg.dataset, cfg.seed, cfg.split, RowOptions.from_config(cfg))
-    _, held = held_out_rows(cfg, rows)
+    read = dataclasses.replace(RowOptions.from_config(cfg), images=images)
+    rows = [] if cfg.val_dataset else load_rows(cfg.dataset, cfg.seed, cfg.split, read)
+    _, held = held_out_rows(cfg, rows, read)
     return prompt_rows(held), run
 
 
 def prompt_rows(rows: list) -> list[dict]:
-    """Preference rows as rows to answer: the prompt (text, or the conversation as `messages`), with chosen, rejected
-    and the row's location kept for the result file."""
+    """Preference rows as rows to answer: the prompt (text, or the conversation as `messages`), with chosen, rejected,
+    the row's location and its images (`ImageRef`s, written as their paths) kept for the result file."""
     return [{"prompt" if isinstance(r.prompt, str) else "messages": r.prompt, "chosen": r.chosen,
-             "rejected": r.rejected, "source": r.source} for r in rows]
+             "rejected": r.rejected, "source": r.source, **({"images": list(r.images)} if r.images else {})}
+            for r in rows]
 
 
 def _row_prompt(row: dict):
@@ -170,21 +193,27 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     """`fastdpo infer`: answers (and base answers with --compare) for --prompt or each row of --prompts."""
     from transformers import TextStreamer
 
-    from fastdpo.model.generate import answer_as_read, generate_texts, load_for_generation
+    from fastdpo.data.vision import ImageRef
+    from fastdpo.model.generate import answer_as_read, generate_texts, generate_vision_ids, load_for_generation
 
     cfg.validate()
     loaded = load_for_generation(cfg, need_base=cfg.compare)
+    vision = loaded.processor is not None
+    if cfg.images and not vision:
+        raise FastDPOError(f"--images: {cfg.checkpoint or cfg.model} is a text-only model; images go to a "
+                           "vision-language model (Qwen2-VL, Qwen2.5-VL). Drop --images, or give such a model.")
+    images = {"images": [ImageRef(str(Path(p).expanduser().resolve())) for p in cfg.images]} if cfg.images else {}
     written = None  # where the answers go (none for a single prompt)
     if cfg.prompt:
-        rows = [{"prompt": cfg.prompt}]
+        rows = [{"prompt": cfg.prompt, **images}]
     elif cfg.messages:
-        rows = [{"messages": conversation(cfg.messages)}]
+        rows = [{"messages": conversation(cfg.messages), **images}]
     elif cfg.val_dataset:
-        rows = val_rows(cfg)
+        rows = val_rows(cfg, vision)
         first = Path(cfg.val_dataset[0].split("#")[0])  # a file: next to it; a directory or hub dataset: here
         written = first.with_suffix(".infer.jsonl") if first.is_file() else Path(first.name + ".infer.jsonl")
     elif cfg.load_data_args:
-        rows, run = held_out_prompts(cfg.adapters or cfg.checkpoint)
+        rows, run = held_out_prompts(cfg.adapters or cfg.checkpoint, vision)
         log.info("--load_data_args: %d held-out prompts of the run in %s.", len(rows), run)
         written = run / "infer_held_out.jsonl"
     else:
@@ -199,11 +228,23 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
                  "chat template (a run trained with --apply_chat_template reads them as user turns).", plain)
     stream = cfg.stream and bool(cfg.prompt or cfg.messages) and not cfg.compare and console is not None
 
-    def answer(model, prompts: list, gen: InferConfig) -> list[str]:
-        if from_pairs:
-            return answer_as_read(model, loaded.tokenizer, prompts, gen)
+    def answer(model, prompts: list, pictures: list[tuple], gen: InferConfig) -> list[str]:
         streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-        return generate_texts(model, loaded.tokenizer, prompts, gen, streamer)
+        seen = [i for i, p in enumerate(pictures) if p]  # prompts with images: through the processor
+        texts = [""] * len(prompts)
+        if seen:
+            got = generate_vision_ids(model, loaded.processor, [prompts[i] for i in seen], [pictures[i] for i in seen],
+                                      gen, streamer)
+            for i, ids in zip(seen, got):
+                texts[i] = loaded.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        rest = [i for i in range(len(prompts)) if not pictures[i]]
+        if rest:
+            part = [prompts[i] for i in rest]
+            got = answer_as_read(model, loaded.tokenizer, part, gen) if from_pairs else \
+                generate_texts(model, loaded.tokenizer, part, gen, streamer)
+            for i, text in zip(rest, got):
+                texts[i] = text
+        return texts
 
     # one system prompt per call: group rows by their own system prompt (or --system)
     results: list[dict] = [dict(r) for r in rows]
@@ -214,21 +255,32 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
         gen = copy.copy(cfg)
         gen.system = system
         prompts = [_row_prompt(rows[i]) for i in idx]
-        for i, a in zip(idx, answer(loaded.model, prompts, gen)):
+        pictures = [tuple(rows[i].get("images") or ()) for i in idx]
+        for i, a in zip(idx, answer(loaded.model, prompts, pictures, gen)):
             results[i]["response"] = a
         if cfg.compare:
             with loaded.base_model() as base:
-                for i, a in zip(idx, answer(base, prompts, gen)):
+                for i, a in zip(idx, answer(base, prompts, pictures, gen)):
                     results[i]["base_response"] = a
     if console is not None and not stream:
         show_answers(console, results, cfg.compare)
     if written is not None:
         out = Path(cfg.result_path or written)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
+        out.write_text("".join(json.dumps(r, ensure_ascii=False, default=_label) + "\n" for r in results),
+                       encoding="utf-8")
         if console is not None:
             console.print(f"wrote {len(results)} answers to {out}")
     return results
+
+
+def _label(value):
+    """How the result file writes what JSON cannot: an image as its path (or its size in bytes)."""
+    from fastdpo.data.vision import ImageRef
+
+    if isinstance(value, ImageRef):
+        return value.label
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def conversation_text(messages: list[dict]) -> str:

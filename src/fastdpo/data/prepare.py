@@ -67,7 +67,8 @@ class DataOptions:
                               template=resolve_template(getattr(cfg, "template", "")),
                               system=getattr(cfg, "system", "") or None,
                               template_timeout=getattr(cfg, "template_timeout", TokenizeOptions.template_timeout))
-        return cls(tok, seed=cfg.seed, use_cache=False, read=RowOptions.from_config(cfg))
+        return cls(tok, seed=cfg.seed, use_cache=False, read=RowOptions.from_config(cfg),
+                   pixels=PixelOptions.resolve(getattr(cfg, "max_pixels", 0) or None, getattr(cfg, "min_pixels", 0) or None))
 
 
 @dataclass

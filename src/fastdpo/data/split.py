@@ -22,10 +22,11 @@ def split_rows(rows: list[Row], ratio: float, seed: int) -> tuple[list[Row], lis
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
-def held_out_rows(cfg, rows: list[Row]) -> tuple[list[Row], list[Row]]:
-    """(training rows, validation rows) per --val_dataset or --split_dataset_ratio (no validation rows otherwise)."""
+def held_out_rows(cfg, rows: list[Row], read: RowOptions | None = None) -> tuple[list[Row], list[Row]]:
+    """(training rows, validation rows) per --val_dataset or --split_dataset_ratio (no validation rows otherwise);
+    --val_dataset read as `read` says (default: as `cfg` reads rows, without images)."""
     if cfg.val_dataset:
-        val_rows = load_rows(cfg.val_dataset, cfg.seed, cfg.val_split, read=RowOptions.from_config(cfg))
+        val_rows = load_rows(cfg.val_dataset, cfg.seed, cfg.val_split, read=read or RowOptions.from_config(cfg))
         check_row_kinds(rows + val_rows, "--dataset and --val_dataset")  # one loss scores both
         return rows, val_rows
     if cfg.split_dataset_ratio > 0:

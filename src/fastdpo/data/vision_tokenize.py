@@ -95,7 +95,7 @@ class VisionPair:
         return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
 
 
-def _image_parts(messages: list[dict]) -> list[dict]:
+def image_parts(messages: list[dict]) -> list[dict]:
     """Messages with `<image>` tags as content part lists (text and image parts), as chat templates of
     vision-language models take them; messages without a tag stay as they are."""
     out = []
@@ -138,7 +138,7 @@ def _open(row: Row) -> list:
 
 
 def _render(renderer: ChatRenderer, row: Row) -> tuple[str, str, str]:
-    return renderer.render(dataclasses.replace(row, prompt=_image_parts(row.prompt)))
+    return renderer.render(dataclasses.replace(row, prompt=image_parts(row.prompt)))
 
 
 def vision_ids(processor, row: Row, renderer: ChatRenderer, pixels: PixelOptions = PixelOptions()

@@ -14,9 +14,12 @@ import torch
 
 from fastdpo.config.sections.generation import GenerationArgs, ModelArgs
 from fastdpo.data.template import keep_template, special_prefix, turn_end
+from fastdpo.data.vision import IMAGE_TAG, ImageRef
+from fastdpo.data.vision_tokenize import PixelOptions, image_parts
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import use_model_attention
-from fastdpo.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
+from fastdpo.model.load import base_causal_lm, is_vision_config, load_model, load_tokenizer, resolve_device, resolve_dtype
+from fastdpo.model.processor import load_processor
 
 log = logging.getLogger("fastdpo")
 
@@ -26,12 +29,14 @@ Prompt = str | list  # plain prompt text, or a list of chat messages {"role", "c
 @dataclass
 class Loaded:
     """A model ready to generate. `base` is a separate base model (full checkpoints only); with an adapter the base is
-    the same model with the adapter switched off."""
+    the same model with the adapter switched off. `processor`: a vision-language model's (`load_processor`), None for
+    a text-only model."""
 
     model: torch.nn.Module
     tokenizer: object
     tuned: bool  # an adapter or checkpoint is on top of --model
     base: torch.nn.Module | None = None
+    processor: object = None
 
     def base_model(self):
         """Context manager yielding the base model: adapters disabled, or the separate base."""
@@ -94,11 +99,20 @@ def load_for_generation(args: ModelArgs, need_base: bool = False) -> Loaded:
         base = load_model(args.model, dtype, device, args.trust_remote_code) if need_base else None
         if base is not None:
             base.eval()
-        return Loaded(model.eval(), tokenizer, True, base)
+        return Loaded(model.eval(), tokenizer, True, base, vision_processor(model, full, args))
     model = load_model(args.model, dtype, device, args.trust_remote_code)
     if adapter:
         model = load_adapter(model, adapter, "checkpoint" if args.checkpoint else "adapters")
-    return Loaded(model.eval(), tokenizer, bool(adapter))
+    return Loaded(model.eval(), tokenizer, bool(adapter), processor=vision_processor(model, "", args))
+
+
+def vision_processor(model, full: str, args: ModelArgs):
+    """A vision-language model's processor: the full checkpoint's when it saved one (training and export copy the
+    processor files), else --model's; None for a text-only model."""
+    if not is_vision_config(base_causal_lm(model).config):
+        return None
+    own = full and (Path(full) / "preprocessor_config.json").is_file()
+    return load_processor(full if own else args.model, args.trust_remote_code)
 
 
 def has_tokenizer(path: str) -> bool:
@@ -186,6 +200,71 @@ def generate_ids(model, tokenizer, prompts: list[Prompt], gen: GenerationArgs | 
     finally:
         model.train(was_training)
     return out
+
+
+def with_image_tags(prompt: Prompt, count: int) -> Prompt:
+    """A prompt for `count` images: as it is when its `<image>` tags (in its user turns) number `count`; with `count`
+    tags put before the text of its first user turn when it has none; a FastDPOError otherwise."""
+    turns = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if m.get("role") == "user"]
+    tags = sum(t.count(IMAGE_TAG) for t in turns if isinstance(t, str))
+    if tags == count:
+        return prompt
+    if tags:
+        raise FastDPOError(f"The prompt has {tags} {IMAGE_TAG} tag{'s' * (tags != 1)} and {count} image"
+                           f"{'s' * (count != 1)} were given: give one image per tag, in the order of the tags (or "
+                           "no tag at all: the images then go before the prompt's text).")
+    if isinstance(prompt, str):
+        return IMAGE_TAG * count + prompt
+    first = next((i for i, m in enumerate(prompt) if m.get("role") == "user" and isinstance(m.get("content"), str)),
+                 None)
+    if first is None:
+        raise FastDPOError("The conversation has no user turn with text content to hold the images.")
+    out = [dict(m) for m in prompt]
+    out[first]["content"] = IMAGE_TAG * count + out[first]["content"]
+    return out
+
+
+@torch.no_grad()
+def generate_vision_ids(model, processor, prompts: list[Prompt], images: list[tuple[ImageRef, ...]],
+                        gen: GenerationArgs | None = None, streamer=None) -> list[list[int]]:
+    """`generate_ids` for a vision-language model: each prompt (its `<image>` tags, one per image of `images[i]`,
+    `with_image_tags`) rendered with the processor's chat template, each tag as an image part, and the processor's
+    inputs (input_ids, pixel_values, image_grid_thw, mm_token_type_ids) handed to the model's `generate`. One prompt
+    at a time: the prompts' images differ in size. Image size: the processor's own, or ms-swift's MAX_PIXELS /
+    MIN_PIXELS environment variables (as training reads them without --max_pixels / --min_pixels)."""
+    gen = gen or GenerationArgs()
+    assert len(images) == len(prompts) and (streamer is None or len(prompts) == 1)
+    use_model_attention(model)
+    was_training = model.training
+    model.eval()
+    cfg = generation_config(model, processor.tokenizer, gen)
+    device = next(model.parameters()).device
+    size = PixelOptions.resolve().size(processor.image_processor)
+    if gen.temperature > 0:
+        torch.manual_seed(gen.seed)
+    out: list[list[int]] = []
+    try:
+        for prompt, refs in zip(prompts, images):
+            prompt = with_image_tags(prompt, len(refs))
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if gen.system and not any(m.get("role") == "system" for m in messages):
+                messages = [{"role": "system", "content": gen.system}, *messages]
+            text = processor.apply_chat_template(image_parts(messages), add_generation_prompt=True, tokenize=False)
+            pictures = [_loaded(ref) for ref in refs] or None
+            kw = {"size": size} if pictures and size else {}
+            enc = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False, **kw)
+            seqs = model.generate(**enc.to(device), generation_config=cfg, streamer=streamer)
+            out.append(_strip_after_stop(seqs[0, enc["input_ids"].shape[1]:].tolist(), cfg))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _loaded(ref: ImageRef):
+    """The image loaded and its file closed (as training opens them)."""
+    with ref.open() as im:
+        im.load()
+        return im.copy()
 
 
 def _strip_after_stop(row: list[int], cfg) -> list[int]:

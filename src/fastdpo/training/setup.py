@@ -127,7 +127,7 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None, pr
         opts = dataclasses.replace(opts, read=dataclasses.replace(opts.read, images=True))
     rejects = Rejects(skip=not cfg.strict)
     rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read,
-                                                                           rejects))
+                                                                           rejects), opts.read)
     names = [name for name, _ in cfg.loss_terms()]
     check_image_rows(rows + val_rows, names)
     rows, val_rows = rows_for_loss(rows, names), rows_for_loss(val_rows, names, "the validation rows")

@@ -1,0 +1,173 @@
+"""The after-training commands with a vision-language model dir (tiny Qwen2.5-VL on CPU, float32): eval's preference
+metrics of rows with images equal the plain computation (the model's own forwards, adapter on and off); eval refuses
+rows with images for a text-only model; infer with images generates what the model's own `generate` gives on its
+processor's inputs, base and tuned side by side, and refuses images it cannot use."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from data_helpers import write_jsonl
+from vlm_helpers import image_rows, random_vlm_adapter, sequence_logp
+
+from fastdpo.commands.evaluate import EvalConfig, run_eval
+from fastdpo.errors import FastDPOError
+from fastdpo.model.tiny import build_tiny_vlm_dir
+
+BETA = 0.1
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """(base dir, random adapter dir, data file of rows with images)."""
+    root = tmp_path_factory.mktemp("vlm")
+    base = build_tiny_vlm_dir(root / "model", "qwen2_5_vl")
+    return base, random_vlm_adapter(base, root / "adapter"), write_jsonl(root / "data.jsonl", image_rows(root))
+
+
+def eval_config(tmp_path, base, data, **kw) -> EvalConfig:
+    return EvalConfig(**{"model": str(base), "dataset": [str(data)], "output_dir": str(tmp_path / "eval"),
+                         "device": "cpu", "torch_dtype": "float32", "beta": BETA, **kw})
+
+
+def test_eval_of_rows_with_images_equals_the_plain_computation(tmp_path, vlm):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from fastdpo.data.load import load_rows
+    from fastdpo.data.prepare import DataOptions, tokenize_rows
+    from fastdpo.model.processor import load_processor
+
+    base, adapter, data = vlm
+    cfg = eval_config(tmp_path, base, data, adapters=str(adapter))
+    report = run_eval(cfg)
+    m = report["metrics"]
+    assert report["pairs"] == 4 and report["reference"] == "adapter_off"
+
+    opts = DataOptions.for_scoring(cfg)
+    opts = dataclasses.replace(opts, read=dataclasses.replace(opts.read, images=True))
+    pairs, _ = tokenize_rows(load_rows([str(data)], read=opts.read), None, opts, processor=load_processor(base))
+    assert sum(p.num_images for p in pairs) == 4
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
+    with torch.no_grad():
+        pol = torch.tensor([[sequence_logp(model, p, p.chosen), sequence_logp(model, p, p.rejected)] for p in pairs])
+        with model.disable_adapter():
+            ref = torch.tensor([[sequence_logp(model, p, p.chosen), sequence_logp(model, p, p.rejected)]
+                                for p in pairs])
+    rewards = BETA * (pol - ref)
+    margins = rewards[:, 0] - rewards[:, 1]
+    assert margins.abs().min() > 1e-3  # the adapter moves every pair: the comparison can fail
+    want = {"rewards/chosen": rewards[:, 0].mean(), "rewards/rejected": rewards[:, 1].mean(),
+            "rewards/margins": margins.mean(), "rewards/accuracies": (margins > 0).float().mean(),
+            "logps/chosen": pol[:, 0].mean(), "logps/rejected": pol[:, 1].mean(),
+            "loss": -torch.nn.functional.logsigmoid(margins).mean()}
+    for name, value in want.items():
+        assert m[name] == pytest.approx(float(value), abs=1e-4), name
+    assert math.isfinite(m["kl"]) and m["kl"] > 0
+
+
+def test_eval_without_an_adapter_has_zero_margins_against_itself(tmp_path, vlm):
+    base, _, data = vlm
+    m = run_eval(eval_config(tmp_path, base, data, ref_model=str(base)))["metrics"]
+    assert m["rewards/margins"] == pytest.approx(0.0, abs=1e-5) and m["loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_eval_refuses_rows_with_images_for_a_text_only_model(tmp_path, vlm, model_dirs):
+    with pytest.raises(FastDPOError, match=r"data.jsonl:1.*text-only"):
+        run_eval(eval_config(tmp_path, model_dirs("qwen3"), vlm[2]))
+
+
+def direct_generate(model, processor, text_parts: list, images: list, new_tokens: int) -> str:
+    """The model's own `generate` on its processor's inputs (one user turn of `text_parts`), greedy: the answer."""
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p}
+                                             for p in text_parts]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=[Image.open(p) for p in images], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        seqs = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False)
+    return processor.tokenizer.decode(seqs[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def infer_config(base, **kw):
+    from fastdpo.commands.infer import InferConfig
+
+    return InferConfig(**{"model": str(base), "device": "cpu", "torch_dtype": "float32", "max_new_tokens": 6,
+                          "stream": False, **kw})
+
+
+@pytest.mark.parametrize("prompt", ["<image>w1 w2", "w1 w2"])  # no tag: the image goes before the text
+def test_infer_with_an_image_generates_what_the_models_own_generate_gives(tmp_path, vlm, prompt):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from fastdpo.commands.infer import run_infer
+    from fastdpo.model.processor import load_processor
+
+    base, adapter, data = vlm
+    image = image_rows(tmp_path)[1]["images"][0]
+    got = run_infer(infer_config(base, adapters=str(adapter), prompt=prompt, images=[image], compare=True))[0]
+    processor = load_processor(base)
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
+    tuned = direct_generate(model, processor, [None, "w1 w2"], [image], 6)
+    with model.disable_adapter():
+        plain = direct_generate(model, processor, [None, "w1 w2"], [image], 6)
+    assert got["response"] == tuned and got["base_response"] == plain and tuned != plain
+    other = image_rows(tmp_path / "other", colors=[(0, 0, 0)] * 4)[1]["images"][0]  # 24 x 16: other placeholders
+    assert run_infer(infer_config(base, adapters=str(adapter), prompt=prompt, images=[other]))[0]["response"] == \
+        direct_generate(model, processor, [None, "w1 w2"], [other], 6)
+
+
+def test_infer_answers_rows_with_images_of_a_preference_file(tmp_path, vlm):
+    import json
+
+    from fastdpo.commands.infer import run_infer
+
+    base, adapter, data = vlm
+    out = tmp_path / "answers.jsonl"
+    results = run_infer(infer_config(base, adapters=str(adapter), val_dataset=[str(data)], result_path=str(out)))
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(written) == 4 and all(r["response"] for r in written)
+    assert [len(r.get("images", [])) for r in written] == [1, 2, 0, 1]
+    assert written[0]["images"][0] == json.loads(data.read_text().splitlines()[0])["images"][0]
+    alone = run_infer(infer_config(base, adapters=str(adapter), messages=json.dumps(
+        json.loads(data.read_text().splitlines()[1])["messages"][:1]), images=written[1]["images"]))
+    assert alone[0]["response"] == results[1]["response"]  # the same prompt and images, given on the command line
+
+
+def test_infer_refuses_images_it_cannot_use(tmp_path, vlm, model_dirs):
+    from fastdpo.commands.infer import run_infer
+
+    image = image_rows(tmp_path)[0]["images"][0]
+    with pytest.raises(FastDPOError, match="text-only model"):
+        run_infer(infer_config(model_dirs("qwen3"), prompt="w1", images=[image]))
+    with pytest.raises(FastDPOError, match=r"--images .*nope.png: file not found"):
+        run_infer(infer_config(vlm[0], prompt="w1", images=[str(tmp_path / "nope.png")]))
+    with pytest.raises(FastDPOError, match="2 <image> tags and 1 image"):
+        run_infer(infer_config(vlm[0], prompt="<image>w1<image>", images=[image]))
+    with pytest.raises(FastDPOError, match="text-only"):
+        run_infer(infer_config(model_dirs("qwen3"), val_dataset=[str(vlm[2])]))
+
+
+def test_eval_after_a_lora_run_gives_the_runs_own_held_out_metrics(tmp_path, vlm):
+    """Two LoRA steps on rows with images, held out as --val_dataset (evaluated at the end of training): `fastdpo eval`
+    of the saved adapter reports the metrics the run logged for the same rows, and they moved off zero."""
+    import json
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.training.loop import train
+
+    base, _, data = vlm
+    cfg = TrainConfig(model=str(base), dataset=[str(data)], val_dataset=[str(data)], output_dir=str(tmp_path / "run"),
+                      device="cpu", torch_dtype="float32", train_type="lora", lora_rank=4, lora_alpha=16,
+                      target_modules="all-linear", max_steps=2, learning_rate=5e-2, per_device_train_batch_size=2,
+                      shuffle=False, save_steps=0, disable_progress=True, seed=1, beta=BETA)
+    result = train(cfg, progress=False)
+    logged = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if "eval_loss" in r][-1]
+    m = run_eval(eval_config(tmp_path, base, data, adapters=result["final_dir"]))["metrics"]
+    assert abs(m["rewards/margins"]) > 1e-4
+    for name in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected"):
+        assert m[name] == pytest.approx(logged["eval_" + name], abs=1e-4), name

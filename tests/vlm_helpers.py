@@ -1,0 +1,48 @@
+"""Shared by the tests of vision-language model dirs (tiny Qwen2.5-VL, `fastdpo.model.tiny.build_tiny_vlm_dir`):
+rows with images, a random LoRA adapter, and the model's own forward of a pair."""
+
+from pathlib import Path
+
+import torch
+from data_helpers import write_image
+
+
+def image_rows(root: Path, colors=((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30))) -> list[dict]:
+    """Four ms-swift rows: images of two sizes (one pair with two, one with none), prompts and completions of other
+    lengths."""
+    paths = [write_image(root / "img" / f"{i}.png", 16 + 8 * (i % 2), 16, c) for i, c in enumerate(colors)]
+    return [
+        {"messages": [{"role": "user", "content": "<image>w1 w2"}, {"role": "assistant", "content": "w5 w6"}],
+         "rejected_response": "w7", "images": [str(paths[0])]},
+        {"messages": [{"role": "user", "content": "w3 <image>w4 <image>"}, {"role": "assistant", "content": "w8"}],
+         "rejected_response": "w9 w10 w11", "images": [str(paths[1]), str(paths[2])]},
+        {"messages": [{"role": "user", "content": "w12 w13"}, {"role": "assistant", "content": "w14 w15"}],
+         "rejected_response": "w16"},
+        {"messages": [{"role": "user", "content": "<image>w17"}, {"role": "assistant", "content": "w18 w19 w20"}],
+         "rejected_response": "w21 w22", "images": [str(paths[3])]},
+    ]
+
+
+def random_vlm_adapter(base_dir: Path, out_dir: Path, seed: int = 0) -> Path:
+    """A LoRA adapter with random (non-zero) A and B on every linear layer of the language model: a change large
+    enough to see in logits and greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_pretrained(base_dir)
+    cfg = LoraConfig(r=4, lora_alpha=16, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|"
+                     r"up_proj|down_proj)", init_lora_weights=False)
+    get_peft_model(model, cfg).save_pretrained(out_dir)
+    return out_dir
+
+
+def sequence_logp(model, pair, completion) -> torch.Tensor:
+    """The model's own forward of [prompt | completion] (its processor's inputs, mm_token_type_ids included), full
+    float32 logits: the completion's log-prob sum."""
+    ids = torch.tensor([pair.prompt + completion])
+    kw = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    if pair.num_images:
+        kw.update(pixel_values=pair.pixel_values, image_grid_thw=pair.image_grid_thw)
+    logits = model(input_ids=ids, use_cache=False, **kw).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[len(pair.prompt) - 1:, 0].sum()
