@@ -431,3 +431,20 @@ def test_each_layer_s_hidden_states_are_released_once_its_recompute_has_run():
     assert len(inputs) == len(m.model.layers) >= 2 and all(r() is not None for r in inputs)
     loss.backward()
     assert alive == [[False] * (len(inputs) - 1)]
+
+
+def test_eager_layers_switch_the_kernels_off_inside_and_back_after():
+    """The certificate's plain path: inside, every fused norm, MLP and attention runs torch's eager ops (no kernel is
+    built for its shapes); the log-prob head keeps its kernels; after, each module is as it was, even on an error."""
+    from fastdpo.model.fused import eager_layers
+
+    model = small_model("qwen3")
+    fuse_layers(model, use_kernels=True)
+    fused_ = [m for m in model.modules() if hasattr(m, "_fastdpo_plain_forward")]
+    head = model.get_output_embeddings()
+    assert fused_ and all(m._fastdpo_kernels for m in fused_) and head._fastdpo_kernels
+    with pytest.raises(RuntimeError, match="inside"):
+        with eager_layers(model):
+            assert not any(m._fastdpo_kernels for m in fused_) and head._fastdpo_kernels
+            raise RuntimeError("inside")
+    assert all(m._fastdpo_kernels for m in fused_)

@@ -22,6 +22,7 @@ class) is routed through a dispatcher that uses the kernel only inside a fused a
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -241,6 +242,22 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
                   "kernels) did not reproduce it bit for bit, so they run on torch's path. A transformers release "
                   "that changes these modules does this; training is correct, only slower and larger.")
     return sorted(t.__name__ for t, ok in done.items() if ok)
+
+
+@contextlib.contextmanager
+def eager_layers(model: torch.nn.Module):
+    """The decoder's norms, MLPs and rotations on torch's eager ops while inside (the modules' own computation: the
+    plain path the run's certificate compares the fast one with; no Triton kernel is built for its shapes). The
+    log-prob head keeps its kernels."""
+    fused = [m for m in model.modules() if hasattr(m, "_fastdpo_plain_forward")]
+    was = [m._fastdpo_kernels for m in fused]
+    for m in fused:
+        m._fastdpo_kernels = False
+    try:
+        yield
+    finally:
+        for m, on in zip(fused, was):
+            m._fastdpo_kernels = on
 
 
 _FORWARDS = {"norm": _norm_forward, "mlp": _mlp_forward, "attention": _attention_forward}

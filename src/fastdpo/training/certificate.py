@@ -35,6 +35,7 @@ from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.model import seqlogps
 from fastdpo.model.backend import build_mask, make_batch, output_head, target_hidden
+from fastdpo.model.fused import eager_layers
 from fastdpo.model.seqlogps import completion_logps, summarise
 from fastdpo.parallel.collectives import any_rank
 from fastdpo.parallel.wrap import policy_logps
@@ -343,11 +344,12 @@ def _sums(s, pairs: list[TokenizedPair]) -> torch.Tensor:
 
 @torch.no_grad()
 def _plain_sums(s, pairs: list[TokenizedPair]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same through the plain path (padded rows, one per sequence, the model's own attention), its final hidden
-    states through the run's head and through a float32 one."""
+    """The same through the plain path (padded rows, one per sequence, the model's own attention and its modules' own
+    eager ops, not the run's kernels), its final hidden states through the run's head and through a float32 one."""
     plain = s.backend.plain()
     batch = make_batch(pairs, plain, _pad(s), s.device, 0)
-    hidden = target_hidden(s.model, batch, plain)
+    with eager_layers(s.model):  # torch's own ops: no kernel built for the padded shapes, nothing shared with the run's
+        hidden = target_hidden(s.model, batch, plain)
     head = output_head(s.model)
     run = seqlogps.token_logps(hidden, head.weight, batch.tgt, scale=head.scale, softcap=head.softcap,
                                kernels=head.kernels)  # as `completion_logps` calls it
