@@ -249,7 +249,7 @@ def eager_layers(model: torch.nn.Module):
     """The decoder's norms, MLPs and rotations on torch's eager ops while inside (the modules' own computation: the
     plain path the run's certificate compares the fast one with; no Triton kernel is built for its shapes). The
     log-prob head keeps its kernels."""
-    fused = [m for m in model.modules() if hasattr(m, "_fastdpo_plain_forward")]
+    fused = [m for m in model.modules() if hasattr(m, "_fastdpo_plain_forward") and hasattr(m, "_fastdpo_kernels")]
     was = [m._fastdpo_kernels for m in fused]
     for m in fused:
         m._fastdpo_kernels = False
