@@ -293,8 +293,7 @@ def final_record(s, pairs: list[TokenizedPair]) -> dict | None:
     if s.dist.mode == "fsdp" or s.dist.sp_size > 1 or s.stream is not None:
         return None
     ref = None if s.reference.strategy == "none" else reference_sums(s, pairs).tolist()
-    return {"indices": [p.index for p in pairs], "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs),
-            "sums": next_step_sums(s, pairs).tolist(), "ref_sums": ref, "reference": s.reference.strategy,
+    return {**next_step_record(s, pairs), "ref_sums": ref, "reference": s.reference.strategy,
             "dtype": str(next(s.model.parameters()).dtype).removeprefix("torch.")}
 
 
