@@ -81,6 +81,8 @@ def saved_record(out: Path) -> dict:
 def recorded_pairs(pairs: list, record: dict, cfg) -> list:
     """The pairs the run's certificate recorded, found by index in the run's data as read now; the data must have
     been read to the same tokens."""
+    from fastdpo.training.certificate import completion_tokens
+
     by_index = {p.index: p for p in pairs}
     missing = [i for i in record["indices"] if i not in by_index]
     if missing:
@@ -88,7 +90,7 @@ def recorded_pairs(pairs: list, record: dict, cfg) -> list:
                            f"({', '.join(cfg.dataset)}): the data changed since training. Check it against the run's "
                            "with the same files.")
     chosen = [by_index[i] for i in record["indices"]]
-    tokens = sum(len(p.chosen) + len(p.rejected) for p in chosen)
+    tokens = completion_tokens(chosen)
     if tokens != record["tokens"]:
         raise FastDPOError(f"the recorded rows {record['indices']} read now to {tokens} completion tokens, the run read "
                            f"{record['tokens']}: the data, the tokenizer of {cfg.model} or its chat template changed "

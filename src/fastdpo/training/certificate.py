@@ -128,7 +128,7 @@ class Certificate:
                 if fast is None:
                     with _eval(s.model):
                         fast = _sums(s, pairs)
-                self._add("reference_at_start", per_token(self._ref, fast, self._tokens(s, pairs)), tol,
+                self._add("reference_at_start", per_token(self._ref, fast, completion_tokens(pairs)), tol,
                           f"{what} against the starting policy on {len(pairs)} pair(s)", s)
             else:
                 self.checks.append(Check("reference_at_start", "SKIP", f"the reference ({ref.strategy}) is another "
@@ -151,7 +151,7 @@ class Certificate:
                 if s.device.type == "cuda":
                     torch.cuda.empty_cache()
         if not any_rank(plain is None, s.dist, s.device):
-            tokens, kind = self._tokens(s, pairs), str(next(s.model.parameters()).dtype).removeprefix("torch.")
+            tokens, kind = completion_tokens(pairs), str(next(s.model.parameters()).dtype).removeprefix("torch.")
             self._add("fast_path", per_token(fast, plain, tokens), tol, f"policy log-probs of {len(pairs)} pair(s) "
                       f"through the {s.backend.name} layout against the padded two-forward path, {kind}", s)
             self._add("head_float32", per_token(plain, exact, tokens), tol, "the log-prob head of the run "
@@ -207,7 +207,7 @@ class Certificate:
             with _eval(s.model):
                 policy = _sums(s, self._batch)
             ref = reference_sums(s, self._batch)
-            moved = per_token(policy, ref, self._tokens(s, self._batch))
+            moved = per_token(policy, ref, completion_tokens(self._batch))
             apart = any_rank(moved > 0.0, s.dist, s.device)
             check = Check("reference_apart", "PASS" if apart else "FAIL",
                           "the policy's log-probs after the first update differ from the reference's" if apart else
@@ -222,11 +222,6 @@ class Certificate:
         took = time.perf_counter() - since
         self.parts[part] = self.parts.get(part, 0.0) + took
         self.seconds += took
-
-    @staticmethod
-    def _tokens(s, pairs: list[TokenizedPair]) -> int:
-        """Completion tokens of the pairs' sequences (what the sums run over)."""
-        return sum(len(p.chosen) + len(p.rejected) for p in pairs)
 
     def finish(self, s=None) -> None:
         """At the end of the run: a check still waiting for an update that moved the weights is skipped, said why;
@@ -274,7 +269,7 @@ def next_step_record(s, first: list[TokenizedPair]) -> dict | None:
     if s.dist.mode == "fsdp" or s.dist.sp_size > 1 or not first:
         return None
     pairs = first[:PAIRS]
-    return {"indices": [p.index for p in pairs], "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs),
+    return {"indices": [p.index for p in pairs], "tokens": completion_tokens(pairs),
             "sums": next_step_sums(s, pairs).tolist()}
 
 
@@ -372,6 +367,11 @@ def float32_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
         here = logits.gather(1, (targets - start).clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1)
         picked = torch.where(inside, here, picked)
     return picked - lse
+
+
+def completion_tokens(pairs: list[TokenizedPair]) -> int:
+    """Completion tokens of the pairs' sequences (what their log-prob sums run over)."""
+    return sum(len(p.chosen) + len(p.rejected) for p in pairs)
 
 
 def per_token(a: torch.Tensor, b: torch.Tensor, tokens: int) -> float:
