@@ -84,6 +84,18 @@ def test_lora_trains_adapters_on_the_language_model_only(tmp_path, vlm_dir, kw):
     assert bool(vit) == bool(kw), sorted(adapter)[:4]
 
 
+@pytest.mark.parametrize("kw", [{}, {"train_type": "lora", "lora_rank": 4}], ids=["full", "lora"])
+def test_verify_run_checks_a_vision_language_run_again(tmp_path, vlm_dir, kw):
+    """`fastdpo verify --run` reads the run's rows with their images, as training read them, and its certificate
+    passes again on the saved model."""
+    from fastdpo.commands.verify_run import verify_saved_run
+
+    train(config(tmp_path, vlm_dir, "run", **kw), progress=False)
+    cert = verify_saved_run(str(tmp_path / "run"))
+    assert cert.status == "PASS", [c.line() for c in cert.checks]
+    assert {c.name for c in cert.checks} >= {"saved_model", "fast_path", "reference"}
+
+
 def test_text_rows_train_with_a_vision_language_model(tmp_path, vlm_dir):
     data = write_jsonl(tmp_path / "text.jsonl", [{k: v for k, v in r.items() if k != "images"} | {
         "messages": [{**m, "content": m["content"].replace("<image>", "")} for m in r["messages"]]}

@@ -27,6 +27,7 @@ def verify_saved_run(run_dir: str, device: str = "", torch_dtype: str = ""):
     from fastdpo.config import TrainConfig
     from fastdpo.dpo.reference import with_adapter_merged
     from fastdpo.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from fastdpo.model.processor import is_vision_model, load_processor
     from fastdpo.training.certificate import check_saved
     from fastdpo.training.setup import assemble, load_splits
 
@@ -44,7 +45,9 @@ def verify_saved_run(run_dir: str, device: str = "", torch_dtype: str = ""):
     dev = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.torch_dtype, dev)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    _, pairs, _, _ = load_splits(cfg, tokenizer)
+    vision = is_vision_model(cfg.model, cfg.trust_remote_code)  # rows with images read as training read them
+    processor = load_processor(cfg.model, cfg.trust_remote_code) if vision else None
+    _, pairs, _, _ = load_splits(cfg, tokenizer, processor=processor)
     pairs = recorded_pairs(pairs, record, cfg)
     quant = cfg.quant_bits if cfg.train_type == "qlora" else 0
     ref_model = None
