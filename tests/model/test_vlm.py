@@ -11,7 +11,13 @@ import torch
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
 from fastdpo.model.tiny import build_tiny_vlm
-from fastdpo.model.vlm import image_embeddings, mrope_positions, pack_vision_pairs, vision_sequence_logps
+from fastdpo.model.vlm import (
+    image_embeddings,
+    language_attention,
+    mrope_positions,
+    pack_vision_pairs,
+    vision_sequence_logps,
+)
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl"]
 ATOL = 1e-5
@@ -57,6 +63,7 @@ def batch_of(model, pairs, images):
 def separate_forward(model, prompt, completion, images):
     """The model's own forward on [prompt | completion] (the processor's inputs, mm_token_type_ids included: without
     them transformers 5 falls back to 1-D positions), full float32 logits: (completion log-prob sum, its positions)."""
+    language_attention(model)  # the model's own attention, also after a packed forward switched it
     ids = torch.tensor([prompt + completion])
     kw = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
     if images:
@@ -264,3 +271,107 @@ def test_pixels_from_the_image_processor(model):
         packed, _ = vision_sequence_logps(model, batch_of(model, pairs, images))
         expected, _ = separate_sums(model, pairs, images)
     torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
+
+
+def with_pixels(pairs, images):
+    """The pairs holding their images, as prepared rows hold them (`TokenizedPair.pixel_values`)."""
+    for p, ims in zip(pairs, images):
+        if ims:
+            p.pixel_values, p.image_grid_thw = torch.cat([x for x, _ in ims]), torch.cat([g for _, g in ims])
+    return pairs
+
+
+@pytest.fixture
+def attention_on_cpu(monkeypatch):
+    """fastdpo's CUDA attention kernels by their float32 contracts on the CPU: the varlen kernel by
+    `model_helpers.varlen_stand_in`, compiled FlexAttention by its eager form."""
+    from model_helpers import varlen_stand_in
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from fastdpo.model import attention
+
+    monkeypatch.setattr(attention, "_varlen_kernel", varlen_stand_in)
+    monkeypatch.setattr(attention, "_compiled_flex", lambda: flex_attention)
+
+
+@pytest.mark.parametrize("name", ["varlen", "flex"])
+def test_the_text_attention_backends_serve_vision_pairs(model, name, attention_on_cpu):
+    """The varlen offsets and a FlexAttention BlockMask (memory linear in the tokens on CUDA) give the packed row's
+    sums as the separate forwards do, and varlen every gradient, the vision tower's included; only the language
+    model's layers switch to fastdpo's attention, and the model's own forward (the padded path) runs again after."""
+    from fastdpo.model.backend import Backend, make_batch, prepare_packed, sequence_logps, target_hidden
+    from fastdpo.model.vlm import vision_ids
+
+    pairs, images = example(model.config)
+    with_pixels(pairs, images)
+    backend = Backend(name, vision=vision_ids(model.config))
+    prepare_packed(model, backend)
+    batch = make_batch(pairs, backend, 0, torch.device("cpu"), budget=0)
+    assert (batch.num_tokens % 128 == 0) == (name == "flex")
+    vision_attn = model.model.visual.config._attn_implementation
+    with torch.no_grad():
+        packed, _ = sequence_logps(model, batch, backend)
+        assert model.model.visual.config._attn_implementation == vision_attn
+        assert model.model.language_model.layers[0].self_attn.config._attn_implementation.startswith("fastdpo")
+        expected, _ = separate_sums(model, pairs, images)
+    torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
+    with torch.no_grad():
+        sequence_logps(model, batch, backend)  # the switch again, then the model's own path
+    padded = make_batch(pairs, backend.plain(), 0, torch.device("cpu"))
+    with torch.no_grad():  # the plain path after the packed one: the language model's own attention again
+        hidden = target_hidden(model, padded, backend.plain())
+    assert hidden.shape[0] == padded.tgt.numel() and torch.isfinite(hidden).all()
+    if name == "flex":  # FlexAttention has no backward on the CPU: its gradients are checked on the GPU
+        return
+    grads = weighted_grads(model, lambda: sequence_logps(model, batch, backend)[0])
+    assert any(n.startswith("model.visual.") for n in grads)
+    assert_grads_close(grads, weighted_grads(model, lambda: separate_sums(model, pairs, images)[0]))
+
+
+def test_a_wrong_offset_is_caught(model, attention_on_cpu):
+    """The comparison above can fail: offsets that let rejected see chosen move the rejected sums."""
+    from fastdpo.model import attention
+    from fastdpo.model.backend import Backend, build_mask, make_batch, prepare_packed, sequence_logps
+    from fastdpo.model.vlm import vision_ids
+
+    pairs, images = example(model.config)
+    with_pixels(pairs, images)
+    backend = Backend("varlen", vision=vision_ids(model.config))
+    prepare_packed(model, backend)
+    batch = make_batch(pairs, backend, 0, torch.device("cpu"))
+    n = batch.num_tokens
+    leaky = attention.VarlenMask(torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                                 torch.tensor([0, n], dtype=torch.int32), 1 << (n - 1).bit_length(),
+                                 1 << (n - 1).bit_length())  # one causal sequence over the whole row
+    with torch.no_grad():
+        right, _ = sequence_logps(model, batch, backend, build_mask(batch, backend))
+        wrong, _ = sequence_logps(model, batch, backend, leaky)
+    assert (right[3:] - wrong[3:]).abs().max() > 1e-3  # rejected sums
+
+
+def test_backend_choice_for_a_vision_language_model(monkeypatch):
+    """auto: dense on the CPU, varlen on CUDA in bfloat16 and flex in float32 (as for text); the names users bring
+    (flash_attention_2) map to auto; a sliding-window language model takes the padded rows; sequence parallelism is
+    refused with what to do."""
+    from fastdpo.model import backend as backend_mod
+    from fastdpo.model.backend import choose_backend
+    from fastdpo.parallel import sequence
+
+    model = build_tiny_vlm("qwen2_5_vl")
+    ids = (model.config.image_token_id, model.config.vision_config.spatial_merge_size)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_backend(model, "auto", True, cpu) == backend_mod.Backend("dense", vision=ids)
+    assert choose_backend(model, "flash_attention_2", True, cpu).name == "dense"
+    assert choose_backend(model, "auto", False, cpu) == backend_mod.Backend("padded", vision=ids)
+    with pytest.raises(FastDPOError, match="varlen needs a CUDA device"):
+        choose_backend(model, "varlen", True, cpu)
+    monkeypatch.setattr(backend_mod, "varlen_unsupported", lambda m: "" if m.dtype == torch.bfloat16 else "float32")
+    assert choose_backend(model, "auto", True, cuda).name == "flex"
+    assert choose_backend(model.to(torch.bfloat16), "auto", True, cuda, lengths=8) == backend_mod.Backend(
+        "varlen", lengths=8, vision=ids)
+    with pytest.raises(FastDPOError, match="vision-language model"):
+        sequence.resolve_mode(model, "auto", 2, backend_mod.Backend("varlen", vision=ids))
+    windowed = build_tiny_vlm("qwen2_5_vl")
+    text = windowed.model.language_model.config
+    text.sliding_window, text.layer_types = 8, ["sliding_attention"] * text.num_hidden_layers
+    assert choose_backend(windowed, "auto", True, cpu).name == "padded"

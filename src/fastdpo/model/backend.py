@@ -17,7 +17,7 @@ from fastdpo.model import attention
 from fastdpo.model.attention import sliding_window
 from fastdpo.model.load import base_causal_lm, decoder, is_vision_config
 from fastdpo.model.logprobs import output_head, sequence_sums
-from fastdpo.model.vlm import packed_vision_hidden, padded_vision_hidden, vision_batch, vision_ids
+from fastdpo.model.vlm import language_attention, packed_vision_hidden, padded_vision_hidden, vision_batch, vision_ids
 
 log = logging.getLogger("fastdpo")
 
@@ -71,7 +71,7 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
     """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
     cfg = base_causal_lm(model).config
     if is_vision_config(cfg):
-        return vision_backend(cfg, attn_impl, padding_free, device)
+        return vision_backend(model, attn_impl, padding_free, device, lengths)
     if attn_impl in FOREIGN_ATTN:
         log.info("--attn_impl %s: using the %s backend. %s", attn_impl, "flex" if device.type == "cuda" else "dense",
                  FOREIGN_ATTN[attn_impl])
@@ -94,19 +94,30 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
     return Backend(name, window, lengths)
 
 
-def vision_backend(cfg, attn_impl: str, padding_free: bool, device: torch.device) -> Backend:
-    """A vision-language model (Qwen2-VL, Qwen2.5-VL): its pairs packed with the dense pair mask through the language
-    model's own attention (`fastdpo.model.vlm`), or the padded rows through the model's own multimodal forward."""
+def vision_backend(model, attn_impl: str, padding_free: bool, device: torch.device,
+                   lengths: int = SHAPE_BUCKETS) -> Backend:
+    """A vision-language model (Qwen2-VL, Qwen2.5-VL): its pairs packed as text pairs are, through the same attention
+    backends (`fastdpo.model.vlm`: varlen or flex on CUDA, the dense pair mask on the CPU), or the padded rows
+    through the model's own multimodal forward. Pairs are never grouped by prompt."""
+    cfg = base_causal_lm(model).config
     ids = vision_ids(cfg)
+    if attn_impl in FOREIGN_ATTN:
+        attn_impl = "auto"
     if not padding_free or attn_impl == "padded":
         return Backend("padded", vision=ids)
-    if attn_impl not in ("auto", "dense", *FOREIGN_ATTN):
-        raise FastDPOError(f"--attn_impl {attn_impl}: vision-language models ({cfg.model_type}) train with the dense "
-                           "pair mask (--attn_impl dense or auto) or padded rows (--attn_impl padded) for now.")
-    if device.type == "cuda":
-        log.warning("Vision-language model: the packed pairs run the dense pair mask (memory grows with the square of "
-                    "a micro-batch's tokens); keep micro-batches small (--max_tokens_per_batch).")
-    return Backend("dense", vision=ids)
+    ok, window, reason = sliding_window(decoder(model).config)
+    if not ok or window is not None:
+        log.warning("Using the padded path: the language model's %s.", reason or "sliding window")
+        return Backend("padded", vision=ids)
+    name = attn_impl if attn_impl != "auto" else auto_backend(model, device)
+    if name in ("flex", "varlen") and device.type != "cuda":
+        raise FastDPOError(f"--attn_impl {name} needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
+    if name == "varlen" and (why := varlen_unsupported(model)):
+        raise FastDPOError(f"--attn_impl varlen: {why}. Use --attn_impl flex (or auto).")
+    if name == "dense" and device.type == "cuda":
+        log.warning("Vision-language model on the dense pair mask: its memory grows with the square of a "
+                    "micro-batch's tokens; keep micro-batches small (--max_tokens_per_batch), or use --attn_impl auto.")
+    return Backend(name, lengths=lengths, vision=ids)
 
 
 def varlen_unsupported(model) -> str:
@@ -186,7 +197,8 @@ def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device,
     whose NLL covers the prompt, `losses.needs_prompt_targets`). A vision-language model's batches carry the pairs'
     images (`fastdpo.model.vlm.vision_batch`)."""
     if backend.vision is not None:
-        batch = vision_batch(pairs, backend.vision, pad_id, prompt_targets, padded=backend.name == "padded")
+        multiple = flex_length(packed_tokens(pairs), budget, backend.lengths) if backend.name == "flex" else 1
+        batch = vision_batch(pairs, backend.vision, pad_id, prompt_targets, backend.name == "padded", multiple)
     elif backend.name == "padded":
         batch = pad_pairs(pairs, pad_id, prompt_targets)
     elif backend.name == "flex":
@@ -215,12 +227,12 @@ def target_hidden(model, batch: PairBatch, backend: Backend, mask=None, src: tor
     positions `src`). A mask that names its own attention function (`attn_name`: varlen's offsets, or a
     sequence-parallel context) reaches every layer's attention as the keyword arguments of its `kwargs()`;
     transformers then builds no mask of its own."""
-    if backend.vision is not None:  # the vision tower keeps the model's own attention: no switch here
-        if backend.name == "padded":
-            return padded_vision_hidden(model, batch, src)
-        return packed_vision_hidden(model, batch, mask, src)
+    if backend.vision is not None and backend.name == "padded":
+        return padded_vision_hidden(model, batch, src)
     if mask is None:
         mask = build_mask(batch, backend)
+    if backend.vision is not None:  # only the language model's layers switch attention: the vision tower keeps its own
+        return packed_vision_hidden(model, batch, mask, src)
     name = getattr(mask, "attn_name", None)
     if name is not None:
         _set_attn(model, name)
@@ -235,8 +247,12 @@ def target_hidden(model, batch: PairBatch, backend: Backend, mask=None, src: tor
 
 
 def use_model_attention(model) -> None:
-    """Give the model back its own (SDPA) attention, e.g. before `generate`, after packed forwards."""
-    _set_attn(model, "sdpa")
+    """Give the model back its own attention (SDPA; a vision-language model's language model the one it was loaded
+    with), e.g. before `generate`, after packed forwards."""
+    if is_vision_config(base_causal_lm(model).config):
+        language_attention(model)
+    else:
+        _set_attn(model, "sdpa")
 
 
 def sequence_logps(model, batch: PairBatch, backend: Backend, mask=None) -> tuple[torch.Tensor, torch.Tensor]:

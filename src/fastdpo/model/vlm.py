@@ -25,9 +25,12 @@ once. Three things differ from text:
    model gives [prompt | chosen] and [prompt | rejected] run separately.
 
 3. The attention rule is the text one (`fastdpo.model.attention.allowed`: same pair, causal in packed order, a key
-   is a prompt token or in the query's own segment), built as a dense mask by `attention.dense_mask` and handed to
-   the language model as a ready 4-D additive mask (0 where allowed, the dtype's minimum elsewhere), which its
-   eager and SDPA attention both take as is. The positions never enter the mask: M-RoPE only rotates.
+   is a prompt token or in the query's own segment), so the text backends serve it unchanged: on CUDA the varlen
+   offsets (FlashAttention's variable-length kernel: memory linear in the tokens) or a FlexAttention BlockMask,
+   through fastdpo's attention functions switched on for the language model's layers only; on the CPU a dense
+   mask handed to the language model's own attention as a ready 4-D additive mask (0 where allowed, the dtype's
+   minimum elsewhere), which its eager and SDPA attention both take as is. The positions never enter the mask:
+   M-RoPE only rotates.
 
 Then, as for text (DESIGN §4): the final hidden states at the positions that predict the completion tokens, through
 the output head in chunks, float32 log-sum-exp, summed per sequence.
@@ -35,12 +38,14 @@ the output head in chunks, float32 log-sum-exp, summed per sequence.
 transformers API used: `model.get_image_features(pixel_values, image_grid_thw)` (the vision tower and its patch
 merger: features per image, image after image), `model.get_input_embeddings()`, the language model from
 `model.get_decoder()` called with `inputs_embeds`, 3-row `position_ids` and a 4-D `attention_mask`, and
-`config.image_token_id` / `config.vision_config.spatial_merge_size`. The positions are computed here, not by the
-model's `get_rope_index` (the tests compare the two).
+`config.image_token_id` / `config.vision_config.spatial_merge_size`, and the language model's own
+`config._attn_implementation`, switched per forward (`language_attention`). The positions are computed here, not by
+the model's `get_rope_index` (the tests compare the two).
 
 Pairs are never grouped by prompt (`pack_pairs(..., group=True)`): two prompts with the same token ids may hold
 different images. Videos are not handled. The vision tower keeps the model's own attention: switching every
-sub-config to fastdpo's attention (`backend.target_hidden` does so for text models) would break it.
+sub-config to fastdpo's attention (`backend.target_hidden` does so for text models) would break it, so only the
+language model's layers are switched.
 """
 
 from __future__ import annotations
@@ -191,13 +196,14 @@ def pair_images(pairs: list[TokenizedPair], times: int = 1) -> tuple[torch.Tenso
 
 
 def vision_batch(pairs: list[TokenizedPair], ids: tuple[int, int], pad_id: int = 0, prompt_targets: bool = False,
-                 padded: bool = False) -> PairBatch:
+                 padded: bool = False, pad_to_multiple: int = 1) -> PairBatch:
     """A micro-batch of pairs that may hold images (`TokenizedPair.pixel_values`), on the host: one packed row with
-    its M-RoPE positions (never grouped by prompt), or with `padded` the plain layout of 2B rows (prompt+chosen, then
-    prompt+rejected), each pair's images once per row. `ids`: `vision_ids` of the model."""
+    its M-RoPE positions (never grouped by prompt; filler up to a multiple of `pad_to_multiple`), or with `padded`
+    the plain layout of 2B rows (prompt+chosen, then prompt+rejected), each pair's images once per row. `ids`:
+    `vision_ids` of the model."""
     if padded:
         return with_images(pad_pairs(pairs, pad_id, prompt_targets), ids, *pair_images(pairs, 2))
-    return with_images(pack_pairs(pairs, 1, pad_id, prompt_targets), ids, *pair_images(pairs))
+    return with_images(pack_pairs(pairs, pad_to_multiple, pad_id, prompt_targets), ids, *pair_images(pairs))
 
 
 def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -224,37 +230,65 @@ def merged_embeddings(model, input_ids: torch.Tensor, features: torch.Tensor | N
     return embeds[0].index_copy(0, where, features.to(embeds.dtype)).unsqueeze(0)
 
 
-def check_language_model(model) -> None:
-    """The packed forward's mask is the language model's whole attention rule: no sliding window, an attention that
-    takes a ready additive mask."""
+def language_attention(model, name: str | None = None) -> str:
+    """Run the language model's layers with attention function `name` (None: the model's own, as it was loaded);
+    the vision tower keeps its own. Returns the implementation now set. transformers reads it at each forward."""
     text = decoder(model)
-    impl = getattr(text.config, "_attn_implementation", None)
-    if impl not in MASKED_ATTENTION:
-        raise FastDPOError(f"vision-language pairs run the language model with attention {list(MASKED_ATTENTION)}, "
-                           f"not {impl!r}: load the model with attn_implementation='sdpa'.")
+    own = text.__dict__.setdefault("_fastdpo_own_attn", text.config._attn_implementation)
+    want = own if name is None else name
+    if text.config._attn_implementation != want:
+        for module in text.modules():
+            cfg = getattr(module, "config", None)
+            if cfg is not None and getattr(cfg, "_attn_implementation", None) != want:
+                cfg._attn_implementation = want
+    return want
+
+
+def check_language_model(model, masked: bool = True) -> None:
+    """The packed forward's mask is the language model's whole attention rule: no sliding window; for a dense mask
+    (`masked`), an own attention that takes a ready additive mask."""
+    text = decoder(model)
+    impl = text.__dict__.get("_fastdpo_own_attn", getattr(text.config, "_attn_implementation", None))
+    if masked and impl not in MASKED_ATTENTION:
+        raise FastDPOError(f"vision-language pairs on the dense mask run the language model with attention "
+                           f"{list(MASKED_ATTENTION)}, not {impl!r}: load the model with attn_implementation='sdpa'.")
     ok, window, reason = sliding_window(text.config)
     if not ok or window is not None:
         raise FastDPOError(f"vision-language pairs: the language model's {reason or 'sliding window'} is not "
                            "supported by the packed layout.")
 
 
-def packed_vision_hidden(model, batch: PairBatch, mask: torch.Tensor | None = None,
-                         src: torch.Tensor | None = None) -> torch.Tensor:
+def packed_vision_hidden(model, batch: PairBatch, mask=None, src: torch.Tensor | None = None) -> torch.Tensor:
     """(N, H) final hidden states of a packed batch with images (`vision_batch`) at the positions that predict its
     completion targets (or at the flattened positions `src`): the vision tower once over all of the batch's images,
     their features in place of the placeholders, then the language model alone with the M-RoPE positions and the
-    pair rule as an additive mask (`mask`: the boolean `attention.dense_mask`, when built already)."""
-    check_language_model(model)
+    pair rule. `mask`, built once per micro-batch (`backend.build_mask`): varlen offsets (a mask that names its
+    attention function, whose keyword arguments reach every layer), a FlexAttention BlockMask, or the boolean
+    `attention.dense_mask` (the default), given as an additive mask to the language model's own attention."""
+    if mask is None:
+        mask = attention.dense_mask(batch)
+    dense = isinstance(mask, torch.Tensor)
+    check_language_model(model, masked=dense)
     image_token_id, _ = vision_ids(base_causal_lm(model).config)
     features = None
     if batch.image_grid_thw is not None:
         features = image_embeddings(model, batch.pixel_values, batch.image_grid_thw)
     embeds = merged_embeddings(model, batch.input_ids, features, image_token_id)
-    allowed = attention.dense_mask(batch) if mask is None else mask
-    additive = torch.zeros(allowed.shape, dtype=embeds.dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(embeds.dtype).min)
-    hidden = decoder(model)(inputs_embeds=embeds, position_ids=batch.vision_positions, attention_mask=additive,
-                            use_cache=False).last_hidden_state
+    text = decoder(model)
+    name = getattr(mask, "attn_name", None)
+    if name is not None:  # varlen offsets (or a sequence-parallel context)
+        language_attention(model, name)
+        hidden = text(inputs_embeds=embeds, position_ids=batch.vision_positions, use_cache=False,
+                      **mask.kwargs()).last_hidden_state
+    else:
+        if dense:
+            language_attention(model)
+            mask = torch.zeros(mask.shape, dtype=embeds.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(embeds.dtype).min)
+        else:  # a FlexAttention BlockMask, which fastdpo's attention function takes
+            language_attention(model, attention.ATTN_NAME)
+        hidden = text(inputs_embeds=embeds, position_ids=batch.vision_positions, attention_mask=mask,
+                      use_cache=False).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src if src is None else src)
 
 
@@ -263,6 +297,7 @@ def padded_vision_hidden(model, batch: PairBatch, src: torch.Tensor | None = Non
     images, its rope index, its attention): the plain computation the packed one is held to."""
     lm = base_causal_lm(model)
     image_token_id, _ = vision_ids(lm.config)
+    language_attention(model)
     kw = {}
     if batch.image_grid_thw is not None:
         kw = {"pixel_values": batch.pixel_values, "image_grid_thw": batch.image_grid_thw}

@@ -57,6 +57,10 @@ def resolve_mode(model, requested: str, n: int, backend: Backend) -> str:
     if backend.name == "padded":
         raise FastDPOError("--sequence_parallel_size splits the packed row, and this run uses the padded path (see "
                            "the line above that says why). Sequence parallelism cannot split padded rows.")
+    if backend.vision is not None:
+        raise FastDPOError("--sequence_parallel_size with a vision-language model: its packed row is not split over "
+                           "ranks (the images' features and M-RoPE positions are placed per prompt). Train it with "
+                           "--sequence_parallel_size 1; data parallelism (more processes) and FSDP2 still apply.")
     cfg = base_causal_lm(model).config
     heads = cfg.num_attention_heads
     if requested == "ring" or (requested == "auto" and heads % n):
