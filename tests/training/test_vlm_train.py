@@ -245,3 +245,14 @@ def test_one_step_equals_trl_dpo_trainer_on_rows_with_images(tmp_path, vlm_dir):
     assert set(mine) == set(theirs) and any(n.startswith("model.visual.") for n in theirs)
     for name, g in theirs.items():
         torch.testing.assert_close(mine[name], g, rtol=0, atol=TRL_TOL, msg=name)
+
+
+@pytest.mark.parametrize("kw", [{"precompute_ref_log_probs": True}, {"gradient_checkpointing": "full"}],
+                         ids=["precompute", "checkpointing"])
+def test_precomputed_reference_and_checkpointing_with_images(tmp_path, vlm_dir, kw):
+    """A reference precomputed over the rows with their images, and recomputed layers, both pass the certificate:
+    the precomputed sums equal a live reference forward, and the packed path equals the model's own forwards."""
+    train(config(tmp_path, vlm_dir, "run", **kw), progress=False)
+    c = certificate(tmp_path / "run")
+    assert c["status"] == "PASS", c
+    assert c["fast_path"]["status"] == "PASS" and c["reference_at_start"]["status"] == "PASS"
