@@ -73,26 +73,30 @@ VLM_FAMILIES = {
 VLM_PATCH = 4  # pixels per patch side; with a 2 x 2 merge an image of 8k x 8l pixels gives k l placeholder tokens
 
 
-def tiny_vlm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, **overrides):
+def tiny_vlm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, text: dict | None = None,
+                    vision: dict | None = None, **overrides):
     """A tiny Qwen2-VL / Qwen2.5-VL config: 2 text layers with GQA and M-RoPE sections (2, 3, 3) of a head of 16, a
     2-block vision tower of 4-pixel patches merged 2 x 2 (Qwen2.5-VL: one windowed block, one full). The vision
-    special tokens take the last four ids: image, video, vision start, vision end."""
+    special tokens take the last four ids: image, video, vision start, vision end. `text` / `vision` replace keys of
+    the text / vision config (a larger shape of the same family); `overrides` go to the top-level config."""
     import transformers
 
-    text = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=1,
-                bos_token_id=3, eos_token_id=2,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
-    vision = dict(depth=2, num_heads=2, patch_size=VLM_PATCH, spatial_merge_size=2, temporal_patch_size=2)
+    text_kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=1,
+                   bos_token_id=3, eos_token_id=2,
+                   rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    text_kw.update(text or {})
+    vision_kw = dict(depth=2, num_heads=2, patch_size=VLM_PATCH, spatial_merge_size=2, temporal_patch_size=2)
     if family == "qwen2_5_vl":
-        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden, window_size=4 * VLM_PATCH,
-                      fullatt_block_indexes=[1])
+        vision_kw.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden, window_size=4 * VLM_PATCH,
+                         fullatt_block_indexes=[1])
     else:
-        vision.update(embed_dim=32, hidden_size=hidden, mlp_ratio=2)
+        vision_kw.update(embed_dim=32, hidden_size=hidden, mlp_ratio=2)
+    vision_kw.update(vision or {})
     ids = dict(image_token_id=vocab_size - 4, video_token_id=vocab_size - 3, vision_start_token_id=vocab_size - 2,
                vision_end_token_id=vocab_size - 1)
     ids.update(overrides)
-    return getattr(transformers, VLM_FAMILIES[family][0])(text_config=text, vision_config=vision, **ids)
+    return getattr(transformers, VLM_FAMILIES[family][0])(text_config=text_kw, vision_config=vision_kw, **ids)
 
 
 def build_tiny_vlm(family: str = "qwen2_5_vl", vocab_size: int = 80, seed: int = 0, **overrides):
@@ -119,11 +123,12 @@ VISION_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision
 
 
 def tiny_vlm_processor(words: list[str] | None = None, vocab_size: int = 80, min_pixels: int = 16 * 16,
-                       max_pixels: int = 64 * 64):
+                       max_pixels: int = 64 * 64, patch_size: int = VLM_PATCH, merge_size: int = 2):
     """A Qwen2-VL processor over a whitespace word tokenizer (no BOS: the chat template holds the specials) whose
-    vision tokens have the ids `tiny_vlm_config` gives them (the last four of `vocab_size`), and the PIL image
-    processor with the tiny tower's 4-pixel patches merged 2 x 2: an image resized to 8k x 8l pixels gives k l
-    placeholder tokens. `min_pixels` / `max_pixels` bound the resized image's area."""
+    vision tokens have the ids `tiny_vlm_config` gives them (the last four of `vocab_size`; the ids between the words
+    and them are unused fillers), and the PIL image processor with the tower's `patch_size`-pixel patches (the tiny
+    tower's 4 by default) merged `merge_size` x `merge_size`: with the defaults an image resized to 8k x 8l pixels
+    gives k l placeholder tokens. `min_pixels` / `max_pixels` bound the resized image's area."""
     from tokenizers import AddedToken
     from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
@@ -138,7 +143,7 @@ def tiny_vlm_processor(words: list[str] | None = None, vocab_size: int = 80, min
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in TINY_VLM_TOKENS
                                                            + VISION_TOKENS]})
     assert len(tok) == vocab_size and tok.convert_tokens_to_ids("<|image_pad|>") == vocab_size - 4
-    images = Qwen2VLImageProcessorPil(patch_size=VLM_PATCH, merge_size=2, temporal_patch_size=2,
+    images = Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2,
                                       min_pixels=min_pixels, max_pixels=max_pixels)
     return image_only_processor(Qwen2VLProcessor, images, tok, TINY_VLM_TEMPLATE)
 
@@ -147,11 +152,22 @@ def build_tiny_vlm_dir(out_dir: str | Path, family: str = "qwen2_5_vl", vocab_si
                        **processor_kw) -> Path:
     """Save a tiny vision-language model (`build_tiny_vlm`) with its processor (`tiny_vlm_processor`) to `out_dir`,
     an HF model dir that `AutoProcessor.from_pretrained` and the model class load without downloads."""
-    out = Path(out_dir)
-    build_tiny_vlm(family, vocab_size, seed).save_pretrained(out, safe_serialization=True)
     processor = tiny_vlm_processor(vocab_size=vocab_size, **processor_kw)
-    # part by part: a processor without a video processor cannot save itself whole
+    return save_vlm_dir(out_dir, build_tiny_vlm(family, vocab_size, seed), processor)
+
+
+def save_vlm_dir(out_dir: str | Path, model, processor) -> Path:
+    """Save a vision-language model and its processor (tokenizer, image processor, chat template) to `out_dir`."""
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    save_processor_parts(out, processor)
+    return out
+
+
+def save_processor_parts(out_dir: str | Path, processor) -> None:
+    """Save the processor part by part (tokenizer, image processor, chat template): a processor without a video
+    processor cannot save itself whole."""
+    out = Path(out_dir)
     processor.tokenizer.save_pretrained(out)
     processor.image_processor.save_pretrained(out)
     (out / "chat_template.jinja").write_text(processor.chat_template, encoding="utf-8")
-    return out
