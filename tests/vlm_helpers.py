@@ -1,10 +1,25 @@
-"""Shared by the tests of vision-language model dirs (tiny Qwen2.5-VL, `fastdpo.model.tiny.build_tiny_vlm_dir`):
-rows with images, a random LoRA adapter, and the model's own forward of a pair."""
+"""Shared by the tests of vision-language model dirs (tiny Qwen2.5-VL, `fastdpo.model.tiny.build_tiny_vlm_dir`, and
+tiny LLaVA, `build_tiny_llava_dir`): rows with images, a random LoRA adapter, the model's own forward of a pair."""
 
 from pathlib import Path
 
 import torch
 from data_helpers import write_image
+
+from fastdpo.model.tiny import build_tiny_llava_dir, build_tiny_vlm_dir
+
+VLM_DIR_FAMILIES = ["qwen2_5_vl", "llava"]
+
+
+def build_vlm_dir(out_dir: Path, family: str) -> Path:
+    """A tiny vision-language model dir of `family` (Qwen2-VL kinds or llava) with its processor."""
+    return build_tiny_llava_dir(out_dir) if family == "llava" else build_tiny_vlm_dir(out_dir, family)
+
+
+def vision_prefixes(family: str) -> tuple[str, str]:
+    """(vision tower, aligner) prefixes of the saved weights' names: the aligner's names start with the tower's for
+    Qwen (its merger is inside the tower)."""
+    return ("vision_tower.", "multi_modal_projector.") if family == "llava" else ("visual.", "visual.merger.")
 
 
 def image_rows(root: Path, colors=((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30))) -> list[dict]:
@@ -38,11 +53,14 @@ def random_vlm_adapter(base_dir: Path, out_dir: Path, seed: int = 0) -> Path:
 
 
 def sequence_logp(model, pair, completion) -> torch.Tensor:
-    """The model's own forward of [prompt | completion] (its processor's inputs, mm_token_type_ids included), full
-    float32 logits: the completion's log-prob sum."""
+    """The model's own forward of [prompt | completion] (its processor's inputs; Qwen: mm_token_type_ids included),
+    full float32 logits: the completion's log-prob sum."""
     ids = torch.tensor([pair.prompt + completion])
-    kw = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    llava = model.config.model_type == "llava"
+    kw = {} if llava else {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
     if pair.num_images:
-        kw.update(pixel_values=pair.pixel_values, image_grid_thw=pair.image_grid_thw)
+        kw["pixel_values"] = pair.pixel_values
+        if not llava:
+            kw["image_grid_thw"] = pair.image_grid_thw
     logits = model(input_ids=ids, use_cache=False, **kw).logits[0].float()
     return torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[len(pair.prompt) - 1:, 0].sum()

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from cli_helpers import run_cli
 from transformers import AutoModelForCausalLM
@@ -104,20 +105,21 @@ def test_export_defaults_next_to_the_adapter(tmp_path, capsys, model_dirs):
     assert rc == 1 and "exists and is not empty" in text, text
 
 
-def test_merge_of_an_adapter_on_a_vision_language_model_keeps_its_processor(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_merge_of_an_adapter_on_a_vision_language_model_keeps_its_processor(tmp_path, family):
     from peft import PeftModel
     from PIL import Image
     from transformers import AutoModelForImageTextToText
-    from vlm_helpers import image_rows, random_vlm_adapter
+    from vlm_helpers import build_vlm_dir, image_rows, random_vlm_adapter
 
     from fastdpo.model.processor import load_processor
-    from fastdpo.model.tiny import build_tiny_vlm_dir
 
-    base = build_tiny_vlm_dir(tmp_path / "vlm", "qwen2_5_vl")
+    base = build_vlm_dir(tmp_path / "vlm", family)
     adapter = random_vlm_adapter(base, tmp_path / "adapter")
     out = merge_lora(ExportConfig(model=str(base), adapters=str(adapter), merge_lora=True,
                                   output_dir=str(tmp_path / "merged")))
-    assert {"preprocessor_config.json", "chat_template.jinja", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    image_config = "processor_config.json" if family == "llava" else "preprocessor_config.json"
+    assert {image_config, "chat_template.jinja", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     processor = load_processor(out)
     row = image_rows(tmp_path)[1]
     images = [Image.open(p).convert("RGB") for p in row["images"]]

@@ -1,7 +1,7 @@
-"""The after-training commands with a vision-language model dir (tiny Qwen2.5-VL on CPU, float32): eval's preference
-metrics of rows with images equal the plain computation (the model's own forwards, adapter on and off); eval refuses
-rows with images for a text-only model; infer with images generates what the model's own `generate` gives on its
-processor's inputs, base and tuned side by side, and refuses images it cannot use."""
+"""The after-training commands with a vision-language model dir (tiny Qwen2.5-VL and tiny LLaVA on CPU, float32):
+eval's preference metrics of rows with images equal the plain computation (the model's own forwards, adapter on and
+off); eval refuses rows with images for a text-only model; infer with images generates what the model's own
+`generate` gives on its processor's inputs, base and tuned side by side, and refuses images it cannot use."""
 
 import dataclasses
 import math
@@ -9,20 +9,19 @@ import math
 import pytest
 import torch
 from data_helpers import write_jsonl
-from vlm_helpers import image_rows, random_vlm_adapter, sequence_logp
+from vlm_helpers import VLM_DIR_FAMILIES, build_vlm_dir, image_rows, random_vlm_adapter, sequence_logp
 
 from fastdpo.commands.evaluate import EvalConfig, run_eval
 from fastdpo.errors import FastDPOError
-from fastdpo.model.tiny import build_tiny_vlm_dir
 
 BETA = 0.1
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
+@pytest.fixture(scope="module", params=VLM_DIR_FAMILIES)
+def vlm(request, tmp_path_factory):
     """(base dir, random adapter dir, data file of rows with images)."""
-    root = tmp_path_factory.mktemp("vlm")
-    base = build_tiny_vlm_dir(root / "model", "qwen2_5_vl")
+    root = tmp_path_factory.mktemp(request.param)
+    base = build_vlm_dir(root / "model", request.param)
     return base, random_vlm_adapter(base, root / "adapter"), write_jsonl(root / "data.jsonl", image_rows(root))
 
 

@@ -2,6 +2,8 @@
 (its chat template, then its call on text and images), each image's placeholders expanded to grid_t * grid_h *
 grid_w / merge^2; --max_pixels / MAX_PIXELS reach the image processor; a prompt is never cut through an image."""
 
+import dataclasses
+
 import pytest
 import torch
 from data_helpers import assistant, user, write_image
@@ -174,3 +176,37 @@ def test_prepared_rows_score_as_the_model_scores_the_processors_own_inputs(tmp_p
                 logps = torch.log_softmax(model(**enc, use_cache=False).logits[0, :-1].float(), -1)
                 expected.append(logps.gather(1, ids[1:, None])[alone["input_ids"].shape[1] - 1:].sum())
     assert torch.allclose(packed, torch.stack(expected), atol=1e-5), (packed, expected)
+
+
+def test_llava_rows_take_the_processors_fixed_runs(tmp_path):
+    """A LLaVA processor (CLIP image processor of one fixed size): each `<image>` becomes its run of 16 image tokens,
+    pixel_values hold one 3 x 16 x 16 picture per image and no grid; the pair counts its images by them and packs
+    with the plain positions."""
+    from PIL import Image
+
+    from fastdpo.model.tiny import LLAVA_IMAGE_TOKENS, tiny_llava_config, tiny_llava_processor
+    from fastdpo.model.vlm import pack_vision_pairs
+
+    llava = tiny_llava_processor()
+    a, b = write_image(tmp_path / "a.png", 24, 16), write_image(tmp_path / "b.png", 16, 16, (0, 90, 0))
+    (got,), stats = tokenize_vision_rows(llava, [row_with([a, b])], TokenizeOptions())
+    text = llava.apply_chat_template([{"role": "user", "content": parts("<image>w1 w2 <image>")},
+                                      assistant("w5 w6")], tokenize=False)
+    own = llava(text=[text], images=[Image.open(a), Image.open(b)], add_special_tokens=False)
+    assert own["input_ids"][0] == got.pair.prompt + got.pair.chosen
+    assert got.pixel_values.shape == (2, 3, 16, 16) and got.image_grid_thw is None and got.num_images == 2
+    assert stats.image_tokens == 2 * LLAVA_IMAGE_TOKENS == got.pair.prompt.count(llava.image_token_id)
+    pair = dataclasses.replace(got.pair, pixel_values=got.pixel_values)
+    assert pair.num_images == 2
+    batch = pack_vision_pairs([pair], tiny_llava_config(), got.pixel_values)
+    assert batch.num_images == 2 and torch.equal(batch.positions, batch.pairs.position_ids)
+
+
+def test_pixel_bounds_with_a_fixed_size_image_processor(tmp_path):
+    """Flags are refused; the environment variables (ms-swift's, for Qwen2-VL) are left to Qwen2-VL models."""
+    from fastdpo.model.tiny import tiny_llava_processor
+
+    images = tiny_llava_processor().image_processor
+    with pytest.raises(FastDPOError, match="one fixed size"):
+        PixelOptions.resolve(max_pixels=4096, environ={}).size(images)
+    assert PixelOptions.resolve(environ={"MAX_PIXELS": "4096"}).size(images) is None

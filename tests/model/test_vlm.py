@@ -1,17 +1,20 @@
 """Vision-language pairs in the packed layout (`fastdpo.model.vlm`) against the model's own forwards, run separately
-on [prompt | chosen] and [prompt | rejected]: log-prob sums, M-RoPE positions, gradients, one vision call per image.
+on [prompt | chosen] and [prompt | rejected]: log-prob sums, M-RoPE positions, gradients, one vision call per image,
+for the tiny Qwen2-VL, Qwen2.5-VL and LLaVA models.
 
-The images are built directly as the model takes them, not through an image processor: an image of h x w patches
-(4-pixel patches, `fastdpo.model.tiny.VLM_PATCH`) is `pixel_values` of h w rows of 3 x 2 x 4 x 4 values (channels x
-temporal patch x patch x patch) and a grid (1, h, w); its prompt holds (h / 2) (w / 2) placeholder tokens."""
+The images are built directly as the model takes them, not through an image processor. Qwen: an image of h x w
+patches (4-pixel patches, `fastdpo.model.tiny.VLM_PATCH`) is `pixel_values` of h w rows of 3 x 2 x 4 x 4 values
+(channels x temporal patch x patch x patch) and a grid (1, h, w); its prompt holds (h / 2) (w / 2) placeholder
+tokens. LLaVA: every image is one 3 x 16 x 16 picture, without a grid; its prompt holds 16 placeholder tokens."""
 
 import pytest
 import torch
 
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.errors import FastDPOError
-from fastdpo.model.tiny import build_tiny_vlm
+from fastdpo.model.tiny import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKENS, build_tiny_llava, build_tiny_vlm
 from fastdpo.model.vlm import (
+    VisionIds,
     image_embeddings,
     language_attention,
     mrope_positions,
@@ -19,31 +22,61 @@ from fastdpo.model.vlm import (
     vision_sequence_logps,
 )
 
-FAMILIES = ["qwen2_5_vl", "qwen2_vl"]
+FAMILIES = ["qwen2_5_vl", "qwen2_vl"]  # M-RoPE
+ALL_FAMILIES = FAMILIES + ["llava"]
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def model(request):
+def build(family: str, **kw):
     # weights 10x the default spread, so that an image moves the log-probs well above float32 rounding
-    return build_tiny_vlm(request.param, initializer_range=0.2)
+    if family == "llava":
+        return build_tiny_llava(initializer_range=0.2, **kw)
+    return build_tiny_vlm(family, initializer_range=0.2, **kw)
 
 
-def image(h: int, w: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pixel_values (h w, 96), grid (1, 3)) of an image of h x w patches."""
+@pytest.fixture(scope="module", params=ALL_FAMILIES)
+def model(request):
+    return build(request.param)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def qwen_model(request):
+    return build(request.param)
+
+
+def is_llava(config) -> bool:
+    return config.model_type == "llava"
+
+
+def tower(model):
+    """The vision tower module (Qwen: with its merger inside)."""
+    return model.model.vision_tower if is_llava(model.config) else model.model.visual
+
+
+def image(h: int, w: int, seed: int, llava: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(pixel_values (h w, 96), grid (1, 3)) of an image of h x w patches; LLaVA: (1, 3, 16, 16), no grid."""
     g = torch.Generator().manual_seed(seed)
+    if llava:
+        return torch.randn(1, 3, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, generator=g), None
     return torch.randn(h * w, 3 * 2 * 4 * 4, generator=g), torch.tensor([[1, h, w]])
 
 
-def placeholders(config, grid: torch.Tensor) -> list[int]:
+def placeholders(config, grid: torch.Tensor | None) -> list[int]:
+    if is_llava(config):
+        return [config.image_token_id] * LLAVA_IMAGE_TOKENS
     t, h, w = grid[0].tolist()
     return [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [config.vision_end_token_id]
 
 
+def cat_or_none(tensors: list) -> torch.Tensor | None:
+    return None if not tensors or tensors[0] is None else torch.cat(tensors)
+
+
 def example(config, seed: int = 0) -> tuple[list[TokenizedPair], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
-    """Three pairs and their images: one square image; two images of other sizes, one not square; no image. Prompts
-    and completions of different lengths."""
-    a, b, c = image(4, 4, seed), image(8, 6, seed + 1), image(2, 4, seed + 2)
+    """Three pairs and their images: one square image; two images of other sizes, one not square (LLaVA: all of one
+    size); no image. Prompts and completions of different lengths."""
+    llava = is_llava(config)
+    a, b, c = image(4, 4, seed, llava), image(8, 6, seed + 1, llava), image(2, 4, seed + 2, llava)
     images = [[a], [b, c], []]
     prompts = [[3, 5] + placeholders(config, a[1]) + [6, 7],
                [3] + placeholders(config, b[1]) + [8] + placeholders(config, c[1]) + [9, 10, 11],
@@ -55,22 +88,26 @@ def example(config, seed: int = 0) -> tuple[list[TokenizedPair], list[list[tuple
 
 def batch_of(model, pairs, images):
     flat = [im for ims in images for im in ims]
-    pixels = torch.cat([p for p, _ in flat]) if flat else None
-    grids = torch.cat([g for _, g in flat]) if flat else None
-    return pack_vision_pairs(pairs, model.config, pixels, grids)
+    return pack_vision_pairs(pairs, model.config, cat_or_none([p for p, _ in flat]), cat_or_none([g for _, g in flat]))
 
 
 def separate_forward(model, prompt, completion, images):
-    """The model's own forward on [prompt | completion] (the processor's inputs, mm_token_type_ids included: without
-    them transformers 5 falls back to 1-D positions), full float32 logits: (completion log-prob sum, its positions)."""
+    """The model's own forward on [prompt | completion] (the processor's inputs; Qwen: mm_token_type_ids included,
+    without them transformers 5 falls back to 1-D positions), full float32 logits: (completion log-prob sum, its
+    positions: Qwen's rope index, None for LLaVA)."""
     language_attention(model)  # the model's own attention, also after a packed forward switched it
     ids = torch.tensor([prompt + completion])
-    kw = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    llava = is_llava(model.config)
+    kw = {} if llava else {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
     if images:
-        kw.update(pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.cat([g for _, g in images]))
+        kw["pixel_values"] = torch.cat([p for p, _ in images])
+        if not llava:
+            kw["image_grid_thw"] = torch.cat([g for _, g in images])
     logits = model(input_ids=ids, use_cache=False, **kw).logits[0].float()
     logps = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    positions, _ = model.model.get_rope_index(ids, kw["mm_token_type_ids"], kw.get("image_grid_thw"))
+    positions = None
+    if not llava:
+        positions, _ = model.model.get_rope_index(ids, kw["mm_token_type_ids"], kw.get("image_grid_thw"))
     return logps[len(prompt) - 1:].sum(), positions
 
 
@@ -102,9 +139,9 @@ def test_packed_logps_equal_separate_forwards(model):
     torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_eager_attention_takes_the_mask_too(family):
-    model = build_tiny_vlm(family, initializer_range=0.2)
+    model = build(family)
     model.set_attn_implementation("eager")
     pairs, images = example(model.config, seed=5)
     with torch.no_grad():
@@ -113,7 +150,8 @@ def test_eager_attention_takes_the_mask_too(family):
     torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
 
 
-def test_mrope_positions_equal_get_rope_index_per_sequence(model):
+def test_mrope_positions_equal_get_rope_index_per_sequence(qwen_model):
+    model = qwen_model
     pairs, images = example(model.config)
     batch = batch_of(model, pairs, images)
     with torch.no_grad():
@@ -142,24 +180,31 @@ def test_an_image_changes_its_own_pair_only(model):
 def test_the_vision_tower_runs_once_per_call_on_every_image(model, monkeypatch):
     pairs, images = example(model.config)
     batch = batch_of(model, pairs, images)
-    visual = model.model.visual
+    visual = tower(model)
     calls = []
     forward = visual.forward
 
-    def counted(hidden_states, grid_thw, **kwargs):
-        calls.append((hidden_states.shape[0], grid_thw.clone()))
-        return forward(hidden_states, grid_thw, **kwargs)
+    def counted(pixels, *args, **kwargs):
+        grid = args[0] if args else kwargs.get("grid_thw")
+        calls.append((pixels.shape[0], None if grid is None else grid.clone()))
+        return forward(pixels, *args, **kwargs)
 
     monkeypatch.setattr(visual, "forward", counted)
     with torch.no_grad():
         vision_sequence_logps(model, batch)
     assert len(calls) == 1, "one vision call for the 3 images of 3 pairs (separate forwards: 6 calls, 6 images)"
     assert calls[0][0] == batch.pixel_values.shape[0]
-    assert torch.equal(calls[0][1], batch.image_grid_thw)
-    assert image_embeddings(model, batch.pixel_values, batch.image_grid_thw).shape == (4 + 12 + 2, 64)
+    if is_llava(model.config):
+        assert batch.image_grid_thw is None and batch.num_images == 3
+        tokens = 3 * LLAVA_IMAGE_TOKENS
+    else:
+        assert torch.equal(calls[0][1], batch.image_grid_thw)
+        tokens = 4 + 12 + 2
+    assert image_embeddings(model, batch.pixel_values, batch.image_grid_thw).shape == (tokens, 64)
 
 
-def test_placeholders_and_images_must_agree(model):
+def test_placeholders_and_images_must_agree(qwen_model):
+    model = qwen_model
     pairs, images = example(model.config)
     with pytest.raises(FastDPOError, match="more image placeholder runs than images"):
         batch_of(model, pairs, [images[0], images[1][:1], []])
@@ -168,6 +213,20 @@ def test_placeholders_and_images_must_agree(model):
     short = TokenizedPair(pairs[0].prompt[:3] + pairs[0].prompt[4:], [20], [21], 0)  # one placeholder less
     with pytest.raises(FastDPOError, match="placeholder tokens"):
         batch_of(model, [short], [images[0]])
+
+
+def test_llava_placeholders_and_images_must_agree():
+    """LLaVA's runs have no grid to check them by when packing: the forward counts placeholders against features."""
+    model = build("llava")
+    pairs, images = example(model.config)
+    for fewer in ([images[0], images[1][:1], []], [images[0], images[1], [image(0, 0, 9, llava=True)]]):
+        with pytest.raises(FastDPOError, match="image placeholder tokens in the row"), torch.no_grad():
+            vision_sequence_logps(model, batch_of(model, pairs, fewer))
+    with pytest.raises(FastDPOError, match="without grids"):
+        pack_vision_pairs(pairs, model.config, torch.zeros(3, 96), torch.tensor([[1, 4, 4]] * 3))
+
+
+VISION_PARTS = ("model.visual.", "model.vision_tower.")  # Qwen's tower, LLaVA's
 
 
 def weighted_grads(model, sums_of) -> dict[str, torch.Tensor]:
@@ -197,7 +256,9 @@ def test_gradients_equal_separate_forwards(model):
     batch = batch_of(model, pairs, images)
     packed = weighted_grads(model, lambda: vision_sequence_logps(model, batch)[0])
     separate = weighted_grads(model, lambda: separate_sums(model, pairs, images)[0])
-    assert any(n.startswith("model.visual.") for n in packed) and any("language_model" in n for n in packed)
+    assert any(n.startswith(VISION_PARTS) for n in packed) and any("language_model" in n for n in packed)
+    if is_llava(model.config):
+        assert any(n.startswith("model.multi_modal_projector.") for n in packed)
     assert_grads_close(packed, separate)
 
 
@@ -206,7 +267,7 @@ def test_lora_on_the_language_model(model):
     gradients equal the separate forwards'; with the adapters off, the sums are the base model's."""
     from peft import LoraConfig, get_peft_model
 
-    base = build_tiny_vlm(model.config.model_type, initializer_range=0.2)
+    base = build(model.config.model_type)
     pairs, images = example(base.config)
     batch = batch_of(base, pairs, images)
     with torch.no_grad():
@@ -245,7 +306,7 @@ def test_mrope_positions_by_hand():
                                   [0, 1, 2, 3, 1, 2, 3, 4, 5, 6, 5]]   # width
 
 
-def test_pixels_from_the_image_processor(model):
+def test_pixels_from_the_image_processor(qwen_model):
     """The inputs transformers' (PIL) Qwen2-VL image processor writes for two PIL images of 32 x 24 and 16 x 16
     pixels (4-pixel patches, 2 x 2 merge): grids (1, 6, 8) and (1, 4, 4); the packed sums equal the separate
     forwards' on them too."""
@@ -263,6 +324,7 @@ def test_pixels_from_the_image_processor(model):
     patches = grids.prod(-1).tolist()
     first = (out["pixel_values"][: patches[0]], grids[:1])
     second = (out["pixel_values"][patches[0]:], grids[1:])
+    model = qwen_model
     cfg = model.config
     pairs = [TokenizedPair([3] + placeholders(cfg, first[1]) + [5, 6], [20, 21], [22], 0),
              TokenizedPair([3, 7] + placeholders(cfg, second[1]), [23], [24, 25, 26], 1)]
@@ -277,7 +339,7 @@ def with_pixels(pairs, images):
     """The pairs holding their images, as prepared rows hold them (`TokenizedPair.pixel_values`)."""
     for p, ims in zip(pairs, images):
         if ims:
-            p.pixel_values, p.image_grid_thw = torch.cat([x for x, _ in ims]), torch.cat([g for _, g in ims])
+            p.pixel_values, p.image_grid_thw = torch.cat([x for x, _ in ims]), cat_or_none([g for _, g in ims])
     return pairs
 
 
@@ -308,10 +370,10 @@ def test_the_text_attention_backends_serve_vision_pairs(model, name, attention_o
     prepare_packed(model, backend)
     batch = make_batch(pairs, backend, 0, torch.device("cpu"), budget=0)
     assert (batch.num_tokens % 128 == 0) == (name == "flex")
-    vision_attn = model.model.visual.config._attn_implementation
+    vision_attn = tower(model).config._attn_implementation
     with torch.no_grad():
         packed, _ = sequence_logps(model, batch, backend)
-        assert model.model.visual.config._attn_implementation == vision_attn
+        assert tower(model).config._attn_implementation == vision_attn
         assert model.model.language_model.layers[0].self_attn.config._attn_implementation.startswith("fastdpo")
         expected, _ = separate_sums(model, pairs, images)
     torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
@@ -324,7 +386,7 @@ def test_the_text_attention_backends_serve_vision_pairs(model, name, attention_o
     if name == "flex":  # FlexAttention has no backward on the CPU: its gradients are checked on the GPU
         return
     grads = weighted_grads(model, lambda: sequence_logps(model, batch, backend)[0])
-    assert any(n.startswith("model.visual.") for n in grads)
+    assert any(n.startswith(VISION_PARTS) for n in grads)
     assert_grads_close(grads, weighted_grads(model, lambda: separate_sums(model, pairs, images)[0]))
 
 
@@ -371,6 +433,9 @@ def test_backend_choice_for_a_vision_language_model(monkeypatch):
         "varlen", lengths=8, vision=ids)
     with pytest.raises(FastDPOError, match="vision-language model"):
         sequence.resolve_mode(model, "auto", 2, backend_mod.Backend("varlen", vision=ids))
+    llava = build_tiny_llava()
+    assert choose_backend(llava, "auto", True, cpu) == backend_mod.Backend("dense", vision=VisionIds(llava.config.image_token_id))
+    assert choose_backend(llava, "auto", False, cpu).vision.merge_size is None
     windowed = build_tiny_vlm("qwen2_5_vl")
     text = windowed.model.language_model.config
     text.sliding_window, text.layer_types = 8, ["sliding_attention"] * text.num_hidden_layers

@@ -1,9 +1,10 @@
-"""DPO on rows with images with a tiny Qwen2.5-VL model dir (`fastdpo.model.tiny.build_tiny_vlm_dir`), on CPU in
-float32: whole runs (full fine-tuning and LoRA) pass the certificate and save; the vision tower and merger stay as
-they were unless --freeze_vit / --freeze_aligner say otherwise; one step's loss and gradients equal the plain
-computation (the model's own forwards of [prompt | chosen] and [prompt | rejected], full logits, the sigmoid loss
-against a frozen copy); the vision tower runs once per micro-batch forward; an image moves the log-probs; rows with
-images and a text-only model are refused; one step equals TRL's DPOTrainer on the same rows."""
+"""DPO on rows with images with a tiny Qwen2.5-VL model dir (`fastdpo.model.tiny.build_tiny_vlm_dir`) and, where marked
+by the `family_dir` fixture, a tiny LLaVA dir too, on CPU in float32: whole runs (full fine-tuning and LoRA) pass
+the certificate and save; the vision tower and merger stay as they were unless --freeze_vit / --freeze_aligner say
+otherwise; one step's loss and gradients equal the plain computation (the model's own forwards of [prompt | chosen]
+and [prompt | rejected], full logits, the sigmoid loss against a frozen copy); the vision tower runs once per micro-
+batch forward; an image moves the log-probs; rows with images and a text-only model are refused; one step equals
+TRL's DPOTrainer on the same rows; LLaVA refuses --max_pixels / --min_pixels."""
 
 import json
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from data_helpers import write_jsonl
 from safetensors.torch import load_file
-from vlm_helpers import image_rows, sequence_logp
+from vlm_helpers import VLM_DIR_FAMILIES, build_vlm_dir, image_rows, sequence_logp, vision_prefixes
 
 from fastdpo.config import TrainConfig
 from fastdpo.errors import FastDPOError
@@ -26,6 +27,24 @@ TRL_TOL = 1e-4
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
     return build_tiny_vlm_dir(tmp_path_factory.mktemp("vlm") / "model", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module", params=VLM_DIR_FAMILIES)
+def family_dir(request, tmp_path_factory):
+    return build_vlm_dir(tmp_path_factory.mktemp(request.param) / "model", request.param)
+
+
+def family_of(model_dir) -> str:
+    return json.loads((model_dir / "config.json").read_text())["model_type"]
+
+
+def tower_of(model):
+    """The vision tower module of a loaded model (Qwen: `visual`, LLaVA: `vision_tower`)."""
+    inner = model.model
+    return inner.vision_tower if hasattr(inner, "vision_tower") else inner.visual
+
+
+MODULE_TOWERS = ("model.visual.", "model.vision_tower.")  # parameter names of the towers, Qwen's and LLaVA's
 
 
 def config(tmp_path, model, name, data=None, **kw) -> TrainConfig:
@@ -50,7 +69,10 @@ def start(model_dir) -> dict:
 
 
 @pytest.mark.parametrize("kw", [{}, {"freeze_vit": False, "freeze_aligner": False}])
-def test_full_fine_tuning_trains_and_freezes_the_vision_parts(tmp_path, vlm_dir, kw):
+def test_full_fine_tuning_trains_and_freezes_the_vision_parts(tmp_path, family_dir, kw):
+    from fastdpo.model.processor import load_processor
+
+    vlm_dir = family_dir
     result = train(config(tmp_path, vlm_dir, "run", **kw), progress=False)
     losses = [r["loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
               if "loss" in r]
@@ -59,8 +81,9 @@ def test_full_fine_tuning_trains_and_freezes_the_vision_parts(tmp_path, vlm_dir,
     assert c["status"] == "PASS" and c["fast_path"]["status"] == "PASS", c
     before, after = start(vlm_dir), saved(tmp_path / "run")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
-    vit = {k for k in before if k.startswith("visual.") and not k.startswith("visual.merger.")}
-    merger = {k for k in before if k.startswith("visual.merger.")}
+    tower, aligner = vision_prefixes(family_of(vlm_dir))
+    vit = {k for k in before if k.startswith(tower) and not k.startswith(aligner)}
+    merger = {k for k in before if k.startswith(aligner)}
     assert vit and merger
     llm = set(before) - vit - merger
     assert changed & llm
@@ -68,19 +91,23 @@ def test_full_fine_tuning_trains_and_freezes_the_vision_parts(tmp_path, vlm_dir,
         assert changed & vit and changed & merger
     else:
         assert not changed & (vit | merger)
-    assert (tmp_path / "run" / "final" / "preprocessor_config.json").is_file()  # the saved dir keeps its processor
+    final = tmp_path / "run" / "final"
+    assert any((final / n).is_file() for n in ("preprocessor_config.json", "processor_config.json"))
+    assert type(load_processor(final)) is type(load_processor(vlm_dir))  # the saved dir keeps its processor
     assert result.summary is not None
 
 
 @pytest.mark.parametrize("kw", [{}, {"freeze_vit": False}])
-def test_lora_trains_adapters_on_the_language_model_only(tmp_path, vlm_dir, kw):
-    train(config(tmp_path, vlm_dir, "lora", train_type="lora", lora_rank=4, **kw), progress=False)
+def test_lora_trains_adapters_on_the_language_model_only(tmp_path, family_dir, kw):
+    train(config(tmp_path, family_dir, "lora", train_type="lora", lora_rank=4, **kw), progress=False)
     c = certificate(tmp_path / "lora")
     assert c["status"] == "PASS" and c["fast_path"]["status"] == "PASS", c
     adapter = saved(tmp_path / "lora", "adapter_model.safetensors")
-    vit = {k for k in adapter if ".visual.blocks." in k}
+    vit = {k for k in adapter if ".visual.blocks." in k or ".vision_tower." in k}
     assert any(k.endswith("q_proj.lora_A.weight") for k in adapter)
-    assert all("language_model" in k for k in set(adapter) - vit) and not any(".merger." in k for k in adapter)
+    assert all("language_model" in k for k in set(adapter) - vit)
+    assert not any(".merger." in k or ".multi_modal_projector." in k for k in adapter)
+    assert (tmp_path / "lora" / "final" / "chat_template.jinja").is_file()
     assert bool(vit) == bool(kw), sorted(adapter)[:4]
 
 
@@ -134,10 +161,10 @@ def trainer_of(tmp_path, model, **kw):
 
 @pytest.mark.parametrize("kw", [{"per_device_train_batch_size": 4}, {"gradient_accumulation_steps": 2},
                                 {"freeze_vit": False, "freeze_aligner": False, "per_device_train_batch_size": 4}])
-def test_one_step_equals_the_plain_computation(tmp_path, vlm_dir, kw):
+def test_one_step_equals_the_plain_computation(tmp_path, family_dir, kw):
     import copy
 
-    trainer = trainer_of(tmp_path, vlm_dir, **kw)
+    trainer = trainer_of(tmp_path, family_dir, **kw)
     s = trainer.s
     pairs = s.pairs[:4]
     assert sum(p.num_images for p in pairs) == 4 and s.backend.name == "dense" and s.backend.vision
@@ -153,25 +180,30 @@ def test_one_step_equals_the_plain_computation(tmp_path, vlm_dir, kw):
     loss = plain_step(policy, reference, pairs, s.cfg.beta)
     assert abs(float(loss) - 0.6931) > 1e-3
     assert result.metrics.finish()["loss"] == pytest.approx(float(loss), abs=ATOL)
-    trained = {n for n, q in policy.named_parameters() if q.requires_grad}
-    assert grads.keys() == trained and any(n.startswith("model.visual.") for n in trained) == bool(
+    # the parameters the plain computation reaches (LLaVA's CLIP post_layernorm lies after the feature layer)
+    trained = {n for n, q in policy.named_parameters() if q.requires_grad and q.grad is not None}
+    assert grads.keys() == trained and any(n.startswith(MODULE_TOWERS) for n in trained) == bool(
         kw.get("freeze_vit") is False)
     for name, q in policy.named_parameters():
         if name in trained:
             torch.testing.assert_close(grads[name], q.grad, atol=ATOL, rtol=0, msg=name)
 
 
-def test_the_vision_tower_runs_once_per_micro_batch_forward(tmp_path, vlm_dir):
+def test_the_vision_tower_runs_once_per_micro_batch_forward(tmp_path, family_dir):
     """Two micro-batches of two pairs: the policy's tower runs twice and the reference copy's twice, each time on the
     images of its micro-batch only (never an image twice in a step's forwards of one model)."""
-    trainer = trainer_of(tmp_path, vlm_dir, gradient_accumulation_steps=2)
+    trainer = trainer_of(tmp_path, family_dir, gradient_accumulation_steps=2)
     s = trainer.s
     pairs = s.pairs[:4]
     calls = {"policy": [], "reference": []}
+
+    def images_of(args, kwargs) -> int:  # Qwen's tower takes (patches, grid_thw), LLaVA's (images, C, H, W)
+        grid = kwargs.get("grid_thw", args[-1] if len(args) > 1 else None)
+        return int((grid if grid is not None else (args[0] if args else kwargs["pixel_values"])).shape[0])
+
     for who, model in (("policy", s.model), ("reference", s.reference.model)):
-        model.model.visual.register_forward_pre_hook(
-            lambda m, args, kwargs, who=who: calls[who].append(int(kwargs.get("grid_thw", args[-1]).shape[0])),
-            with_kwargs=True)
+        tower_of(model).register_forward_pre_hook(
+            lambda m, args, kwargs, who=who: calls[who].append(images_of(args, kwargs)), with_kwargs=True)
     trainer.step(pairs)
     images = [sum(p.num_images for p in pairs[:2]), sum(p.num_images for p in pairs[2:])]
     assert calls == {"policy": images, "reference": images}
@@ -212,7 +244,7 @@ def grads_of(model) -> dict:
     return got
 
 
-def test_one_step_equals_trl_dpo_trainer_on_rows_with_images(tmp_path, vlm_dir):
+def test_one_step_equals_trl_dpo_trainer_on_rows_with_images(tmp_path, family_dir):
     """TRL 1.16's DPOTrainer on the same rows (its vision format: image parts in the prompt, PIL images), the same
     processor, float32 (TRL defaults to bfloat16 autocast: off): loss, log-probs, rewards and every parameter's
     gradient (the vision tower and merger trained, as TRL trains them) within TRL_TOL."""
@@ -223,6 +255,7 @@ def test_one_step_equals_trl_dpo_trainer_on_rows_with_images(tmp_path, vlm_dir):
 
     from fastdpo.model.processor import load_processor
 
+    vlm_dir = family_dir
     with_images = [r for r in image_rows(tmp_path) if "images" in r]
     model = AutoModelForImageTextToText.from_pretrained(str(vlm_dir), dtype=torch.float32)
     theirs = grads_of(model)
@@ -242,7 +275,7 @@ def test_one_step_equals_trl_dpo_trainer_on_rows_with_images(tmp_path, vlm_dir):
 
     for key in ("loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert got[key] == pytest.approx(logged[key], abs=TRL_TOL), key
-    assert set(mine) == set(theirs) and any(n.startswith("model.visual.") for n in theirs)
+    assert set(mine) == set(theirs) and any(n.startswith(MODULE_TOWERS) for n in theirs)
     for name, g in theirs.items():
         torch.testing.assert_close(mine[name], g, rtol=0, atol=TRL_TOL, msg=name)
 
@@ -256,3 +289,16 @@ def test_precomputed_reference_and_checkpointing_with_images(tmp_path, vlm_dir, 
     c = certificate(tmp_path / "run")
     assert c["status"] == "PASS", c
     assert c["fast_path"]["status"] == "PASS" and c["reference_at_start"]["status"] == "PASS"
+
+
+def test_llava_refuses_pixel_bounds_and_rows_whose_tags_miss_their_images(tmp_path):
+    """--max_pixels / --min_pixels are Qwen2-VL's (LLaVA's CLIP processor resizes to one fixed size): refused; a
+    row with more `<image>` tags than images: refused with its file and line."""
+    llava = build_vlm_dir(tmp_path / "llava", "llava")
+    for flag in ({"max_pixels": 64 * 64}, {"min_pixels": 16 * 16}):
+        with pytest.raises(FastDPOError, match="fixed size"):
+            train(config(tmp_path, llava, "pixels", **flag), progress=False)
+    rows = image_rows(tmp_path)
+    rows[1]["messages"][0]["content"] += " <image>"
+    with pytest.raises(FastDPOError, match=r"bad\.jsonl:2.*3 <image> tags.*2 images"):
+        train(config(tmp_path, llava, "bad", data=write_jsonl(tmp_path / "bad.jsonl", rows)), progress=False)

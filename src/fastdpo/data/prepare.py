@@ -150,7 +150,10 @@ def load_pairs(specs: list[str], tokenizer, opts: DataOptions) -> tuple[list[Tok
 def tokenize_rows(rows: list[Row], tokenizer, opts: DataOptions, rejects: Rejects | None = None, processor=None
                   ) -> tuple[list[TokenizedPair], DataSummary]:
     """Rows -> pairs: with a vision-language model's `processor` and a row with images among them, every row through
-    the processor (`tokenize_image_pairs`); else as text (`tokenize_pairs`)."""
+    the processor (`tokenize_image_pairs`); else as text (`tokenize_pairs`). Image size bounds the processor cannot
+    take are refused either way."""
+    if processor is not None:
+        opts.pixels.size(processor.image_processor)
     if processor is not None and any(row.images for row in rows):
         return tokenize_image_pairs(rows, processor, opts, rejects)
     return tokenize_pairs(rows, tokenizer, opts, rejects)

@@ -25,6 +25,14 @@ from fastdpo.errors import FastDPOError
 TRUNCATION_STRATEGIES = ("right", "left", "delete")
 
 
+def image_count(pixel_values, image_grid_thw) -> int:
+    """Images held by a pair's `pixel_values` / `image_grid_thw`: one grid row per image where there are grids
+    (Qwen2-VL), else one picture per image (LLaVA's (I, C, H, W)); 0 without images."""
+    if image_grid_thw is not None:
+        return int(image_grid_thw.shape[0])
+    return 0 if pixel_values is None else int(pixel_values.shape[0])
+
+
 @dataclass
 class TokenizedPair:
     """Token ids of one pair. `index` is the row's position in the dataset (stable across runs).
@@ -35,9 +43,10 @@ class TokenizedPair:
 
     A row with images (`fastdpo.data.vision_tokenize`) keeps them here, so that every step's grouping, ordering and
     splitting, which work on pairs, carry them along: `prompt` holds each image's placeholder run, `pixel_values`
-    (patches, C * temporal_patch * patch^2) its images' patches image after image, `image_grid_thw` (I, 3) their
-    (t, h, w) patch grids; None without images. They count toward no token number, and such pairs are not cached
-    (`fastdpo.data.cache` keeps token ids only)."""
+    its images image after image (Qwen2-VL: (patches, C * temporal_patch * patch^2) patches; LLaVA: (I, C, H, W)
+    pictures), `image_grid_thw` (I, 3) their (t, h, w) patch grids (Qwen2-VL; None for LLaVA); None without
+    images. They count toward no token number, and such pairs are not cached (`fastdpo.data.cache` keeps token ids
+    only)."""
 
     prompt: list[int]
     chosen: list[int]
@@ -50,7 +59,7 @@ class TokenizedPair:
 
     @property
     def num_images(self) -> int:
-        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+        return image_count(self.pixel_values, self.image_grid_thw)
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,11 @@
 """Rows with images (`fastdpo.data.vision`) as the model takes them: token ids whose prompt holds each image's run of
 placeholder tokens, expanded as the model's processor expands them (Qwen2-VL: `<|vision_start|>`, then
-t h w / merge_size^2 `<|image_pad|>` tokens for an image of t x h x w patches, then `<|vision_end|>`), plus the
-images' `pixel_values` and `image_grid_thw` from the processor's image processor.
+t h w / merge_size^2 `<|image_pad|>` tokens for an image of t x h x w patches, then `<|vision_end|>`; LLaVA: the
+`<image>` tag becomes the fixed run of image tokens of its image size), plus the images' `pixel_values` (and for
+Qwen2-VL `image_grid_thw`) from the processor's image processor.
 
-The processor is an argument (this floor imports no model code): a transformers processor of the Qwen2-VL kind
-(`tokenizer`, `image_processor`, `image_token`, a chat template, and a call that takes `text` and `images`). The
+The processor is an argument (this floor imports no model code): a transformers processor of the Qwen2-VL or LLaVA
+kind (`tokenizer`, `image_processor`, `image_token`, a chat template, and a call that takes `text` and `images`). The
 conversation is rendered with its chat template (`fastdpo.data.template.ChatRenderer`: the same checks as text
 rows), each `<image>` tag of the prompt as an image part. The processor is called on the rendered prompt and its
 images, so the expansion is its own; the completions are what the rendered conversations add after the prompt,
@@ -12,7 +13,8 @@ tokenised without expansion (they hold no image).
 
 Image size: `--max_pixels` / `--min_pixels` (ms-swift's names; without them ms-swift's `MAX_PIXELS` / `MIN_PIXELS`
 environment variables) bound each image's resized area, passed to the image processor as its `size`
-(`shortest_edge` = min pixels, `longest_edge` = max pixels); unset, the processor's own.
+(`shortest_edge` = min pixels, `longest_edge` = max pixels); unset, the processor's own. They are Qwen2-VL's: an
+image processor that resizes every image to one fixed size (LLaVA's CLIP processor) refuses them.
 
 Length: the prompt's image tokens count toward every length limit (`fastdpo.data.tokenize.fit_length`). A prompt
 is never cut through an image: a pair whose prompt would lose any token from the first image's start
@@ -24,12 +26,20 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastdpo.data.formats import Row, RowError
 from fastdpo.data.template import ChatRenderer
-from fastdpo.data.tokenize import TokenizedPair, TokenizeOptions, TokenizeStats, count_row, fit_length, merge_error
+from fastdpo.data.tokenize import (
+    TokenizedPair,
+    TokenizeOptions,
+    TokenizeStats,
+    count_row,
+    fit_length,
+    image_count,
+    merge_error,
+)
 from fastdpo.data.vision import IMAGE_TAG, check_images
 from fastdpo.errors import FastDPOError
 
@@ -39,10 +49,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PixelOptions:
-    """Bounds of each image's area after resizing, in pixels (None: the image processor's own)."""
+    """Bounds of each image's area after resizing, in pixels (None: the image processor's own). `from_env`: they
+    come from the environment variables only, which an image processor of one fixed size (LLaVA's) ignores."""
 
     max_pixels: int | None = None
     min_pixels: int | None = None
+    from_env: bool = field(default=False, compare=False)
 
     @classmethod
     def resolve(cls, max_pixels: int | None = None, min_pixels: int | None = None,
@@ -63,16 +75,24 @@ class PixelOptions:
                 raise FastDPOError(f"{where} must be >= 1, got {number}.")
             return number
 
-        out = cls(pick(max_pixels, "MAX_PIXELS"), pick(min_pixels, "MIN_PIXELS"))
+        out = cls(pick(max_pixels, "MAX_PIXELS"), pick(min_pixels, "MIN_PIXELS"),
+                  from_env=max_pixels is None and min_pixels is None)
         if out.max_pixels and out.min_pixels and out.min_pixels > out.max_pixels:
             raise FastDPOError(f"min_pixels {out.min_pixels} is above max_pixels {out.max_pixels}.")
         return out
 
     def size(self, image_processor) -> dict | None:
-        """The image processor's `size` with these bounds (None when neither is set)."""
+        """The image processor's `size` with these bounds (None when neither is set, or when only the environment
+        sets them for an image processor of one fixed size); flags for such a processor are refused."""
         if self.max_pixels is None and self.min_pixels is None:
             return None
         own = dict(getattr(image_processor, "size", None) or {})
+        if own.get("longest_edge") is None:  # not an area bound: one fixed size (LLaVA's CLIP processor)
+            if self.from_env:
+                return None
+            raise FastDPOError(f"--max_pixels / --min_pixels bound the area of Qwen2-VL's resized images, but this "
+                               f"model's image processor ({type(image_processor).__name__}) resizes every image to "
+                               "one fixed size. Drop them.")
         return {"shortest_edge": self.min_pixels or own.get("shortest_edge"),
                 "longest_edge": self.max_pixels or own.get("longest_edge")}
 
@@ -82,8 +102,10 @@ class VisionPair:
     """One pair (or unpaired row) ready for `fastdpo.model.vlm.pack_vision_pairs`.
 
     pair: token ids; `pair.prompt` holds each image's placeholder run, expanded.
-    pixel_values: (patches, C * temporal_patch * patch^2) float, the prompt's images image after image; None without.
-    image_grid_thw: (I, 3) long, each image's (t, h, w) patch grid in the order of its placeholders; None without.
+    pixel_values: float, the prompt's images image after image (Qwen2-VL: (patches, C * temporal_patch * patch^2)
+      patches; LLaVA: (I, C, H, W) pictures); None without.
+    image_grid_thw: (I, 3) long, each image's (t, h, w) patch grid in the order of its placeholders (Qwen2-VL);
+      None without images or grids.
     """
 
     pair: TokenizedPair
@@ -92,7 +114,7 @@ class VisionPair:
 
     @property
     def num_images(self) -> int:
-        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+        return image_count(self.pixel_values, self.image_grid_thw)
 
 
 def image_parts(messages: list[dict]) -> list[dict]:
@@ -122,7 +144,7 @@ def image_token_id(processor) -> int:
         tid = processor.tokenizer.convert_tokens_to_ids(token)
     if tid is None or tid == processor.tokenizer.unk_token_id:
         raise FastDPOError(f"{type(processor).__name__} has no image placeholder token: rows with images need the "
-                           "processor of a vision-language model (Qwen2-VL, Qwen2.5-VL).")
+                           "processor of a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA).")
     return int(tid)
 
 
@@ -164,10 +186,11 @@ def vision_ids(processor, row: Row, renderer: ChatRenderer, pixels: PixelOptions
     grid = enc.get("image_grid_thw") if images else None
     if images:
         image_id = image_token_id(processor)
-        merge = int(getattr(processor.image_processor, "merge_size", 1)) ** 2
-        expected = int(grid.prod(-1).sum()) // merge
-        assert ids.count(image_id) == expected and len(ids) - len(p0) == expected - len(images), \
-            "the processor expands each image pad to grid_t * grid_h * grid_w / merge_size^2 pads"
+        if grid is not None:
+            merge = int(getattr(processor.image_processor, "merge_size", 1)) ** 2
+            assert ids.count(image_id) == int(grid.prod(-1).sum()) // merge, \
+                "the processor expands each image pad to grid_t * grid_h * grid_w / merge_size^2 pads"
+        assert len(ids) - len(p0) == ids.count(image_id) - len(images), "each image's one tag becomes its run"
     pixel_values = enc.get("pixel_values") if images else None
     return ids, pc[len(p0):], pr[len(p0):], pixel_values, grid
 
@@ -187,6 +210,7 @@ def tokenize_vision_rows(processor, rows: list[Row], options: TokenizeOptions, p
     a bad row raises its RowError, or is appended to `problems` when given; `lengths` receives (position in rows,
     prompt, chosen, rejected token counts) before the limits, image tokens included."""
     stats = TokenizeStats(rows=len(rows))
+    pixels.size(processor.image_processor)  # bounds the image processor cannot take are refused before any row
     renderer = ChatRenderer(processor.tokenizer, options.template or getattr(processor, "chat_template", None),
                             options.system, options.template_timeout)
     image_id = image_token_id(processor)

@@ -17,7 +17,14 @@ from fastdpo.model import attention
 from fastdpo.model.attention import sliding_window
 from fastdpo.model.load import base_causal_lm, decoder, is_vision_config
 from fastdpo.model.logprobs import output_head, sequence_sums
-from fastdpo.model.vlm import language_attention, packed_vision_hidden, padded_vision_hidden, vision_batch, vision_ids
+from fastdpo.model.vlm import (
+    VisionIds,
+    language_attention,
+    packed_vision_hidden,
+    padded_vision_hidden,
+    vision_batch,
+    vision_ids,
+)
 
 log = logging.getLogger("fastdpo")
 
@@ -38,7 +45,7 @@ class Backend:
     lengths: int = SHAPE_BUCKETS  # flex: static micro-batch lengths per token budget (`flex_length`)
     group: bool = False  # packed layouts: the pairs of one prompt as one group (`fastdpo.data.pack`)
     dedupe: bool = True  # in a group, a completion several pairs share is computed once
-    vision: tuple[int, int] | None = None  # a vision-language model: its (image token id, merge size), `fastdpo.model.vlm`
+    vision: VisionIds | None = None  # a vision-language model: its image token id (and merge size), `fastdpo.model.vlm`
 
     def grouping(self, group: bool, dedupe: bool = True) -> Backend:
         """This backend laying out micro-batches in prompt groups (`group`; never on the padded path, which is the
@@ -96,7 +103,7 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
 
 def vision_backend(model, attn_impl: str, padding_free: bool, device: torch.device,
                    lengths: int = SHAPE_BUCKETS) -> Backend:
-    """A vision-language model (Qwen2-VL, Qwen2.5-VL): its pairs packed as text pairs are, through the same attention
+    """A vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA): its pairs packed as text pairs are, through the same attention
     backends (`fastdpo.model.vlm`: varlen or flex on CUDA, the dense pair mask on the CPU), or the padded rows
     through the model's own multimodal forward. Pairs are never grouped by prompt."""
     cfg = base_causal_lm(model).config

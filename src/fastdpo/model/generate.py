@@ -111,7 +111,7 @@ def vision_processor(model, full: str, args: ModelArgs):
     processor files), else --model's; None for a text-only model."""
     if not is_vision_config(base_causal_lm(model).config):
         return None
-    own = full and (Path(full) / "preprocessor_config.json").is_file()
+    own = full and any((Path(full) / n).is_file() for n in ("preprocessor_config.json", "processor_config.json"))
     return load_processor(full if own else args.model, args.trust_remote_code)
 
 
@@ -229,7 +229,8 @@ def generate_vision_ids(model, processor, prompts: list[Prompt], images: list[tu
                         gen: GenerationArgs | None = None, streamer=None) -> list[list[int]]:
     """`generate_ids` for a vision-language model: each prompt (its `<image>` tags, one per image of `images[i]`,
     `with_image_tags`) rendered with the processor's chat template, each tag as an image part, and the processor's
-    inputs (input_ids, pixel_values, image_grid_thw, mm_token_type_ids) handed to the model's `generate`. One prompt
+    inputs (input_ids, pixel_values, and Qwen2-VL's image_grid_thw and mm_token_type_ids) handed to the model's
+    `generate`. One prompt
     at a time: the prompts' images differ in size. Image size: the processor's own, or ms-swift's MAX_PIXELS /
     MIN_PIXELS environment variables (as training reads them without --max_pixels / --min_pixels)."""
     gen = gen or GenerationArgs()

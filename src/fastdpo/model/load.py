@@ -148,7 +148,7 @@ def _loads_onto(device: torch.device) -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # vision-language models fastdpo trains (`fastdpo.model.vlm`)
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")  # vision-language models fastdpo trains (`fastdpo.model.vlm`)
 
 
 def is_vision_config(config) -> bool:

@@ -14,7 +14,8 @@ from fastdpo.model.load import is_vision_config
 
 
 def is_vision_model(path: str | Path, trust_remote_code: bool = False) -> bool:
-    """The model dir's config is a vision-language model fastdpo trains (Qwen2-VL, Qwen2.5-VL: `is_vision_config`)."""
+    """The model dir's config is a vision-language model fastdpo trains (Qwen2-VL, Qwen2.5-VL, LLaVA:
+    `is_vision_config`)."""
     from transformers import AutoConfig
 
     try:

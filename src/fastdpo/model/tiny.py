@@ -171,3 +171,74 @@ def save_processor_parts(out_dir: str | Path, processor) -> None:
     processor.tokenizer.save_pretrained(out)
     processor.image_processor.save_pretrained(out)
     (out / "chat_template.jinja").write_text(processor.chat_template, encoding="utf-8")
+
+
+# A tiny LLaVA (llava-1.5 layout): a CLIP vision tower of 4-pixel patches over 16 x 16 pixel images (16 patches and
+# the class token), its features from the last layer without the class token ("default"), so 16 image tokens per
+# image; a 2-layer projector; a Llama language model. The image token takes the last id.
+LLAVA_IMAGE_SIZE = 16
+LLAVA_PATCH = 4
+LLAVA_IMAGE_TOKENS = (LLAVA_IMAGE_SIZE // LLAVA_PATCH) ** 2
+LLAVA_IMAGE_TOKEN = "<image>"
+
+# The tiny Qwen2-VL template's turns, with an image part rendered as LLaVA's `<image>` tag (the processor expands it
+# to the image's run of placeholder tokens).
+TINY_LLAVA_TEMPLATE = TINY_VLM_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", LLAVA_IMAGE_TOKEN)
+
+
+def tiny_llava_config(vocab_size: int = 80, hidden: int = 64, layers: int = 2, **overrides):
+    """A tiny LlavaConfig: the CLIP tower above (2 layers of width 32), a Llama language model of `layers` layers
+    with GQA; `initializer_range` goes to both towers, other `overrides` to the LlavaConfig (e.g.
+    vision_feature_layer=-2)."""
+    from transformers import LlavaConfig
+
+    spread = {k: overrides.pop(k) for k in ("initializer_range",) if k in overrides}
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=LLAVA_IMAGE_SIZE, patch_size=LLAVA_PATCH, projection_dim=32,
+                  **spread)
+    text = tiny_config("llama", vocab_size, hidden, layers, **spread).to_dict()
+    kw = dict(image_token_index=vocab_size - 1, vision_feature_layer=-1, vision_feature_select_strategy="default",
+              image_seq_length=LLAVA_IMAGE_TOKENS)
+    kw.update(overrides)
+    return LlavaConfig(vision_config=vision, text_config=text, **kw)
+
+
+def build_tiny_llava(vocab_size: int = 80, seed: int = 0, **overrides):
+    """A random-init tiny LLaVA model (`tiny_llava_config`) in float32, in eval mode (no dropout)."""
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    return LlavaForConditionalGeneration(tiny_llava_config(vocab_size, **overrides)).float().eval()
+
+
+def tiny_llava_processor(words: list[str] | None = None, vocab_size: int = 80):
+    """A LlavaProcessor over a whitespace word tokenizer (no BOS: the chat template holds the specials) whose
+    `<image>` token has the last id of `vocab_size` (`tiny_llava_config`'s image token), and the PIL CLIP image
+    processor resizing and cropping every image to 16 x 16 pixels: 16 placeholder tokens per image."""
+    from tokenizers import AddedToken
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    words = words if words is not None else ["user", "assistant", "system"] + [f"w{i}" for i in range(40)]
+    base = len(SPECIALS) + len(TINY_VLM_TOKENS)
+    if base + len(words) > vocab_size - 1:
+        raise ValueError(f"{len(words)} words do not fit a vocabulary of {vocab_size}.")
+    filler = [f"<unused{i}>" for i in range(vocab_size - 1 - base - len(words))]
+    tok = word_tokenizer(TINY_VLM_TOKENS + words + filler, add_bos=False)
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in TINY_VLM_TOKENS
+                                                           + [LLAVA_IMAGE_TOKEN]]})
+    assert len(tok) == vocab_size and tok.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN) == vocab_size - 1
+    images = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE_SIZE},
+                                   crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE})
+    return LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=LLAVA_PATCH,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=TINY_LLAVA_TEMPLATE)
+
+
+def build_tiny_llava_dir(out_dir: str | Path, vocab_size: int = 80, seed: int = 0) -> Path:
+    """Save a tiny LLaVA model (`build_tiny_llava`) with its processor (`tiny_llava_processor`: tokenizer, image
+    processor, processor config, chat template) to `out_dir`, an HF model dir that `load_processor` and
+    `AutoModelForImageTextToText` load without downloads."""
+    out = Path(out_dir)
+    build_tiny_llava(vocab_size, seed).save_pretrained(out, safe_serialization=True)
+    tiny_llava_processor(vocab_size=vocab_size).save_pretrained(out)
+    return out

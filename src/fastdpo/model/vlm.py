@@ -1,4 +1,4 @@
-"""Vision-language pairs (the Qwen2-VL / Qwen2.5-VL family) through the packed, prefix-shared layout (DESIGN §1).
+"""Vision-language pairs (Qwen2-VL / Qwen2.5-VL, and LLaVA) through the packed, prefix-shared layout (DESIGN §1).
 
 A multimodal pair is two sequences that share a prompt holding images:
 
@@ -12,10 +12,12 @@ once. Three things differ from text:
    (`merged_embeddings`). Each prompt appears once in the packed row, so each image's features are placed once; the
    two sequences of a pair see them through attention to the prompt. Separate forwards would run each image twice.
 
-2. M-RoPE positions (`mrope_positions`). These models rotate queries and keys by three position ids per token
-   (temporal, height, width). A text token at text position p gets (p, p, p). An image whose placeholders start at
-   position s, with a grid of t x h x w patches merged in m x m squares (h' = h / m, w' = w / m merged tokens per
-   side), puts its t h' w' tokens, in row-major (t, h', w') order, at
+2. Positions. LLaVA's language model (Llama, Qwen2, Mistral) takes the plain 1-D positions `pack_pairs` writes:
+   chosen continues the prompt and rejected restarts where chosen started, an image's placeholders count as text.
+   Qwen2-VL and Qwen2.5-VL take M-RoPE positions (`mrope_positions`): they rotate queries and keys by three
+   position ids per token (temporal, height, width). A text token at text position p gets (p, p, p). An image
+   whose placeholders start at position s, with a grid of t x h x w patches merged in m x m squares (h' = h / m,
+   w' = w / m merged tokens per side), puts its t h' w' tokens, in row-major (t, h', w') order, at
 
        (s + i_t, s + i_h, s + i_w),   0 <= i_t < t, 0 <= i_h < h', 0 <= i_w < w'
 
@@ -35,12 +37,14 @@ once. Three things differ from text:
 Then, as for text (DESIGN §4): the final hidden states at the positions that predict the completion tokens, through
 the output head in chunks, float32 log-sum-exp, summed per sequence.
 
-transformers API used: `model.get_image_features(pixel_values, image_grid_thw)` (the vision tower and its patch
-merger: features per image, image after image), `model.get_input_embeddings()`, the language model from
-`model.get_decoder()` called with `inputs_embeds`, 3-row `position_ids` and a 4-D `attention_mask`, and
-`config.image_token_id` / `config.vision_config.spatial_merge_size`, and the language model's own
-`config._attn_implementation`, switched per forward (`language_attention`). The positions are computed here, not by
-the model's `get_rope_index` (the tests compare the two).
+transformers API used: `model.get_image_features` (Qwen: `(pixel_values, image_grid_thw)`, the vision tower and its
+patch merger; LLaVA: `(pixel_values, vision_feature_layer, vision_feature_select_strategy)` as its config gives
+them, the CLIP tower and the projector: a fixed number of features per image), features per image, image after
+image, `model.get_input_embeddings()`, the language model from `model.get_decoder()` called with `inputs_embeds`,
+`position_ids` (3 rows for M-RoPE) and a 4-D `attention_mask`, `config.image_token_id` (and Qwen's
+`config.vision_config.spatial_merge_size`), and the language model's own `config._attn_implementation`, switched per
+forward (`language_attention`). The M-RoPE positions are computed here, not by the model's `get_rope_index` (the
+tests compare the two).
 
 Pairs are never grouped by prompt (`pack_pairs(..., group=True)`): two prompts with the same token ids may hold
 different images. Videos are not handled. The vision tower keeps the model's own attention: switching every
@@ -51,11 +55,12 @@ language model's layers are switched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from fastdpo.data.pack import PairBatch, pack_pairs, pad_pairs
-from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.data.tokenize import TokenizedPair, image_count
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels.logprob_head import token_logps
 from fastdpo.model import attention
@@ -65,6 +70,8 @@ from fastdpo.model.logprobs import output_head, sequence_sums
 
 # attention implementations of the language model that take a ready 4-D additive mask as it is
 MASKED_ATTENTION = ("eager", "sdpa", attention.ATTN_NAME)
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # M-RoPE positions, images as patches with a grid
+LLAVA_FAMILIES = ("llava",)  # 1-D positions, images as whole (C, H, W) pictures of a fixed size
 
 
 @dataclass
@@ -73,10 +80,12 @@ class VisionPairBatch:
 
     pairs: the text layout of `pack_pairs` (input_ids (1, T) with each prompt's image placeholders, targets, pair ids
       and segments); its `position_ids` are the plain 1-D ones and are not used by the model.
-    positions: (3, 1, T) long, the M-RoPE positions (temporal, height, width) of every packed token.
-    pixel_values: (patches, C * temporal_patch * patch^2) the images' patches, image after image in the order their
-      placeholders appear in the row (pair after pair, in a prompt from left to right); None without images.
-    image_grid_thw: (I, 3) long, each image's (t, h, w) patch grid, in the same order; None without images.
+    positions: (3, 1, T) long, the M-RoPE positions (temporal, height, width) of every packed token; LLaVA: the
+      plain (1, T) pack positions.
+    pixel_values: the images, image after image in the order their placeholders appear in the row (pair after pair,
+      in a prompt from left to right); None without images. Qwen: (patches, C * temporal_patch * patch^2) patches;
+      LLaVA: (I, C, H, W) pictures.
+    image_grid_thw: (I, 3) long, each image's (t, h, w) patch grid, in the same order; None without images or grids.
     """
 
     pairs: PairBatch
@@ -86,7 +95,7 @@ class VisionPairBatch:
 
     @property
     def num_images(self) -> int:
-        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+        return image_count(self.pixel_values, self.image_grid_thw)
 
     def to(self, device: torch.device | str) -> VisionPairBatch:
         def move(v):
@@ -96,13 +105,28 @@ class VisionPairBatch:
                                move(self.image_grid_thw))
 
 
-def vision_ids(config) -> tuple[int, int]:
-    """(image placeholder token id, spatial merge size) of a Qwen2-VL-style model config."""
+class VisionIds(NamedTuple):
+    """What the packed layout needs of a vision-language model's config: its image placeholder token id, and for the
+    M-RoPE families (Qwen2-VL, Qwen2.5-VL) the spatial merge size; None for LLaVA (1-D positions)."""
+
+    image_token_id: int
+    merge_size: int | None = None
+
+    @property
+    def mrope(self) -> bool:
+        return self.merge_size is not None
+
+
+def vision_ids(config) -> VisionIds:
+    """`VisionIds` of a vision-language model config (Qwen2-VL, Qwen2.5-VL, LLaVA)."""
     vision = getattr(config, "vision_config", None)
-    if getattr(config, "image_token_id", None) is None or vision is None:
-        raise FastDPOError(f"model_type {getattr(config, 'model_type', '?')!r} has no image placeholder token or "
-                           "vision tower config: vision-language pairs need a Qwen2-VL or Qwen2.5-VL model.")
-    return int(config.image_token_id), int(vision.spatial_merge_size)
+    family = getattr(config, "model_type", "?")
+    if getattr(config, "image_token_id", None) is None or vision is None or family not in MROPE_FAMILIES + LLAVA_FAMILIES:
+        raise FastDPOError(f"model_type {family!r} has no image placeholder token or vision tower config fastdpo "
+                           "reads: vision-language pairs need a Qwen2-VL, Qwen2.5-VL or LLaVA model.")
+    if family in LLAVA_FAMILIES:
+        return VisionIds(int(config.image_token_id))
+    return VisionIds(int(config.image_token_id), int(vision.spatial_merge_size))
 
 
 def mrope_positions(input_ids: torch.Tensor, pair_lengths, image_grid_thw: torch.Tensor | None, image_token_id: int,
@@ -159,46 +183,54 @@ def mrope_positions(input_ids: torch.Tensor, pair_lengths, image_grid_thw: torch
 
 def pack_vision_pairs(pairs: list[TokenizedPair], config, pixel_values: torch.Tensor | None = None,
                       image_grid_thw: torch.Tensor | None = None, pad_id: int = 0) -> VisionPairBatch:
-    """Pairs whose prompts hold image placeholders (each image's run of t h' w' `image_token_id` tokens already
-    expanded, as the model's processor writes them) laid out as one packed row, with their M-RoPE positions.
+    """Pairs whose prompts hold image placeholders (each image's run of `image_token_id` tokens already expanded, as
+    the model's processor writes them) laid out as one packed row, with their positions (Qwen: M-RoPE).
     `pixel_values` / `image_grid_thw`: the images of all pairs, in the order their placeholders appear (pair after
-    pair), as the model's image processor gives them (a pair without images contributes none). `config`: the
-    model's config (its image token id and merge size)."""
+    pair), as the model's image processor gives them (a pair without images contributes none; LLaVA: no grids).
+    `config`: the model's config (`vision_ids`)."""
     batch = pack_pairs(pairs, 1, pad_id)
-    with_images(batch, vision_ids(config), pixel_values, image_grid_thw)
-    return VisionPairBatch(batch, batch.vision_positions, pixel_values, image_grid_thw)
+    ids = vision_ids(config)
+    with_images(batch, ids, pixel_values, image_grid_thw)
+    return VisionPairBatch(batch, batch.vision_positions if ids.mrope else batch.position_ids, pixel_values,
+                           image_grid_thw)
 
 
-def with_images(batch: PairBatch, ids: tuple[int, int], pixel_values: torch.Tensor | None,
+def with_images(batch: PairBatch, ids: VisionIds, pixel_values: torch.Tensor | None,
                 image_grid_thw: torch.Tensor | None) -> PairBatch:
-    """`batch` (the packed or the padded layout, on the host) given its images: `pixel_values`, `image_grid_thw`, and
-    in the packed layout the M-RoPE positions (`PairBatch.vision_positions`). `ids`: `vision_ids` of the model."""
-    if (pixel_values is None) != (image_grid_thw is None):
-        raise FastDPOError("pixel_values and image_grid_thw come together.")
-    if image_grid_thw is not None and int(image_grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
-        raise FastDPOError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw says "
-                           f"{int(image_grid_thw.prod(-1).sum())}.")
+    """`batch` (the packed or the padded layout, on the host) given its images: `pixel_values`, `image_grid_thw`
+    (Qwen), and in the packed layout of an M-RoPE model its positions (`PairBatch.vision_positions`). `ids`:
+    `vision_ids` of the model."""
+    if ids.mrope:
+        if (pixel_values is None) != (image_grid_thw is None):
+            raise FastDPOError("pixel_values and image_grid_thw come together.")
+        if image_grid_thw is not None and int(image_grid_thw.prod(-1).sum()) != pixel_values.shape[0]:
+            raise FastDPOError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw says "
+                               f"{int(image_grid_thw.prod(-1).sum())}.")
+    elif image_grid_thw is not None or (pixel_values is not None and pixel_values.dim() != 4):
+        raise FastDPOError("LLaVA takes its images as (images, channels, height, width) pixel_values, without grids.")
     batch.pixel_values, batch.image_grid_thw = pixel_values, image_grid_thw
-    if batch.attention_mask is None:
+    if batch.attention_mask is None and ids.mrope:
         batch.vision_positions = mrope_positions(batch.input_ids, batch.pair_lengths, image_grid_thw, *ids)
     return batch
 
 
 def pair_images(pairs: list[TokenizedPair], times: int = 1) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(pixel_values, image_grid_thw) of the pairs' images, pair after pair (`times` over: the padded layout holds
-    each prompt twice); (None, None) when none has an image."""
+    each prompt twice); (None, None) when none has an image, and no grids for images without them (LLaVA)."""
     held = [p for p in pairs if p.num_images]
     if not held:
         return None, None
     pixels = torch.cat([p.pixel_values for p in held])
-    grids = torch.cat([p.image_grid_thw for p in held]).long()
-    return pixels.repeat(times, 1), grids.repeat(times, 1)
+    pixels = pixels.repeat(times, *[1] * (pixels.dim() - 1))
+    if held[0].image_grid_thw is None:
+        return pixels, None
+    return pixels, torch.cat([p.image_grid_thw for p in held]).long().repeat(times, 1)
 
 
-def vision_batch(pairs: list[TokenizedPair], ids: tuple[int, int], pad_id: int = 0, prompt_targets: bool = False,
+def vision_batch(pairs: list[TokenizedPair], ids: VisionIds, pad_id: int = 0, prompt_targets: bool = False,
                  padded: bool = False, pad_to_multiple: int = 1) -> PairBatch:
     """A micro-batch of pairs that may hold images (`TokenizedPair.pixel_values`), on the host: one packed row with
-    its M-RoPE positions (never grouped by prompt; filler up to a multiple of `pad_to_multiple`), or with `padded`
+    its positions (never grouped by prompt; filler up to a multiple of `pad_to_multiple`), or with `padded`
     the plain layout of 2B rows (prompt+chosen, then prompt+rejected), each pair's images once per row. `ids`:
     `vision_ids` of the model."""
     if padded:
@@ -206,10 +238,16 @@ def vision_batch(pairs: list[TokenizedPair], ids: tuple[int, int], pad_id: int =
     return with_images(pack_pairs(pairs, pad_to_multiple, pad_id, prompt_targets), ids, *pair_images(pairs))
 
 
-def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """(tokens, H) the features of all images of a micro-batch, image after image: one call of the vision tower
-    (patch embedding, its blocks, the patch merger) over all of them, whatever the number of pairs."""
-    out = base_causal_lm(model).get_image_features(pixel_values, image_grid_thw)
+    (Qwen: patch embedding, its blocks, the patch merger; LLaVA: the CLIP tower at the config's feature layer and
+    selection, then the projector) over all of them, whatever the number of pairs."""
+    lm = base_causal_lm(model)
+    if vision_ids(lm.config).mrope:
+        out = lm.get_image_features(pixel_values, image_grid_thw)
+    else:
+        out = lm.get_image_features(pixel_values, vision_feature_layer=lm.config.vision_feature_layer,
+                                    vision_feature_select_strategy=lm.config.vision_feature_select_strategy)
     features = getattr(out, "pooler_output", out)  # transformers 5: an output whose pooler_output splits per image
     if isinstance(features, (tuple, list)):
         features = torch.cat(list(features), dim=0)
@@ -261,25 +299,27 @@ def check_language_model(model, masked: bool = True) -> None:
 def packed_vision_hidden(model, batch: PairBatch, mask=None, src: torch.Tensor | None = None) -> torch.Tensor:
     """(N, H) final hidden states of a packed batch with images (`vision_batch`) at the positions that predict its
     completion targets (or at the flattened positions `src`): the vision tower once over all of the batch's images,
-    their features in place of the placeholders, then the language model alone with the M-RoPE positions and the
-    pair rule. `mask`, built once per micro-batch (`backend.build_mask`): varlen offsets (a mask that names its
-    attention function, whose keyword arguments reach every layer), a FlexAttention BlockMask, or the boolean
-    `attention.dense_mask` (the default), given as an additive mask to the language model's own attention."""
+    their features in place of the placeholders, then the language model alone with the packed positions (M-RoPE
+    for Qwen, the plain pack positions for LLaVA) and the pair rule. `mask`, built once per micro-batch
+    (`backend.build_mask`): varlen offsets (a mask that names its attention function, whose keyword arguments reach
+    every layer), a FlexAttention BlockMask, or the boolean `attention.dense_mask` (the default), given as an
+    additive mask to the language model's own attention."""
     if mask is None:
         mask = attention.dense_mask(batch)
     dense = isinstance(mask, torch.Tensor)
     check_language_model(model, masked=dense)
-    image_token_id, _ = vision_ids(base_causal_lm(model).config)
+    ids = vision_ids(base_causal_lm(model).config)
     features = None
-    if batch.image_grid_thw is not None:
+    if batch.pixel_values is not None:
         features = image_embeddings(model, batch.pixel_values, batch.image_grid_thw)
-    embeds = merged_embeddings(model, batch.input_ids, features, image_token_id)
+    embeds = merged_embeddings(model, batch.input_ids, features, ids.image_token_id)
+    positions = batch.vision_positions if ids.mrope else batch.position_ids
+    assert positions is not None and positions.shape[-1] == batch.input_ids.shape[1]
     text = decoder(model)
     name = getattr(mask, "attn_name", None)
     if name is not None:  # varlen offsets (or a sequence-parallel context)
         language_attention(model, name)
-        hidden = text(inputs_embeds=embeds, position_ids=batch.vision_positions, use_cache=False,
-                      **mask.kwargs()).last_hidden_state
+        hidden = text(inputs_embeds=embeds, position_ids=positions, use_cache=False, **mask.kwargs()).last_hidden_state
     else:
         if dense:
             language_attention(model)
@@ -287,22 +327,26 @@ def packed_vision_hidden(model, batch: PairBatch, mask=None, src: torch.Tensor |
                 ~mask, torch.finfo(embeds.dtype).min)
         else:  # a FlexAttention BlockMask, which fastdpo's attention function takes
             language_attention(model, attention.ATTN_NAME)
-        hidden = text(inputs_embeds=embeds, position_ids=batch.vision_positions, attention_mask=mask,
+        hidden = text(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
                       use_cache=False).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src if src is None else src)
 
 
 def padded_vision_hidden(model, batch: PairBatch, src: torch.Tensor | None = None) -> torch.Tensor:
     """The same for the padded layout, through the model's own multimodal forward (its vision tower on every row's
-    images, its rope index, its attention): the plain computation the packed one is held to."""
+    images, its positions (Qwen: its rope index), its attention): the plain computation the packed one is held to."""
     lm = base_causal_lm(model)
-    image_token_id, _ = vision_ids(lm.config)
+    ids = vision_ids(lm.config)
     language_attention(model)
-    kw = {}
-    if batch.image_grid_thw is not None:
-        kw = {"pixel_values": batch.pixel_values, "image_grid_thw": batch.image_grid_thw}
+    kw = {} if batch.pixel_values is None else {"pixel_values": batch.pixel_values}
+    if ids.mrope:
+        kw["mm_token_type_ids"] = (batch.input_ids == ids.image_token_id).int()
+        if batch.image_grid_thw is not None:
+            kw["image_grid_thw"] = batch.image_grid_thw
+    else:
+        kw["position_ids"] = batch.position_ids
     hidden = lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                      mm_token_type_ids=(batch.input_ids == image_token_id).int(), **kw).last_hidden_state
+                      **kw).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src if src is None else src)
 
 

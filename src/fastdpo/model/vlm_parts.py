@@ -1,7 +1,9 @@
-"""Which parts of a vision-language model (Qwen2-VL, Qwen2.5-VL) train, with ms-swift's names:
+"""Which parts of a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA) train, with ms-swift's names:
 
-  vit      the vision tower: its patch embedding and blocks (`model.visual` but the merger)   --freeze_vit (true)
-  aligner  the patch merger that projects image features into the language model             --freeze_aligner (true)
+  vit      the vision tower: its patch embedding and blocks (Qwen: `model.visual` but the merger;
+           LLaVA: `model.vision_tower`)                                                          --freeze_vit (true)
+  aligner  what projects image features into the language model (Qwen: the patch merger;
+           LLaVA: `model.multi_modal_projector`)                                                --freeze_aligner (true)
   llm      the language model and its output head                                              --freeze_llm (false)
 
 Full fine-tuning trains the weights of the parts not frozen (`freeze_parts`). LoRA puts adapters on the linear
@@ -25,7 +27,11 @@ def parts(model) -> dict[str, list[tuple[str, torch.nn.Module]]]:
     """{part: [(full module name, module)]} of the model's vit, aligner and llm; lm_head is the llm's."""
     lm = base_causal_lm(model)
     inner = lm.model
-    visual, merger, language = inner.visual, inner.visual.merger, inner.language_model
+    if hasattr(inner, "visual"):  # Qwen2-VL: the merger sits inside the vision tower
+        visual, merger = inner.visual, inner.visual.merger
+    else:  # LLaVA
+        visual, merger = inner.vision_tower, inner.multi_modal_projector
+    language = inner.language_model
     names = {id(m): n for n, m in lm.named_modules()}
     out: dict[str, list] = {"vit": [], "aligner": [], "llm": [(names[id(lm.lm_head)], lm.lm_head)]}
     out["aligner"].append((names[id(merger)], merger))

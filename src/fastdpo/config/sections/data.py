@@ -51,9 +51,10 @@ class DataReading(Section):
                                       "annotations' Rating), or auto (the first of these a completion has).")
     max_pixels: int = option(0, "Rows with images: the largest area of an image after resizing, in pixels, passed to the "
                              "model's image processor (ms-swift's name; 0: the MAX_PIXELS environment variable, else "
-                             "the processor's own).")
+                             "the processor's own). Qwen2-VL's: refused for LLaVA, whose images take one fixed size.")
     min_pixels: int = option(0, "Rows with images: the smallest area of an image after resizing, in pixels (0: the "
-                             "MIN_PIXELS environment variable, else the processor's own).")
+                             "MIN_PIXELS environment variable, else the processor's own). Qwen2-VL's: refused for "
+                             "LLaVA.")
     template_timeout: float = option(10.0, "Seconds the chat template may take to render one row (0: no limit): a longer "
                                      "rendering is an error naming the row and the template, not a silent hang.")
 

@@ -49,8 +49,9 @@ class LoraSection(Section):
     freeze_vit: bool = option(True, "Vision-language models: keep the vision tower (its patch embedding and blocks) "
                               "frozen; false trains it too (full fine-tuning: its weights; LoRA: adapters on its "
                               "linear layers).")
-    freeze_aligner: bool = option(True, "Vision-language models: keep the aligner (the patch merger that projects "
-                                  "image features into the language model) frozen; false trains it too.")
+    freeze_aligner: bool = option(True, "Vision-language models: keep the aligner (what projects image features "
+                                  "into the language model: Qwen2-VL's patch merger, LLaVA's multi_modal_projector) "
+                                  "frozen; false trains it too.")
     freeze_llm: bool = option(False, "Vision-language models: keep the language model (and its output head) frozen, "
                               "training only what the other --freeze_* flags leave trainable.")
     ref_adapters: str = option("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
