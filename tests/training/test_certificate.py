@@ -38,6 +38,9 @@ def test_a_sound_run_passes_every_check(tmp_path, model_dirs, kw, reference):
     train(config(tmp_path, model_dirs, "run", **kw), progress=False)
     c = certificate(tmp_path / "run")
     assert c["status"] == "PASS" and c["seconds"] >= 0
+    parts = json.loads((tmp_path / "run" / "summary.json").read_text())["certificate"]["seconds_by_part"]
+    assert {"fast_path", "plain_path", "reference_at_start", "reference_apart", "record"} <= set(parts)
+    assert abs(sum(parts.values()) - c["seconds"]) < 0.01  # the stages account for the whole cost
     assert c["fast_path"]["status"] == "PASS" and c["fast_path"]["measured"] <= c["fast_path"]["tolerance"] == 1e-4
     assert c["head_float32"]["status"] == "PASS" and c["head_float32"]["measured"] <= 1e-5
     assert c["reference_at_start"]["status"] == "PASS" and reference in c["reference_at_start"]["detail"]

@@ -107,9 +107,7 @@ class Certificate:
         if resumed:
             self._resumed_step(s, step_pairs, record, tol)
             self._took("resumed_step", t0)
-        t1 = time.perf_counter()
         fast = self._fast_path(s, pairs, tol)  # the policy's sums through the run's layout, reused below
-        self._took("fast_path", t1)
         t1 = time.perf_counter()
         ref = s.reference
         if ref.strategy == "none":
@@ -143,13 +141,17 @@ class Certificate:
             self.checks += [Check("fast_path", "SKIP", why), Check("head_float32", "SKIP", why)]
             return None
         with _eval(s.model):
+            t0 = time.perf_counter()
             fast = _sums(s, pairs)
+            self._took("fast_path", t0)
+            t0 = time.perf_counter()
             try:
                 plain, exact = _plain_sums(s, pairs)
             except torch.OutOfMemoryError:  # the padded rows' attention next to the run: not worth the run
                 plain = exact = None
                 if s.device.type == "cuda":
                     torch.cuda.empty_cache()
+            self._took("plain_path", t0)
         if not any_rank(plain is None, s.dist, s.device):
             tokens, kind = completion_tokens(pairs), str(next(s.model.parameters()).dtype).removeprefix("torch.")
             self._add("fast_path", per_token(fast, plain, tokens), tol, f"policy log-probs of {len(pairs)} pair(s) "
@@ -219,6 +221,9 @@ class Certificate:
         self._batch, self._ref = None, None
 
     def _took(self, part: str, since: float) -> None:
+        """Add the seconds since `since` to `part`, the GPU's queued work included (the stages are timed apart)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         took = time.perf_counter() - since
         self.parts[part] = self.parts.get(part, 0.0) + took
         self.seconds += took
