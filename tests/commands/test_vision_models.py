@@ -170,3 +170,41 @@ def test_eval_after_a_lora_run_gives_the_runs_own_held_out_metrics(tmp_path, vlm
     assert abs(m["rewards/margins"]) > 1e-4
     for name in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected"):
         assert m[name] == pytest.approx(logged["eval_" + name], abs=1e-4), name
+
+
+def test_infer_resizes_images_as_the_run_did(tmp_path, monkeypatch):
+    """A run trained with --max_pixels: `fastdpo infer --adapters` of it hands generation the same bound, and the
+    processor then gives the image fewer placeholders than its default size; the base model alone keeps the
+    processor's own size."""
+    from PIL import Image
+
+    from fastdpo.commands.infer import run_infer
+    from fastdpo.config import TrainConfig
+    from fastdpo.model import generate as generate_mod
+    from fastdpo.model.processor import load_processor
+    from fastdpo.model.tiny import build_tiny_vlm_dir
+    from fastdpo.training.loop import train
+
+    base = build_tiny_vlm_dir(tmp_path / "model")
+    data = write_jsonl(tmp_path / "data.jsonl", image_rows(tmp_path))
+    cfg = TrainConfig(model=str(base), dataset=[str(data)], output_dir=str(tmp_path / "run"), device="cpu",
+                      torch_dtype="float32", train_type="lora", lora_rank=4, max_steps=1, max_pixels=16 * 16,
+                      per_device_train_batch_size=2, save_steps=0, disable_progress=True)
+    final = train(cfg, progress=False)["final_dir"]
+    seen = []
+    plain = generate_mod.generate_vision_ids
+
+    def spy(*args, **kw):
+        seen.append(args[6] if len(args) > 6 else kw.get("pixels"))
+        return plain(*args, **kw)
+
+    monkeypatch.setattr(generate_mod, "generate_vision_ids", spy)
+    image = image_rows(tmp_path)[1]["images"][0]  # 24 x 16 pixels: six placeholders unless bounded to 16 x 16
+    run_infer(infer_config(base, adapters=str(final), prompt="<image>w1", images=[image]))
+    run_infer(infer_config(base, prompt="<image>w1", images=[image]))
+    assert seen[0] is not None and seen[0].max_pixels == 16 * 16 and seen[1] is None
+
+    processor = load_processor(base)
+    tokens = [processor.image_processor(images=[Image.open(image)], **kw)["image_grid_thw"].prod().item() // 4
+              for kw in ({}, {"size": seen[0].size(processor.image_processor)})]
+    assert tokens[0] == 6 and tokens[1] < 6  # 24 x 16 pixels bounded to an area of 16 x 16

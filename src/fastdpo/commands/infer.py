@@ -177,6 +177,22 @@ def held_out_prompts(tuned: str, images: bool = False) -> tuple[list[dict], Path
     return prompt_rows(held), run
 
 
+def run_pixels(cfg: InferConfig):
+    """The image-size bounds (`PixelOptions`) of the run that wrote --adapters / --checkpoint, where it set
+    --max_pixels / --min_pixels: its images are resized for generation as training resized them. None otherwise
+    (the processor's own size, or the MAX_PIXELS / MIN_PIXELS environment variables)."""
+    from fastdpo.checkpoint.saved_run import run_config
+    from fastdpo.data.vision_tokenize import PixelOptions
+
+    tuned = cfg.adapters or cfg.checkpoint
+    trained = run_config(tuned)[0] if tuned else None
+    if trained is None or not (trained.max_pixels or trained.min_pixels):
+        return None
+    log.info("Images resized as the run that wrote %s resized them (--max_pixels %s, --min_pixels %s).", tuned,
+             trained.max_pixels or "-", trained.min_pixels or "-")
+    return PixelOptions.resolve(trained.max_pixels or None, trained.min_pixels or None)
+
+
 def prompt_rows(rows: list) -> list[dict]:
     """Preference rows as rows to answer: the prompt (text, or the conversation as `messages`), with chosen, rejected,
     the row's location and its images (`ImageRef`s, written as their paths) kept for the result file."""
@@ -203,6 +219,7 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
         raise FastDPOError(f"--images: {cfg.checkpoint or cfg.model} is a text-only model; images go to a "
                            "vision-language model (Qwen2-VL, Qwen2.5-VL). Drop --images, or give such a model.")
     images = {"images": [ImageRef(str(Path(p).expanduser().resolve())) for p in cfg.images]} if cfg.images else {}
+    pixels = run_pixels(cfg) if vision else None
     written = None  # where the answers go (none for a single prompt)
     if cfg.prompt:
         rows = [{"prompt": cfg.prompt, **images}]
@@ -234,7 +251,7 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
         texts = [""] * len(prompts)
         if seen:
             got = generate_vision_ids(model, loaded.processor, [prompts[i] for i in seen], [pictures[i] for i in seen],
-                                      gen, streamer)
+                                      gen, streamer, pixels)
             for i, ids in zip(seen, got):
                 texts[i] = loaded.tokenizer.decode(ids, skip_special_tokens=True).strip()
         rest = [i for i in range(len(prompts)) if not pictures[i]]

@@ -226,13 +226,14 @@ def with_image_tags(prompt: Prompt, count: int) -> Prompt:
 
 @torch.no_grad()
 def generate_vision_ids(model, processor, prompts: list[Prompt], images: list[tuple[ImageRef, ...]],
-                        gen: GenerationArgs | None = None, streamer=None) -> list[list[int]]:
+                        gen: GenerationArgs | None = None, streamer=None,
+                        pixels: PixelOptions | None = None) -> list[list[int]]:
     """`generate_ids` for a vision-language model: each prompt (its `<image>` tags, one per image of `images[i]`,
     `with_image_tags`) rendered with the processor's chat template, each tag as an image part, and the processor's
     inputs (input_ids, pixel_values, and Qwen2-VL's image_grid_thw and mm_token_type_ids) handed to the model's
-    `generate`. One prompt
-    at a time: the prompts' images differ in size. Image size: the processor's own, or ms-swift's MAX_PIXELS /
-    MIN_PIXELS environment variables (as training reads them without --max_pixels / --min_pixels)."""
+    `generate`. One prompt at a time: the prompts' images differ in size. Image size: `pixels` (the bounds a
+    training run used), else the processor's own, or ms-swift's MAX_PIXELS / MIN_PIXELS environment variables (as
+    training reads them without --max_pixels / --min_pixels)."""
     gen = gen or GenerationArgs()
     assert len(images) == len(prompts) and (streamer is None or len(prompts) == 1)
     use_model_attention(model)
@@ -240,7 +241,7 @@ def generate_vision_ids(model, processor, prompts: list[Prompt], images: list[tu
     model.eval()
     cfg = generation_config(model, processor.tokenizer, gen)
     device = next(model.parameters()).device
-    size = PixelOptions.resolve().size(processor.image_processor)
+    size = (pixels or PixelOptions.resolve()).size(processor.image_processor)
     if gen.temperature > 0:
         torch.manual_seed(gen.seed)
     out: list[list[int]] = []
