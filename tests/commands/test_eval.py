@@ -564,3 +564,12 @@ def test_reward_columns_come_from_each_rows_own_record(tmp_path):
         assert row_columns(rows)["answer"] == ["w0", "w1", "w2", "w3"], f
     named = [dataclasses.replace(r, source=f"{r.source} (dataset mine)") for r in load_rows([str(one_line)])]
     assert row_columns(named[::-1])["answer"] == ["w3", "w2", "w1", "w0"]
+
+
+def test_kto_metrics_of_a_model_alone_are_refused(tmp_path, model_dirs):
+    """KTO's metrics are log-ratios against a reference: a model evaluated alone (no adapters, checkpoint or
+    --ref_model) is refused with what to give, not a crash."""
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(4))
+    with pytest.raises(FastDPOError, match="--loss_type kto: .*--adapters or --checkpoint"):
+        run_eval(EvalConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "e"),
+                            device="cpu", loss_type="kto"))

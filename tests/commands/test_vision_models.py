@@ -208,3 +208,33 @@ def test_infer_resizes_images_as_the_run_did(tmp_path, monkeypatch):
     tokens = [processor.image_processor(images=[Image.open(image)], **kw)["image_grid_thw"].prod().item() // 4
               for kw in ({}, {"size": seen[0].size(processor.image_processor)})]
     assert tokens[0] == 6 and tokens[1] < 6  # 24 x 16 pixels bounded to an area of 16 x 16
+
+
+def test_eval_kto_metrics_of_rows_with_images(tmp_path, vlm):
+    """Held-out pairs with images scored as unpaired rows (KTO): each row's log-ratio is the model's own forwards of
+    [prompt with its images | completion], adapter on and off (one KL round: the rows' mean rewards and log-probs)."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from fastdpo.data.load import load_rows
+    from fastdpo.data.prepare import DataOptions, tokenize_rows
+    from fastdpo.model.processor import load_processor
+
+    base, adapter, data = vlm
+    cfg = eval_config(tmp_path, base, data, adapters=str(adapter), loss_type="kto")
+    m = run_eval(cfg)["metrics"]
+    opts = DataOptions.for_scoring(cfg)
+    opts = dataclasses.replace(opts, read=dataclasses.replace(opts.read, images=True))
+    pairs, _ = tokenize_rows(load_rows([str(data)], read=opts.read), None, opts, processor=load_processor(base))
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
+    with torch.no_grad():
+        pol = torch.tensor([[sequence_logp(model, p, p.chosen), sequence_logp(model, p, p.rejected)] for p in pairs])
+        with model.disable_adapter():
+            ref = torch.tensor([[sequence_logp(model, p, p.chosen), sequence_logp(model, p, p.rejected)]
+                                for p in pairs])
+    rewards = BETA * (pol - ref)  # column 0: the desirable rows (chosen), column 1: the undesirable ones
+    assert rewards.abs().min() > 1e-4  # the adapter moves every row: the comparison can fail
+    want = {"rewards/chosen": rewards[:, 0].mean(), "rewards/rejected": rewards[:, 1].mean(),
+            "logps/chosen": pol[:, 0].mean(), "logps/rejected": pol[:, 1].mean()}
+    for name, value in want.items():
+        assert m[name] == pytest.approx(float(value), abs=1e-4), name

@@ -302,3 +302,51 @@ def test_llava_refuses_pixel_bounds_and_rows_whose_tags_miss_their_images(tmp_pa
     rows[1]["messages"][0]["content"] += " <image>"
     with pytest.raises(FastDPOError, match=r"bad\.jsonl:2.*3 <image> tags.*2 images"):
         train(config(tmp_path, llava, "bad", data=write_jsonl(tmp_path / "bad.jsonl", rows)), progress=False)
+
+
+def plain_kto_step(policy, reference, rows, beta) -> torch.Tensor:
+    """KTO of unpaired rows with images (one KL round: the rows' chunk), mean over rows, from separate forwards of
+    [prompt with its images | completion] and [prompt with its images | KL completion]; backward into `policy`."""
+    with torch.no_grad():
+        kl = torch.stack([sequence_logp(policy, r, r.rejected) - sequence_logp(reference, r, r.rejected)
+                          for r in rows]).mean().clamp(min=0)
+    losses = []
+    for r in rows:
+        with torch.no_grad():
+            ref = sequence_logp(reference, r, r.chosen)
+        lr = sequence_logp(policy, r, r.chosen) - ref
+        losses.append(1 - torch.sigmoid(beta * (lr - kl)) if r.label else 1 - torch.sigmoid(beta * (kl - lr)))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss
+
+
+def test_kto_on_rows_with_images_equals_the_plain_computation(tmp_path, family_dir):
+    """Pairs with images unpaired for KTO (each prompt's images stay with both of its rows; a row's KL completion,
+    the completion of the row before it, is scored after its own prompt and images): one step's loss and gradients
+    equal the plain computation."""
+    import copy
+
+    trainer = trainer_of(tmp_path, family_dir, loss_type="kto", per_device_train_batch_size=8)
+    s = trainer.s
+    rows = s.pairs[:8]  # the four pairs' eight rows, one KL round
+    assert sum(r.num_images for r in rows) >= 2 and {r.label for r in rows} == {True, False}
+    assert all(r.rejected != r.chosen for r in rows)  # KL completions are other rows' completions
+    trainer.step(rows)
+    policy, reference = copy.deepcopy(s.model), copy.deepcopy(s.reference.model).eval()
+    policy.zero_grad(set_to_none=True)
+    grads = {}
+    for name, q in s.model.named_parameters():
+        if q.requires_grad:
+            q.register_post_accumulate_grad_hook(lambda q, name=name: grads.__setitem__(name, q.grad.clone()))
+    result = trainer.step(rows)
+    loss = plain_kto_step(policy, reference, rows, s.cfg.beta)
+    assert result.metrics.finish()["loss"] == pytest.approx(float(loss), abs=ATOL)
+    for name, q in policy.named_parameters():
+        if q.grad is not None:
+            torch.testing.assert_close(grads[name], q.grad, atol=ATOL, rtol=0, msg=name)
+
+
+def test_a_listwise_loss_refuses_rows_with_images(tmp_path, vlm_dir):
+    with pytest.raises(FastDPOError, match=r"data.jsonl:1.*listwise --loss_type plackett_luce"):
+        train(config(tmp_path, vlm_dir, "ranked", loss_type="plackett_luce"), progress=False)

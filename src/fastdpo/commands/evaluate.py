@@ -247,6 +247,10 @@ def run_eval(cfg: EvalConfig, console=None) -> dict:
         reference = Reference("adapter_off", None)
     else:
         reference = Reference("none", None)
+        if trains_unpaired(cfg.loss_type.split(",")):
+            raise FastDPOError(f"--loss_type {cfg.loss_type}: KTO's metrics are log-ratios against a reference, and "
+                               f"{cfg.model} is evaluated alone. Give --adapters or --checkpoint (their base is the "
+                               "reference), or --ref_model.")
     backend = choose_backend(model, cfg.attn_impl, True, device)
     if backend.name != "padded":
         prepare_packed(model, backend)

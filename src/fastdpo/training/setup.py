@@ -154,12 +154,14 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None, pr
 
 
 def check_image_rows(rows: list[Row], names: list[str]) -> None:
-    """Rows with images train under pairwise losses: unpaired (KTO) and listwise losses rebuild their pairs from token
-    ids alone, which would lose the images."""
+    """Rows with images train under pairwise and unpaired (KTO) losses: a listwise loss gathers its rankings from
+    token ids alone, which would lose the images. (An unpaired row keeps its own prompt's images, and its KL
+    completion, another row's completion, is scored after this row's prompt and images, as TRL's KTOTrainer does.)"""
     held = next((row for row in rows if row.images), None)
-    if held is not None and (trains_unpaired(names) or trains_rankings(names)):
-        raise FastDPOError(f"{held.source}: rows with images train under pairwise losses (sigmoid, ipo, ...), not "
-                           f"--loss_type {','.join(names)} yet. Choose a pairwise loss, or drop the images.")
+    if held is not None and trains_rankings(names):
+        raise FastDPOError(f"{held.source}: rows with images train under pairwise losses (sigmoid, ipo, ...) and "
+                           f"unpaired ones (kto), not the listwise --loss_type {','.join(names)} yet. Choose another "
+                           "loss, or drop the images.")
 
 
 def rows_for_loss(rows: list[Row], names: list[str], where: str = "--dataset") -> list[Row]:
