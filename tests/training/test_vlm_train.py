@@ -350,3 +350,25 @@ def test_kto_on_rows_with_images_equals_the_plain_computation(tmp_path, family_d
 def test_a_listwise_loss_refuses_rows_with_images(tmp_path, vlm_dir):
     with pytest.raises(FastDPOError, match=r"data.jsonl:1.*listwise --loss_type plackett_luce"):
         train(config(tmp_path, vlm_dir, "ranked", loss_type="plackett_luce"), progress=False)
+
+
+def test_a_precomputed_reference_is_not_reused_for_changed_images(tmp_path, vlm_dir):
+    """The reference cache's key holds the images' contents and the size bounds: the same rows reuse it; an image
+    file overwritten with another picture of the same size (the same token ids), or another --max_pixels, misses."""
+    from data_helpers import write_image
+
+    rows = image_rows(tmp_path)
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    cache = tmp_path / "refcache"
+
+    def run(name, **kw):
+        train(config(tmp_path, vlm_dir, name, data=data, precompute_ref_log_probs=True, ref_cache_dir=str(cache),
+                     max_steps=1, **kw), progress=False)
+        return sorted(p.name for p in cache.glob("*.safetensors"))
+
+    first = run("a")
+    assert len(first) == 1 and run("b") == first  # the same rows and images: reused
+    write_image(tmp_path / "img" / "0.png", 16, 16, (0, 0, 0))  # row 1's image: same size, other colour
+    changed = run("c")
+    assert len(changed) == 2 and set(first) < set(changed)
+    assert len(run("d", max_pixels=16 * 16)) == 3

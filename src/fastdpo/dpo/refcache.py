@@ -31,7 +31,9 @@ from fastdpo.model.seqlogps import SeqLogps, completion_logps
 
 log = logging.getLogger("fastdpo")
 FORMAT_VERSION = 1
-WEIGHT_FILES = ("config.json", "adapter_config.json", "*.safetensors", "*.bin", "*.pt")
+# the weights, and what turns inputs into what the weights see (an image processor's sizes and normalisation)
+WEIGHT_FILES = ("config.json", "adapter_config.json", "preprocessor_config.json", "processor_config.json",
+                "*.safetensors", "*.bin", "*.pt")
 PASS_WINDOW = 4096  # pairs per first-fit packing window in the pass (first-fit is quadratic in the window)
 
 
@@ -101,13 +103,20 @@ def model_fingerprint(paths: list[str], cache_dir: Path) -> str:
     return h.hexdigest()
 
 
-def data_fingerprint(rows: list[Row]) -> str:
+def data_fingerprint(rows: list[Row], memo: dict | None = None) -> str:
+    """Hash of the rows' texts and of their images' contents (a file's bytes, not its path: an image replaced under
+    the same name, same size and token count, is another image). `memo`: file digests by (path, size, mtime)."""
     h = _hasher()
+    memo = {} if memo is None else memo
     for r in rows:
         for text in (r.prompt, r.chosen, r.rejected):  # conversational rows: their messages as canonical JSON
             b = text.encode("utf-8") if isinstance(text, str) else json.dumps(text, sort_keys=True).encode("utf-8")
             h.update(len(b).to_bytes(8, "little"))
             h.update(b)
+        for image in r.images:
+            digest = file_digest(Path(image.path), memo) if image.data is None else \
+                hashlib.blake2b(image.data, digest_size=16).hexdigest()
+            h.update(f"image:{digest};".encode())
     return h.hexdigest()
 
 

@@ -28,6 +28,7 @@ from fastdpo.config import TrainConfig
 from fastdpo.data.load import Row
 from fastdpo.data.pack import PairBatch
 from fastdpo.data.tokenize import TokenizedPair
+from fastdpo.data.vision_tokenize import PixelOptions
 from fastdpo.dpo.refcache import (
     RefTable,
     cache_key,
@@ -194,6 +195,9 @@ def cache_path(cfg: TrainConfig, pairs: list[TokenizedPair], rows: list[Row]) ->
     }
     if cfg.fp8_base and not cfg.ref_model:  # the pass ran on the FP8 base (a --ref_model keeps its own precision)
         parts["base"] = "fp8_e4m3_rowwise"
+    if any(r.images for r in rows):  # the size images were resized to (flags or environment)
+        pixels = PixelOptions.resolve(cfg.max_pixels or None, cfg.min_pixels or None)
+        parts["pixels"] = [pixels.max_pixels, pixels.min_pixels]
     return cache_dir / f"{cache_key(parts)}.safetensors", parts
 
 
