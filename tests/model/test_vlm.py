@@ -440,3 +440,37 @@ def test_backend_choice_for_a_vision_language_model(monkeypatch):
     text = windowed.model.language_model.config
     text.sliding_window, text.layer_types = 8, ["sliding_attention"] * text.num_hidden_layers
     assert choose_backend(windowed, "auto", True, cpu).name == "padded"
+
+
+@pytest.mark.parametrize("name", ["dense", "varlen"])
+def test_a_prompts_pairs_with_the_same_images_form_one_group(model, name, attention_on_cpu, monkeypatch):
+    """Two pairs of one prompt and image (a list of rejected replies) pack as one run [prompt | y1 | ... | yK], the
+    image once; a third pair of the same prompt ids with another image of the same size stays apart. Sums and every
+    gradient equal the separate forwards, and the vision tower sees each distinct image once."""
+    from fastdpo.model.backend import Backend, make_batch, prepare_packed, sequence_logps
+    from fastdpo.model.vlm import vision_ids
+
+    pairs, images = example(model.config)
+    twin = TokenizedPair(pairs[0].prompt, pairs[0].chosen, [40, 41, 42], 3)  # same prompt, same image, shared chosen
+    other = image(4, 4, 7, is_llava(model.config))  # the same size as pair 0's image: the same placeholder ids
+    apart = TokenizedPair(pairs[0].prompt, [43], [44, 45], 4)
+    pairs, images = pairs + [twin, apart], images + [images[0], [other]]
+    with_pixels(pairs, images)
+    backend = Backend(name, vision=vision_ids(model.config)).grouping(True)
+    prepare_packed(model, backend)
+    batch = make_batch(pairs, backend, 0, torch.device("cpu"))
+    assert len(batch.pair_lengths) == 4 and len(batch.pair_lengths[0]) == 4  # prompt, chosen (shared), two rejected
+    assert batch.unit_heads == (0, 1, 2, 4)
+    seen = []
+    tower = model.model.visual if hasattr(model.model, "visual") else model.model.vision_tower
+    hook = tower.register_forward_pre_hook(lambda m, args, kw: seen.append(args[0].shape[0]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            packed, _ = sequence_logps(model, batch, backend)
+    finally:
+        hook.remove()
+    assert sum(seen) == sum(x.shape[0] for x, _ in images[0] + images[1] + images[4])  # pair 0's image once
+    expected, _ = separate_sums(model, pairs, images)
+    torch.testing.assert_close(packed, expected, atol=ATOL, rtol=0)
+    grads = weighted_grads(model, lambda: sequence_logps(model, batch, backend)[0])
+    assert_grads_close(grads, weighted_grads(model, lambda: separate_sums(model, pairs, images)[0]))

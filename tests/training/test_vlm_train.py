@@ -372,3 +372,34 @@ def test_a_precomputed_reference_is_not_reused_for_changed_images(tmp_path, vlm_
     changed = run("c")
     assert len(changed) == 2 and set(first) < set(changed)
     assert len(run("d", max_pixels=16 * 16)) == 3
+
+
+def test_a_list_of_rejected_replies_with_images_trains_as_one_group(tmp_path, family_dir):
+    """A row with an image and two rejected replies gives two pairs that share the prompt and its image: they pack as
+    one group (the image once), and the step's loss and gradients equal the plain computation of both pairs."""
+    import copy
+
+    rows = image_rows(tmp_path)
+    rows[0]["rejected_response"] = ["w7", "w9 w10"]
+    data = write_jsonl(tmp_path / "listed.jsonl", rows)
+    trainer = trainer_of(tmp_path, family_dir, data=data, per_device_train_batch_size=5)
+    s = trainer.s
+    pairs = s.pairs[:5]
+    assert s.backend.group and pairs[0].prompt == pairs[1].prompt and pairs[0].num_images == 1
+    from fastdpo.model.backend import make_batch
+
+    batch = make_batch(pairs, s.backend, 0, torch.device("cpu"))
+    assert len(batch.pair_lengths) == 4 and batch.unit_heads[0] == 0  # pairs 0 and 1: one run
+    trainer.step(pairs)
+    policy, reference = copy.deepcopy(s.model), copy.deepcopy(s.reference.model).eval()
+    policy.zero_grad(set_to_none=True)
+    grads = {}
+    for name, q in s.model.named_parameters():
+        if q.requires_grad:
+            q.register_post_accumulate_grad_hook(lambda q, name=name: grads.__setitem__(name, q.grad.clone()))
+    result = trainer.step(pairs)
+    loss = plain_step(policy, reference, pairs, s.cfg.beta)
+    assert result.metrics.finish()["loss"] == pytest.approx(float(loss), abs=ATOL)
+    for name, q in policy.named_parameters():
+        if q.grad is not None:
+            torch.testing.assert_close(grads[name], q.grad, atol=ATOL, rtol=0, msg=name)

@@ -58,10 +58,13 @@ class PairBatch:
       group (1..K), pair_lengths holds (prompt, y1, ..., yK) per group; seq_alias (2B,) long, when some sequence
       has no targets of its own, maps each sequence to the one whose sums it takes; prompt_alias (B,) likewise for
       the prompt targets (held by the first pair of each group).
-    Pairs with images (vision-language models, `fastdpo.model.vlm`; never grouped): pixel_values (patches, D) and
-      image_grid_thw (I, 3) long, the images in the order their placeholders appear in input_ids (row after row; in
-      the padded layout each pair's images twice, for its chosen and its rejected row); in the packed layout
-      vision_positions (3, 1, T) long, the M-RoPE positions (position_ids stays the plain one-axis numbering).
+    Pairs with images (vision-language models, `fastdpo.model.vlm`; grouped only where a prompt's pairs hold the same
+      images): pixel_values and image_grid_thw (I, 3) long, the images in the order their placeholders appear in
+      input_ids (run after run; in the padded layout each pair's images twice, for its chosen and its rejected row);
+      in the packed layout vision_positions (3, 1, T) long, the M-RoPE positions (position_ids stays the plain
+      one-axis numbering).
+    unit_heads (packed layout, host): for each run of pair_lengths, the index in the given pairs of the pair whose
+      prompt heads it (its first member), so what belongs to a prompt (its images) is placed once per run.
     """
 
     input_ids: torch.Tensor
@@ -85,6 +88,7 @@ class PairBatch:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     vision_positions: torch.Tensor | None = None
+    unit_heads: tuple[int, ...] | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -177,11 +181,28 @@ MAX_GROUP = 126  # completions of one group: segments are int8, 0 is the prompt
 
 
 def prompt_groups(pairs: list[TokenizedPair]) -> list[list[TokenizedPair]]:
-    """The pairs gathered by prompt (the same token ids), in order of first appearance, each group in pair order."""
-    groups: dict[tuple[int, ...], list[TokenizedPair]] = {}
+    """The pairs gathered by prompt (the same token ids and, for pairs with images, the same images), in order of
+    first appearance, each group in pair order."""
+    groups: list[list[TokenizedPair]] = []
+    by_prompt: dict[tuple[int, ...], list[list[TokenizedPair]]] = {}
     for p in pairs:
-        groups.setdefault(tuple(p.prompt), []).append(p)
-    return list(groups.values())
+        same = by_prompt.setdefault(tuple(p.prompt), [])
+        home = next((g for g in same if same_images(g[0], p)), None)
+        if home is None:
+            home = []
+            same.append(home)
+            groups.append(home)
+        home.append(p)
+    return groups
+
+
+def same_images(a: TokenizedPair, b: TokenizedPair) -> bool:
+    """Whether two pairs' prompts hold the same images (pixel for pixel; none in both counts)."""
+    if a.pixel_values is None or b.pixel_values is None:
+        return a.pixel_values is None and b.pixel_values is None
+    grids = a.image_grid_thw is None and b.image_grid_thw is None or (
+        a.image_grid_thw is not None and b.image_grid_thw is not None and torch.equal(a.image_grid_thw, b.image_grid_thw))
+    return grids and a.pixel_values.shape == b.pixel_values.shape and torch.equal(a.pixel_values, b.pixel_values)
 
 
 def packed_tokens(pairs: list[TokenizedPair], group: bool = False, dedupe: bool = True) -> int:
@@ -287,6 +308,7 @@ def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int
     alias = list(range(2 * b))
     prompt_alias = list(range(b))
     runs: list[tuple[int, ...]] = []
+    heads: list[int] = []
     prompt = _PromptTargets(b) if prompt_targets else None
     order = {id(p): i for i, p in enumerate(pairs)}
     units = [part for members in prompt_groups(pairs) for part in _by_size(members)] if group else [[p] for p in pairs]
@@ -297,6 +319,7 @@ def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int
         seg += [PROMPT] * plen
         last_prompt = start + plen - 1
         first = order[id(members[0])]
+        heads.append(first)
         if prompt is not None:
             prompt.add(first, members[0].prompt, start)
         held: dict[tuple[int, ...], int] = {}  # completion -> the sequence holding its targets
@@ -344,6 +367,7 @@ def pack_pairs(pairs: list[TokenizedPair], pad_to_multiple: int = 1, pad_id: int
         pair_lengths=tuple(runs),
         seq_alias=int_tensor(alias) if shared else None,
         prompt_alias=int_tensor(prompt_alias) if prompt is not None and prompt_alias != list(range(b)) else None,
+        unit_heads=tuple(heads),
         **prompt_fields,
     )
 

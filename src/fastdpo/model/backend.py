@@ -49,9 +49,9 @@ class Backend:
 
     def grouping(self, group: bool, dedupe: bool = True) -> Backend:
         """This backend laying out micro-batches in prompt groups (`group`; never on the padded path, which is the
-        plain reference computation, nor for a vision-language model: two prompts of equal ids may hold different
-        images)."""
-        return dataclasses.replace(self, group=group and self.name != "padded" and self.vision is None, dedupe=dedupe)
+        plain reference computation; a vision-language model's groups also hold the same images,
+        `fastdpo.data.pack.prompt_groups`)."""
+        return dataclasses.replace(self, group=group and self.name != "padded", dedupe=dedupe)
 
     def plain(self) -> Backend:
         """The padded path for the same model: the plain computation this backend is held to (a vision-language
@@ -204,8 +204,10 @@ def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device,
     whose NLL covers the prompt, `losses.needs_prompt_targets`). A vision-language model's batches carry the pairs'
     images (`fastdpo.model.vlm.vision_batch`)."""
     if backend.vision is not None:
-        multiple = flex_length(packed_tokens(pairs), budget, backend.lengths) if backend.name == "flex" else 1
-        batch = vision_batch(pairs, backend.vision, pad_id, prompt_targets, backend.name == "padded", multiple)
+        tokens = packed_tokens(pairs, backend.group, backend.dedupe)
+        multiple = flex_length(tokens, budget, backend.lengths) if backend.name == "flex" else 1
+        batch = vision_batch(pairs, backend.vision, pad_id, prompt_targets, backend.name == "padded", multiple,
+                             backend.group, backend.dedupe)
     elif backend.name == "padded":
         batch = pad_pairs(pairs, pad_id, prompt_targets)
     elif backend.name == "flex":

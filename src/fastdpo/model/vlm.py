@@ -46,8 +46,10 @@ image, `model.get_input_embeddings()`, the language model from `model.get_decode
 forward (`language_attention`). The M-RoPE positions are computed here, not by the model's `get_rope_index` (the
 tests compare the two).
 
-Pairs are never grouped by prompt (`pack_pairs(..., group=True)`): two prompts with the same token ids may hold
-different images. Videos are not handled. The vision tower keeps the model's own attention: switching every
+A prompt's pairs form one group [prompt with its images | y1 | ... | yK] (`pack_pairs(..., group=True)`) only where
+they hold the same images, pixel for pixel (`fastdpo.data.pack.same_images`): two prompts with the same token ids
+may hold different images. A group's images are placed once, its completions each restart where the first began.
+Videos are not handled. The vision tower keeps the model's own attention: switching every
 sub-config to fastdpo's attention (`backend.target_hidden` does so for text models) would break it, so only the
 language model's layers are switched.
 """
@@ -133,8 +135,9 @@ def mrope_positions(input_ids: torch.Tensor, pair_lengths, image_grid_thw: torch
                     spatial_merge_size: int) -> torch.Tensor:
     """(3, 1, T) long M-RoPE positions of a packed row (the module docstring, point 2).
 
-    input_ids (1, T) the packed row; pair_lengths: (prompt, chosen, rejected) tokens of each pair in packed order
-    (`PairBatch.pair_lengths`); image_grid_thw (I, 3) the grids of the images in the order their placeholders appear.
+    input_ids (1, T) the packed row; pair_lengths: (prompt, y1, ..., yK) tokens of each run in packed order (a pair:
+    prompt, chosen, rejected; `PairBatch.pair_lengths`); image_grid_thw (I, 3) the grids of the images in the order
+    their placeholders appear.
     A run of an image's t h' w' placeholders takes the next grid; trailing filler gets position 0 like text filler."""
     ids = input_ids[0].tolist()
     grids = [] if image_grid_thw is None else image_grid_thw.tolist()
@@ -145,8 +148,7 @@ def mrope_positions(input_ids: torch.Tensor, pair_lengths, image_grid_thw: torch
         chunks.append(torch.arange(start, start + n).expand(3, n))
 
     for pair, run in enumerate(pair_lengths):
-        assert len(run) == 3, "vision-language pairs are packed one pair per prompt (no groups)"
-        n_prompt, n_chosen, n_rejected = run
+        n_prompt, *completions = run
         pos = i = 0  # next text position, next prompt token
         while i < n_prompt:
             if ids[off + i] != image_token_id:
@@ -172,9 +174,9 @@ def mrope_positions(input_ids: torch.Tensor, pair_lengths, image_grid_thw: torch
             chunks.append(grid.reshape(3, n) + pos)
             pos += max(t, hm, wm)
             i += n
-        text(pos, n_chosen)
-        text(pos, n_rejected)  # rejected restarts where chosen started
-        off += n_prompt + n_chosen + n_rejected
+        for n in completions:  # each completion restarts where the first started (rejected where chosen did)
+            text(pos, n)
+        off += n_prompt + sum(completions)
     if image != len(grids):
         raise FastDPOError(f"{len(grids)} images for {image} image placeholder runs in the pairs' prompts.")
     chunks.append(torch.zeros(3, len(ids) - off, dtype=torch.long))
@@ -228,14 +230,15 @@ def pair_images(pairs: list[TokenizedPair], times: int = 1) -> tuple[torch.Tenso
 
 
 def vision_batch(pairs: list[TokenizedPair], ids: VisionIds, pad_id: int = 0, prompt_targets: bool = False,
-                 padded: bool = False, pad_to_multiple: int = 1) -> PairBatch:
+                 padded: bool = False, pad_to_multiple: int = 1, group: bool = False, dedupe: bool = True) -> PairBatch:
     """A micro-batch of pairs that may hold images (`TokenizedPair.pixel_values`), on the host: one packed row with
-    its positions (never grouped by prompt; filler up to a multiple of `pad_to_multiple`), or with `padded`
-    the plain layout of 2B rows (prompt+chosen, then prompt+rejected), each pair's images once per row. `ids`:
-    `vision_ids` of the model."""
+    its positions (filler up to a multiple of `pad_to_multiple`; with `group`, a prompt's pairs that hold the same
+    images as one run, their images once), or with `padded` the plain layout of 2B rows (prompt+chosen, then
+    prompt+rejected), each pair's images once per row. `ids`: `vision_ids` of the model."""
     if padded:
         return with_images(pad_pairs(pairs, pad_id, prompt_targets), ids, *pair_images(pairs, 2))
-    return with_images(pack_pairs(pairs, pad_to_multiple, pad_id, prompt_targets), ids, *pair_images(pairs))
+    batch = pack_pairs(pairs, pad_to_multiple, pad_id, prompt_targets, group, dedupe)
+    return with_images(batch, ids, *pair_images([pairs[i] for i in batch.unit_heads]))
 
 
 def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
