@@ -30,7 +30,9 @@ def eval_config(tmp_path, base, data, **kw) -> EvalConfig:
                          "device": "cpu", "torch_dtype": "float32", "beta": BETA, **kw})
 
 
-def test_eval_of_rows_with_images_equals_the_plain_computation(tmp_path, vlm):
+def plain_logps(cfg, base, adapter, data):
+    """(pairs, policy, reference): the held-out pairs as eval reads them (images and all), and their chosen and
+    rejected log-prob sums (B, 2) from the model's own forwards, adapter on and off."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -38,22 +40,29 @@ def test_eval_of_rows_with_images_equals_the_plain_computation(tmp_path, vlm):
     from fastdpo.data.prepare import DataOptions, tokenize_rows
     from fastdpo.model.processor import load_processor
 
-    base, adapter, data = vlm
-    cfg = eval_config(tmp_path, base, data, adapters=str(adapter))
-    report = run_eval(cfg)
-    m = report["metrics"]
-    assert report["pairs"] == 4 and report["reference"] == "adapter_off"
-
     opts = DataOptions.for_scoring(cfg)
     opts = dataclasses.replace(opts, read=dataclasses.replace(opts.read, images=True))
     pairs, _ = tokenize_rows(load_rows([str(data)], read=opts.read), None, opts, processor=load_processor(base))
-    assert sum(p.num_images for p in pairs) == 4
     model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
     with torch.no_grad():
         pol = torch.tensor([[sequence_logp(model, p, p.chosen), sequence_logp(model, p, p.rejected)] for p in pairs])
         with model.disable_adapter():
             ref = torch.tensor([[sequence_logp(model, p, p.chosen), sequence_logp(model, p, p.rejected)]
                                 for p in pairs])
+    return pairs, pol, ref
+
+
+def test_eval_of_rows_with_images_equals_the_plain_computation(tmp_path, vlm):
+
+
+    base, adapter, data = vlm
+    cfg = eval_config(tmp_path, base, data, adapters=str(adapter))
+    report = run_eval(cfg)
+    m = report["metrics"]
+    assert report["pairs"] == 4 and report["reference"] == "adapter_off"
+
+    pairs, pol, ref = plain_logps(cfg, base, adapter, data)
+    assert sum(p.num_images for p in pairs) == 4
     rewards = BETA * (pol - ref)
     margins = rewards[:, 0] - rewards[:, 1]
     assert margins.abs().min() > 1e-3  # the adapter moves every pair: the comparison can fail
@@ -213,25 +222,12 @@ def test_infer_resizes_images_as_the_run_did(tmp_path, monkeypatch):
 def test_eval_kto_metrics_of_rows_with_images(tmp_path, vlm):
     """Held-out pairs with images scored as unpaired rows (KTO): each row's log-ratio is the model's own forwards of
     [prompt with its images | completion], adapter on and off (one KL round: the rows' mean rewards and log-probs)."""
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
 
-    from fastdpo.data.load import load_rows
-    from fastdpo.data.prepare import DataOptions, tokenize_rows
-    from fastdpo.model.processor import load_processor
 
     base, adapter, data = vlm
     cfg = eval_config(tmp_path, base, data, adapters=str(adapter), loss_type="kto")
     m = run_eval(cfg)["metrics"]
-    opts = DataOptions.for_scoring(cfg)
-    opts = dataclasses.replace(opts, read=dataclasses.replace(opts.read, images=True))
-    pairs, _ = tokenize_rows(load_rows([str(data)], read=opts.read), None, opts, processor=load_processor(base))
-    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), adapter).eval()
-    with torch.no_grad():
-        pol = torch.tensor([[sequence_logp(model, p, p.chosen), sequence_logp(model, p, p.rejected)] for p in pairs])
-        with model.disable_adapter():
-            ref = torch.tensor([[sequence_logp(model, p, p.chosen), sequence_logp(model, p, p.rejected)]
-                                for p in pairs])
+    _, pol, ref = plain_logps(cfg, base, adapter, data)
     rewards = BETA * (pol - ref)  # column 0: the desirable rows (chosen), column 1: the undesirable ones
     assert rewards.abs().min() > 1e-4  # the adapter moves every row: the comparison can fail
     want = {"rewards/chosen": rewards[:, 0].mean(), "rewards/rejected": rewards[:, 1].mean(),

@@ -321,30 +321,40 @@ def plain_kto_step(policy, reference, rows, beta) -> torch.Tensor:
     return loss
 
 
-def test_kto_on_rows_with_images_equals_the_plain_computation(tmp_path, family_dir):
-    """Pairs with images unpaired for KTO (each prompt's images stay with both of its rows; a row's KL completion,
-    the completion of the row before it, is scored after its own prompt and images): one step's loss and gradients
-    equal the plain computation."""
+def second_step_equals(trainer, pairs, plain) -> None:
+    """A first step moves the policy off the reference; the second step's loss and accumulated gradients equal
+    `plain(policy, reference, pairs, beta)` on copies of the models taken before it."""
     import copy
 
-    trainer = trainer_of(tmp_path, family_dir, loss_type="kto", per_device_train_batch_size=8)
     s = trainer.s
-    rows = s.pairs[:8]  # the four pairs' eight rows, one KL round
-    assert sum(r.num_images for r in rows) >= 2 and {r.label for r in rows} == {True, False}
-    assert all(r.rejected != r.chosen for r in rows)  # KL completions are other rows' completions
-    trainer.step(rows)
+    trainer.step(pairs)
     policy, reference = copy.deepcopy(s.model), copy.deepcopy(s.reference.model).eval()
     policy.zero_grad(set_to_none=True)
     grads = {}
     for name, q in s.model.named_parameters():
         if q.requires_grad:
             q.register_post_accumulate_grad_hook(lambda q, name=name: grads.__setitem__(name, q.grad.clone()))
-    result = trainer.step(rows)
-    loss = plain_kto_step(policy, reference, rows, s.cfg.beta)
+    result = trainer.step(pairs)
+    loss = plain(policy, reference, pairs, s.cfg.beta)
     assert result.metrics.finish()["loss"] == pytest.approx(float(loss), abs=ATOL)
+    reached = [name for name, q in policy.named_parameters() if q.grad is not None]
+    assert reached
     for name, q in policy.named_parameters():
         if q.grad is not None:
             torch.testing.assert_close(grads[name], q.grad, atol=ATOL, rtol=0, msg=name)
+
+
+def test_kto_on_rows_with_images_equals_the_plain_computation(tmp_path, family_dir):
+    """Pairs with images unpaired for KTO (each prompt's images stay with both of its rows; a row's KL completion,
+    the completion of the row before it, is scored after its own prompt and images): one step's loss and gradients
+    equal the plain computation."""
+
+    trainer = trainer_of(tmp_path, family_dir, loss_type="kto", per_device_train_batch_size=8)
+    s = trainer.s
+    rows = s.pairs[:8]  # the four pairs' eight rows, one KL round
+    assert sum(r.num_images for r in rows) >= 2 and {r.label for r in rows} == {True, False}
+    assert all(r.rejected != r.chosen for r in rows)  # KL completions are other rows' completions
+    second_step_equals(trainer, rows, plain_kto_step)
 
 
 def test_a_listwise_loss_refuses_rows_with_images(tmp_path, vlm_dir):
@@ -377,7 +387,6 @@ def test_a_precomputed_reference_is_not_reused_for_changed_images(tmp_path, vlm_
 def test_a_list_of_rejected_replies_with_images_trains_as_one_group(tmp_path, family_dir):
     """A row with an image and two rejected replies gives two pairs that share the prompt and its image: they pack as
     one group (the image once), and the step's loss and gradients equal the plain computation of both pairs."""
-    import copy
 
     rows = image_rows(tmp_path)
     rows[0]["rejected_response"] = ["w7", "w9 w10"]
@@ -390,16 +399,4 @@ def test_a_list_of_rejected_replies_with_images_trains_as_one_group(tmp_path, fa
 
     batch = make_batch(pairs, s.backend, 0, torch.device("cpu"))
     assert len(batch.pair_lengths) == 4 and batch.unit_heads[0] == 0  # pairs 0 and 1: one run
-    trainer.step(pairs)
-    policy, reference = copy.deepcopy(s.model), copy.deepcopy(s.reference.model).eval()
-    policy.zero_grad(set_to_none=True)
-    grads = {}
-    for name, q in s.model.named_parameters():
-        if q.requires_grad:
-            q.register_post_accumulate_grad_hook(lambda q, name=name: grads.__setitem__(name, q.grad.clone()))
-    result = trainer.step(pairs)
-    loss = plain_step(policy, reference, pairs, s.cfg.beta)
-    assert result.metrics.finish()["loss"] == pytest.approx(float(loss), abs=ATOL)
-    for name, q in policy.named_parameters():
-        if q.grad is not None:
-            torch.testing.assert_close(grads[name], q.grad, atol=ATOL, rtol=0, msg=name)
+    second_step_equals(trainer, pairs, plain_step)
