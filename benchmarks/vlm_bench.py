@@ -268,8 +268,10 @@ def cmd_fastdpo(a) -> dict:
            "--beta", "0.1", "--save_steps", "0", "--logging_steps", "1", "--shuffle", "false",
            "--max_length", str(a.max_length), "--disable_progress", "true"]
     cmd += ["--torch_dtype", "bfloat16"] if cuda else ["--device", "cpu", "--torch_dtype", "float32"]
-    if a.lora:
+    if a.lora:  # adapters on the language model only, as TRL's side targets them
         cmd += ["--train_type", "lora", "--lora_rank", "16", "--lora_alpha", "32"]
+    else:  # every part trained, as TRL's full fine-tuning trains them (fastdpo's default freezes the vision tower)
+        cmd += ["--freeze_vit", "false", "--freeze_aligner", "false"]
     cmd += shlex.split(a.fastdpo_args)
     rc, wall = run_timed(cmd, out.parent / f"{out.name}.log", a.limit, child_env())
     records = []
