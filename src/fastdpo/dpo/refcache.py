@@ -103,11 +103,11 @@ def model_fingerprint(paths: list[str], cache_dir: Path) -> str:
     return h.hexdigest()
 
 
-def data_fingerprint(rows: list[Row], memo: dict | None = None) -> str:
+def data_fingerprint(rows: list[Row]) -> str:
     """Hash of the rows' texts and of their images' contents (a file's bytes, not its path: an image replaced under
-    the same name, same size and token count, is another image). `memo`: file digests by (path, size, mtime)."""
+    the same name, same size and token count, is another image)."""
     h = _hasher()
-    memo = {} if memo is None else memo
+    memo: dict = {}  # an image several rows share is read once
     for r in rows:
         for text in (r.prompt, r.chosen, r.rejected):  # conversational rows: their messages as canonical JSON
             b = text.encode("utf-8") if isinstance(text, str) else json.dumps(text, sort_keys=True).encode("utf-8")

@@ -372,6 +372,15 @@ def gather_keys(module, x: torch.Tensor, index: torch.Tensor, kw: dict) -> torch
     return gather_rows(x, index, first, second)
 
 
+def switch_attention(root: torch.nn.Module, name: str) -> None:
+    """Give every module config under `root` the attention implementation `name` (transformers reads it at each
+    forward)."""
+    for module in root.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", None) != name:
+            cfg._attn_implementation = name
+
+
 def register() -> None:
     """Make "fastdpo" a valid attn_implementation for transformers models (idempotent)."""
     from transformers import AttentionInterface

@@ -75,22 +75,28 @@ FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
 
 def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device,
                    lengths: int = SHAPE_BUCKETS) -> Backend:
-    """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ."""
+    """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ. A
+    vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA) takes the same backends for its language model
+    (`fastdpo.model.vlm`), its padded rows through the model's own multimodal forward."""
     cfg = base_causal_lm(model).config
-    if is_vision_config(cfg):
-        return vision_backend(model, attn_impl, padding_free, device, lengths)
+    vision = vision_ids(cfg) if is_vision_config(cfg) else None
     if attn_impl in FOREIGN_ATTN:
         log.info("--attn_impl %s: using the %s backend. %s", attn_impl, "flex" if device.type == "cuda" else "dense",
                  FOREIGN_ATTN[attn_impl])
         attn_impl = "auto"
     if not padding_free or attn_impl == "padded":
-        return Backend("padded")
-    ok, window, reason = sliding_window(cfg)
-    if cfg.model_type not in PACKED_FAMILIES:
-        ok, reason = False, f"model_type {cfg.model_type!r} is not yet verified on the packed layout"
+        return Backend("padded", vision=vision)
+    if vision is None:
+        ok, window, reason = sliding_window(cfg)
+        if cfg.model_type not in PACKED_FAMILIES:
+            ok, reason = False, f"model_type {cfg.model_type!r} is not yet verified on the packed layout"
+    else:  # its language model's window: the positions of a packed row with images take none
+        ok, window, reason = sliding_window(decoder(model).config)
+        if window is not None:
+            ok, reason = False, "the language model's sliding window"
     if not ok:
         log.warning("Using the padded path: %s.", reason)
-        return Backend("padded")
+        return Backend("padded", vision=vision)
     name = attn_impl if attn_impl != "auto" else auto_backend(model, device)
     if name in ("flex", "varlen") and device.type != "cuda":
         raise FastDPOError(f"--attn_impl {name} needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
@@ -98,33 +104,10 @@ def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.devi
         why = varlen_unsupported(model)
         if why:
             raise FastDPOError(f"--attn_impl varlen: {why}. Use --attn_impl flex (or auto).")
-    return Backend(name, window, lengths)
-
-
-def vision_backend(model, attn_impl: str, padding_free: bool, device: torch.device,
-                   lengths: int = SHAPE_BUCKETS) -> Backend:
-    """A vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA): its pairs packed as text pairs are, through the same attention
-    backends (`fastdpo.model.vlm`: varlen or flex on CUDA, the dense pair mask on the CPU), or the padded rows
-    through the model's own multimodal forward. Pairs are never grouped by prompt."""
-    cfg = base_causal_lm(model).config
-    ids = vision_ids(cfg)
-    if attn_impl in FOREIGN_ATTN:
-        attn_impl = "auto"
-    if not padding_free or attn_impl == "padded":
-        return Backend("padded", vision=ids)
-    ok, window, reason = sliding_window(decoder(model).config)
-    if not ok or window is not None:
-        log.warning("Using the padded path: the language model's %s.", reason or "sliding window")
-        return Backend("padded", vision=ids)
-    name = attn_impl if attn_impl != "auto" else auto_backend(model, device)
-    if name in ("flex", "varlen") and device.type != "cuda":
-        raise FastDPOError(f"--attn_impl {name} needs a CUDA device. Use --attn_impl dense (or auto) on CPU.")
-    if name == "varlen" and (why := varlen_unsupported(model)):
-        raise FastDPOError(f"--attn_impl varlen: {why}. Use --attn_impl flex (or auto).")
-    if name == "dense" and device.type == "cuda":
+    if vision is not None and name == "dense" and device.type == "cuda":
         log.warning("Vision-language model on the dense pair mask: its memory grows with the square of a "
                     "micro-batch's tokens; keep micro-batches small (--max_tokens_per_batch), or use --attn_impl auto.")
-    return Backend(name, lengths=lengths, vision=ids)
+    return Backend(name, window, lengths, vision=vision)
 
 
 def varlen_unsupported(model) -> str:
@@ -155,10 +138,7 @@ def _set_attn(model, name: str) -> None:
     if getattr(lm, "_fastdpo_attn", None) == name:
         return
     lm._fastdpo_attn = name
-    for module in lm.modules():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and getattr(cfg, "_attn_implementation", None) != name:
-            cfg._attn_implementation = name
+    attention.switch_attention(lm, name)
 
 
 def prepare_packed(model, backend: Backend) -> None:
@@ -204,8 +184,8 @@ def make_batch(pairs: list, backend: Backend, pad_id: int, device: torch.device,
     whose NLL covers the prompt, `losses.needs_prompt_targets`). A vision-language model's batches carry the pairs'
     images (`fastdpo.model.vlm.vision_batch`)."""
     if backend.vision is not None:
-        tokens = packed_tokens(pairs, backend.group, backend.dedupe)
-        multiple = flex_length(tokens, budget, backend.lengths) if backend.name == "flex" else 1
+        multiple = 1 if backend.name != "flex" else \
+            flex_length(packed_tokens(pairs, backend.group, backend.dedupe), budget, backend.lengths)
         batch = vision_batch(pairs, backend.vision, pad_id, prompt_targets, backend.name == "padded", multiple,
                              backend.group, backend.dedupe)
     elif backend.name == "padded":

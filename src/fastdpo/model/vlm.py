@@ -278,10 +278,7 @@ def language_attention(model, name: str | None = None) -> str:
     own = text.__dict__.setdefault("_fastdpo_own_attn", text.config._attn_implementation)
     want = own if name is None else name
     if text.config._attn_implementation != want:
-        for module in text.modules():
-            cfg = getattr(module, "config", None)
-            if cfg is not None and getattr(cfg, "_attn_implementation", None) != want:
-                cfg._attn_implementation = want
+        attention.switch_attention(text, want)
     return want
 
 
