@@ -400,3 +400,18 @@ def test_a_list_of_rejected_replies_with_images_trains_as_one_group(tmp_path, fa
     batch = make_batch(pairs, s.backend, 0, torch.device("cpu"))
     assert len(batch.pair_lengths) == 4 and batch.unit_heads[0] == 0  # pairs 0 and 1: one run
     second_step_equals(trainer, pairs, plain_step)
+
+
+def test_a_vision_language_family_fastdpo_does_not_train_is_refused(tmp_path):
+    """A Qwen3-VL dir is refused by name before its rows are read (not trained as text, not called text-only)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from fastdpo.model.tiny import word_tokenizer
+
+    model = tmp_path / "qwen3vl"
+    transformers.Qwen3VLConfig().save_pretrained(model)
+    save_file({"x": torch.zeros(1)}, model / "model.safetensors")
+    word_tokenizer(["w1", "w2"]).save_pretrained(model)
+    with pytest.raises(FastDPOError, match="model_type 'qwen3_vl', which fastdpo does not train yet"):
+        train(config(tmp_path, model, "run"), progress=False)

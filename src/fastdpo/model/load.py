@@ -156,6 +156,15 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None and config.model_type in VISION_FAMILIES
 
 
+def check_vision_family(config, path: str) -> None:
+    """Refuse a vision-language model of a family fastdpo does not train: it would load and train as text, its
+    image inputs and positions unread."""
+    if getattr(config, "vision_config", None) is not None and config.model_type not in VISION_FAMILIES:
+        raise FastDPOError(f"{path} is a vision-language model of model_type {config.model_type!r}, which fastdpo "
+                           f"does not train yet (it trains {', '.join(VISION_FAMILIES)}): its image inputs and "
+                           "positions would not be read. Use a model of those families.")
+
+
 def model_class(config):
     """The transformers auto class a config loads with: image-text-to-text for the vision-language families, a
     causal LM otherwise."""
@@ -200,6 +209,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, trust_remote
             f"--model_type {model_type!r} does not match {path}, whose config.json says {config.model_type!r}. "
             "Drop --model_type or point --model at the right model."
         )
+    check_vision_family(config, path)
     try:
         extra = {"quantization_config": quant, "device_map": {"": device}} if quant else {}
         if not quant and _loads_onto(device):  # weights read straight onto the GPU: no CPU copy to move after

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastdpo.errors import FastDPOError
-from fastdpo.model.load import is_vision_config
+from fastdpo.model.load import check_vision_family, is_vision_config
 
 
 def is_vision_model(path: str | Path, trust_remote_code: bool = False) -> bool:
@@ -22,6 +22,7 @@ def is_vision_model(path: str | Path, trust_remote_code: bool = False) -> bool:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception:  # a tokenizer dir without a model config: not a vision-language model
         return False
+    check_vision_family(config, str(path))
     return is_vision_config(config)
 
 
