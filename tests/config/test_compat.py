@@ -145,7 +145,7 @@ def test_swift_fp8_spelling_trains_lora_on_the_fp8_base(caplog):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (("--fp8_base", "true"), "--train_type full trains every weight .*--fp8, which is not available yet"),
+    (("--fp8_base", "true"), "--train_type full trains every weight. For FP8 products in a full fine-tune use --fp8"),
     (("--train_type", "qlora", "--fp8_base", "true"), "--fp8_base and --train_type qlora both quantise"),
     (("--train_type", "lora", "--fp8_base", "true", "--device", "cpu"), "--fp8_base needs a CUDA GPU with FP8"),
 ])

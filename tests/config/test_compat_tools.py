@@ -143,17 +143,19 @@ def test_llamafactory_defaults_quantisation_and_templates(tmp_path, caplog):
     assert parse("--model", "m", "--dataset", "d", "--stage", "dpo", "--pref_beta", "0.3").beta == 0.3
 
 
-def test_llamafactory_fp8_is_the_fp8_base_under_lora(tmp_path, caplog):
+def test_llamafactory_fp8_is_the_fp8_base_under_lora_and_fp8_training_under_full(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="fastdpo")
     base = {"model_name_or_path": "m", "stage": "dpo", "dataset": "d.jsonl"}
     cfg = from_yaml(tmp_path, {**base, "fp8": True})
     assert (cfg.train_type, cfg.fp8_base) == ("lora", True) and "--fp8_base" in caplog.text
     assert from_yaml(tmp_path, {**base, "fp8": False}).fp8_base is False
-    with pytest.raises(FastDPOError, match="fp8: true with finetuning_type full: .*--fp8, which is not available yet"):
-        from_yaml(tmp_path, {**base, "finetuning_type": "full", "fp8": True})
-    # without another LLaMA-Factory key, the config's own check refuses it on a full fine-tune
-    with pytest.raises(FastDPOError, match="--fp8, which is not available yet"):
-        from_yaml(tmp_path, {"model": "m", "dataset": "d.jsonl", "fp8": True}).validate_training()
+    full = from_yaml(tmp_path, {**base, "finetuning_type": "full", "fp8": True})  # a full fine-tune in FP8
+    assert (full.train_type, full.fp8, full.fp8_base) == ("full", True, False)
+    # fastdpo's own keys (a full fine-tune by default): fp8 is --fp8 itself, as Axolotl's fp8 means
+    own = from_yaml(tmp_path, {"model": "m", "dataset": "d.jsonl", "fp8": True})
+    assert (own.train_type, own.fp8, own.fp8_base) == ("full", True, False)
+    with pytest.raises(FastDPOError, match="hold it in FP8 with --train_type lora --fp8_base"):
+        from_yaml(tmp_path, {"model": "m", "dataset": "d.jsonl", "fp8": True, "train_type": "lora"}).validate()
 
 
 def test_llamafactory_kto_stage(tmp_path, caplog):

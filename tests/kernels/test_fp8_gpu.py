@@ -48,3 +48,49 @@ def test_widths_not_multiples_of_16_fall_back_to_the_emulation_on_the_gpu():
     (gx,) = torch.autograd.grad(y.float().sum(), x)
     ey = Fp8LinearFunction.apply(x.detach(), wq, w_scale, None, True)
     assert torch.equal(y, ey) and gx.shape == x.shape and torch.isfinite(gx).all()
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("m,k,n", [(8192, 2048, 6144), (1000, 2048, 2048), (37, 64, 48)])
+def test_the_trained_fp8_linear_on_scaled_mm_matches_its_emulation(recipe, m, k, n):
+    """--fp8's linear: output, x's gradient and the weight's gradient, `_scaled_mm` against the float32 emulation
+    of the same quantised operands, both scaling recipes."""
+    from fastdpo.kernels.fp8 import Fp8TrainLinearFunction, quantise
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
+    up = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    wq, w_scale = quantise(w, recipe)
+    assert scaled_mm_serves(wq, wq, torch.bfloat16)
+    outs = {}
+    for emulate in (False, True):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = Fp8TrainLinearFunction.apply(xr, wr, None, wq, w_scale, recipe, None, None, emulate)
+        outs[emulate] = (y, *torch.autograd.grad(y, (xr, wr), up))
+    for got, want in zip(outs[False], outs[True]):
+        assert got.dtype == torch.bfloat16 and rel(got, want) < 4e-3
+    y, gx, gw = outs[False]
+    assert rel(y, x.float() @ w.float().t()) < 0.06 and rel(gx, up.float() @ w.float()) < 0.06
+    assert rel(gw, up.float().t() @ x.float()) < 4e-3  # the weight's gradient: a bfloat16 product, unquantised
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_a_full_fine_tune_with_fp8_trains_and_its_certificate_passes(tmp_path, model_dirs, recipe):
+    import json
+
+    from data_helpers import easy_rows, write_jsonl
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.training.loop import train
+
+    data = write_jsonl(tmp_path / "d.jsonl", easy_rows(32))
+    cfg = TrainConfig(model=str(model_dirs("qwen3", hidden=128)), dataset=[str(data)], fp8=True, fp8_recipe=recipe,
+                      learning_rate=1e-4, max_steps=8, per_device_train_batch_size=8, device="cuda",
+                      output_dir=str(tmp_path / "o"), torch_dtype="bfloat16", disable_progress=True)
+    train(cfg, progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "o" / "metrics.jsonl")]
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["certificate"]["status"] == "PASS"
+    assert all(r["loss"] == r["loss"] for r in rows)  # finite
+    assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]

@@ -87,6 +87,9 @@ class TrainConfig(ParallelSection, MonitoringSection, ProfilingSection, RunSecti
             raise FastDPOError("--fp8_base needs a CUDA GPU with FP8 tensor cores (Ada or Hopper, compute capability "
                                "8.9 or newer), and --device cpu trains on the CPU. Drop --fp8_base (plain --train_type "
                                "lora).")
+        if self.fp8 and self.device == "cpu":
+            raise FastDPOError("--fp8 needs a CUDA GPU with FP8 tensor cores (Ada or Hopper, compute capability 8.9 or "
+                               "newer), and --device cpu trains on the CPU. Drop --fp8 (bf16 training).")
         if self.torch_dtype == "float16" and self.train_type == "full":
             raise FastDPOError(
                 "--torch_dtype float16 (or --fp16 true) with --train_type full: AdamW's updates and second moments do "

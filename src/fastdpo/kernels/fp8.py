@@ -61,6 +61,35 @@ def quantise_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3,
     return _quantise(x, col_scale, dtype)
 
 
+def _quantise_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    fmax = torch.finfo(dtype).max
+    xf = x.detach().float()
+    scale = xf.abs().amax().clamp(min=_TINY).reshape(1, 1) / fmax
+    return (xf / scale).clamp(-fmax, fmax).to(dtype), scale
+
+
+@functools.cache
+def _compiled_quantise_tensor():
+    return torch.compile(_quantise_tensor, dynamic=True)
+
+
+def quantise_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) for a 2-D `x`: one float32 scale (1, 1) for the whole tensor, its absolute maximum over the format's
+    largest value (one compiled kernel on CUDA, as `quantise_rowwise`)."""
+    if x.is_cuda and HAVE_TRITON and not torch.compiler.is_compiling():
+        return _compiled_quantise_tensor()(x, dtype)
+    return _quantise_tensor(x, dtype)
+
+
+RECIPES = ("rowwise", "tensorwise")
+
+
+def quantise(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` in e4m3 with the recipe's scales: one per row (`rowwise`: per token for an activation, per output feature
+    for a weight) or one for the tensor (`tensorwise`)."""
+    return quantise_rowwise(x) if recipe == "rowwise" else quantise_tensorwise(x)
+
+
 def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q * scale in float32: the values an FP8 tensor and its row scales stand for."""
     return q.float() * scale
@@ -127,3 +156,45 @@ class Fp8LinearFunction(torch.autograd.Function):
         g_x = fp8_linear_input_grad(g, wq, w_scale, ctx.emulate) if ctx.needs_input_grad[0] else None
         g_bias = g.sum(0) if ctx.needs_input_grad[3] else None
         return g_x, None, None, g_bias, None
+
+
+class Fp8TrainLinearFunction(torch.autograd.Function):
+    """x @ W^T (+ bias) for 2-D x (M, in) over a trained weight W (out, in) kept in x's dtype (`--fp8`): the output
+    and x's gradient as FP8 products, W's gradient dY^T @ x in x's dtype.
+
+    `wq`, `w_scale`: W quantised by the recipe (the caller quantises it, once per forward, or once for a frozen
+    weight); `xq`, `x_scale`: x quantised by the recipe (None: quantised here; the caller passes them when sibling
+    projections share one input). Forward: xq @ wq^T with both scales. x's gradient: row-wise, (dY * s_w^T)
+    quantised per row times wq (the algebra of `Fp8LinearFunction`); tensor-wise, dY quantised whole times wq, both
+    scales after the product. W's gradient stays in x's dtype: it feeds the optimizer's update directly, and rounding
+    it to e4m3 would put a few percent of noise into every step's update (the output and x's gradient only pass
+    through the network, where the noise averages over the width). Kept for the backward: x (as any linear keeps it),
+    wq and its scales."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wq, w_scale, recipe: str, xq=None, x_scale=None, emulate: bool = False):
+        if xq is None:
+            xq, x_scale = quantise(x, recipe)
+        out = fp8_matmul(xq, x_scale, wq, w_scale, x.dtype, emulate)
+        if bias is not None:
+            out = out.add_(bias.to(out.dtype))
+        ctx.save_for_backward(x, wq, w_scale)
+        ctx.recipe, ctx.emulate = recipe, emulate
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, wq, w_scale = ctx.saved_tensors
+        g = g.contiguous()
+        g_x = g_w = g_b = None
+        if ctx.needs_input_grad[0]:
+            if ctx.recipe == "rowwise":
+                g_x = fp8_linear_input_grad(g, wq, w_scale, ctx.emulate)
+            else:
+                gq, g_scale = quantise_tensorwise(g)
+                g_x = fp8_matmul(gq, g_scale, wq.t().contiguous(), w_scale, g.dtype, ctx.emulate)
+        if ctx.needs_input_grad[1]:
+            g_w = (g.t() @ x.to(g.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[2]:
+            g_b = g.sum(0)
+        return g_x, g_w, g_b, None, None, None, None, None, None

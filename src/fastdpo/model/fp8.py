@@ -1,5 +1,8 @@
-"""The FP8 base of LoRA (--fp8_base): the frozen projections of the decoder layers held in FP8 (e4m3 with one float32
-scale per output row), their products in FP8 (`fastdpo.kernels.fp8`).
+"""FP8 matrix products in the decoder projections (`fastdpo.kernels.fp8`): the FP8 base of LoRA (--fp8_base), and FP8
+training of a full fine-tune (--fp8, `convert_to_fp8_training`, at the end).
+
+The FP8 base: the frozen projections of the decoder layers held in FP8 (e4m3 with one float32 scale per output row),
+their products in FP8.
 
 Each `nn.Linear` named q/k/v/o/gate/up/down_proj stays an `nn.Linear` (PEFT wraps it as usual, and the fused LoRA
 path of `fastdpo.model.lora` runs it as "another base": the base's output from its own forward, the adapter added
@@ -18,7 +21,7 @@ import types
 import torch
 
 from fastdpo.errors import FastDPOError
-from fastdpo.kernels.fp8 import E4M3, Fp8LinearFunction, quantise_rowwise
+from fastdpo.kernels.fp8 import E4M3, RECIPES, Fp8LinearFunction, Fp8TrainLinearFunction, quantise, quantise_rowwise
 
 FP8_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
@@ -68,14 +71,76 @@ def convert_to_fp8_base(model: torch.nn.Module) -> int:
     return n
 
 
-def check_fp8_device(device: torch.device) -> None:
-    """--fp8_base trains on a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer); refused elsewhere."""
+def check_fp8_device(device: torch.device, flag: str = "--fp8_base") -> None:
+    """FP8 (--fp8_base, --fp8) trains on a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer); refused
+    elsewhere."""
+    instead = "plain --train_type lora" if flag == "--fp8_base" else "bf16 training"
     if device.type != "cuda":
-        raise FastDPOError(f"--fp8_base needs a CUDA GPU with FP8 tensor cores (Ada or Hopper, compute capability "
-                           f"8.9 or newer); this run trains on {device}. Drop --fp8_base (plain --train_type lora).")
+        raise FastDPOError(f"{flag} needs a CUDA GPU with FP8 tensor cores (Ada or Hopper, compute capability "
+                           f"8.9 or newer); this run trains on {device}. Drop {flag} ({instead}).")
     cap = torch.cuda.get_device_capability(device)
     if cap < FP8_CAPABILITY:
         name = torch.cuda.get_device_name(device)
-        raise FastDPOError(f"--fp8_base: {name} has compute capability {cap[0]}.{cap[1]}, and FP8 matrix products "
-                           "need 8.9 or newer (Ada: L4, L40S, RTX 4090; Hopper: H100, H200). Drop --fp8_base (plain "
-                           "--train_type lora, or --train_type qlora for a smaller base).")
+        other = ", or --train_type qlora for a smaller base" if flag == "--fp8_base" else ""
+        raise FastDPOError(f"{flag}: {name} has compute capability {cap[0]}.{cap[1]}, and FP8 matrix products "
+                           f"need 8.9 or newer (Ada: L4, L40S, RTX 4090; Hopper: H100, H200). Drop {flag} "
+                           f"({instead}{other}).")
+
+
+# ------------------------------------------------------------------------------------------------- FP8 training
+
+def is_fp8_trained(m) -> bool:
+    """Whether `m` is a linear layer converted by `convert_to_fp8_training`."""
+    return isinstance(m, torch.nn.Linear) and "_fastdpo_fp8_recipe" in m.__dict__
+
+
+def _shared_input(x: torch.Tensor, flat: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flat` (x as rows) quantised by `recipe`, computed once for all the projections that read the same `x` (q, k
+    and v read one normed input; gate and up another): kept on x itself, valid while x is unchanged (its version)."""
+    memo = x.__dict__.get("_fastdpo_fp8_input")
+    if memo is not None and memo[0] == recipe and memo[1] == x._version:
+        return memo[2], memo[3]
+    xq, scale = quantise(flat, recipe)
+    x._fastdpo_fp8_input = (recipe, x._version, xq, scale)
+    return xq, scale
+
+
+def _weight_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight quantised by the layer's recipe: at every call for a weight that trains (the optimizer moves it
+    between steps), once for a frozen one (a reference's copy), kept while it is the same storage and version."""
+    w, recipe = self.weight, self._fastdpo_fp8_recipe
+    if w.requires_grad:
+        return quantise(w.detach(), recipe)
+    key = (w.data_ptr(), w._version, w.device)
+    memo = self.__dict__.get("_fastdpo_fp8_weight")
+    if memo is None or memo[0] != key:
+        memo = (key, *quantise(w.detach(), recipe))
+        self._fastdpo_fp8_weight = memo
+    return memo[1], memo[2]
+
+
+def _fp8_train_forward(self, x: torch.Tensor) -> torch.Tensor:
+    recipe = self._fastdpo_fp8_recipe
+    flat = x.reshape(-1, x.shape[-1])
+    xq, x_scale = _shared_input(x, flat, recipe)
+    wq, w_scale = _weight_fp8(self)
+    out = Fp8TrainLinearFunction.apply(flat, self.weight, self.bias, wq, w_scale, recipe, xq, x_scale)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def convert_to_fp8_training(model: torch.nn.Module, recipe: str = "rowwise") -> int:
+    """Run every decoder projection of `model` (q/k/v/o, gate/up/down) as an FP8 product (--fp8): its weight stays a
+    parameter in its dtype (the optimizer updates it as before) and is quantised at each forward by `recipe`
+    (`rowwise`: a scale per output row and per token; `tensorwise`: one per tensor); the output and x's gradient
+    are FP8 products, the weight's gradient is not (`Fp8TrainLinearFunction`). The embeddings, norms, attention and
+    output head keep their dtype. Applied to the policy and to its frozen reference copy alike, so both compute the
+    same products at step 0. Idempotent; returns how many linears it converted."""
+    if recipe not in RECIPES:
+        raise FastDPOError(f"--fp8_recipe must be one of {', '.join(RECIPES)}, got {recipe!r}.")
+    n = 0
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.Linear and _projection(name) and not is_fp8_linear(m) and not is_fp8_trained(m):
+            m._fastdpo_fp8_recipe = recipe
+            m.forward = types.MethodType(_fp8_train_forward, m)
+            n += 1
+    return n

@@ -34,7 +34,7 @@ import torch
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels import launch, rms_norm, rope, swiglu
 from fastdpo.model import lora
-from fastdpo.model.fp8 import is_fp8_linear
+from fastdpo.model.fp8 import is_fp8_linear, is_fp8_trained
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.memory import recomputing
 
@@ -60,7 +60,8 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_linear(m) -> bool:
-    return type(m) is torch.nn.Linear and m.bias is None and not is_fp8_linear(m)  # an FP8 base runs its own forward
+    return (type(m) is torch.nn.Linear and m.bias is None and not is_fp8_linear(m)  # FP8 layers run their own forward
+            and not is_fp8_trained(m))
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:

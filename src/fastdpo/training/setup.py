@@ -35,7 +35,7 @@ from fastdpo.kernels.warmup import build_ahead, head_size, norm_widths
 from fastdpo.kernels.warmup import ready as kernels_ready
 from fastdpo.losses import needs_kl_completions, trains_rankings, trains_unpaired
 from fastdpo.model.backend import Backend, choose_backend, micro_batch_budget, prepare_packed
-from fastdpo.model.fp8 import check_fp8_device, convert_to_fp8_base
+from fastdpo.model.fp8 import check_fp8_device, convert_to_fp8_base, convert_to_fp8_training
 from fastdpo.model.fused import fuse_layers, kernels_wanted, unfused
 from fastdpo.model.load import (
     add_lora,
@@ -271,7 +271,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
                            cfg.quant_bits if cfg.train_type == "qlora" else 0)
     else:
         model = model.to(device)
-    fp8_base(cfg, model, device, d)  # before any reference log-prob (held-out ones below): both see the FP8 base
+    fp8_layers(cfg, model, device, d)  # before any reference log-prob (held-out ones below): both see the same products
     mark("model")
     vocab = model.get_input_embeddings().weight.shape[0]  # ids past it fail at the first step, far from the cause
     check_vocab(pairs, rows, vocab, cfg.model)
@@ -353,19 +353,27 @@ def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, tr
         build_ahead(widths, dtype, device, head_size(config), lora, lora_dropout_rank)
 
 
-def fp8_base(cfg: TrainConfig, model, device: torch.device, d: Dist | None = None) -> None:
-    """--fp8_base: the frozen decoder projections of the LoRA base in FP8 (`fastdpo.model.fp8`), converted once,
-    before the reference's log-probs are computed and before LoRA wraps the model (idempotent)."""
-    if not cfg.fp8_base:
+def fp8_layers(cfg: TrainConfig, model, device: torch.device, d: Dist | None = None) -> None:
+    """The decoder projections' FP8 products (`fastdpo.model.fp8`), set once (idempotent): --fp8_base holds the frozen
+    LoRA base in FP8, before the reference's log-probs are computed and before LoRA wraps the model; --fp8 runs a full
+    fine-tune's products in FP8, before the reference copy is made (the copy computes the same products)."""
+    if not (cfg.fp8_base or cfg.fp8):
         return
-    check_fp8_device(device)
+    flag = "--fp8_base" if cfg.fp8_base else "--fp8"
+    check_fp8_device(device, flag)
     if d is not None and d.mode == "fsdp":
-        raise FastDPOError("--fp8_base with FSDP2: sharding casts each parameter to the compute dtype, which would "
-                           "read the FP8 weights without their scales. Train on one GPU or with DDP (no --fsdp, or "
-                           "--fsdp no_shard), or drop --fp8_base.")
-    if n := convert_to_fp8_base(model):
+        why = ("sharding casts each parameter to the compute dtype, which would read the FP8 weights without their "
+               "scales" if cfg.fp8_base else "the sharded weights are gathered in bf16, and FP8 training keeps no "
+               "FP8 copy to gather")
+        raise FastDPOError(f"{flag} with FSDP2: {why}. Train on one GPU or with DDP (no --fsdp, or --fsdp "
+                           f"no_shard), or drop {flag}.")
+    if cfg.fp8_base and (n := convert_to_fp8_base(model)):
         log.info("FP8 base: %d frozen decoder projections held in e4m3 with row-wise scales (half the bytes of "
                  "bf16); their products and x's gradient run in FP8. The adapters stay in their dtype.", n)
+    if cfg.fp8 and (n := convert_to_fp8_training(model, cfg.fp8_recipe)):
+        log.info("FP8 training (%s scales): %d decoder projections compute their outputs and their inputs' "
+                 "gradients as e4m3 products; weights, weight gradients and the optimizer stay in %s.", cfg.fp8_recipe,
+                 n, str(next(model.parameters()).dtype).removeprefix("torch."))
 
 
 def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
@@ -429,11 +437,13 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     elif backend.name == "flex" and not given:  # a stream: no pairs to size a budget from
         log.warning("--streaming without --max_tokens_per_batch: each new micro-batch length builds FlexAttention "
                     "kernels of its own. Set --max_tokens_per_batch (e.g. 4096) for a few static lengths.")
-    fp8_base(cfg, model, device, d)  # before the reference and LoRA: policy and reference share the FP8 base
+    fp8_layers(cfg, model, device, d)  # before the reference and LoRA: policy and reference share the FP8 products
     fuse_kernels(cfg, model, device)
     ranks = Ranks(d.rank, d.world_size, lambda obj: gather_objects(obj, d))  # they share a precompute pass
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, ranks)
     if reference.model is not None and reference.model is not model:  # a --ref_model loaded on its own
+        if cfg.fp8:  # the reference's products in FP8 too: the policy's numerics on both sides of the log-ratio
+            convert_to_fp8_training(reference.model, cfg.fp8_recipe)
         fuse_kernels(cfg, reference.model, device)
     vision = is_vision_config(base_causal_lm(model).config)
     freezes = (cfg.freeze_vit, cfg.freeze_aligner, cfg.freeze_llm)

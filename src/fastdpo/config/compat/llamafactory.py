@@ -82,15 +82,6 @@ def _flash_attn(value: Any, values: dict) -> str | None:
     return None
 
 
-def _fp8(value: Any, values: dict) -> str | None:
-    """LLaMA-Factory's `fp8: true`: under LoRA, the frozen base in FP8 (--fp8_base); a full fine-tune is refused in
-    `_lora` (and by the config's own check when no other LLaMA-Factory key is given)."""
-    if not to_bool(value):
-        return None
-    assign(values, "fp8_base", True, "fp8", value)
-    return "with LoRA: --fp8_base (the frozen base in FP8; CUDA, compute capability 8.9+)."
-
-
 def _do_train(value: Any, values: dict) -> str | None:
     if to_bool(value):
         return None
@@ -138,10 +129,9 @@ def _lora(given: dict, values: dict) -> list[str]:
     if kind not in ("lora", "full"):
         raise FastDPOError(f"finetuning_type {kind}: fastdpo trains every weight (full) or LoRA adapters (lora); "
                            "freezing layers and OFT are not available.")
-    if kind == "full" and "fp8" in given and to_bool(given["fp8"]):
-        raise FastDPOError("fp8: true with finetuning_type full: fastdpo holds only a LoRA base in FP8 (--fp8_base); "
-                           "FP8 training of a full fine-tune would be --fp8, which is not available yet. Use "
-                           "finetuning_type lora, or drop fp8.")
+    if kind == "lora" and values.get("fp8") is True:  # LLaMA-Factory's fp8 under LoRA: the frozen base in FP8
+        values["fp8"], values["fp8_base"] = False, True
+        notes.append("fp8: true with LoRA: --fp8_base (the frozen base in FP8; CUDA, compute capability 8.9+).")
     if kind == "full" and not is_off(bits):
         raise FastDPOError(f"quantization_bit {bits} with finetuning_type full: a quantised base can only train "
                            "adapters. Use finetuning_type lora (QLoRA) or drop quantization_bit.")
@@ -196,7 +186,6 @@ FLAGS: dict[str, Foreign] = {
     "finetuning_type": Foreign("LLaMA-Factory: lora (its default) or full (= --train_type).", later),
     "lora_target": Foreign("LLaMA-Factory: all (= all-linear) or module names (= --target_modules).", later),
     "quantization_bit": Foreign("LLaMA-Factory: 4 or 8 (= --train_type qlora --quant_bits).", later),
-    "fp8": Foreign("LLaMA-Factory: true with LoRA = --fp8_base (a full fine-tune in FP8 is refused).", _fp8, bare=True),
     "cutoff_len": Foreign("LLaMA-Factory: = --max_length.", _cutoff_len),
     "val_size": Foreign("LLaMA-Factory: a fraction = --split_dataset_ratio.", _val_size),
     "preprocessing_num_workers": Foreign("LLaMA-Factory: = --dataset_num_proc.", maps_to("dataset_num_proc", int)),

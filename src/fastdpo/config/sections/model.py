@@ -58,6 +58,12 @@ class LoraSection(Section):
     fp8_base: bool = option(False, "LoRA: hold the frozen base's decoder projections in FP8 (e4m3, row-wise scales; half "
                             "the bytes of bf16) and run their products in FP8. CUDA GPUs of compute capability 8.9+ "
                             "(Ada, Hopper); the policy and the reference (adapters off) share the FP8 base.")
+    fp8: bool = option(False, "Full fine-tuning: run the decoder projections' products in FP8 (e4m3; the output and "
+                       "the input's gradient; the weights, their gradients and the optimizer stay as they are). CUDA "
+                       "GPUs of compute capability 8.9+ (Ada, Hopper); the frozen reference copy computes the same FP8 "
+                       "products. With LoRA, --fp8_base.")
+    fp8_recipe: str = option("rowwise", "--fp8's scaling: rowwise (a scale per token and per output row) or tensorwise "
+                             "(one per tensor).")
 
     @property
     def freezes_default(self) -> bool:
@@ -71,6 +77,7 @@ class LoraSection(Section):
 
     def validate_lora(self) -> None:
         check_choice("train_type", self.train_type, ("full", "lora", "qlora"))
+        check_choice("fp8_recipe", self.fp8_recipe, ("rowwise", "tensorwise"))
         if self.train_type == "qlora" and self.quant_bits not in (4, 8):
             raise FastDPOError(f"--quant_bits must be 4 or 8 for --train_type qlora, got {self.quant_bits}.")
         if self.uses_lora and self.lora_rank < 1:
@@ -82,8 +89,11 @@ class LoraSection(Section):
             raise FastDPOError("--use_dora trains DoRA adapters: it needs --train_type lora (or qlora).")
         if self.fp8_base and self.train_type == "full":
             raise FastDPOError("--fp8_base holds the frozen base of LoRA in FP8, but --train_type full trains every "
-                               "weight (FP8 training of a full fine-tune would be --fp8, which is not available yet). "
-                               "Use --train_type lora --fp8_base, or drop --fp8_base.")
+                               "weight. For FP8 products in a full fine-tune use --fp8; with LoRA, --train_type lora "
+                               "--fp8_base.")
+        if self.fp8 and self.train_type != "full":
+            raise FastDPOError(f"--fp8 trains a full fine-tune with FP8 products; with --train_type {self.train_type} "
+                               "the base is frozen: hold it in FP8 with --train_type lora --fp8_base instead.")
         if self.fp8_base and self.train_type == "qlora":
             raise FastDPOError("--fp8_base and --train_type qlora both quantise the frozen base (FP8 / bitsandbytes): "
                                "choose one, --train_type lora --fp8_base or --train_type qlora.")
