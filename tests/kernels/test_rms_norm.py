@@ -67,3 +67,37 @@ def test_rms_norm_kernels_equal_float32(width, rows):
     assert rel(y, want) < 1e-2 and rel(dx, xf.grad) < 1e-2 and rel(dw, wf.grad) < 1e-2
     plain = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
     assert (y.float() - plain.float()).abs().max() <= plain.float().abs().max() * 2**-7  # eager's result but an ulp
+
+
+@interpreted
+@pytest.mark.parametrize("width,rows", [(128, 37), (1000, 5), (2048, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_norm_quantising_its_output_gives_what_quantise_rowwise_gives(width, rows, dtype):
+    """--fp8: the norm writes its output and, in the same pass, that output in e4m3 with a scale per row: bit for
+    bit what `quantise_rowwise` makes of the output (a zero row too)."""
+    from fastdpo.kernels.fp8 import quantise_rowwise
+
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    x[0] = 0  # a row of zeros: scale of its floor, values 0
+    w = (1 + 0.2 * torch.randn(width, generator=g)).to(dtype)
+    y, rstd, (q, scale) = rms_norm.rms_norm_forward_fp8(x, w, 1e-6)
+    y0, rstd0 = rms_norm.rms_norm_forward(x, w, 1e-6)
+    assert torch.equal(y, y0) and torch.equal(rstd, rstd0)  # the norm itself unchanged
+    want_q, want_scale = quantise_rowwise(y)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, 1)
+    assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [2048, 4096])
+def test_the_norm_quantising_its_output_on_cuda_gives_what_quantise_rowwise_gives(width):
+    from fastdpo.kernels.fp8 import quantise_rowwise
+
+    g = torch.Generator(device="cuda").manual_seed(width)
+    x = torch.randn(3001, width, device="cuda", generator=g).mul(3).bfloat16()
+    w = (1 + 0.2 * torch.randn(width, device="cuda", generator=g)).bfloat16()
+    y, _, (q, scale) = rms_norm.rms_norm_forward_fp8(x, w, 1e-6)
+    want_q, want_scale = quantise_rowwise(y)
+    assert torch.equal(y, rms_norm.rms_norm_forward(x, w, 1e-6)[0])
+    assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())

@@ -44,3 +44,33 @@ def test_silu_mul_kernels_equal_float32(numel):
     assert torch.equal(p, F.silu(a) * b)  # eager's rounding exactly
     da, db, again = swiglu.silu_mul_backward(a, b, grad, product=True)
     assert rel(da, af.grad) < 1e-2 and rel(db, bf.grad) < 1e-2 and torch.equal(again, p)
+
+
+@interpreted
+@pytest.mark.parametrize("rows,width", [(1, 160), (7, 1000), (3, 2500)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_product_quantised_in_its_kernel_is_what_quantise_rowwise_gives(rows, width, dtype):
+    """--fp8: the product written as `silu_mul` writes it and, from the same kernel, in e4m3 with a scale per row,
+    bit for bit `quantise_rowwise` of it (widths past one block, a row of zeros)."""
+    from fastdpo.kernels.fp8 import quantise_rowwise
+
+    g = torch.Generator().manual_seed(rows * width)
+    a, b = (torch.randn(rows, width, generator=g) * 3).to(dtype), torch.randn(rows, width, generator=g).to(dtype)
+    b[0] = 0
+    p, (q, scale) = swiglu.silu_mul_fp8(a, b)
+    assert torch.equal(p, swiglu.silu_mul(a, b))
+    want_q, want_scale = quantise_rowwise(p)
+    assert scale.shape == (rows, 1) and torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
+
+
+@pytest.mark.gpu
+def test_the_product_quantised_in_its_kernel_on_cuda_is_what_quantise_rowwise_gives():
+    from fastdpo.kernels.fp8 import quantise_rowwise
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(3001, 6144, device="cuda", generator=g).mul(3).bfloat16()
+    b = torch.randn(3001, 6144, device="cuda", generator=g).bfloat16()
+    p, (q, scale) = swiglu.silu_mul_fp8(a, b)
+    want_q, want_scale = quantise_rowwise(p)
+    assert torch.equal(p, swiglu.silu_mul(a, b))
+    assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())

@@ -392,3 +392,39 @@ def test_a_lean_mlp_s_lora_down_on_cuda_keeps_no_product_and_is_as_close_to_floa
     assert worst[True] < 1.5 * worst[False] + 1e-2, worst
     if dropout:
         check_masks_replayed(lambda: build(torch.bfloat16, True, train=True), groups, out[True][0])
+
+
+@interpreted
+def test_fp8_training_on_the_kernels_quantises_norms_and_products_as_they_are_written(monkeypatch):
+    """--fp8 (row-wise) on a fused bfloat16 model: the norms' and the MLP product's kernels write their outputs in
+    e4m3 as they write them, so only attention's output is quantised apart (once per layer, plus each trained
+    weight); the log-probs and every gradient equal those of the same FP8 model quantising every input apart."""
+    from fastdpo.kernels import fp8 as fp8_kernels
+    from fastdpo.model.fp8 import convert_to_fp8_training
+
+    batch = pad_pairs(random_pairs(2, 128, seed=7))
+
+    def run(m):
+        m.zero_grad()
+        seq, _ = sequence_logps(m, batch, Backend("padded"))
+        (seq[:2] - seq[2:]).sum().backward()
+        return seq.detach(), {n: p.grad.float() for n, p in m.named_parameters()}
+
+    fused = small_model("llama", torch.bfloat16)
+    fuse_layers(fused, use_kernels=True)
+    convert_to_fp8_training(fused)
+    apart = copy.deepcopy(fused)
+    for m in apart.modules():
+        m.__dict__.pop("_fastdpo_fp8_out", None)
+    calls = []
+    spy(monkeypatch, calls, (fp8_kernels, "quantise_rowwise"))
+    seq, grads = run(fused)
+    layers = fused.config.num_hidden_layers
+    # per layer: the o projection's input, the 7 weights, and the 7 output gradients of the backward
+    assert len(calls) == (1 + 7 + 7) * layers
+    calls.clear()
+    want, want_grads = run(apart)
+    assert len(calls) == (4 + 7 + 7) * layers  # q/k/v's, o's, gate/up's and down's inputs apart
+    assert torch.equal(seq, want)
+    for n, g in grads.items():
+        assert torch.equal(g, want_grads[n]), n

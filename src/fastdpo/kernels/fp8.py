@@ -29,6 +29,28 @@ import torch
 
 from fastdpo.kernels.launch import HAVE_TRITON
 
+if HAVE_TRITON:  # the rounding the fused quantising kernels (norm, SwiGLU) share
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def e4m3_scale(amax):
+        """The float32 scale of values whose absolute maximum is `amax`, as `quantise_rowwise` computes it: amax
+        (at least 1e-12) over 448, e4m3's largest value, correctly rounded."""
+        return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+
+    @triton.jit
+    def e4m3_grid(v, scale):
+        """float32 `v` over `scale` (broadcast to v's shape), correctly rounded, clamped to +-448 and rounded to nearest
+        even on e4m3's grid (three mantissa bits; subnormals below 2**-6) in float32 arithmetic: the cast to e4m3 that
+        follows is exact whatever rounding it applies (Triton's interpreter truncates), and equals torch's cast of
+        the same quotient."""
+        x = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
+        e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        magic = quantum * 12582912.0  # 1.5 * 2**23 quanta: adding it rounds to a multiple of the quantum
+        return (x + magic) - magic
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 _TINY = 1e-12  # a row of zeros gets this amax: its values quantise to 0 whatever the scale
@@ -82,6 +104,21 @@ def quantise_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[tor
 
 
 RECIPES = ("rowwise", "tensorwise")
+
+
+def keep_quantised(t: torch.Tensor, recipe: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Keep on the activation `t` its rows quantised by `recipe` (q (M, K), scale), so that every FP8 product that
+    reads `t` uses them instead of quantising it again (q, k and v read one normed input; gate and up another; a
+    norm or SwiGLU kernel quantises its output in the pass that writes it). Valid while `t` is unchanged."""
+    t._fastdpo_fp8_input = (recipe, t._version, q, scale)
+
+
+def kept_quantised(t: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What `keep_quantised` kept on `t` for `recipe`, if `t` has not changed since."""
+    memo = t.__dict__.get("_fastdpo_fp8_input")
+    if memo is not None and memo[0] == recipe and memo[1] == t._version:
+        return memo[2], memo[3]
+    return None
 
 
 def quantise(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:

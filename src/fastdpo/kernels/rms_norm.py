@@ -14,14 +14,17 @@ import functools
 
 import torch
 
+from fastdpo.kernels.fp8 import keep_quantised
 from fastdpo.kernels.launch import HAVE_TRITON, cdiv, device_programs, launch, next_power_of_2
 
 if HAVE_TRITON:  # else no kernels: the Function's torch path
     import triton
     import triton.language as tl
 
+    from fastdpo.kernels.fp8 import e4m3_grid, e4m3_scale
+
     @triton.jit(do_not_specialize=["M"])
-    def _rms_fwd(X, W, Y, R, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _rms_fwd(X, W, Y, R, Q, S, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         rmask = rows < M
@@ -31,8 +34,14 @@ if HAVE_TRITON:  # else no kernels: the Function's torch path
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
         n = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)  # the module rounds before the weight
-        tl.store(Y + offs, (n * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+        y = (n * w[None, :]).to(Y.dtype.element_ty)
+        tl.store(Y + offs, y, mask=mask)
         tl.store(R + rows, rstd, mask=rmask)
+        if QUANT:  # the output in e4m3 with a scale per row, for the FP8 products that read it
+            yf = y.to(tl.float32)
+            scale = e4m3_scale(tl.max(tl.abs(yf), axis=1))
+            tl.store(Q + offs, e4m3_grid(yf, scale[:, None]).to(Q.dtype.element_ty), mask=mask)
+            tl.store(S + rows, scale, mask=rmask)
 
     @triton.jit(do_not_specialize=["M", "rows_per_program"])
     def _rms_bwd(G, X, W, R, DX, DW, M, N, rows_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -71,16 +80,30 @@ def _row_block(n: int) -> tuple[int, int]:
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * (x * rstd).to(x.dtype), rstd) over the last dimension; rstd is float32, one per row."""
+    y, rstd, _ = _forward(x, weight, eps, False)
+    return y, rstd
+
+
+def rms_norm_forward_fp8(x: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`rms_norm_forward` and, from the same pass, its output as rows (M, N) in e4m3 with their float32 scales (M, 1):
+    what `quantise_rowwise` gives for it, for the FP8 products that read the norm's output (--fp8)."""
+    return _forward(x, weight, eps, True)
+
+
+def _forward(x, weight, eps, quant: bool):
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
     m = x2.shape[0]
     y = torch.empty_like(x2)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device) if quant else y
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device) if quant else rstd
     block_m, block_n = _row_block(n)
     if m:
-        launch(_rms_fwd, (cdiv(m, block_m),), x2, weight.contiguous(), y, rstd, m, n, eps,
-               num_warps=4 if block_n <= 4096 else 8, BLOCK_M=block_m, BLOCK_N=block_n)
-    return y.view(x.shape), rstd
+        launch(_rms_fwd, (cdiv(m, block_m),), x2, weight.contiguous(), y, rstd, q, scale, m, n, eps,
+               num_warps=4 if block_n <= 4096 else 8, BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant)
+    return y.view(x.shape), rstd, ((q, scale) if quant else None)
 
 
 def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -108,10 +131,17 @@ class RMSNormFunction(torch.autograd.Function):
     order); keeps x and the float32 rstd. The backward is the analytic gradient, in float32."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, fast: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, fast: bool,
+                quantise: bool = False) -> torch.Tensor:
+        """`quantise` (with `fast`): the output also in e4m3 with a scale per row, from the same kernel, kept on it
+        for the FP8 products that read it (`keep_quantised`)."""
         ctx.fast = fast
         if fast:
-            y, rstd = rms_norm_forward(x, weight, eps)
+            if quantise:
+                y, rstd, kept = rms_norm_forward_fp8(x, weight, eps)
+                keep_quantised(y, "rowwise", *kept)
+            else:
+                y, rstd = rms_norm_forward(x, weight, eps)
             ctx.save_for_backward(x, weight, rstd)
             return y
         xf = x.to(torch.float32)
@@ -125,7 +155,7 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         if ctx.fast:
             g_x, g_weight = rms_norm_backward(grad, x, weight, rstd, ctx.needs_input_grad[1])
-            return g_x, g_weight, None, None
+            return g_x, g_weight, None, None, None
         n = x.to(torch.float32) * rstd
         g_weight = None
         if ctx.needs_input_grad[1]:
@@ -134,4 +164,4 @@ class RMSNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_n = (grad * weight).to(torch.float32)
             g_x = (rstd * (g_n - n * (g_n * n).mean(-1, keepdim=True))).to(x.dtype)
-        return g_x, g_weight, None, None
+        return g_x, g_weight, None, None, None

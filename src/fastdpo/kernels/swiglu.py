@@ -11,11 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastdpo.kernels.fp8 import keep_quantised
 from fastdpo.kernels.launch import HAVE_TRITON, cdiv, launch
 
 if HAVE_TRITON:  # else no kernels: the Functions' torch path
     import triton
     import triton.language as tl
+
+    from fastdpo.kernels.fp8 import e4m3_grid, e4m3_scale
 
     @triton.jit(do_not_specialize=["numel"])
     def _silu_mul_fwd(A, B, P, numel, BLOCK: tl.constexpr):
@@ -25,6 +28,32 @@ if HAVE_TRITON:  # else no kernels: the Functions' torch path
         b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
         act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)  # silu's result in the dtype, as eager
         tl.store(P + offs, (act * b).to(P.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _silu_mul_fwd_fp8(A, B, P, Q, S, M, N, BLOCK: tl.constexpr):
+        """One row per program: the product written as `_silu_mul_fwd` writes it while its absolute maximum is
+        taken, then computed again and written in e4m3 with the row's scale (what `quantise_rowwise` gives)."""
+        base = tl.program_id(0).to(tl.int64) * N
+        peak = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            a = tl.load(A + base + cols, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(B + base + cols, mask=mask, other=0.0).to(tl.float32)
+            act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)
+            p = (act * b).to(P.dtype.element_ty)
+            tl.store(P + base + cols, p, mask=mask)
+            peak = tl.maximum(peak, tl.abs(p.to(tl.float32)))
+        scale = e4m3_scale(tl.max(peak, axis=0))
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            a = tl.load(A + base + cols, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(B + base + cols, mask=mask, other=0.0).to(tl.float32)
+            act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)
+            p = (act * b).to(P.dtype.element_ty).to(tl.float32)
+            tl.store(Q + base + cols, e4m3_grid(p, scale).to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + tl.program_id(0), scale)
 
     @triton.jit(do_not_specialize=["numel"])
     def _silu_mul_bwd(A, B, G, DA, DB, P, numel, BLOCK: tl.constexpr, PRODUCT: tl.constexpr):
@@ -57,6 +86,20 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def silu_mul_fp8(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`silu_mul` and its product as rows (M, N) in e4m3 with float32 scales (M, 1), what `quantise_rowwise` gives
+    for it, from one kernel (--fp8: the down projection's input)."""
+    a, b = a.contiguous(), b.contiguous()
+    n = a.shape[-1]
+    m = a.numel() // n if n else 0
+    p = torch.empty_like(a)
+    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=a.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=a.device)
+    if m and n:
+        launch(_silu_mul_fwd_fp8, (m,), a, b, p, q, scale, m, n, num_warps=4, BLOCK=ELEMENTWISE_BLOCK)
+    return p, (q, scale)
+
+
 def silu_mul_backward(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, product: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(d a, d b, and with `product` silu(a) * b again) for the gradient `grad` of silu(a) * b: one pass."""
@@ -85,9 +128,15 @@ class SiluMulFunction(torch.autograd.Function):
     """silu(gate) * up, keeping gate and up only."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, fast: bool) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, fast: bool, quantise: bool = False) -> torch.Tensor:
+        """`quantise` (with `fast`): the product also in e4m3 with a scale per row, from the same kernel, kept on it
+        for the FP8 down projection that reads it (`keep_quantised`)."""
         ctx.fast = fast
         ctx.save_for_backward(gate, up)
+        if fast and quantise:
+            p, (q, scale) = silu_mul_fp8(gate, up)
+            keep_quantised(p, "rowwise", q, scale)
+            return p
         return silu_mul(gate, up) if fast else F.silu(gate) * up
 
     @staticmethod
@@ -97,7 +146,7 @@ class SiluMulFunction(torch.autograd.Function):
             g_gate, g_up, _ = silu_mul_backward(gate, up, grad)
         else:
             g_gate, g_up = silu_mul_grads_torch(gate, up, grad)
-        return g_gate, g_up, None
+        return g_gate, g_up, None, None
 
 
 class SiluMulDownFunction(torch.autograd.Function):

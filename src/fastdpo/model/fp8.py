@@ -21,7 +21,16 @@ import types
 import torch
 
 from fastdpo.errors import FastDPOError
-from fastdpo.kernels.fp8 import E4M3, RECIPES, Fp8LinearFunction, Fp8TrainLinearFunction, quantise, quantise_rowwise
+from fastdpo.kernels.fp8 import (
+    E4M3,
+    RECIPES,
+    Fp8LinearFunction,
+    Fp8TrainLinearFunction,
+    keep_quantised,
+    kept_quantised,
+    quantise,
+    quantise_rowwise,
+)
 
 FP8_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
@@ -96,12 +105,12 @@ def is_fp8_trained(m) -> bool:
 
 def _shared_input(x: torch.Tensor, flat: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`flat` (x as rows) quantised by `recipe`, computed once for all the projections that read the same `x` (q, k
-    and v read one normed input; gate and up another): kept on x itself, valid while x is unchanged (its version)."""
-    memo = x.__dict__.get("_fastdpo_fp8_input")
-    if memo is not None and memo[0] == recipe and memo[1] == x._version:
-        return memo[2], memo[3]
+    and v read one normed input; gate and up another), or by the kernel that wrote x (`keep_quantised`)."""
+    kept = kept_quantised(x, recipe)
+    if kept is not None:
+        return kept
     xq, scale = quantise(flat, recipe)
-    x._fastdpo_fp8_input = (recipe, x._version, xq, scale)
+    keep_quantised(x, recipe, xq, scale)
     return xq, scale
 
 
@@ -128,12 +137,18 @@ def _fp8_train_forward(self, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+# decoder layers whose two norms feed projections directly (q/k/v; gate/up) and whose MLP's product feeds the down
+# projection: with row-wise scales those kernels write their output in e4m3 too (`fastdpo.model.fused`)
+PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+
+
 def convert_to_fp8_training(model: torch.nn.Module, recipe: str = "rowwise") -> int:
     """Run every decoder projection of `model` (q/k/v/o, gate/up/down) as an FP8 product (--fp8): its weight stays a
     parameter in its dtype (the optimizer updates it as before) and is quantised at each forward by `recipe`
     (`rowwise`: a scale per output row and per token; `tensorwise`: one per tensor); the output and x's gradient
     are FP8 products, the weight's gradient is not (`Fp8TrainLinearFunction`). The embeddings, norms, attention and
-    output head keep their dtype. Applied to the policy and to its frozen reference copy alike, so both compute the
+    output head keep their dtype. In the layers of `PRE_NORM_LAYERS` the norms and the MLP's product are marked
+    for their kernels to write their output in e4m3 too (row-wise), so those inputs are never quantised apart. Applied to the policy and to its frozen reference copy alike, so both compute the
     same products at step 0. Idempotent; returns how many linears it converted."""
     if recipe not in RECIPES:
         raise FastDPOError(f"--fp8_recipe must be one of {', '.join(RECIPES)}, got {recipe!r}.")
@@ -143,4 +158,8 @@ def convert_to_fp8_training(model: torch.nn.Module, recipe: str = "rowwise") -> 
             m._fastdpo_fp8_recipe = recipe
             m.forward = types.MethodType(_fp8_train_forward, m)
             n += 1
+    for m in model.modules():  # the kernels that write these products' inputs quantise them as they write them
+        if type(m).__name__ in PRE_NORM_LAYERS:
+            for part in (m.input_layernorm, m.post_attention_layernorm, m.mlp):
+                part._fastdpo_fp8_out = recipe
     return n

@@ -34,6 +34,7 @@ import torch
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels import launch, rms_norm, rope, swiglu
 from fastdpo.model import lora
+from fastdpo.kernels.fp8 import keep_quantised
 from fastdpo.model.fp8 import is_fp8_linear, is_fp8_trained
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.memory import recomputing
@@ -51,8 +52,13 @@ def _fast(module, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
     if _fast(self, hidden_states, self.weight):
+        quantise = self.__dict__.get("_fastdpo_fp8_out") == "rowwise"  # read by FP8 products (--fp8)
         if grad:
-            return rms_norm.RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, True)
+            return rms_norm.RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, True, quantise)
+        if quantise:
+            y, _, kept = rms_norm.rms_norm_forward_fp8(hidden_states, self.weight, self.variance_epsilon)
+            keep_quantised(y, "rowwise", *kept)
+            return y
         return rms_norm.rms_norm_forward(hidden_states, self.weight, self.variance_epsilon)[0]
     if grad and self.training:
         return rms_norm.RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, False)
@@ -70,7 +76,12 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not fast and not (grad and self.training):
         return self._fastdpo_plain_forward(x)
     gate, up = self.gate_proj(x), self.up_proj(x)
+    quantise = fast and self.__dict__.get("_fastdpo_fp8_out") == "rowwise"  # an FP8 down projection (--fp8)
     if not grad:  # the reference's forward: the kernel alone
+        if quantise:
+            p, kept = swiglu.silu_mul_fp8(gate, up)
+            keep_quantised(p, "rowwise", *kept)
+            return self.down_proj(p)
         return self.down_proj(swiglu.silu_mul(gate, up))
     # a checkpoint's recompute of an output that only joins the residual stream, which keeps nothing of it: the
     # down projection need not run
@@ -78,7 +89,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if _plain_linear(self.down_proj):  # checked per call: LoRA may wrap it after the layers were fused
         return swiglu.SiluMulDownFunction.apply(gate, up, self.down_proj.weight, fast, skip)
     out = lora.silu_mul_down(self.down_proj, gate, up, fast, skip)  # a served LoRA: the product is not kept
-    return out if out is not None else self.down_proj(swiglu.SiluMulFunction.apply(gate, up, fast))
+    return out if out is not None else self.down_proj(swiglu.SiluMulFunction.apply(gate, up, fast, quantise))
 
 
 _ROPE_KERNELS = contextvars.ContextVar("fastdpo_rope_kernels", default=False)  # set inside a fused attention
