@@ -148,8 +148,9 @@ def convert_to_fp8_training(model: torch.nn.Module, recipe: str = "rowwise") -> 
     (`rowwise`: a scale per output row and per token; `tensorwise`: one per tensor); the output and x's gradient
     are FP8 products, the weight's gradient is not (`Fp8TrainLinearFunction`). The embeddings, norms, attention and
     output head keep their dtype. In the layers of `PRE_NORM_LAYERS` the norms and the MLP's product are marked
-    for their kernels to write their output in e4m3 too (row-wise), so those inputs are never quantised apart. Applied to the policy and to its frozen reference copy alike, so both compute the
-    same products at step 0. Idempotent; returns how many linears it converted."""
+    for their kernels to write their output in e4m3 too (row-wise), so those inputs are never quantised apart.
+    Applied to the policy and to its frozen reference copy alike, so both compute the same products at step 0.
+    Idempotent; returns how many linears it converted."""
     if recipe not in RECIPES:
         raise FastDPOError(f"--fp8_recipe must be one of {', '.join(RECIPES)}, got {recipe!r}.")
     n = 0

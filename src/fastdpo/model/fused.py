@@ -33,8 +33,8 @@ import torch
 
 from fastdpo.errors import FastDPOError
 from fastdpo.kernels import launch, rms_norm, rope, swiglu
-from fastdpo.model import lora
 from fastdpo.kernels.fp8 import keep_quantised
+from fastdpo.model import lora
 from fastdpo.model.fp8 import is_fp8_linear, is_fp8_trained
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.memory import recomputing
