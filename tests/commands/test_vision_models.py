@@ -4,7 +4,9 @@ off); eval refuses rows with images for a text-only model; infer with images gen
 `generate` gives on its processor's inputs, base and tuned side by side, and refuses images it cannot use."""
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,6 +81,22 @@ def test_eval_without_an_adapter_has_zero_margins_against_itself(tmp_path, vlm):
     base, _, data = vlm
     m = run_eval(eval_config(tmp_path, base, data, ref_model=str(base)))["metrics"]
     assert m["rewards/margins"] == pytest.approx(0.0, abs=1e-5) and m["loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_eval_of_rankings_with_images_reads_each_ranking_whole(tmp_path, vlm):
+    """Scored completions of prompts with images under --loss_type plackett_luce: against itself every reward is 0,
+    so a ranking of three completions costs log 3 + log 2 (its pairs scored apart would cost log 2 each)."""
+    base, _, data = vlm
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    ranked = [{"prompt": r["messages"][:1], "images": r["images"],
+               "completions": [[{"role": "assistant", "content": t}] for t in ("w5", "w6 w7", "w8")],
+               "scores": [1, 3, 2]} for r in rows if r.get("images")]
+    path = Path(tmp_path) / "ranked.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ranked))
+    report = run_eval(eval_config(tmp_path, base, path, ref_model=str(base), loss_type="plackett_luce",
+                                  pairing="ranking"))
+    assert report["pairs"] == 2 * len(ranked)
+    assert report["metrics"]["loss"] == pytest.approx(math.log(3) + math.log(2), abs=1e-5)
 
 
 def test_eval_refuses_rows_with_images_for_a_text_only_model(tmp_path, vlm, model_dirs):

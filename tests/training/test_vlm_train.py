@@ -357,9 +357,48 @@ def test_kto_on_rows_with_images_equals_the_plain_computation(tmp_path, family_d
     second_step_equals(trainer, rows, plain_kto_step)
 
 
-def test_a_listwise_loss_refuses_rows_with_images(tmp_path, vlm_dir):
-    with pytest.raises(FastDPOError, match=r"data.jsonl:1.*listwise --loss_type plackett_luce"):
-        train(config(tmp_path, vlm_dir, "ranked", loss_type="plackett_luce"), progress=False)
+def plain_plackett_luce_step(policy, reference, pairs, beta) -> torch.Tensor:
+    """The Plackett-Luce loss of the rankings `pairs` hold (consecutive pairs of one `chunk`, each pair's rejected the
+    next one's chosen), mean over rankings, from separate forwards of every completion; backward into `policy`."""
+    losses = []
+    for chunk in dict.fromkeys(p.chunk for p in pairs):
+        ranked = [p for p in pairs if p.chunk == chunk]
+        completions = [p.chosen for p in ranked] + [ranked[-1].rejected]
+        rewards = []
+        for c in completions:
+            with torch.no_grad():
+                ref = sequence_logp(reference, ranked[0], c)
+            rewards.append(beta * (sequence_logp(policy, ranked[0], c) - ref))
+        r = torch.stack(rewards)
+        losses.append(sum(torch.logsumexp(r[k:], 0) - r[k] for k in range(len(ranked))))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss
+
+
+def test_a_ranking_with_images_trains_under_plackett_luce_as_the_plain_computation(tmp_path, family_dir):
+    """Scored completions of a prompt with an image: one ranking, its prompt and image computed once for all of its
+    completions (one group); one step's loss and gradients equal the Plackett-Luce likelihood of separate forwards.
+    A second record with other images stays its own group."""
+    rows = image_rows(tmp_path)
+    def reply(text):
+        return [{"role": "assistant", "content": text}]
+
+    ranked = [{"prompt": r["messages"][:1], "completions": [reply(r["messages"][1]["content"]),
+                                                            reply(r["rejected_response"]), reply("w30")],
+               "scores": [3, 1, 2], "images": r["images"]} for r in (rows[0], rows[3])]
+    data = write_jsonl(tmp_path / "ranked.jsonl", ranked)
+    trainer = trainer_of(tmp_path, family_dir, data=data, loss_type="plackett_luce", pairing="ranking",
+                         per_device_train_batch_size=2)
+    s = trainer.s
+    pairs = s.pairs[:4]
+    assert [p.chunk for p in pairs] == [0, 0, 1, 1] and all(p.num_images == 1 for p in pairs)
+    assert pairs[0].rejected == pairs[1].chosen  # the ranking's middle completion (score 2): "w30"
+    from fastdpo.model.backend import make_batch
+
+    batch = make_batch(pairs, s.backend, 0, torch.device("cpu"))
+    assert batch.unit_heads == (0, 2)  # two groups: one per record and its image
+    second_step_equals(trainer, pairs, plain_plackett_luce_step)
 
 
 def test_a_precomputed_reference_is_not_reused_for_changed_images(tmp_path, vlm_dir):

@@ -296,14 +296,13 @@ def scored_pairs(cfg: EvalConfig, read: RowOptions, tok, names: list[str], proce
     import dataclasses
 
     from fastdpo.data.prepare import DataOptions, tokenize_rows
-    from fastdpo.training.setup import check_image_rows, pairs_for_loss, rows_for_loss
+    from fastdpo.training.setup import pairs_for_loss, rows_for_loss
 
     opts = DataOptions.for_scoring(cfg)
     if processor is not None:
         read = dataclasses.replace(read, images=True)
         opts = dataclasses.replace(opts, read=read)
     rows = load_rows(cfg.dataset, cfg.seed, cfg.split, read=read)
-    check_image_rows(rows, names)
     rows = rows_for_loss(rows, names)
     pairs, _ = tokenize_rows(rows, tok, opts, processor=processor)
     return rows, pairs_for_loss(pairs, rows, names, cfg.per_device_eval_batch_size, cfg.max_length)

@@ -129,7 +129,6 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None, pr
     rows, val_rows = held_out_rows(cfg, [] if cfg.streaming else load_rows(cfg.dataset, cfg.seed, cfg.split, opts.read,
                                                                            rejects), opts.read)
     names = [name for name, _ in cfg.loss_terms()]
-    check_image_rows(rows + val_rows, names)
     rows, val_rows = rows_for_loss(rows, names), rows_for_loss(val_rows, names, "the validation rows")
     shape = (cfg.per_device_train_batch_size, cfg.max_length, cfg.max_completion_length)
     pairs: list[TokenizedPair] = []
@@ -151,17 +150,6 @@ def load_splits(cfg: TrainConfig, tokenizer, summary_dir: Path | None = None, pr
     if val_pairs:  # TRL rotates the eval set's completions in chunks of the training batch too
         val_pairs = pairs_for_loss(val_pairs, val_rows, names, *shape, which="held-out ")
     return rows, pairs, val_rows, val_pairs
-
-
-def check_image_rows(rows: list[Row], names: list[str]) -> None:
-    """Rows with images train under pairwise and unpaired (KTO) losses: a listwise loss gathers its rankings from
-    token ids alone, which would lose the images. (An unpaired row keeps its own prompt's images, and its KL
-    completion, another row's completion, is scored after this row's prompt and images, as TRL's KTOTrainer does.)"""
-    held = next((row for row in rows if row.images), None)
-    if held is not None and trains_rankings(names):
-        raise FastDPOError(f"{held.source}: rows with images train under pairwise losses (sigmoid, ipo, ...) and "
-                           f"unpaired ones (kto), not the listwise --loss_type {','.join(names)} yet. Choose another "
-                           "loss, or drop the images.")
 
 
 def rows_for_loss(rows: list[Row], names: list[str], where: str = "--dataset") -> list[Row]:
