@@ -417,3 +417,22 @@ def test_precompute_on_flex_without_a_budget_sizes_one_as_training_does(tmp_path
     with pytest.raises(Scored):
         precompute_ref(TrainConfig(**{**cfg.to_dict(), "max_tokens_per_batch": 512}))
     assert seen["budget"] == 4 * 512
+
+
+def test_the_cache_key_tells_fp8_products_and_their_recipe_apart(tmp_path, model_dirs):
+    """A table computed by a policy with FP8 products (--fp8) is another table than the bf16 policy's, and the two
+    scaling recipes' tables differ too; a --ref_model keeps its own precision, so its key does not change."""
+    from fastdpo.dpo.reference import cache_path
+    from fastdpo.model.load import load_tokenizer
+    from fastdpo.training.setup import load_data
+
+    cfg = config(tmp_path, model_dirs("qwen3"), "k")
+    rows, pairs = load_data(cfg, load_tokenizer(cfg.model))
+
+    def key(**kw):
+        return cache_path(TrainConfig(**{**cfg.to_dict(), **kw}), pairs, rows)[0]
+
+    plain, row, tensor = key(), key(fp8=True), key(fp8=True, fp8_recipe="tensorwise")
+    assert len({plain, row, tensor}) == 3
+    ref = str(model_dirs("llama"))
+    assert key(ref_model=ref) == key(ref_model=ref, fp8=True)

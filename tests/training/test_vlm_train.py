@@ -401,6 +401,24 @@ def test_a_ranking_with_images_trains_under_plackett_luce_as_the_plain_computati
     second_step_equals(trainer, pairs, plain_plackett_luce_step)
 
 
+def test_precompute_ref_reads_rows_with_images_and_training_reuses_its_table(tmp_path, vlm_dir, monkeypatch):
+    """`fastdpo precompute-ref` on a vision-language model dir and rows with images: the table training's
+    --precompute_ref_log_probs then finds (no reference pass of its own), and whose log-probs the run's certificate
+    finds equal to the starting policy's."""
+    import fastdpo.dpo.reference
+    from fastdpo.commands.precompute import precompute_ref
+
+    calls = []
+    real = fastdpo.dpo.reference.compute_table
+    monkeypatch.setattr(fastdpo.dpo.reference, "compute_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = config(tmp_path, vlm_dir, "pre", precompute_ref_log_probs=True, ref_cache_dir=str(tmp_path / "cache"))
+    first = precompute_ref(cfg)
+    assert not first["reused"] and first["pairs"] == 4 and len(calls) == 1
+    train(cfg, progress=False)
+    assert len(calls) == 1  # the run read the table precompute-ref wrote
+    assert certificate(tmp_path / "pre")["reference_at_start"]["status"] == "PASS"
+
+
 def test_a_precomputed_reference_is_not_reused_for_changed_images(tmp_path, vlm_dir):
     """The reference cache's key holds the images' contents and the size bounds: the same rows reuse it; an image
     file overwritten with another picture of the same size (the same token ids), or another --max_pixels, misses."""

@@ -9,7 +9,8 @@ from fastdpo.dpo.reference import cache_path, precomputed_table
 from fastdpo.errors import FastDPOError
 from fastdpo.model.backend import choose_backend
 from fastdpo.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
-from fastdpo.training.setup import load_data, pad_id, seed_all
+from fastdpo.model.processor import is_vision_model, load_processor
+from fastdpo.training.setup import check_vision_flags, load_splits, pad_id, seed_all
 
 
 def precompute_ref(cfg: TrainConfig) -> dict:
@@ -22,7 +23,10 @@ def precompute_ref(cfg: TrainConfig) -> dict:
     dtype = resolve_dtype(cfg.torch_dtype, device)
     seed_all(cfg.seed)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    rows, pairs = load_data(cfg, tokenizer)
+    vision = is_vision_model(cfg.model, cfg.trust_remote_code)  # rows with images are read as training reads them
+    check_vision_flags(cfg, vision)
+    processor = load_processor(cfg.model, cfg.trust_remote_code) if vision else None
+    rows, pairs = load_splits(cfg, tokenizer, processor=processor)[:2]
     path, _ = cache_path(cfg, pairs, rows)
     existed = path.is_file()
 

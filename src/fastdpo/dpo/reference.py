@@ -195,6 +195,8 @@ def cache_path(cfg: TrainConfig, pairs: list[TokenizedPair], rows: list[Row]) ->
     }
     if cfg.fp8_base and not cfg.ref_model:  # the pass ran on the FP8 base (a --ref_model keeps its own precision)
         parts["base"] = "fp8_e4m3_rowwise"
+    if cfg.fp8 and not cfg.ref_model:  # the pass ran the policy's FP8 products (--fp8)
+        parts["products"] = f"fp8_e4m3_{cfg.fp8_recipe}"
     if any(r.images for r in rows):  # the size images were resized to (flags or environment)
         pixels = PixelOptions.resolve(cfg.max_pixels or None, cfg.min_pixels or None)
         parts["pixels"] = [pixels.max_pixels, pixels.min_pixels]

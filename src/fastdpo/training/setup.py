@@ -430,8 +430,6 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     ranks = Ranks(d.rank, d.world_size, lambda obj: gather_objects(obj, d))  # they share a precompute pass
     reference = build_reference(cfg, model, backend, pairs, rows, pad_id(tokenizer), ref_model, ranks)
     if reference.model is not None and reference.model is not model:  # a --ref_model loaded on its own
-        if cfg.fp8:  # the reference's products in FP8 too: the policy's numerics on both sides of the log-ratio
-            convert_to_fp8_training(reference.model, cfg.fp8_recipe)
         fuse_kernels(cfg, reference.model, device)
     vision = is_vision_config(base_causal_lm(model).config)
     freezes = (cfg.freeze_vit, cfg.freeze_aligner, cfg.freeze_llm)
