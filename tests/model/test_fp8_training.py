@@ -157,5 +157,7 @@ def test_the_flags_are_checked():
         TrainConfig(model="m", dataset="d", fp8=True, device="cpu").validate_training()
     with pytest.raises(FastDPOError, match="fp8_recipe"):
         TrainConfig(model="m", dataset="d", fp8=True, fp8_recipe="blockwise").validate()
+    with pytest.raises(FastDPOError, match="--fp8 with --torch_compile"):
+        TrainConfig(model="m", dataset="d", fp8=True, torch_compile=True).validate()
     with pytest.raises(FastDPOError, match="--fp8;"):
         TrainConfig(model="m", dataset="d", fp8_base=True, train_type="full").validate()

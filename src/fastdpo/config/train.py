@@ -110,6 +110,10 @@ class TrainConfig(ParallelSection, MonitoringSection, ProfilingSection, RunSecti
         if self.activation_offloading and (self.deepspeed or self.fsdp not in ("", "no_shard")):
             raise FastDPOError("--activation_offloading works with one GPU or DDP, not with FSDP2 sharding (it would "
                                "copy the gathered weights too). Drop one of the two.")
+        if self.fp8 and self.torch_compile:
+            raise FastDPOError("--fp8 with --torch_compile: the compiled layers would trace through the FP8 products' "
+                               "quantisation and their shared inputs, which are not built for it. Drop one of the two "
+                               "(--fp8 brings its own fused kernels).")
         if self.sequence_parallel_size > 1 and self.attn_impl == "padded":
             raise FastDPOError("--sequence_parallel_size splits the packed row, which --attn_impl padded does not use. "
                                "Use --attn_impl auto (or dense / varlen / flex).")
