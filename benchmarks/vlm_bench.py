@@ -410,11 +410,21 @@ def trl_worker(a) -> None:
             t = now()
             self.steps.append(t - self.t)
             self.t = t
+            write_report()  # after every step: a side killed at --limit still reports the steps it ran
 
     def now() -> float:
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+
+    def write_report(**more) -> dict:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        report = {"step_s": times.steps, "peak_gib": None if peak is None else round(peak, 3),
+                  "init_s": round(t_init - t_start, 2), "versions": {"trl": trl.__version__,
+                                                                     "transformers": transformers.__version__,
+                                                                     "torch": torch.__version__}, **more}
+        Path(a.report).write_text(json.dumps(report) + "\n", encoding="utf-8")
+        return report
 
     times = StepTimes()
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=config, train_dataset=data, processing_class=processor,
@@ -425,12 +435,7 @@ def trl_worker(a) -> None:
     t_init = time.perf_counter()
     trainer.train()
     t_train = time.perf_counter()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    report = {"step_s": times.steps, "peak_gib": None if peak is None else round(peak, 3),
-              "init_s": round(t_init - t_start, 2), "train_s": round(t_train - t_init, 2),
-              "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                           "torch": torch.__version__}}
-    Path(a.report).write_text(json.dumps(report) + "\n", encoding="utf-8")  # the steps, even if the save fails
+    report = write_report(train_s=round(t_train - t_init, 2))  # the steps, even if the save fails
     final = out / "final"
     if getattr(processor, "video_processor", None) is None:
         # an image-only processor (no torchvision) cannot save itself whole, which the Trainer's save_model tries:
@@ -454,9 +459,10 @@ def cmd_all(a) -> None:
         cmd_make(argparse.Namespace(out=a.dir, shape=a.shape, rows=a.rows, seed=a.seed))
     suffix = "_lora" if a.lora else ""
     sides = [cmd_fastdpo(argparse.Namespace(**{**vars(a), "out": str(out / f"fastdpo{suffix}")}))]
-    sides.append(cmd_trl(argparse.Namespace(**{**vars(a), "out": str(out / f"trl_liger{suffix}"), "liger": True})))
+    trl = {**vars(a), "limit": a.trl_limit or a.limit}
+    sides.append(cmd_trl(argparse.Namespace(**{**trl, "out": str(out / f"trl_liger{suffix}"), "liger": True})))
     if a.also_plain:
-        sides.append(cmd_trl(argparse.Namespace(**{**vars(a), "out": str(out / f"trl{suffix}"), "liger": False})))
+        sides.append(cmd_trl(argparse.Namespace(**{**trl, "out": str(out / f"trl{suffix}"), "liger": False})))
     table(sides)
 
 
@@ -474,11 +480,16 @@ def table(sides: list[dict]) -> None:
     for s in sides[1:]:
         speed = ours["pairs_per_s"] / s["pairs_per_s"] if ours["pairs_per_s"] and s["pairs_per_s"] else None
         wall = s["wall_s"] / ours["wall_s"] if s["rc"] == 0 and ours["rc"] == 0 else None
+        # TRL killed at its limit while fastdpo finished: its time to result is longer than the limit, a bound
+        bound = ours["wall_s"] / s["wall_s"] if s["rc"] is None and ours["rc"] == 0 else None
+        job = (f"x{fmt(wall, '.2f')}" if bound is None else f"more than x{1 / bound:.2f} (TRL killed at "
+               f"{s['wall_s']:.0f} s after {s['steps']} steps: fastdpo took under {bound:.2f} of its time)")
         print(f"fastdpo vs {s['impl']}: steady pairs/s x{fmt(speed, '.2f')}, time to result (TRL wall / fastdpo "
-              f"wall) x{fmt(wall, '.2f')}, peak GiB {fmt(ours['peak_gib'])} vs {fmt(s['peak_gib'])}")
+              f"wall) {job}, peak GiB {fmt(ours['peak_gib'])} vs {fmt(s['peak_gib'])}")
         result({"impl": "ratio", "vs": s["impl"], "speedup_pairs_per_s": None if speed is None else round(speed, 3),
-                "wall_ratio": None if wall is None else round(wall, 3), "peak_gib_fastdpo": ours["peak_gib"],
-                "peak_gib_trl": s["peak_gib"]})
+                "wall_ratio": None if wall is None else round(wall, 3),
+                "fastdpo_wall_share_below": None if bound is None else round(bound, 3),
+                "peak_gib_fastdpo": ours["peak_gib"], "peak_gib_trl": s["peak_gib"]})
 
 
 # --------------------------------------------------------------------------------------------------------- CLI
@@ -518,6 +529,7 @@ def main() -> None:
     run_args(q, liger=False)
     make_args(q)
     q.add_argument("--also-plain", dest="also_plain", action="store_true", help="also TRL without Liger")
+    q.add_argument("--trl_limit", type=float, default=0, help="seconds TRL's sides may run (0: --limit)")
     a = p.parse_args()
     if str(SRC) not in sys.path:
         sys.path.insert(0, str(SRC))

@@ -12,6 +12,7 @@ from vlm_helpers import image_rows
 
 from fastdpo.data.tokenize import TokenizedPair
 from fastdpo.model.backend import Backend, choose_backend, make_batch, prepare_packed
+from fastdpo.model.vlm import VisionIds
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +61,7 @@ def test_vision_pairs_bf16_match_the_float32_model_forwards(name):
     cuda = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_model = small_vlm(torch.float32)
-    ids = (4092, 2)
+    ids = VisionIds(4092, 2)
     plain = Backend("padded", vision=ids)
     slow, g_slow = logps_and_grads(ref_model, [make_batch(pairs[i:i + 3], plain, 0, cuda) for i in (0, 3)], plain)
     del ref_model

@@ -205,7 +205,7 @@ def measure_activations(model, backend, pad_id: int, device: torch.device, token
     for where, nbytes in seen.values():
         total[where] += nbytes
     t = batch.num_tokens
-    hidden = lm.config.hidden_size * next(lm.parameters()).element_size()
+    hidden = lm.config.get_text_config().hidden_size * next(lm.parameters()).element_size()
     return ActivationBytes(total["mlp"] / t, total["layer"] / t, total["outside"] / t, hidden,
                            len(decoder_layers(model)))
 
@@ -279,7 +279,7 @@ def static_bytes(model, device: torch.device) -> int:
 
 def head_bytes(model) -> int:
     """The log-prob head's float32 logits chunk and its gradient."""
-    return 2 * DEFAULT_CHUNK * base_causal_lm(model).config.vocab_size * 4
+    return 2 * DEFAULT_CHUNK * base_causal_lm(model).get_output_embeddings().weight.shape[0] * 4  # rows: vocabulary
 
 
 @dataclass

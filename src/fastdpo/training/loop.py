@@ -248,7 +248,7 @@ class StepLog:
 
     def __init__(self, trainer: Trainer):
         self.t, s = trainer, trainer.s
-        self.lm_config = base_causal_lm(s.model).config
+        self.lm_config = base_causal_lm(s.model).config.get_text_config()  # a vision-language model: its language model
         self.peak = device_peak_flops(s.device)
         self.rate = Throughput()
         self.flops = 0.0

@@ -92,7 +92,7 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
     if cfg.certificate != "off":  # checked by the first (warm-up) step, as training checks it
         trainer.certificate = Certificate(cfg.certificate)
     s = trainer.s
-    lm_cfg = base_causal_lm(s.model).config
+    lm_cfg = base_causal_lm(s.model).config.get_text_config()  # a vision-language model: its language model
     times, flops, tokens, n_pairs, computed = [], 0.0, 0, 0, 0
     rates = []  # pairs/s of each timed step
     queued, waited = [], []  # the host's side of each timed step (`StepResult.queued_s`, `.waited_s`)

@@ -358,6 +358,10 @@ def fp8_layers(cfg: TrainConfig, model, device: torch.device, d: Dist | None = N
     if cfg.fp8_base and (n := convert_to_fp8_base(model)):
         log.info("FP8 base: %d frozen decoder projections held in e4m3 with row-wise scales (half the bytes of "
                  "bf16); their products and x's gradient run in FP8. The adapters stay in their dtype.", n)
+    dtype = next(model.parameters()).dtype
+    if cfg.fp8 and device.type == "cuda" and dtype != torch.bfloat16:
+        raise FastDPOError(f"--fp8 trains a bfloat16 model (its FP8 products write bfloat16), and this one is "
+                           f"{str(dtype).removeprefix('torch.')}. Pass --torch_dtype bfloat16, or drop --fp8.")
     if cfg.fp8 and (n := convert_to_fp8_training(model, cfg.fp8_recipe)):
         log.info("FP8 training (%s scales): %d decoder projections compute their outputs and their inputs' "
                  "gradients as e4m3 products; weights, weight gradients and the optimizer stay in %s.", cfg.fp8_recipe,
