@@ -147,15 +147,18 @@ def test_bad_images_are_problems_of_their_row(tmp_path, processor):
         tokenize_vision_rows(processor, [row_with([bad], prompt="<image>w1")], TokenizeOptions())
 
 
-def test_prepared_rows_score_as_the_model_scores_the_processors_own_inputs(tmp_path, processor):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_prepared_rows_score_as_the_model_scores_the_processors_own_inputs(tmp_path, family):
     """End to end: rows read with images, prepared here and packed (`fastdpo.model.vlm`), give the log-prob sums of
-    the model's own forward on what its processor makes of each whole conversation."""
+    the model's own forward on what its processor makes of each whole conversation (Qwen3-VL: its own processor,
+    with its pixel statistics, and its DeepStack features)."""
     from PIL import Image
 
     from fastdpo.model.tiny import build_tiny_vlm
     from fastdpo.model.vlm import pack_vision_pairs, vision_sequence_logps
 
-    model = build_tiny_vlm("qwen2_5_vl", initializer_range=0.2)
+    processor = tiny_vlm_processor(family=family)
+    model = build_tiny_vlm(family, initializer_range=0.2)
     a, b = write_image(tmp_path / "a.png", 24, 16), write_image(tmp_path / "b.png", 16, 16, (0, 90, 0))
     rows = [row_with([a, b]), row_with([b], prompt="w3 <image>", chosen="w8", rejected="w9 w9")]
     pairs, _ = tokenize_vision_rows(processor, rows, TokenizeOptions())
