@@ -1,5 +1,6 @@
-"""Shared by the tests of vision-language model dirs (tiny Qwen2.5-VL, `fastdpo.model.tiny.build_tiny_vlm_dir`, and
-tiny LLaVA, `build_tiny_llava_dir`): rows with images, a random LoRA adapter, the model's own forward of a pair."""
+"""Shared by the tests of vision-language model dirs (tiny Qwen2.5-VL and Qwen3-VL,
+`fastdpo.model.tiny.build_tiny_vlm_dir`, and tiny LLaVA, `build_tiny_llava_dir`): rows with images, a random LoRA
+adapter, the model's own forward of a pair."""
 
 from pathlib import Path
 
@@ -8,7 +9,7 @@ from data_helpers import write_image
 
 from fastdpo.model.tiny import build_tiny_llava_dir, build_tiny_vlm_dir
 
-VLM_DIR_FAMILIES = ["qwen2_5_vl", "llava"]
+VLM_DIR_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava"]
 
 
 def build_vlm_dir(out_dir: Path, family: str) -> Path:
@@ -16,10 +17,15 @@ def build_vlm_dir(out_dir: Path, family: str) -> Path:
     return build_tiny_llava_dir(out_dir) if family == "llava" else build_tiny_vlm_dir(out_dir, family)
 
 
-def vision_prefixes(family: str) -> tuple[str, str]:
+def vision_prefixes(family: str) -> tuple[str, tuple[str, ...]]:
     """(vision tower, aligner) prefixes of the saved weights' names: the aligner's names start with the tower's for
-    Qwen (its merger is inside the tower)."""
-    return ("vision_tower.", "multi_modal_projector.") if family == "llava" else ("visual.", "visual.merger.")
+    Qwen (its mergers are inside the tower; Qwen3-VL's DeepStack mergers are the aligner's too, and it saves its
+    weights under `model.`)."""
+    if family == "llava":
+        return "vision_tower.", ("multi_modal_projector.",)
+    if family == "qwen3_vl":
+        return "model.visual.", ("model.visual.merger.", "model.visual.deepstack_merger_list.")
+    return "visual.", ("visual.merger.",)
 
 
 def image_rows(root: Path, colors=((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30))) -> list[dict]:

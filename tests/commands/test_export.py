@@ -105,7 +105,7 @@ def test_export_defaults_next_to_the_adapter(tmp_path, capsys, model_dirs):
     assert rc == 1 and "exists and is not empty" in text, text
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava"])
 def test_merge_of_an_adapter_on_a_vision_language_model_keeps_its_processor(tmp_path, family):
     from peft import PeftModel
     from PIL import Image

@@ -147,18 +147,26 @@ def test_bad_images_are_problems_of_their_row(tmp_path, processor):
         tokenize_vision_rows(processor, [row_with([bad], prompt="<image>w1")], TokenizeOptions())
 
 
-def test_prepared_rows_score_as_the_model_scores_the_processors_own_inputs(tmp_path, processor):
+@pytest.mark.parametrize("family, patch", [("qwen2_5_vl", 4), ("qwen3_vl", 4), ("qwen3_vl", 16)])
+def test_prepared_rows_score_as_the_model_scores_the_processors_own_inputs(tmp_path, family, patch):
     """End to end: rows read with images, prepared here and packed (`fastdpo.model.vlm`), give the log-prob sums of
-    the model's own forward on what its processor makes of each whole conversation."""
+    the model's own forward on what its processor makes of each whole conversation (Qwen3-VL: its own processor,
+    with its pixel statistics, and its DeepStack features; also with its real 16-pixel patches, the images and the
+    area bounds scaled with them)."""
     from PIL import Image
 
     from fastdpo.model.tiny import build_tiny_vlm
     from fastdpo.model.vlm import pack_vision_pairs, vision_sequence_logps
 
-    model = build_tiny_vlm("qwen2_5_vl", initializer_range=0.2)
-    a, b = write_image(tmp_path / "a.png", 24, 16), write_image(tmp_path / "b.png", 16, 16, (0, 90, 0))
+    k = patch // 4
+    processor = tiny_vlm_processor(family=family, patch_size=patch, min_pixels=(16 * k) ** 2, max_pixels=(64 * k) ** 2)
+    model = build_tiny_vlm(family, initializer_range=0.2, vision={"patch_size": patch})
+    a = write_image(tmp_path / "a.png", 24 * k, 16 * k)
+    b = write_image(tmp_path / "b.png", 16 * k, 16 * k, (0, 90, 0))
     rows = [row_with([a, b]), row_with([b], prompt="w3 <image>", chosen="w8", rejected="w9 w9")]
     pairs, _ = tokenize_vision_rows(processor, rows, TokenizeOptions())
+    assert pairs[0].image_grid_thw.tolist() == [[1, 4, 6], [1, 4, 4]]  # 6 and 4 placeholders at any patch size
+    assert pairs[0].pixel_values.shape[1] == 3 * 2 * patch * patch
     batch = pack_vision_pairs([p.pair for p in pairs], model.config, torch.cat([p.pixel_values for p in pairs]),
                               torch.cat([p.image_grid_thw for p in pairs]))
     expected = []

@@ -1,6 +1,6 @@
 """Vision-language pairs in the packed layout (`fastdpo.model.vlm`) against the model's own forwards, run separately
 on [prompt | chosen] and [prompt | rejected]: log-prob sums, M-RoPE positions, gradients, one vision call per image,
-for the tiny Qwen2-VL, Qwen2.5-VL and LLaVA models.
+for the tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its DeepStack features included) and LLaVA models.
 
 The images are built directly as the model takes them, not through an image processor. Qwen: an image of h x w
 patches (4-pixel patches, `fastdpo.model.tiny.VLM_PATCH`) is `pixel_values` of h w rows of 3 x 2 x 4 x 4 values
@@ -22,7 +22,7 @@ from fastdpo.model.vlm import (
     vision_sequence_logps,
 )
 
-FAMILIES = ["qwen2_5_vl", "qwen2_vl"]  # M-RoPE
+FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"]  # M-RoPE
 ALL_FAMILIES = FAMILIES + ["llava"]
 ATOL = 1e-5
 
@@ -163,6 +163,31 @@ def test_mrope_positions_equal_get_rope_index_per_sequence(qwen_model):
     assert batch.pairs.pair_lengths[1] == (23, 1, 4)
     assert batch.positions[:, 0, 37].tolist() == [14, 14, 14]
     assert batch.positions[:, 0, 38].tolist() == batch.positions[:, 0, 39].tolist() == [15, 15, 15]
+
+
+def test_qwen3_vl_deepstack_features_count(monkeypatch):
+    """Qwen3-VL's DeepStack features (one per DeepStack layer, added after the first decoder layers) are part of the
+    packed forward: without them the sums of the pairs with images move off the separate forwards', those of the pair
+    without stay; with them every DeepStack merger gets its gradient, as in the separate forwards."""
+    from fastdpo.model import vlm
+
+    model = build("qwen3_vl")
+    assert len(model.model.visual.deepstack_merger_list) == len(model.config.vision_config.deepstack_visual_indexes) == 2
+    pairs, images = example(model.config)
+    batch = batch_of(model, pairs, images)
+    with torch.no_grad():
+        expected, _ = separate_sums(model, pairs, images)
+        kept, _ = vision_sequence_logps(model, batch)
+        monkeypatch.setattr(vlm, "deepstack_inputs", lambda *a: {})
+        dropped, _ = vision_sequence_logps(model, batch)
+    monkeypatch.undo()
+    torch.testing.assert_close(kept, expected, atol=ATOL, rtol=0)
+    moved = (dropped - expected).abs()
+    assert moved[[0, 1, 3, 4]].min() > 1e-3, moved
+    torch.testing.assert_close(dropped[[2, 5]], expected[[2, 5]], atol=ATOL, rtol=0)
+    grads = weighted_grads(model, lambda: vision_sequence_logps(model, batch)[0])
+    for i in range(2):
+        assert grads[f"model.visual.deepstack_merger_list.{i}.linear_fc2.weight"].abs().max() > 0
 
 
 def test_an_image_changes_its_own_pair_only(model):

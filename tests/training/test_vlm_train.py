@@ -1,5 +1,5 @@
 """DPO on rows with images with a tiny Qwen2.5-VL model dir (`fastdpo.model.tiny.build_tiny_vlm_dir`) and, where marked
-by the `family_dir` fixture, a tiny LLaVA dir too, on CPU in float32: whole runs (full fine-tuning and LoRA) pass
+by the `family_dir` fixture, tiny Qwen3-VL and LLaVA dirs too, on CPU in float32: whole runs (full fine-tuning and LoRA) pass
 the certificate and save; the vision tower and merger stay as they were unless --freeze_vit / --freeze_aligner say
 otherwise; one step's loss and gradients equal the plain computation (the model's own forwards of [prompt | chosen]
 and [prompt | rejected], full logits, the sigmoid loss against a frozen copy); the vision tower runs once per micro-
@@ -32,6 +32,14 @@ def vlm_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=VLM_DIR_FAMILIES)
 def family_dir(request, tmp_path_factory):
     return build_vlm_dir(tmp_path_factory.mktemp(request.param) / "model", request.param)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen_dir(request, vlm_dir, tmp_path_factory):
+    """The tiny Qwen2.5-VL dir, and a tiny Qwen3-VL one (DeepStack)."""
+    if request.param == "qwen2_5_vl":
+        return vlm_dir
+    return build_tiny_vlm_dir(tmp_path_factory.mktemp(request.param) / "model", request.param)
 
 
 def family_of(model_dir) -> str:
@@ -106,7 +114,7 @@ def test_lora_trains_adapters_on_the_language_model_only(tmp_path, family_dir, k
     vit = {k for k in adapter if ".visual.blocks." in k or ".vision_tower." in k}
     assert any(k.endswith("q_proj.lora_A.weight") for k in adapter)
     assert all("language_model" in k for k in set(adapter) - vit)
-    assert not any(".merger." in k or ".multi_modal_projector." in k for k in adapter)
+    assert not any(part in k for k in adapter for part in (".merger.", ".deepstack_merger_list.", ".multi_modal_projector."))
     assert (tmp_path / "lora" / "final" / "chat_template.jinja").is_file()
     assert bool(vit) == bool(kw), sorted(adapter)[:4]
 
@@ -282,10 +290,11 @@ def test_one_step_equals_trl_dpo_trainer_on_rows_with_images(tmp_path, family_di
 
 @pytest.mark.parametrize("kw", [{"precompute_ref_log_probs": True}, {"gradient_checkpointing": "full"}],
                          ids=["precompute", "checkpointing"])
-def test_precomputed_reference_and_checkpointing_with_images(tmp_path, vlm_dir, kw):
-    """A reference precomputed over the rows with their images, and recomputed layers, both pass the certificate:
-    the precomputed sums equal a live reference forward, and the packed path equals the model's own forwards."""
-    train(config(tmp_path, vlm_dir, "run", **kw), progress=False)
+def test_precomputed_reference_and_checkpointing_with_images(tmp_path, qwen_dir, kw):
+    """A reference precomputed over the rows with their images, and recomputed layers (Qwen3-VL: its DeepStack
+    additions between them), both pass the certificate: the precomputed sums equal a live reference forward, and the
+    packed path equals the model's own forwards."""
+    train(config(tmp_path, qwen_dir, "run", **kw), progress=False)
     c = certificate(tmp_path / "run")
     assert c["status"] == "PASS", c
     assert c["fast_path"]["status"] == "PASS" and c["reference_at_start"]["status"] == "PASS"
@@ -459,16 +468,19 @@ def test_a_list_of_rejected_replies_with_images_trains_as_one_group(tmp_path, fa
     second_step_equals(trainer, pairs, plain_step)
 
 
-def test_a_vision_language_family_fastdpo_does_not_train_is_refused(tmp_path):
-    """A Qwen3-VL dir is refused by name before its rows are read (not trained as text, not called text-only)."""
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "gemma3"])
+def test_a_vision_language_family_fastdpo_does_not_train_is_refused(tmp_path, family):
+    """A Qwen3-VL MoE (or Gemma 3) dir is refused by name before its rows are read (not trained as text, not called
+    text-only); the MoE one is told the dense Qwen3-VL models train."""
     import transformers
     from safetensors.torch import save_file
 
     from fastdpo.model.tiny import word_tokenizer
 
-    model = tmp_path / "qwen3vl"
-    transformers.Qwen3VLConfig().save_pretrained(model)
+    model = tmp_path / family
+    transformers.AutoConfig.for_model(family).save_pretrained(model)
     save_file({"x": torch.zeros(1)}, model / "model.safetensors")
     word_tokenizer(["w1", "w2"]).save_pretrained(model)
-    with pytest.raises(FastDPOError, match="model_type 'qwen3_vl', which fastdpo does not train yet"):
+    with pytest.raises(FastDPOError, match=f"model_type '{family}', which fastdpo does not train yet") as e:
         train(config(tmp_path, model, "run"), progress=False)
+    assert ("mixture-of-experts" in str(e.value) and "'qwen3_vl'" in str(e.value)) == (family == "qwen3_vl_moe")

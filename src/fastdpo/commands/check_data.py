@@ -340,7 +340,7 @@ def report_lines(report: CheckReport, opts: DataOptions, model: str = "") -> lis
     if report.image_rows:
         lines += _listing("warnings: rows with images", [
             f"`fastdpo train` trains the {report.image_rows} rows with images with a vision-language --model "
-            "(Qwen2-VL, Qwen2.5-VL) and refuses them with a text-only one; check-data reads and checks them as "
+            "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) and refuses them with a text-only one; check-data reads and checks them as "
             "training will read them."])
     lines += _listing("warnings: duplicate pairs", report.duplicates)
     lines += _listing("warnings: prompts that differ only in whitespace", report.near_prompts)

@@ -1,6 +1,6 @@
 """`fastdpo eval`: preference metrics of held-out pairs for a base and a tuned model, generations scored by a reward
 function or reward model (mean rewards and the win rate), also on files of prompts alone, and lm-eval tasks. With a
-vision-language model (Qwen2-VL, Qwen2.5-VL) the held-out pairs may hold images: they are read and prepared as
+vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) the held-out pairs may hold images: they are read and prepared as
 training prepares them (its processor), and scored through the same vision forward."""
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ side, or write a batch to JSONL (`fastdpo infer`).
 `fastdpo.model.generate.generate_texts(model, tokenizer, prompts, GenerationArgs(...))` is the one entry point other
 commands (eval, demo) use: greedy at temperature 0, answers returned in prompt order.
 
-With a vision-language model (Qwen2-VL, Qwen2.5-VL: a base dir, adapters on it, or a trained full model) prompts may
-hold images: `--images` for one --prompt / --messages (one per `<image>` tag, or put before the text when it has no
-tag), and the rows with images of --val_dataset / --load_data_args, read as training reads them. Those prompts go
-through the model's processor (`fastdpo.model.generate.generate_vision_ids`).
+With a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA: a base dir, adapters on it, or a trained full
+model) prompts may hold images: `--images` for one --prompt / --messages (one per `<image>` tag, or put before the
+text when it has no tag), and the rows with images of --val_dataset / --load_data_args, read as training reads them.
+Those prompts go through the model's processor (`fastdpo.model.generate.generate_vision_ids`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ class InferConfig(ModelArgs, GenerationArgs):
                                   "infer_held_out.jsonl in the run's output_dir).")
     template: str = option("", "Chat template for the prompts: chatml|llama3|identity|hh or a Jinja file (default: the "
                            "tokenizer's own; a model trained here saves the --template it trained with).")
-    images: list = option([], "Images for --prompt / --messages (a vision-language model: Qwen2-VL, Qwen2.5-VL): one per "
-                          "<image> tag of the prompt, in order; a prompt without tags gets them before its text.",
+    images: list = option([], "Images for --prompt / --messages (a vision-language model: Qwen2-VL, Qwen2.5-VL, "
+                          "Qwen3-VL, LLaVA): one per <image> tag of the prompt, in order; a prompt without tags gets "
+                          "them before its text.",
                           nargs="+")
 
     def validate(self) -> None:
@@ -217,7 +218,8 @@ def run_infer(cfg: InferConfig, console=None) -> list[dict]:
     vision = loaded.processor is not None
     if cfg.images and not vision:
         raise FastDPOError(f"--images: {cfg.checkpoint or cfg.model} is a text-only model; images go to a "
-                           "vision-language model (Qwen2-VL, Qwen2.5-VL). Drop --images, or give such a model.")
+                           "vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA). Drop --images, or give "
+                           "such a model.")
     images = {"images": [ImageRef(str(Path(p).expanduser().resolve())) for p in cfg.images]} if cfg.images else {}
     pixels = run_pixels(cfg) if vision else None
     written = None  # where the answers go (none for a single prompt)

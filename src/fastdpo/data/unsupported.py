@@ -27,8 +27,9 @@ SHOWN = 3  # row locations named in a dataset's message
 ADVICE = {
     MULTIMODAL: ("The model is text-only (or this command reads text only): the media would be dropped and a tag such "
                  "as <image> trained as text. Rows with images train with a vision-language model such as Qwen2.5-VL, "
-                 "Qwen2-VL or LLaVA (videos and audio are not trained), through `fastdpo train`, `eval`, `infer` and "
-                 "`precompute-ref`; `tune`, `bench` and `verify --model` read text rows only. Use such a model and "
+                 "Qwen3-VL, Qwen2-VL or LLaVA (videos and audio are not trained), through `fastdpo train`, `eval`, "
+                 "`infer` and `precompute-ref`; `tune`, `bench` and `verify --model` read text rows only. Use such a "
+                 "model and "
                  "command, or remove the media columns and tags for a text-only run."),
 }
 

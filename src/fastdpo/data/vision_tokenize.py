@@ -144,7 +144,7 @@ def image_token_id(processor) -> int:
         tid = processor.tokenizer.convert_tokens_to_ids(token)
     if tid is None or tid == processor.tokenizer.unk_token_id:
         raise FastDPOError(f"{type(processor).__name__} has no image placeholder token: rows with images need the "
-                           "processor of a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA).")
+                           "processor of a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA).")
     return int(tid)
 
 

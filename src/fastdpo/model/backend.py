@@ -76,7 +76,7 @@ FOREIGN_ATTN = {"flash_attn": _VARLEN, "flash_attention_2": _VARLEN,
 def choose_backend(model, attn_impl: str, padding_free: bool, device: torch.device,
                    lengths: int = SHAPE_BUCKETS) -> Backend:
     """Pick the attention backend; fall back to `padded` with a logged reason where the packed rule would differ. A
-    vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA) takes the same backends for its language model
+    vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) takes the same backends for its language model
     (`fastdpo.model.vlm`), its padded rows through the model's own multimodal forward."""
     cfg = base_causal_lm(model).config
     vision = vision_ids(cfg) if is_vision_config(cfg) else None

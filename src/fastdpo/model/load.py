@@ -148,7 +148,7 @@ def _loads_onto(device: torch.device) -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")  # vision-language models fastdpo trains (`fastdpo.model.vlm`)
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")  # vision-language models fastdpo trains (`fastdpo.model.vlm`)
 
 
 def is_vision_config(config) -> bool:
@@ -156,13 +156,19 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None and config.model_type in VISION_FAMILIES
 
 
+# vision-language families next to one fastdpo trains, and what to use instead
+VISION_NEIGHBOURS = {"qwen3_vl_moe": "Qwen3-VL's mixture-of-experts models are not trained; its dense models "
+                                     "(model_type 'qwen3_vl', e.g. Qwen3-VL-8B-Instruct) are"}
+
+
 def check_vision_family(config, path: str) -> None:
     """Refuse a vision-language model of a family fastdpo does not train: it would load and train as text, its
     image inputs and positions unread."""
     if getattr(config, "vision_config", None) is not None and config.model_type not in VISION_FAMILIES:
+        note = VISION_NEIGHBOURS.get(config.model_type)
         raise FastDPOError(f"{path} is a vision-language model of model_type {config.model_type!r}, which fastdpo "
                            f"does not train yet (it trains {', '.join(VISION_FAMILIES)}): its image inputs and "
-                           "positions would not be read. Use a model of those families.")
+                           f"positions would not be read{f' ({note})' if note else ''}. Use a model of those families.")
 
 
 def model_class(config):

@@ -1,8 +1,9 @@
 """The processor of a vision-language model dir (tokenizer, image processor, chat template), for rows with images.
 
-`AutoProcessor` builds it. Without torchvision, transformers 5 cannot build Qwen2-VL's processor (it checks its
-video processor against a class that needs torchvision): the processor is then built from the dir's tokenizer, its
-image processor on the PIL backend and its chat template, without a video processor (fastdpo reads no videos).
+`AutoProcessor` builds it. Without torchvision, transformers 5 cannot build the Qwen processors (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL: each checks its video processor against a class that needs torchvision): the processor is then built from
+the dir's tokenizer, its image processor on the PIL backend and its chat template, without a video processor
+(fastdpo reads no videos).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from pathlib import Path
 from fastdpo.errors import FastDPOError
 from fastdpo.model.load import check_vision_family, is_vision_config
 
+# The processor class of each Qwen family, built from its parts where AutoProcessor cannot build it (no torchvision)
+QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+
 
 def is_vision_model(path: str | Path, trust_remote_code: bool = False) -> bool:
-    """The model dir's config is a vision-language model fastdpo trains (Qwen2-VL, Qwen2.5-VL, LLaVA:
+    """The model dir's config is a vision-language model fastdpo trains (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA:
     `is_vision_config`)."""
     from transformers import AutoConfig
 
@@ -50,7 +54,7 @@ def load_processor(path: str | Path, trust_remote_code: bool = False):
         first = e
     try:  # without torchvision: the parts, on the PIL image backend
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        name = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(config.model_type)
+        name = QWEN_PROCESSORS.get(config.model_type)
         if name is None:
             raise first
         images = AutoImageProcessor.from_pretrained(path, backend="pil")

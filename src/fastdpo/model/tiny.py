@@ -69,27 +69,38 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", words: list[str
 VLM_FAMILIES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
 }
 VLM_PATCH = 4  # pixels per patch side; with a 2 x 2 merge an image of 8k x 8l pixels gives k l placeholder tokens
 
 
-def tiny_vlm_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2, text: dict | None = None,
+def tiny_vlm_config(family: str, vocab_size: int, hidden: int = 64, layers: int | None = None, text: dict | None = None,
                     vision: dict | None = None, **overrides):
-    """A tiny Qwen2-VL / Qwen2.5-VL config: 2 text layers with GQA and M-RoPE sections (2, 3, 3) of a head of 16, a
-    2-block vision tower of 4-pixel patches merged 2 x 2 (Qwen2.5-VL: one windowed block, one full). The vision
-    special tokens take the last four ids: image, video, vision start, vision end. `text` / `vision` replace keys of
-    the text / vision config (a larger shape of the same family); `overrides` go to the top-level config."""
+    """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL config: 2 text layers (`layers`) with GQA and M-RoPE sections (2, 3, 3)
+    of a head of 16, a 2-block vision tower of 4-pixel patches merged 2 x 2. Qwen2.5-VL: one windowed block, one
+    full. Qwen3-VL: interleaved sections (4, 2, 2), query and key norms, a learned 4 x 4 position grid, and both
+    blocks' features added by DeepStack mergers after the first two of 3 text layers (an addition after the last
+    layer would reach no completion token: image tokens predict none). The vision special tokens take the last four
+    ids: image, video, vision start, vision end. `text` / `vision` replace keys of the text / vision config (a larger
+    shape of the same family); `overrides` go to the top-level config."""
     import transformers
 
+    layers = layers or (3 if family == "qwen3_vl" else 2)
     text_kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=1,
                    bos_token_id=3, eos_token_id=2,
                    rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    if family == "qwen3_vl":
+        text_kw.update(head_dim=hidden // 4, rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2],
+                                                             "mrope_interleaved": True, "rope_theta": 10000.0})
     text_kw.update(text or {})
     vision_kw = dict(depth=2, num_heads=2, patch_size=VLM_PATCH, spatial_merge_size=2, temporal_patch_size=2)
     if family == "qwen2_5_vl":
         vision_kw.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden, window_size=4 * VLM_PATCH,
                          fullatt_block_indexes=[1])
+    elif family == "qwen3_vl":
+        vision_kw.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden, num_position_embeddings=16,
+                         deepstack_visual_indexes=[0, 1])
     else:
         vision_kw.update(embed_dim=32, hidden_size=hidden, mlp_ratio=2)
     vision_kw.update(vision or {})
@@ -122,17 +133,25 @@ TINY_VLM_TOKENS = ["<|im_start|>", "<|im_end|>"]
 VISION_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # the config's last 4 ids
 
 
-def tiny_vlm_processor(words: list[str] | None = None, vocab_size: int = 80, min_pixels: int = 16 * 16,
-                       max_pixels: int = 64 * 64, patch_size: int = VLM_PATCH, merge_size: int = 2):
-    """A Qwen2-VL processor over a whitespace word tokenizer (no BOS: the chat template holds the specials) whose
-    vision tokens have the ids `tiny_vlm_config` gives them (the last four of `vocab_size`; the ids between the words
-    and them are unused fillers), and the PIL image processor with the tower's `patch_size`-pixel patches (the tiny
-    tower's 4 by default) merged `merge_size` x `merge_size`: with the defaults an image resized to 8k x 8l pixels
-    gives k l placeholder tokens. `min_pixels` / `max_pixels` bound the resized image's area."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+# Qwen3-VL's image processor is Qwen2-VL's with pixels normalised to [-1, 1] (mean and deviation 0.5, where Qwen2-VL
+# uses CLIP's statistics).
+QWEN3_VL_PIXEL_STATS = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
-    from fastdpo.model.processor import image_only_processor
+
+def tiny_vlm_processor(words: list[str] | None = None, vocab_size: int = 80, min_pixels: int = 16 * 16,
+                       max_pixels: int = 64 * 64, patch_size: int = VLM_PATCH, merge_size: int = 2,
+                       family: str = "qwen2_vl"):
+    """A Qwen2-VL processor (Qwen3-VL's for `family` qwen3_vl) over a whitespace word tokenizer (no BOS: the chat
+    template holds the specials) whose vision tokens have the ids `tiny_vlm_config` gives them (the last four of
+    `vocab_size`; the ids between the words and them are unused fillers), and the PIL image processor with the
+    tower's `patch_size`-pixel patches (the tiny tower's 4 by default) merged `merge_size` x `merge_size`: with the
+    defaults an image resized to 8k x 8l pixels gives k l placeholder tokens. `min_pixels` / `max_pixels` bound the
+    resized image's area."""
+    import transformers
+    from tokenizers import AddedToken
+    from transformers import Qwen2VLImageProcessorPil
+
+    from fastdpo.model.processor import QWEN_PROCESSORS, image_only_processor
 
     words = words if words is not None else ["user", "assistant", "system"] + [f"w{i}" for i in range(40)]
     base = len(SPECIALS) + len(TINY_VLM_TOKENS)
@@ -143,16 +162,18 @@ def tiny_vlm_processor(words: list[str] | None = None, vocab_size: int = 80, min
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in TINY_VLM_TOKENS
                                                            + VISION_TOKENS]})
     assert len(tok) == vocab_size and tok.convert_tokens_to_ids("<|image_pad|>") == vocab_size - 4
+    stats = QWEN3_VL_PIXEL_STATS if family == "qwen3_vl" else {}
     images = Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2,
-                                      min_pixels=min_pixels, max_pixels=max_pixels)
-    return image_only_processor(Qwen2VLProcessor, images, tok, TINY_VLM_TEMPLATE)
+                                      min_pixels=min_pixels, max_pixels=max_pixels, **stats)
+    cls = getattr(transformers, QWEN_PROCESSORS["qwen3_vl" if family == "qwen3_vl" else "qwen2_vl"])
+    return image_only_processor(cls, images, tok, TINY_VLM_TEMPLATE)
 
 
 def build_tiny_vlm_dir(out_dir: str | Path, family: str = "qwen2_5_vl", vocab_size: int = 80, seed: int = 0,
                        **processor_kw) -> Path:
     """Save a tiny vision-language model (`build_tiny_vlm`) with its processor (`tiny_vlm_processor`) to `out_dir`,
     an HF model dir that `AutoProcessor.from_pretrained` and the model class load without downloads."""
-    processor = tiny_vlm_processor(vocab_size=vocab_size, **processor_kw)
+    processor = tiny_vlm_processor(vocab_size=vocab_size, family=family, **processor_kw)
     return save_vlm_dir(out_dir, build_tiny_vlm(family, vocab_size, seed), processor)
 
 

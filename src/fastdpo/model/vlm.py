@@ -1,4 +1,5 @@
-"""Vision-language pairs (Qwen2-VL / Qwen2.5-VL, and LLaVA) through the packed, prefix-shared layout (DESIGN §1).
+"""Vision-language pairs (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, and LLaVA) through the packed, prefix-shared layout
+(DESIGN §1).
 
 A multimodal pair is two sequences that share a prompt holding images:
 
@@ -11,10 +12,14 @@ once. Three things differ from text:
    one call (`image_embeddings`), and their features replace the token embeddings at the placeholder positions
    (`merged_embeddings`). Each prompt appears once in the packed row, so each image's features are placed once; the
    two sequences of a pair see them through attention to the prompt. Separate forwards would run each image twice.
+   Qwen3-VL adds DeepStack: its vision tower also returns the features of a few of its blocks (each through its own
+   merger), and its language model adds the k-th of them to the hidden states at the placeholder positions after
+   decoder layer k (`deepstack_visual_embeds`, `visual_pos_masks`). The packed row hands them over in the same order
+   as the main features, so each image's are added once, at its one run of placeholders.
 
 2. Positions. LLaVA's language model (Llama, Qwen2, Mistral) takes the plain 1-D positions `pack_pairs` writes:
    chosen continues the prompt and rejected restarts where chosen started, an image's placeholders count as text.
-   Qwen2-VL and Qwen2.5-VL take M-RoPE positions (`mrope_positions`): they rotate queries and keys by three
+   Qwen2-VL, Qwen2.5-VL and Qwen3-VL take M-RoPE positions (`mrope_positions`): they rotate queries and keys by three
    position ids per token (temporal, height, width). A text token at text position p gets (p, p, p). An image
    whose placeholders start at position s, with a grid of t x h x w patches merged in m x m squares (h' = h / m,
    w' = w / m merged tokens per side), puts its t h' w' tokens, in row-major (t, h', w') order, at
@@ -24,7 +29,10 @@ once. Three things differ from text:
    and the text after it resumes at one past the image's largest position, s + max(t, h', w') (still images have
    t = 1). So a prompt of P tokens ends at some position q (not P - 1 once an image is in it), chosen takes
    q + 1 .. q + C on all three axes, and rejected restarts at q + 1 (q + 1 .. q + R): exactly the positions the
-   model gives [prompt | chosen] and [prompt | rejected] run separately.
+   model gives [prompt | chosen] and [prompt | rejected] run separately. Qwen3-VL's own rule (its `get_rope_index`)
+   resumes at s + max(h', w') and spaces video frames by their timestamps; for a still image (t = 1) both rules give
+   the same positions. How the three axes share a head's frequencies (Qwen2-VL: in contiguous sections; Qwen3-VL:
+   interleaved) is the model's rotary embedding's business: it takes the same (3, 1, T) positions.
 
 3. The attention rule is the text one (`fastdpo.model.attention.allowed`: same pair, causal in packed order, a key
    is a prompt token or in the query's own segment), so the text backends serve it unchanged: on CUDA the varlen
@@ -38,13 +46,14 @@ Then, as for text (DESIGN §4): the final hidden states at the positions that pr
 the output head in chunks, float32 log-sum-exp, summed per sequence.
 
 transformers API used: `model.get_image_features` (Qwen: `(pixel_values, image_grid_thw)`, the vision tower and its
-patch merger; LLaVA: `(pixel_values, vision_feature_layer, vision_feature_select_strategy)` as its config gives
-them, the CLIP tower and the projector: a fixed number of features per image), features per image, image after
-image, `model.get_input_embeddings()`, the language model from `model.get_decoder()` called with `inputs_embeds`,
-`position_ids` (3 rows for M-RoPE) and a 4-D `attention_mask`, `config.image_token_id` (and Qwen's
-`config.vision_config.spatial_merge_size`), and the language model's own `config._attn_implementation`, switched per
-forward (`language_attention`). The M-RoPE positions are computed here, not by the model's `get_rope_index` (the
-tests compare the two).
+patch merger, and for Qwen3-VL the output's `deepstack_features`, per DeepStack layer and image; LLaVA:
+`(pixel_values, vision_feature_layer, vision_feature_select_strategy)` as its config gives them, the CLIP tower and
+the projector: a fixed number of features per image), features per image, image after image,
+`model.get_input_embeddings()`, the language model from `model.get_decoder()` called with `inputs_embeds`,
+`position_ids` (3 rows for M-RoPE), a 4-D `attention_mask` and for Qwen3-VL `visual_pos_masks` and
+`deepstack_visual_embeds`, `config.image_token_id` (and Qwen's `config.vision_config.spatial_merge_size`), and the
+language model's own `config._attn_implementation`, switched per forward (`language_attention`). The M-RoPE
+positions are computed here, not by the model's `get_rope_index` (the tests compare the two).
 
 A prompt's pairs form one group [prompt with its images | y1 | ... | yK] (`pack_pairs(..., group=True)`) only where
 they hold the same images, pixel for pixel (`fastdpo.data.pack.same_images`): two prompts with the same token ids
@@ -72,7 +81,7 @@ from fastdpo.model.logprobs import output_head, sequence_sums
 
 # attention implementations of the language model that take a ready 4-D additive mask as it is
 MASKED_ATTENTION = ("eager", "sdpa", attention.ATTN_NAME)
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # M-RoPE positions, images as patches with a grid
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # M-RoPE positions, images as patches with a grid
 LLAVA_FAMILIES = ("llava",)  # 1-D positions, images as whole (C, H, W) pictures of a fixed size
 
 
@@ -109,7 +118,7 @@ class VisionPairBatch:
 
 class VisionIds(NamedTuple):
     """What the packed layout needs of a vision-language model's config: its image placeholder token id, and for the
-    M-RoPE families (Qwen2-VL, Qwen2.5-VL) the spatial merge size; None for LLaVA (1-D positions)."""
+    M-RoPE families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) the spatial merge size; None for LLaVA (1-D positions)."""
 
     image_token_id: int
     merge_size: int | None = None
@@ -120,12 +129,12 @@ class VisionIds(NamedTuple):
 
 
 def vision_ids(config) -> VisionIds:
-    """`VisionIds` of a vision-language model config (Qwen2-VL, Qwen2.5-VL, LLaVA)."""
+    """`VisionIds` of a vision-language model config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA)."""
     vision = getattr(config, "vision_config", None)
     family = getattr(config, "model_type", "?")
     if getattr(config, "image_token_id", None) is None or vision is None or family not in MROPE_FAMILIES + LLAVA_FAMILIES:
         raise FastDPOError(f"model_type {family!r} has no image placeholder token or vision tower config fastdpo "
-                           "reads: vision-language pairs need a Qwen2-VL, Qwen2.5-VL or LLaVA model.")
+                           "reads: vision-language pairs need a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or LLaVA model.")
     if family in LLAVA_FAMILIES:
         return VisionIds(int(config.image_token_id))
     return VisionIds(int(config.image_token_id), int(vision.spatial_merge_size))
@@ -241,9 +250,20 @@ def vision_batch(pairs: list[TokenizedPair], ids: VisionIds, pad_id: int = 0, pr
     return with_images(batch, ids, *pair_images([pairs[i] for i in batch.unit_heads]))
 
 
-def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-    """(tokens, H) the features of all images of a micro-batch, image after image: one call of the vision tower
-    (Qwen: patch embedding, its blocks, the patch merger; LLaVA: the CLIP tower at the config's feature layer and
+class ImageFeatures(NamedTuple):
+    """The vision tower's output for all images of a micro-batch, image after image.
+
+    merged: (tokens, H) the features that replace the placeholders' token embeddings.
+    deepstack: Qwen3-VL's DeepStack features, one (tokens, H) tensor per DeepStack layer, in the same token order,
+      added to the language model's hidden states after its first decoder layers; empty for the other families."""
+
+    merged: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
+
+
+def vision_features(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> ImageFeatures:
+    """`ImageFeatures` of all images of a micro-batch: one call of the vision tower (Qwen: patch embedding, its blocks,
+    the patch merger, and Qwen3-VL's DeepStack mergers; LLaVA: the CLIP tower at the config's feature layer and
     selection, then the projector) over all of them, whatever the number of pairs."""
     lm = base_causal_lm(model)
     if vision_ids(lm.config).mrope:
@@ -251,10 +271,18 @@ def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Te
     else:
         out = lm.get_image_features(pixel_values, vision_feature_layer=lm.config.vision_feature_layer,
                                     vision_feature_select_strategy=lm.config.vision_feature_select_strategy)
-    features = getattr(out, "pooler_output", out)  # transformers 5: an output whose pooler_output splits per image
-    if isinstance(features, (tuple, list)):
-        features = torch.cat(list(features), dim=0)
-    return features
+    deepstack = tuple(_joined(layer) for layer in getattr(out, "deepstack_features", None) or ())
+    return ImageFeatures(_joined(getattr(out, "pooler_output", out)), deepstack)
+
+
+def _joined(features) -> torch.Tensor:
+    """transformers 5 splits features per image (a tuple); one (tokens, H) tensor."""
+    return torch.cat(list(features), dim=0) if isinstance(features, (tuple, list)) else features
+
+
+def image_embeddings(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+    """(tokens, H) the features of all images of a micro-batch that replace their placeholders (`vision_features`)."""
+    return vision_features(model, pixel_values, image_grid_thw).merged
 
 
 def merged_embeddings(model, input_ids: torch.Tensor, features: torch.Tensor | None, image_token_id: int
@@ -269,6 +297,17 @@ def merged_embeddings(model, input_ids: torch.Tensor, features: torch.Tensor | N
     if n == 0:
         return embeds
     return embeds[0].index_copy(0, where, features.to(embeds.dtype)).unsqueeze(0)
+
+
+def deepstack_inputs(input_ids: torch.Tensor, features: ImageFeatures | None, image_token_id: int,
+                     dtype: torch.dtype) -> dict:
+    """The language model's DeepStack keyword arguments for a row (Qwen3-VL): the placeholder positions and, per
+    DeepStack layer, the features to add there (row k to the k-th placeholder, as `merged_embeddings` places them);
+    none for a row without images or a model without DeepStack."""
+    if features is None or not features.deepstack:
+        return {}
+    return {"visual_pos_masks": input_ids == image_token_id,
+            "deepstack_visual_embeds": [f.to(dtype) for f in features.deepstack]}
 
 
 def language_attention(model, name: str | None = None) -> str:
@@ -300,10 +339,10 @@ def packed_vision_hidden(model, batch: PairBatch, mask=None, src: torch.Tensor |
     """(N, H) final hidden states of a packed batch with images (`vision_batch`) at the positions that predict its
     completion targets (or at the flattened positions `src`): the vision tower once over all of the batch's images,
     their features in place of the placeholders, then the language model alone with the packed positions (M-RoPE
-    for Qwen, the plain pack positions for LLaVA) and the pair rule. `mask`, built once per micro-batch
-    (`backend.build_mask`): varlen offsets (a mask that names its attention function, whose keyword arguments reach
-    every layer), a FlexAttention BlockMask, or the boolean `attention.dense_mask` (the default), given as an
-    additive mask to the language model's own attention."""
+    for Qwen, the plain pack positions for LLaVA), the pair rule, and Qwen3-VL's DeepStack features. `mask`, built
+    once per micro-batch (`backend.build_mask`): varlen offsets (a mask that names its attention function, whose
+    keyword arguments reach every layer), a FlexAttention BlockMask, or the boolean `attention.dense_mask` (the
+    default), given as an additive mask to the language model's own attention."""
     if mask is None:
         mask = attention.dense_mask(batch)
     dense = isinstance(mask, torch.Tensor)
@@ -311,15 +350,18 @@ def packed_vision_hidden(model, batch: PairBatch, mask=None, src: torch.Tensor |
     ids = vision_ids(base_causal_lm(model).config)
     features = None
     if batch.pixel_values is not None:
-        features = image_embeddings(model, batch.pixel_values, batch.image_grid_thw)
-    embeds = merged_embeddings(model, batch.input_ids, features, ids.image_token_id)
+        features = vision_features(model, batch.pixel_values, batch.image_grid_thw)
+    embeds = merged_embeddings(model, batch.input_ids, None if features is None else features.merged,
+                               ids.image_token_id)
+    deepstack = deepstack_inputs(batch.input_ids, features, ids.image_token_id, embeds.dtype)
     positions = batch.vision_positions if ids.mrope else batch.position_ids
     assert positions is not None and positions.shape[-1] == batch.input_ids.shape[1]
     text = decoder(model)
     name = getattr(mask, "attn_name", None)
     if name is not None:  # varlen offsets (or a sequence-parallel context)
         language_attention(model, name)
-        hidden = text(inputs_embeds=embeds, position_ids=positions, use_cache=False, **mask.kwargs()).last_hidden_state
+        hidden = text(inputs_embeds=embeds, position_ids=positions, use_cache=False, **deepstack,
+                      **mask.kwargs()).last_hidden_state
     else:
         if dense:
             language_attention(model)
@@ -327,8 +369,8 @@ def packed_vision_hidden(model, batch: PairBatch, mask=None, src: torch.Tensor |
                 ~mask, torch.finfo(embeds.dtype).min)
         else:  # a FlexAttention BlockMask, which fastdpo's attention function takes
             language_attention(model, attention.ATTN_NAME)
-        hidden = text(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
-                      use_cache=False).last_hidden_state
+        hidden = text(inputs_embeds=embeds, position_ids=positions, attention_mask=mask, use_cache=False,
+                      **deepstack).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src if src is None else src)
 
 

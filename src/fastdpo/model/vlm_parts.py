@@ -1,14 +1,14 @@
-"""Which parts of a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA) train, with ms-swift's names:
+"""Which parts of a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) train, with ms-swift's names:
 
-  vit      the vision tower: its patch embedding and blocks (Qwen: `model.visual` but the merger;
+  vit      the vision tower: its patch embedding and blocks (Qwen: `model.visual` but the mergers;
            LLaVA: `model.vision_tower`)                                                          --freeze_vit (true)
-  aligner  what projects image features into the language model (Qwen: the patch merger;
-           LLaVA: `model.multi_modal_projector`)                                                --freeze_aligner (true)
+  aligner  what projects image features into the language model (Qwen: the patch merger, and Qwen3-VL's
+           DeepStack mergers `deepstack_merger_list`; LLaVA: `model.multi_modal_projector`)     --freeze_aligner (true)
   llm      the language model and its output head                                              --freeze_llm (false)
 
 Full fine-tuning trains the weights of the parts not frozen (`freeze_parts`). LoRA puts adapters on the linear
 layers of those parts only (`lora_pattern`: in the language model, the layers --target_modules names; in the vision
-tower and the merger, all of their linear layers), so by default the vision tower carries none.
+tower and the mergers, all of their linear layers), so by default the vision tower carries none.
 """
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ def parts(model) -> dict[str, list[tuple[str, torch.nn.Module]]]:
     """{part: [(full module name, module)]} of the model's vit, aligner and llm; lm_head is the llm's."""
     lm = base_causal_lm(model)
     inner = lm.model
-    if hasattr(inner, "visual"):  # Qwen2-VL: the merger sits inside the vision tower
-        visual, merger = inner.visual, inner.visual.merger
+    if hasattr(inner, "visual"):  # Qwen: the mergers sit inside the vision tower
+        visual = inner.visual
+        mergers = [visual.merger] + ([visual.deepstack_merger_list] if hasattr(visual, "deepstack_merger_list") else [])
     else:  # LLaVA
-        visual, merger = inner.vision_tower, inner.multi_modal_projector
+        visual, mergers = inner.vision_tower, [inner.multi_modal_projector]
     language = inner.language_model
     names = {id(m): n for n, m in lm.named_modules()}
     out: dict[str, list] = {"vit": [], "aligner": [], "llm": [(names[id(lm.lm_head)], lm.lm_head)]}
-    out["aligner"].append((names[id(merger)], merger))
+    out["aligner"] += [(names[id(m)], m) for m in mergers]
     out["llm"].append((names[id(language)], language))
-    out["vit"] += [(names[id(m)], m) for n, m in visual.named_children() if m is not merger]
+    out["vit"] += [(names[id(m)], m) for m in visual.children() if all(m is not x for x in mergers)]
     return out
 
 
@@ -63,7 +64,7 @@ def lora_pattern(model, target_modules: str, freeze_vit: bool = True, freeze_ali
                  freeze_llm: bool = False) -> str:
     """A PEFT `target_modules` regex (matched against full module names) of the linear layers LoRA adapts: in the
     language model, those `target_modules` names (all-linear: all but the head; default: PEFT's q_proj, v_proj; else
-    the comma-separated names); in an unfrozen vision tower or merger, all of their linear layers."""
+    the comma-separated names); in an unfrozen vision tower or its mergers, all of their linear layers."""
     wanted = trained_parts(freeze_vit, freeze_aligner, freeze_llm)
     names = None
     if target_modules == "default":

@@ -50,8 +50,8 @@ class LoraSection(Section):
                               "frozen; false trains it too (full fine-tuning: its weights; LoRA: adapters on its "
                               "linear layers).")
     freeze_aligner: bool = option(True, "Vision-language models: keep the aligner (what projects image features "
-                                  "into the language model: Qwen2-VL's patch merger, LLaVA's multi_modal_projector) "
-                                  "frozen; false trains it too.")
+                                  "into the language model: Qwen2-VL's patch merger, Qwen3-VL's merger and DeepStack "
+                                  "mergers, LLaVA's multi_modal_projector) frozen; false trains it too.")
     freeze_llm: bool = option(False, "Vision-language models: keep the language model (and its output head) frozen, "
                               "training only what the other --freeze_* flags leave trainable.")
     ref_adapters: str = option("", "A PEFT adapter dir applied to --model to form the reference (e.g. the SFT adapter).")
