@@ -78,11 +78,12 @@ def test_vision_pairs_bf16_match_the_float32_model_forwards(name):
     assert worst < 5e-2, worst
 
 
-def test_a_vision_language_run_on_cuda_takes_varlen(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_vision_language_run_on_cuda_takes_varlen(tmp_path, family):
     from fastdpo import TrainConfig, train
     from fastdpo.model.tiny import build_tiny_vlm_dir
 
-    model_dir = build_tiny_vlm_dir(tmp_path / "model")
+    model_dir = build_tiny_vlm_dir(tmp_path / "model", family)
     data = write_jsonl(tmp_path / "d.jsonl", image_rows(tmp_path))
     cfg = TrainConfig(model=str(model_dir), dataset=[str(data)], output_dir=str(tmp_path / "o"), max_steps=2,
                       per_device_train_batch_size=2, torch_dtype="bfloat16", learning_rate=1e-3)
