@@ -29,6 +29,14 @@ if HAVE_TRITON:  # else no kernels: the Functions' torch path
         act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)  # silu's result in the dtype, as eager
         tl.store(P + offs, (act * b).to(P.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _product(A, B, P, offs, mask):
+        """silu(a) * b at `offs`, rounded as `_silu_mul_fwd` rounds it (in P's dtype)."""
+        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)
+        return (act * b).to(P.dtype.element_ty)
+
     @triton.jit(do_not_specialize=["M"])
     def _silu_mul_fwd_fp8(A, B, P, Q, S, M, N, BLOCK: tl.constexpr):
         """One row per program: the product written as `_silu_mul_fwd` writes it while its absolute maximum is
@@ -37,22 +45,14 @@ if HAVE_TRITON:  # else no kernels: the Functions' torch path
         peak = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = cols < N
-            a = tl.load(A + base + cols, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(B + base + cols, mask=mask, other=0.0).to(tl.float32)
-            act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)
-            p = (act * b).to(P.dtype.element_ty)
-            tl.store(P + base + cols, p, mask=mask)
+            p = _product(A, B, P, base + cols, cols < N)
+            tl.store(P + base + cols, p, mask=cols < N)
             peak = tl.maximum(peak, tl.abs(p.to(tl.float32)))
         scale = e4m3_scale(tl.max(peak, axis=0))
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = cols < N
-            a = tl.load(A + base + cols, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(B + base + cols, mask=mask, other=0.0).to(tl.float32)
-            act = (a * tl.sigmoid(a)).to(P.dtype.element_ty).to(tl.float32)
-            p = (act * b).to(P.dtype.element_ty).to(tl.float32)
-            tl.store(Q + base + cols, e4m3_grid(p, scale).to(Q.dtype.element_ty), mask=mask)
+            p = _product(A, B, P, base + cols, cols < N).to(tl.float32)
+            tl.store(Q + base + cols, e4m3_grid(p, scale).to(Q.dtype.element_ty), mask=cols < N)
         tl.store(S + tl.program_id(0), scale)
 
     @triton.jit(do_not_specialize=["numel"])
