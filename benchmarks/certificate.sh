@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The run's certificate on a CUDA machine (from the repo root): its cost on the cold 600-pair Qwen3-1.7B job (on, then
 # off, same machine) and on Qwen3-8B LoRA r16 (its own timing by stage; LORA_OFF=1 adds a run without it, LORA_FP8=1
-# one on the FP8 base: speed and memory against bf16), and its checks on every bench workload (WORKLOADS to choose).
-# Usage: benchmarks/certificate.sh [jobs|lora|workloads]...  Logs and JSON land in $OUT (default cert-out).
+# one on the FP8 base: speed and memory against bf16), its checks on every bench workload (WORKLOADS to choose), and
+# (profile) where its first-forward stage's time goes.
+# Usage: benchmarks/certificate.sh [jobs|lora|workloads|profile]...  Logs and JSON land in $OUT (default cert-out).
 set -u
 OUT=${OUT:-cert-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -35,6 +36,34 @@ workloads() {
   timeout -k 20 ${T_W:-120} python3 -m fastdpo bench --shape qwen3-1.7b --loss_type kto --steps 2 --warmup 1 \
     --json "$OUT/w_kto.json" > "$OUT/w_kto.log" 2>&1
   echo "workload anchor, kto rc=$?"; grep -E "certificate" "$OUT/w_kto.log" | head -n 2
+}
+
+profile() {  # where the first-forward stage's time goes: cProfile of a bench step, then the same with every CUDA module
+  # loaded at start (CUDA_MODULE_LOADING=EAGER): if the stage shrinks there, its cost is loading kernels on first use
+  timeout -k 10 ${T_PROF:-100} python3 -m cProfile -o "$OUT/cert.prof" -m fastdpo bench --shape qwen3-1.7b --steps 1 \
+    --warmup 1 --json "$OUT/cert_prof.json" > "$OUT/cert_prof.log" 2>&1
+  echo "profiled rc=$?"
+  CUDA_MODULE_LOADING=EAGER timeout -k 10 ${T_PROF:-100} python3 -m fastdpo bench --shape qwen3-1.7b --steps 1 \
+    --warmup 1 --json "$OUT/cert_eager.json" > "$OUT/cert_eager.log" 2>&1
+  echo "eager module loading rc=$?"
+  python3 - "$OUT" <<'PY'
+import io, json, pstats, sys
+out = sys.argv[1]
+for name in ("cert_prof", "cert_eager"):
+    try:
+        r = json.load(open(f"{out}/{name}.json"))["results"][0]
+        print(name, "stages", r["certificate"]["seconds_by_part"], "first step", r.get("first_step_s"))
+    except (OSError, KeyError, IndexError, ValueError) as e:
+        print(name, "no result:", e)
+try:
+    text = io.StringIO()
+    stats = pstats.Stats(f"{out}/cert.prof", stream=text)
+    stats.sort_stats("cumulative").print_callees("_fast_path|_plain_sums|reference_sums")  # the stages' parts
+    stats.sort_stats("tottime").print_stats(25)  # where the time itself is spent (a kernel's first load: in its op)
+    print(text.getvalue()[:12000])
+except OSError as e:
+    print("no profile:", e)
+PY
 }
 
 parts=("$@"); [ $# -eq 0 ] && parts=(jobs lora workloads)
