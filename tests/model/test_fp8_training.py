@@ -161,3 +161,23 @@ def test_the_flags_are_checked():
         TrainConfig(model="m", dataset="d", fp8=True, torch_compile=True).validate()
     with pytest.raises(FastDPOError, match="--fp8;"):
         TrainConfig(model="m", dataset="d", fp8_base=True, train_type="full").validate()
+
+
+@pytest.mark.parametrize("policy,reentrant", [("full", False), ("full", True), ("ffn", False)])
+def test_checkpointing_recomputes_the_fp8_products_as_the_forward_ran_them(model_dirs, policy, reentrant):
+    """Activation checkpointing over FP8 layers: the recompute quantises its inputs again (the inputs quantised in the
+    forward were not kept), and every gradient equals the run without checkpointing."""
+    from fastdpo.model.memory import apply_checkpointing
+
+    ids = torch.randint(4, 60, (2, 13), generator=torch.Generator().manual_seed(9))
+    grads = []
+    for ckpt in (False, True):
+        model = tiny(model_dirs)
+        model.config.use_cache = False
+        convert_to_fp8_training(model)
+        if ckpt:
+            assert apply_checkpointing(model, policy, reentrant)
+        logps(model, ids).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=0, atol=0, msg=n)
