@@ -428,3 +428,37 @@ def test_fp8_training_on_the_kernels_quantises_norms_and_products_as_they_are_wr
     assert torch.equal(seq, want)
     for n, g in grads.items():
         assert torch.equal(g, want_grads[n]), n
+
+
+@interpreted
+def test_lora_on_an_fp8_base_fuses_and_trains_on_the_kernels_as_peft_s_own_forward():
+    """LoRA over an FP8 base (--fp8_base) with the kernels: fusing probes the layers in the activations' dtype (not
+    the base weights' float8, where the probe itself failed), the MLPs take the lean forward, and the loss and every
+    adapter gradient equal PEFT's own forward over the same FP8 base (same adapters, checkpointing on)."""
+    from peft import LoraConfig, get_peft_model
+
+    from fastdpo.model.fp8 import convert_to_fp8_base
+    from fastdpo.model.memory import apply_checkpointing
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def run(fused):
+        torch.manual_seed(0)
+        m = small_model("qwen3", torch.bfloat16)
+        convert_to_fp8_base(m)
+        m = get_peft_model(m, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0, init_lora_weights=False))
+        names = fuse_layers(m, use_kernels=True) if fused else []
+        apply_checkpointing(m, "full")
+        m.train()
+        out = m(input_ids=ids).logits.float().log_softmax(-1).mean()
+        out.backward()
+        return names, out.detach(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+
+    names, got, grads = run(True)
+    assert "Qwen3MLP" in names and "Qwen3RMSNorm" in names
+    _, want, want_grads = run(False)
+    assert set(grads) == set(want_grads) and all("lora_" in n for n in grads)
+    assert rel(got, want) < 1e-2
+    for n, g in grads.items():  # bf16 on both sides, and an ulp apart an input can round to another e4m3 value
+        assert rel(g, want_grads[n]) < 0.1, n

@@ -183,13 +183,21 @@ def _is_swiglu(m) -> bool:
             and isinstance(getattr(m, "act_fn", None), torch.nn.Module))
 
 
+def _compute_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype the model's activations take: its input embeddings' (an FP8 base's weights are not it)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(emb, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else None
+
+
 @torch.no_grad()
-def _same_forward(module, width: int) -> bool:
-    """The lean torch forward equals the module's own, bit for bit, on a probe input (grad on, training): the
-    module computes the standard formula, which the kernels compute too (their tests hold them to it)."""
+def _same_forward(module, width: int, dtype: torch.dtype | None = None) -> bool:
+    """The lean torch forward equals the module's own, bit for bit, on a probe input (grad on, training) in the
+    activations' `dtype` (default: the module's first parameter's): the module computes the standard formula,
+    which the kernels compute too (their tests hold them to it)."""
     p = next(module.parameters())
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(3, width, generator=g).to(device=p.device, dtype=p.dtype).requires_grad_()
+    x = torch.randn(3, width, generator=g).to(device=p.device, dtype=dtype or p.dtype).requires_grad_()
     was, kernels_on = module.training, module._fastdpo_kernels
     module.train()
     module._fastdpo_kernels = False
@@ -222,6 +230,7 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
     the kernels on. The forwards are bound methods, so a deep copy (the reference) is fused the same way."""
     _hub_kernels_off(model)
     done: dict[type, bool] = {}
+    dtype = _compute_dtype(model)  # not an FP8 base's weight dtype
     residual = {id(layer.mlp) for layer in model.modules()
                 if type(layer).__name__ in _RESIDUAL_MLP_LAYERS and isinstance(getattr(layer, "mlp", None), torch.nn.Module)}
     for m in model.modules():
@@ -243,7 +252,7 @@ def fuse_layers(model: torch.nn.Module, use_kernels: bool = False) -> list[str]:
             continue
         if type(m) not in done:
             width = m.weight.shape[0] if kind == "norm" else m.gate_proj.in_features
-            done[type(m)] = _same_forward(m, width)
+            done[type(m)] = _same_forward(m, width, dtype)
         if not done[type(m)]:
             del m.forward, m._fastdpo_plain_forward, m._fastdpo_kernels
             m.__dict__.pop("_fastdpo_residual", None)
