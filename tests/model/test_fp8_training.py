@@ -181,3 +181,31 @@ def test_checkpointing_recomputes_the_fp8_products_as_the_forward_ran_them(model
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=0, atol=0, msg=n)
+
+
+def test_a_kept_quantisation_is_dropped_once_its_readers_have_read_it():
+    from fastdpo.kernels.fp8 import keep_quantised, kept_quantised
+
+    x = torch.randn(4, 16)
+    q, s = quantise(x, "rowwise")
+    keep_quantised(x, "rowwise", q, s, 2)
+    assert kept_quantised(x, "tensorwise") is None  # another recipe's quantisation is not this one
+    assert kept_quantised(x, "rowwise")[0] is q and kept_quantised(x, "rowwise")[1] is s
+    assert kept_quantised(x, "rowwise") is None and "_fastdpo_fp8_input" not in x.__dict__  # two reads, then gone
+    keep_quantised(x, "rowwise", q, s, 1)
+    x.mul_(2)  # changed since: not served
+    assert kept_quantised(x, "rowwise") is None
+
+
+def test_no_quantised_copy_outlives_the_forward_on_the_activations_autograd_keeps(model_dirs):
+    """The normed inputs are kept for the weights' gradients: their e4m3 copies are read by q, k, v (gate, up) and then
+    dropped, not kept with them until the backward."""
+    model = tiny(model_dirs)
+    convert_to_fp8_training(model)
+    seen = []
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.mlp.gate_proj):
+            proj.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    logps(model, torch.tensor([[5, 6, 7, 8, 9]]))
+    assert len(seen) == 2 * model.config.num_hidden_layers
+    assert not any("_fastdpo_fp8_input" in x.__dict__ for x in seen)

@@ -106,19 +106,24 @@ def quantise_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[tor
 RECIPES = ("rowwise", "tensorwise")
 
 
-def keep_quantised(t: torch.Tensor, recipe: str, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Keep on the activation `t` its rows quantised by `recipe` (q (M, K), scale), so that every FP8 product that
-    reads `t` uses them instead of quantising it again (q, k and v read one normed input; gate and up another; a
-    norm or SwiGLU kernel quantises its output in the pass that writes it). Valid while `t` is unchanged."""
-    t._fastdpo_fp8_input = (recipe, t._version, q, scale)
+def keep_quantised(t: torch.Tensor, recipe: str, q: torch.Tensor, scale: torch.Tensor, uses: int) -> None:
+    """Keep on the activation `t` its rows quantised by `recipe` (q (M, K), scale) for the `uses` FP8 products that
+    read `t` next, so that none quantises it again (q, k and v read one normed input; gate and up another; a norm or
+    SwiGLU kernel quantises its output in the pass that writes it). Valid while `t` is unchanged; dropped once the
+    `uses` have read it, so that the copy does not live as long as `t` (which autograd may keep for the backward)."""
+    if uses > 0:
+        t._fastdpo_fp8_input = [recipe, t._version, q, scale, uses]
 
 
 def kept_quantised(t: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """What `keep_quantised` kept on `t` for `recipe`, if `t` has not changed since."""
+    """What `keep_quantised` kept on `t` for `recipe`, if `t` has not changed since; counts one use."""
     memo = t.__dict__.get("_fastdpo_fp8_input")
-    if memo is not None and memo[0] == recipe and memo[1] == t._version:
-        return memo[2], memo[3]
-    return None
+    if memo is None or memo[0] != recipe or memo[1] != t._version:
+        return None
+    memo[4] -= 1
+    if memo[4] <= 0:
+        del t._fastdpo_fp8_input
+    return memo[2], memo[3]
 
 
 def quantise(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,14 +132,14 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, fast: bool,
-                quantise: bool = False) -> torch.Tensor:
-        """`quantise` (with `fast`): the output also in e4m3 with a scale per row, from the same kernel, kept on it
-        for the FP8 products that read it (`keep_quantised`)."""
+                quantise: int = 0) -> torch.Tensor:
+        """`quantise` (with `fast`): the number of FP8 products that read the output, for which it is also written in
+        e4m3 with a scale per row, from the same kernel, and kept on it (`keep_quantised`); 0: none."""
         ctx.fast = fast
         if fast:
             if quantise:
                 y, rstd, kept = rms_norm_forward_fp8(x, weight, eps)
-                keep_quantised(y, "rowwise", *kept)
+                keep_quantised(y, "rowwise", *kept, quantise)
             else:
                 y, rstd = rms_norm_forward(x, weight, eps)
             ctx.save_for_backward(x, weight, rstd)

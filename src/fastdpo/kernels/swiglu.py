@@ -128,14 +128,14 @@ class SiluMulFunction(torch.autograd.Function):
     """silu(gate) * up, keeping gate and up only."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, fast: bool, quantise: bool = False) -> torch.Tensor:
-        """`quantise` (with `fast`): the product also in e4m3 with a scale per row, from the same kernel, kept on it
-        for the FP8 down projection that reads it (`keep_quantised`)."""
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, fast: bool, quantise: int = 0) -> torch.Tensor:
+        """`quantise` (with `fast`): the number of FP8 products that read the product (the down projection), for which
+        it is also written in e4m3 with a scale per row, from the same kernel, and kept on it (`keep_quantised`)."""
         ctx.fast = fast
         ctx.save_for_backward(gate, up)
         if fast and quantise:
             p, (q, scale) = silu_mul_fp8(gate, up)
-            keep_quantised(p, "rowwise", q, scale)
+            keep_quantised(p, "rowwise", q, scale, quantise)
             return p
         return silu_mul(gate, up) if fast else F.silu(gate) * up
 

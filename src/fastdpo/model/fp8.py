@@ -103,14 +103,14 @@ def is_fp8_trained(m) -> bool:
     return isinstance(m, torch.nn.Linear) and "_fastdpo_fp8_recipe" in m.__dict__
 
 
-def _shared_input(x: torch.Tensor, flat: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flat` (x as rows) quantised by `recipe`, computed once for all the projections that read the same `x` (q, k
-    and v read one normed input; gate and up another), or by the kernel that wrote x (`keep_quantised`)."""
+def _shared_input(x: torch.Tensor, flat: torch.Tensor, recipe: str, siblings: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flat` (x as rows) quantised by `recipe`, computed once for the `siblings` projections that read the same `x`
+    (q, k and v read one normed input; gate and up another), or by the kernel that wrote x (`keep_quantised`)."""
     kept = kept_quantised(x, recipe)
     if kept is not None:
         return kept
     xq, scale = quantise(flat, recipe)
-    keep_quantised(x, recipe, xq, scale)
+    keep_quantised(x, recipe, xq, scale, siblings - 1)
     return xq, scale
 
 
@@ -131,7 +131,7 @@ def _weight_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
 def _fp8_train_forward(self, x: torch.Tensor) -> torch.Tensor:
     recipe = self._fastdpo_fp8_recipe
     flat = x.reshape(-1, x.shape[-1])
-    xq, x_scale = _shared_input(x, flat, recipe)
+    xq, x_scale = _shared_input(x, flat, recipe, self._fastdpo_fp8_siblings)
     wq, w_scale = _weight_fp8(self)
     out = Fp8TrainLinearFunction.apply(flat, self.weight, self.bias, wq, w_scale, recipe, xq, x_scale)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -140,6 +140,8 @@ def _fp8_train_forward(self, x: torch.Tensor) -> torch.Tensor:
 # decoder layers whose two norms feed projections directly (q/k/v; gate/up) and whose MLP's product feeds the down
 # projection: with row-wise scales those kernels write their output in e4m3 too (`fastdpo.model.fused`)
 PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+# the projections that read one input: the attention's normed input, the MLP's normed input
+SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
 
 
 def convert_to_fp8_training(model: torch.nn.Module, recipe: str = "rowwise") -> int:
@@ -157,10 +159,15 @@ def convert_to_fp8_training(model: torch.nn.Module, recipe: str = "rowwise") -> 
     for name, m in model.named_modules():
         if type(m) is torch.nn.Linear and _projection(name) and not is_fp8_linear(m) and not is_fp8_trained(m):
             m._fastdpo_fp8_recipe = recipe
+            last = name.split(".")[-2 if name.endswith("base_layer") else -1]
+            m._fastdpo_fp8_siblings = next((len(group) for group in SIBLINGS if last in group), 1)
             m.forward = types.MethodType(_fp8_train_forward, m)
             n += 1
     for m in model.modules():  # the kernels that write these products' inputs quantise them as they write them
         if type(m).__name__ in PRE_NORM_LAYERS:
-            for part in (m.input_layernorm, m.post_attention_layernorm, m.mlp):
-                part._fastdpo_fp8_out = recipe
+            readers = [sum(is_fp8_trained(getattr(part, p, None)) for p in group)
+                       for part, group in ((m.self_attn, SIBLINGS[0]), (m.mlp, SIBLINGS[1]))]
+            readers.append(int(is_fp8_trained(getattr(m.mlp, "down_proj", None))))
+            for part, k in zip((m.input_layernorm, m.post_attention_layernorm, m.mlp), readers):
+                part._fastdpo_fp8_out = (recipe, k)
     return n

@@ -49,15 +49,22 @@ def _fast(module, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def _fp8_readers(module) -> int:
+    """How many FP8 products with row-wise scales read this norm's (MLP product's) output (`--fp8` marks them:
+    `fastdpo.model.fp8.convert_to_fp8_training`); 0: none, its kernel writes no e4m3 copy."""
+    out = module.__dict__.get("_fastdpo_fp8_out")
+    return out[1] if out is not None and out[0] == "rowwise" else 0
+
+
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)
     if _fast(self, hidden_states, self.weight):
-        quantise = self.__dict__.get("_fastdpo_fp8_out") == "rowwise"  # read by FP8 products (--fp8)
+        quantise = _fp8_readers(self)  # read by FP8 products (--fp8)
         if grad:
             return rms_norm.RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, True, quantise)
         if quantise:
             y, _, kept = rms_norm.rms_norm_forward_fp8(hidden_states, self.weight, self.variance_epsilon)
-            keep_quantised(y, "rowwise", *kept)
+            keep_quantised(y, "rowwise", *kept, quantise)
             return y
         return rms_norm.rms_norm_forward(hidden_states, self.weight, self.variance_epsilon)[0]
     if grad and self.training:
@@ -76,11 +83,11 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not fast and not (grad and self.training):
         return self._fastdpo_plain_forward(x)
     gate, up = self.gate_proj(x), self.up_proj(x)
-    quantise = fast and self.__dict__.get("_fastdpo_fp8_out") == "rowwise"  # an FP8 down projection (--fp8)
+    quantise = _fp8_readers(self) if fast else 0  # an FP8 down projection (--fp8)
     if not grad:  # the reference's forward: the kernel alone
         if quantise:
             p, kept = swiglu.silu_mul_fp8(gate, up)
-            keep_quantised(p, "rowwise", *kept)
+            keep_quantised(p, "rowwise", *kept, quantise)
             return self.down_proj(p)
         return self.down_proj(swiglu.silu_mul(gate, up))
     # a checkpoint's recompute of an output that only joins the residual stream, which keeps nothing of it: the
