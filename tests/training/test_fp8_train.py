@@ -87,5 +87,6 @@ def test_a_full_fine_tune_with_fp8_products_agrees_with_its_reference_at_step_0_
     assert rows[-1]["rewards/margins"] != 0.0
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert summary["certificate"]["status"] == "PASS", summary["certificate"]
+    assert json.loads((tmp_path / name / "plan.json").read_text())["products"] == f"fp8_{recipe}"
     saved = load_file(f"{result['final_dir']}/model.safetensors")
     assert all(v.dtype != torch.float8_e4m3fn for v in saved.values())  # the weights train and save in their dtype

@@ -28,6 +28,7 @@ class RunPlan:
     dtype: str = ""
     attention: str = ""  # the attention backend micro-batches run through
     kernels: str = ""  # triton or torch
+    products: str = ""  # the decoder projections' matrix products: bf16 (the model's dtype), fp8_base, fp8_rowwise, ...
 
     @classmethod
     def of(cls, batching: BatchingSection) -> RunPlan:

@@ -421,6 +421,7 @@ def assemble(cfg: TrainConfig, device: torch.device, model, tokenizer, pairs: li
     plan.device, plan.attention = str(device), backend.name
     plan.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     plan.kernels = "triton" if kernels_wanted(cfg.kernels, device, cfg.torch_compile) else "torch"
+    plan.products = "fp8_base" if cfg.fp8_base else f"fp8_{cfg.fp8_recipe}" if cfg.fp8 else plan.dtype
     if plan.max_tokens_per_batch != given:
         log.info("FlexAttention: micro-batches use a token budget of %d (about --per_device_train_batch_size %d "
                  "pairs of this data), so its kernels (and --torch_compile's layers) are built for a few static "
