@@ -137,8 +137,10 @@ def _fp8_train_forward(self, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-# decoder layers whose two norms feed projections directly (q/k/v; gate/up) and whose MLP's product feeds the down
-# projection: with row-wise scales those kernels write their output in e4m3 too (`fastdpo.model.fused`)
+# the plain pre-norm decoder layers (`h = h + attn(norm(h)); h = h + mlp(norm(h))`): their two norms feed projections
+# directly (q/k/v; gate/up), whose kernels with row-wise scales write their output in e4m3 too, and their MLP's output
+# goes straight into the residual sum, where nothing keeps it for the backward (`fastdpo.model.fused`); others (OLMo 2's
+# post-feed-forward norm, MoE routing weights) do neither
 PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
 # the projections that read one input: the attention's normed input, the MLP's normed input
 SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})

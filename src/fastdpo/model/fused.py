@@ -35,7 +35,7 @@ from fastdpo.errors import FastDPOError
 from fastdpo.kernels import launch, rms_norm, rope, swiglu
 from fastdpo.kernels.fp8 import keep_quantised
 from fastdpo.model import lora
-from fastdpo.model.fp8 import is_fp8_linear, is_fp8_trained
+from fastdpo.model.fp8 import PRE_NORM_LAYERS, is_fp8_linear, is_fp8_trained
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.memory import recomputing
 
@@ -174,9 +174,9 @@ def _is_rope_attention(m) -> bool:
             and _rope_module(type(m).__module__))
 
 
-# decoder layers whose MLP output goes straight into the residual sum (`h = residual + mlp(norm(h))`), where no later
-# operation keeps it for the backward; others (OLMo 2's post-feed-forward norm, MoE routing weights) keep it
-_RESIDUAL_MLP_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+# decoder layers whose MLP output goes straight into the residual sum, where no later operation keeps it for the
+# backward: the plain pre-norm layers
+_RESIDUAL_MLP_LAYERS = PRE_NORM_LAYERS
 
 
 def _is_norm(m) -> bool:
