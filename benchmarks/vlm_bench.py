@@ -459,7 +459,15 @@ def cmd_all(a) -> None:
         cmd_make(argparse.Namespace(out=a.dir, shape=a.shape, rows=a.rows, seed=a.seed))
     suffix = "_lora" if a.lora else ""
     sides = [cmd_fastdpo(argparse.Namespace(**{**vars(a), "out": str(out / f"fastdpo{suffix}")}))]
-    trl = {**vars(a), "limit": a.trl_limit or a.limit}
+    limit = a.limit
+    if a.trl_limit.endswith("x"):  # a multiple of fastdpo's wall: long enough to bound its time to result
+        if sides[0]["rc"] == 0:
+            limit = float(a.trl_limit[:-1]) * sides[0]["wall_s"]
+    elif float(a.trl_limit) > 0:
+        limit = float(a.trl_limit)
+    if a.trl_max > 0:
+        limit = min(limit, a.trl_max)
+    trl = {**vars(a), "limit": limit}
     sides.append(cmd_trl(argparse.Namespace(**{**trl, "out": str(out / f"trl_liger{suffix}"), "liger": True})))
     if a.also_plain:
         sides.append(cmd_trl(argparse.Namespace(**{**trl, "out": str(out / f"trl{suffix}"), "liger": False})))
@@ -529,7 +537,9 @@ def main() -> None:
     run_args(q, liger=False)
     make_args(q)
     q.add_argument("--also-plain", dest="also_plain", action="store_true", help="also TRL without Liger")
-    q.add_argument("--trl_limit", type=float, default=0, help="seconds TRL's sides may run (0: --limit)")
+    q.add_argument("--trl_limit", default="0", help="seconds TRL's sides may run (0: --limit), or a multiple of "
+                   "fastdpo's wall such as 2.1x (a TRL side killed there bounds the time-to-result ratio)")
+    q.add_argument("--trl_max", type=float, default=0, help="at most this many seconds for a TRL side (0: no cap)")
     a = p.parse_args()
     if str(SRC) not in sys.path:
         sys.path.insert(0, str(SRC))
