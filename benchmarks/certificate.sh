@@ -27,15 +27,13 @@ lora() {  # 8B LoRA r16: the certificate's cost on its first step; then the same
   done
 }
 
-workloads() {
-  for w in ${WORKLOADS:-anchor long-prompt long-answer grouped}; do
-    timeout -k 20 ${T_W:-120} python3 -m fastdpo bench --shape qwen3-1.7b --workload $w --steps 2 --warmup 1 \
+workloads() {  # kto: the anchor rows, unpaired, under --loss_type kto
+  for w in ${WORKLOADS:-anchor long-prompt long-answer grouped kto}; do
+    if [ "$w" = kto ]; then args=(--loss_type kto); else args=(--workload "$w"); fi
+    timeout -k 5 ${T_W:-120} python3 -m fastdpo bench --shape qwen3-1.7b "${args[@]}" --steps 2 --warmup 1 \
       --json "$OUT/w_$w.json" > "$OUT/w_$w.log" 2>&1
     echo "workload $w rc=$?"; grep -E "certificate" "$OUT/w_$w.log" | head -n 2
   done
-  timeout -k 20 ${T_W:-120} python3 -m fastdpo bench --shape qwen3-1.7b --loss_type kto --steps 2 --warmup 1 \
-    --json "$OUT/w_kto.json" > "$OUT/w_kto.log" 2>&1
-  echo "workload anchor, kto rc=$?"; grep -E "certificate" "$OUT/w_kto.log" | head -n 2
 }
 
 profile() {  # where the first-forward stage's time goes: cProfile of a bench step, then the same with every CUDA module
