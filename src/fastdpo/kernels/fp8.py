@@ -36,8 +36,11 @@ if HAVE_TRITON:  # the rounding the fused quantising kernels (norm, SwiGLU) shar
     @triton.jit
     def e4m3_scale(amax):
         """The float32 scale of values whose absolute maximum is `amax`, as `quantise_rowwise` computes it: amax
-        (at least 1e-12) over 448, e4m3's largest value, correctly rounded."""
-        return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+        (at least 1e-12) over 448, e4m3's largest value, correctly rounded. The quotient is taken in float64 and
+        rounded once to float32: on the GPU a float32 division by the constant 448 compiled to a result one ulp
+        off for half the rows (an H100), while a float64 quotient of a float32 by 448 = 7 * 2**6 is never near
+        enough a float32 rounding midpoint for its own rounding (or a compiler's reciprocal) to change the result."""
+        return (tl.maximum(amax, 1e-12).to(tl.float64) / 448.0).to(tl.float32)
 
     @triton.jit
     def e4m3_grid(v, scale):
