@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -202,11 +203,9 @@ def environment() -> dict:
     settings = compile_vars()  # e.g. TORCHINDUCTOR_CPP_WRAPPER=1: a different speed, so the result says so
     if settings:
         env["compile_env"] = settings
-    try:
-        import trl
-
-        env["trl"] = trl.__version__
-    except ImportError:
+    try:  # its version from the installed metadata: importing TRL takes seconds
+        env["trl"] = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return env
 
