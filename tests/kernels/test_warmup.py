@@ -33,12 +33,12 @@ def record_launches(monkeypatch, seen: set) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("lora_run", [False, True])
-def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, lora_run):
+@pytest.mark.parametrize("kind", ["full", "lora", "fp8"])
+def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, kind):
     """Every kernel a fused model launches in training (the varlen path's stand-in, policy forward and backward, a
-    no-grad forward; full fine-tuning, or LoRA with dropout on every linear layer) was built ahead by `_launches` for that model's
-    config: same kernel, argument dtypes and constants. A launch with other constants would be built again in the
-    first step."""
+    no-grad forward; full fine-tuning, LoRA with dropout on every linear layer, or --fp8's products whose norms and
+    SwiGLU write e4m3 copies) was built ahead by `_launches` for that model's config: same kernel, argument dtypes
+    and constants. A launch with other constants would be built again in the first step."""
     from model_helpers import varlen_stand_in
 
     from fastdpo.model import attention
@@ -46,6 +46,11 @@ def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, 
 
     monkeypatch.setattr(attention, "_varlen_kernel", varlen_stand_in)
     model = load_model(str(model_dirs("qwen3")), torch.bfloat16, torch.device("cpu"))
+    lora_run = kind == "lora"
+    if kind == "fp8":  # before the kernels, as training sets them up
+        from fastdpo.model.fp8 import convert_to_fp8_training
+
+        convert_to_fp8_training(model, "rowwise")
     fuse_layers(model, use_kernels=True)
     if lora_run:
         from peft import LoraConfig, get_peft_model
@@ -58,7 +63,8 @@ def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, 
     record_launches(monkeypatch, built)
     config = model.config
     for thunk in warmup._launches(warmup.norm_widths(config), torch.bfloat16, torch.device("cpu"),
-                                  warmup.head_size(config), lora=lora_run, dropout_rank=4 if lora_run else 0):
+                                  warmup.head_size(config), lora=lora_run, dropout_rank=4 if lora_run else 0,
+                                  fp8=kind == "fp8"):
         thunk()
     record_launches(monkeypatch, used)
     backend = Backend("varlen")
@@ -68,8 +74,11 @@ def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, 
     seq.sum().backward()
     with torch.no_grad():
         sequence_logps(model, batch, backend)
-    assert {name for name, *_ in used} >= {"_rms_fwd", "_rms_bwd", "_silu_mul_fwd", "_silu_mul_bwd", "_rope",
-                                            "_logp_fwd", "_logp_bwd", "_gather_rows_bwd"}
+    product = "_silu_mul_fwd_fp8" if kind == "fp8" else "_silu_mul_fwd"  # --fp8: the e4m3-writing build alone
+    assert {name for name, *_ in used} >= {"_rms_fwd", "_rms_bwd", product, "_silu_mul_bwd", "_rope", "_logp_fwd",
+                                            "_logp_bwd", "_gather_rows_bwd"}
+    if kind == "fp8":  # the e4m3 copies written by the norm (its QUANT build) and by the MLP's product
+        assert ("_rms_fwd", True) in {(name, dict(c).get("QUANT")) for name, _, c in used}
     if lora_run:  # the adapters' dropout on its kernels
         assert {name for name, *_ in used} >= {"_lora_drop_down", "_lora_drop_dx", "_lora_drop_da"}
     assert used <= built, sorted(used - built)

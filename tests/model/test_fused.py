@@ -174,7 +174,7 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
 
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
     monkeypatch.setattr(setup, "kernels_ready",
-                        lambda widths, dtype, device, head_dim, lora, rank: "RuntimeError: no sm_61 support")
+                        lambda widths, dtype, device, head_dim, lora, rank, fp8: "RuntimeError: no sm_61 support")
     m = small_model("qwen3")
     cfg = TrainConfig(model="m", dataset=["d"])
     with caplog.at_level(logging.WARNING, logger="fastdpo"):
@@ -186,11 +186,12 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
         setup.fuse_kernels(cfg, small_model("qwen3"), torch.device("cpu"))
     widths = []
     monkeypatch.setattr(setup, "kernels_ready",
-                        lambda w, dtype, device, head_dim, lora, rank: widths.append((w, dtype, head_dim, lora, rank)))
+                        lambda w, dtype, device, head_dim, lora, rank, fp8: widths.append((w, dtype, head_dim, lora,
+                                                                                          rank, fp8)))
     cfg.kernels = "auto"
     fused = small_model("qwen3")
     setup.fuse_kernels(cfg, fused, torch.device("cpu"))
-    assert widths == [([64, 16], torch.float32, 16, False, 0)]  # the hidden size and Qwen3's head size
+    assert widths == [([64, 16], torch.float32, 16, False, 0, False)]  # the hidden size and Qwen3's head size
     assert fused.model.norm._fastdpo_kernels and fused.model.layers[0].self_attn._fastdpo_kernels
 
 
@@ -210,13 +211,29 @@ def test_lora_s_dropout_kernels_are_built_ahead_for_the_rank_that_trains(monkeyp
     cfg = TrainConfig(model=str(tmp_path), dataset=["d"], train_type=train_type, lora_rank=16, lora_dropout=dropout,
                       adapters=adapters)
     started, waited = [], []
-    monkeypatch.setattr(setup, "build_ahead", lambda *a: started.append(a[-1]))
-    monkeypatch.setattr(setup, "kernels_ready", lambda *a: waited.append(a[-1]))
+    monkeypatch.setattr(setup, "build_ahead", lambda *a: started.append(a[5]))  # (widths, ..., rank, fp8)
+    monkeypatch.setattr(setup, "kernels_ready", lambda *a: waited.append(a[5]))
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
     setup.build_kernels_ahead(cfg.model, torch.float32, torch.device("cpu"), False, cfg.uses_lora,
                               setup.dropout_rank(cfg))
     setup.fuse_kernels(cfg, small_model("qwen3"), torch.device("cpu"))
     assert started == waited == [rank]
+
+
+@pytest.mark.parametrize("fp8, recipe, fused", [(False, "rowwise", False), (True, "rowwise", True),
+                                                 (True, "tensorwise", False)])
+def test_fp8_runs_wait_for_the_e4m3_writing_builds_their_kernels_use(monkeypatch, fp8, recipe, fused):
+    """--fp8 with row-wise scales: the norm and SwiGLU builds that write e4m3 copies are built ahead and waited for
+    (tensor-wise scales quantise apart: none of them)."""
+    from fastdpo.config import TrainConfig
+    from fastdpo.training import setup
+
+    waited = []
+    monkeypatch.setattr(setup, "kernels_ready", lambda *a: waited.append(a[6]))
+    monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
+    cfg = TrainConfig(model="m", dataset=["d"], fp8=fp8, fp8_recipe=recipe)
+    setup.fuse_kernels(cfg, small_model("qwen3"), torch.device("cpu"))
+    assert waited == [fused] and setup.fused_fp8(cfg) is fused
 
 
 def test_a_non_standard_rotation_keeps_its_own_function(monkeypatch):

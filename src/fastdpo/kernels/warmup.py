@@ -14,9 +14,9 @@ from fastdpo.kernels.gather_rows import gather_rows_backward
 from fastdpo.kernels.launch import DTYPES, HAVE_TRITON, INTERPRET, turn_off, why_off
 from fastdpo.kernels.logprob_head import logp_backward_, logp_forward
 from fastdpo.kernels.lora import LORA_MAX_RANK, lora_dropout_down, lora_dropout_input_grad, lora_dropout_weight_grad
-from fastdpo.kernels.rms_norm import rms_norm_backward, rms_norm_forward
+from fastdpo.kernels.rms_norm import rms_norm_backward, rms_norm_forward, rms_norm_forward_fp8
 from fastdpo.kernels.rope import rope
-from fastdpo.kernels.swiglu import silu_mul, silu_mul_backward
+from fastdpo.kernels.swiglu import silu_mul, silu_mul_backward, silu_mul_fp8
 
 
 def _text_config(config):
@@ -43,22 +43,28 @@ _builds: dict[tuple, threading.Thread] = {}
 
 
 def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None,
-              lora: bool | None, dropout_rank: int = 0) -> list:
+              lora: bool | None, dropout_rank: int = 0, fp8: bool = False) -> list:
     """Every kernel launch a model of these norm widths and head size trains with, as thunks on tiny inputs: each
     builds its kernel as training would (the same dtypes, constants and specialisations). `lora`: True (LoRA: the
     norms' weights are frozen), False (full fine-tuning: they train, and the down projections are plain), None (both
     kinds). `dropout_rank`: the rank of LoRA adapters trained with dropout, whose kernels are built too (0: none).
+    `fp8`: the norm and SwiGLU kernels that also write their output in e4m3 (--fp8, row-wise scales) are built too.
     A launch left out only means its kernel is built when first used."""
     z = functools.partial(torch.zeros, dtype=dtype, device=device)
     grads = (False,) if lora else (True,) if lora is False else (True, False)
-    products = (True,) if lora is False else (True, False)  # a plain down projection, or one LoRA wraps
+    # a plain down projection, or one LoRA wraps or that runs as an FP8 product (--fp8)
+    products = (True,) if lora is False and not fp8 else (True, False)
     out = []
     for n in widths:
         x, w, r = z(2, n), z(n) + 1, torch.ones(2, dtype=torch.float32, device=device)
         out.append(functools.partial(rms_norm_forward, x, w, 1e-6))
         out += [functools.partial(rms_norm_backward, x, x, w, r, g) for g in grads]
+        if fp8:
+            out.append(functools.partial(rms_norm_forward_fp8, x, w, 1e-6))
     a = z(16)
     out.append(functools.partial(silu_mul, a, a))
+    if fp8:  # the MLP's product as rows, in e4m3
+        out.append(functools.partial(silu_mul_fp8, z(2, 16), z(2, 16)))
     out += [functools.partial(silu_mul_backward, a, a, a, p) for p in products]
     logits, t, f = z(2, 16), torch.zeros(2, dtype=torch.long, device=device), torch.zeros(2, device=device)
     out += [functools.partial(logp_forward, logits, t, 1.0), functools.partial(logp_backward_, logits, t, f, f, 1.0)]
@@ -76,23 +82,23 @@ def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_
 
 
 def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None, lora: bool | None,
-           dropout_rank: int = 0) -> None:
+           dropout_rank: int = 0, fp8: bool = False) -> None:
     """Run the launches of `_launches` once."""
-    for launch in _launches(widths, dtype, device, head_dim, lora, dropout_rank):
+    for launch in _launches(widths, dtype, device, head_dim, lora, dropout_rank, fp8):
         launch()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
 def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
-                lora: bool | None = None, dropout_rank: int = 0) -> threading.Thread | None:
+                lora: bool | None = None, dropout_rank: int = 0, fp8: bool = False) -> threading.Thread | None:
     """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with (`lora` and
-    `dropout_rank`: see `_launches`), on a background thread, while the main thread reads data and loads weights: on
+    `dropout_rank`, `fp8`: see `_launches`), on a background thread, while the main thread reads data and loads weights: on
     a machine with empty caches the builds (and Triton's launcher code for each) take several seconds, which the
     first forward would otherwise wait for. `ready` waits for it and tells whether the kernels can be used."""
     if not HAVE_TRITON or dtype not in DTYPES or not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
         return None
-    key = (tuple(widths), dtype, str(device), head_dim, lora, dropout_rank)
+    key = (tuple(widths), dtype, str(device), head_dim, lora, dropout_rank, fp8)
     if key in _builds:
         return _builds[key]
 
@@ -100,9 +106,9 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
         try:
             if device.type == "cuda":
                 with torch.cuda.device(device):
-                    _build(widths, dtype, device, head_dim, lora, dropout_rank)
+                    _build(widths, dtype, device, head_dim, lora, dropout_rank, fp8)
             else:
-                _build(widths, dtype, device, head_dim, lora, dropout_rank)
+                _build(widths, dtype, device, head_dim, lora, dropout_rank, fp8)
         except Exception as e:  # noqa: BLE001 - any failure means: do not use them; `ready` says why
             turn_off(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
@@ -113,10 +119,10 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
 
 
 def ready(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
-          lora: bool | None = None, dropout_rank: int = 0) -> str | None:
+          lora: bool | None = None, dropout_rank: int = 0, fp8: bool = False) -> str | None:
     """Wait until the kernels for these widths are built (by `build_ahead`'s thread, or now); None when they serve,
     else why not (after which `available` says no)."""
-    thread = build_ahead(widths, dtype, device, head_dim, lora, dropout_rank)
+    thread = build_ahead(widths, dtype, device, head_dim, lora, dropout_rank, fp8)
     if thread is None:
         return "Triton is not installed, or the device or dtype is not one the kernels serve"
     thread.join()

@@ -234,7 +234,8 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
     dtype = resolve_dtype(cfg.torch_dtype, device)
     seed_all(cfg.seed)
     if kernels_wanted(cfg.kernels, device, cfg.torch_compile):
-        build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code, cfg.uses_lora, dropout_rank(cfg))
+        build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code, cfg.uses_lora, dropout_rank(cfg),
+                            fused_fp8(cfg))
 
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
@@ -333,12 +334,18 @@ def dropout_rank(cfg: TrainConfig) -> int:
     return cfg.lora_rank if cfg.train_type == "lora" and cfg.lora_dropout > 0 and not cfg.adapters else 0
 
 
+def fused_fp8(cfg: TrainConfig) -> bool:
+    """Whether the norm and SwiGLU kernels write their outputs in e4m3 too (--fp8 with row-wise scales)."""
+    return cfg.fp8 and cfg.fp8_recipe == "rowwise"
+
+
 def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
-                        lora: bool, lora_dropout_rank: int = 0) -> None:
-    """Start building the Triton kernels for this model's shapes (its config) while data and weights load."""
+                        lora: bool, lora_dropout_rank: int = 0, fp8: bool = False) -> None:
+    """Start building the Triton kernels for this model's shapes (its config) while data and weights load (`fp8`:
+    the norm and SwiGLU kernels that write e4m3 copies too)."""
     config = _config_fields(model, trust_remote_code)
     if config is not None and (widths := norm_widths(config)):
-        build_ahead(widths, dtype, device, head_size(config), lora, lora_dropout_rank)
+        build_ahead(widths, dtype, device, head_size(config), lora, lora_dropout_rank, fp8)
 
 
 def fp8_layers(cfg: TrainConfig, model, device: torch.device, d: Dist | None = None) -> None:
@@ -376,7 +383,7 @@ def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
         return
     lm = base_causal_lm(model)
     why = kernels_ready(norm_widths(lm.config), lm.get_input_embeddings().weight.dtype, device, head_size(lm.config),
-                        cfg.uses_lora, dropout_rank(cfg))
+                        cfg.uses_lora, dropout_rank(cfg), fused_fp8(cfg))
     if why is not None:
         if cfg.kernels == "triton":
             raise FastDPOError(f"--kernels triton: the Triton kernels cannot be built on this GPU ({why}). Use "
