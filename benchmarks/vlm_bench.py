@@ -29,6 +29,9 @@ CUDA (float32 on the CPU, where Liger's Triton kernels cannot run: --liger is th
 activation checkpointing on TRL's side (fastdpo picks its own), no truncation, W warm-up steps then K timed ones.
 all: make when DIR/model is missing, then fastdpo, trl --liger (and with --also-plain trl without Liger), one after
 the other, each under its own --limit seconds (a side past it is killed and reported with rc null), then a table.
+TRL's sides may have a limit of their own: --trl_limit S, or --trl_limit 2.1x (2.1 times fastdpo's measured wall,
+capped by --trl_max): a TRL side killed there while fastdpo finished bounds the time-to-result ratio (fastdpo took
+under 1/2.1 of TRL's time), for TRL jobs longer than one can wait for.
 
 Every subcommand prints `RESULT {json}` lines on stdout; the sides' own logs go to OUT/<side>.log. The numbers:
   wall_s         time to result: from starting the side's process to its exit (imports, model load, data
