@@ -295,8 +295,10 @@ def test_bench_command_on_cpu_with_a_profile(tmp_path, model_dirs, capsys):
     assert json.loads((prof / "trace.json").read_text())["traceEvents"]
     top = (prof / "top.txt").read_text().splitlines()
     assert top[0].split()[:2] == ["self", "ms/step"] and len(top) > 5
-    # the CPU runs every op as it is queued: the step's host time is nearly all of it, its wait nearly nothing
-    assert 0 < r["host_queue_ms"] <= r["s_per_step"] * 1e3 and 0 <= r["device_wait_ms"] < r["host_queue_ms"]
+    # the CPU runs every op as it is queued: the step's host time is nearly all of it, its wait nearly nothing (the
+    # queue time is a median and rounded to 0.1 ms, the step time a mean: a median may pass the mean a little)
+    assert 0 < r["host_queue_ms"] <= r["s_per_step"] * 1e3 * 1.25 + 0.1
+    assert 0 <= r["device_wait_ms"] < r["host_queue_ms"]
     assert "the host queued it in" in text
     # the run's certificate, checked by the first (warm-up) step, as training checks it
     assert r["certificate"]["status"] == "PASS" and r["certificate"]["checks"]["fast_path"][0] == "PASS"
