@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
-# The run's certificate on a CUDA machine (from the repo root): its cost on the cold 600-pair Qwen3-1.7B job (on, then
-# off, same machine) and on Qwen3-8B LoRA r16 (its own timing by stage; LORA_OFF=1 adds a run without it, LORA_FP8=1
-# one on the FP8 base: speed and memory against bf16), its checks on every bench workload (WORKLOADS to choose), and
-# (profile) where its first-forward stage's time goes.
+# The run's certificate on a CUDA machine (from the repo root): its cost on the cold 600-pair Qwen3-1.7B job (off,
+# on, off, on: JOBS to choose; each with empty compile caches, the first on a fresh machine also with cold page
+# caches, which is why a plain run goes first) and on Qwen3-8B LoRA r16 (its own timing by stage; LORA_OFF=1 adds a
+# run without it, LORA_FP8=1 one on the FP8 base: speed and memory against bf16), its checks on every bench workload
+# (WORKLOADS to choose), and (profile) where its first-forward stage's time goes.
 # Usage: benchmarks/certificate.sh [jobs|lora|workloads|profile]...  Logs and JSON land in $OUT (default cert-out).
 set -u
 OUT=${OUT:-cert-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
-jobs() {
-  for c in on off; do
-    rm -rf "/tmp/cert-job-$c"
+jobs() {  # alternating, the first run on a fresh machine being a plain one: its cold page cache is not the certificate's
+  i=0
+  for c in ${JOBS:-off on off on}; do
+    i=$((i + 1)); rm -rf "/tmp/cert-job-$i"
     timeout -k 20 ${T_JOB:-170} python3 -m fastdpo bench --shape qwen3-1.7b --job --rows 600 --certificate $c \
-      --job_dir "/tmp/cert-job-$c" --json "$OUT/job_$c.json" > "$OUT/job_$c.log" 2>&1
-    echo "job certificate=$c rc=$?"; grep -E "process start|^│ fastdpo|certificate|timeline" "$OUT/job_$c.log" | head -n 6
+      --job_dir "/tmp/cert-job-$i" --json "$OUT/job_$i.json" > "$OUT/job_$i.log" 2>&1
+    echo "job $i certificate=$c rc=$?"
+    python3 - "$OUT/job_$i.json" <<'PY'
+import json, sys
+try:
+    r = next(j for j in json.load(open(sys.argv[1]))["jobs"] if j["impl"] == "fastdpo")
+except (OSError, ValueError, KeyError, StopIteration) as e:
+    print("  no result:", e); raise SystemExit
+t, cert = r.get("timeline_s") or {}, r.get("certificate") or {}
+print("  wall_s", r["wall_s"], "first step", round(t.get("first_step", 0) - t.get("ready", 0), 2), "timeline", t)
+print("  certificate", cert.get("status"), cert.get("seconds"), cert.get("seconds_by_part"), cert.get("checks"))
+PY
   done
 }
 
