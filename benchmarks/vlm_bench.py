@@ -31,7 +31,9 @@ all: make when DIR/model is missing, then fastdpo, trl --liger (and with --also-
 the other, each under its own --limit seconds (a side past it is killed and reported with rc null), then a table.
 TRL's sides may have a limit of their own: --trl_limit S, or --trl_limit 2.1x (2.1 times fastdpo's measured wall,
 capped by --trl_max): a TRL side killed there while fastdpo finished bounds the time-to-result ratio (fastdpo took
-under 1/2.1 of TRL's time), for TRL jobs longer than one can wait for.
+under 1/2.1 of TRL's time), for TRL jobs longer than one can wait for. A TRL side killed before its last step also
+gets a projected wall (its measured wall plus each step it did not run at the length of its fastest timed step,
+without its save), printed as a projection next to the measured bound.
 
 Every subcommand prints `RESULT {json}` lines on stdout; the sides' own logs go to OUT/<side>.log. The numbers:
   wall_s         time to result: from starting the side's process to its exit (imports, model load, data
@@ -331,7 +333,8 @@ def cmd_trl(a) -> dict:
     return result({"impl": impl, "liger": liger, "lora": a.lora, "wall_s": round(wall, 2),
                    "rc": rc, "saved": (out / "final").is_dir() and any((out / "final").iterdir()),
                    **steady(step_s, a.warmup, a.bs), "peak_gib": w.get("peak_gib"), "steps": len(step_s), "bs": a.bs,
-                   "init_s": w.get("init_s"), "train_s": w.get("train_s"), "save_s": w.get("save_s"),
+                   "planned_steps": a.warmup + a.steps, "init_s": w.get("init_s"), "train_s": w.get("train_s"),
+                   "save_s": w.get("save_s"),
                    "versions": w.get("versions"), "step_s": [round(x, 4) for x in step_s]})
 
 
@@ -457,6 +460,7 @@ def trl_worker(a) -> None:
 # --------------------------------------------------------------------------------------------------------- all
 
 def cmd_all(a) -> None:
+    t0 = time.perf_counter()
     d, out = Path(a.dir), Path(a.out)
     if not (d / "model" / "config.json").is_file():
         cmd_make(argparse.Namespace(out=a.dir, shape=a.shape, rows=a.rows, seed=a.seed))
@@ -470,6 +474,8 @@ def cmd_all(a) -> None:
         limit = float(a.trl_limit)
     if a.trl_max > 0:
         limit = min(limit, a.trl_max)
+    if a.budget > 0:  # what is left of the whole run's seconds, less the table's
+        limit = min(limit, a.budget - (time.perf_counter() - t0) - 10)
     trl = {**vars(a), "limit": limit}
     sides.append(cmd_trl(argparse.Namespace(**{**trl, "out": str(out / f"trl_liger{suffix}"), "liger": True})))
     if a.also_plain:
@@ -495,11 +501,21 @@ def table(sides: list[dict]) -> None:
         bound = ours["wall_s"] / s["wall_s"] if s["rc"] is None and ours["rc"] == 0 else None
         job = (f"x{fmt(wall, '.2f')}" if bound is None else f"more than x{1 / bound:.2f} (TRL killed at "
                f"{s['wall_s']:.0f} s after {s['steps']} steps: fastdpo took under {bound:.2f} of its time)")
+        # killed before its end: its wall projected, the steps it did not run each as long as its fastest timed
+        # one and no save (a projection, not a measurement: reported apart, as such)
+        projected = None
+        if bound is not None and s["step_s"] and s.get("planned_steps", 0) > s["steps"]:
+            timed = s["step_s"][1:] or s["step_s"]
+            projected = s["wall_s"] + (s["planned_steps"] - s["steps"]) * min(timed)
+            job += (f"; projected TRL wall {projected:.0f} s ({s['planned_steps'] - s['steps']} more steps at its "
+                    f"fastest, {min(timed):.2f} s): fastdpo {ours['wall_s'] / projected:.2f} of it")
         print(f"fastdpo vs {s['impl']}: steady pairs/s x{fmt(speed, '.2f')}, time to result (TRL wall / fastdpo "
               f"wall) {job}, peak GiB {fmt(ours['peak_gib'])} vs {fmt(s['peak_gib'])}")
         result({"impl": "ratio", "vs": s["impl"], "speedup_pairs_per_s": None if speed is None else round(speed, 3),
                 "wall_ratio": None if wall is None else round(wall, 3),
                 "fastdpo_wall_share_below": None if bound is None else round(bound, 3),
+                "trl_wall_projected_s": None if projected is None else round(projected, 1),
+                "fastdpo_wall_share_projected": None if projected is None else round(ours["wall_s"] / projected, 3),
                 "peak_gib_fastdpo": ours["peak_gib"], "peak_gib_trl": s["peak_gib"]})
 
 
@@ -543,6 +559,8 @@ def main() -> None:
     q.add_argument("--trl_limit", default="0", help="seconds TRL's sides may run (0: --limit), or a multiple of "
                    "fastdpo's wall such as 2.1x (a TRL side killed there bounds the time-to-result ratio)")
     q.add_argument("--trl_max", type=float, default=0, help="at most this many seconds for a TRL side (0: no cap)")
+    q.add_argument("--budget", type=float, default=0, help="seconds the whole run may take: TRL's sides get at most "
+                   "what fastdpo's left (0: no cap)")
     a = p.parse_args()
     if str(SRC) not in sys.path:
         sys.path.insert(0, str(SRC))
