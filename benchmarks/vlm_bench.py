@@ -475,7 +475,7 @@ def cmd_all(a) -> None:
     if a.trl_max > 0:
         limit = min(limit, a.trl_max)
     if a.budget > 0:  # what is left of the whole run's seconds, less the table's
-        limit = min(limit, a.budget - (time.perf_counter() - t0) - 10)
+        limit = max(1.0, min(limit, a.budget - (time.perf_counter() - t0) - 10))
     trl = {**vars(a), "limit": limit}
     sides.append(cmd_trl(argparse.Namespace(**{**trl, "out": str(out / f"trl_liger{suffix}"), "liger": True})))
     if a.also_plain:
