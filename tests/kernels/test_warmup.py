@@ -84,6 +84,55 @@ def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, 
     assert used <= built, sorted(used - built)
 
 
+def specialisation(kernel, args: tuple) -> tuple:
+    """What Triton builds a kernel anew for, argument by argument (`launch._arg_key`: a tensor's dtype and 16-byte
+    alignment, an int's equality to 1 and divisibility by 16), the arguments it does not specialise on left out."""
+    plain = set(kernel.kwargs.get("do_not_specialize") or ())
+    return tuple("-" if name in plain else launch._arg_key(a) for name, a in zip(kernel.arg_names, args))
+
+
+@interpreted
+@pytest.mark.parametrize("train_type", ["full", "lora"])
+def test_a_whole_run_with_its_certificate_builds_nothing_after_the_builds_ahead(tmp_path, model_dirs, monkeypatch,
+                                                                                train_type):
+    """A run's first step, its certificate's forwards (the float32 head's and the reference's) and its last record
+    launch only kernels the loading thread built: same kernel, constants and Triton specialisation (alignment,
+    integer arguments). A launch outside them would be compiled in the first step of a machine with empty caches."""
+    import inspect
+    import threading
+
+    from data_helpers import easy_rows, write_jsonl
+
+    from fastdpo.config import TrainConfig
+    from fastdpo.training import setup
+    from fastdpo.training.loop import train
+
+    built, used, by_certificate = set(), set(), set()
+
+    def recorded(kernel, grid, *args, num_warps=4, **constexprs):
+        key = (kernel.fn.__name__, specialisation(kernel, args), tuple(sorted({"num_warps": num_warps,
+                                                                                **constexprs}.items())))
+        if threading.current_thread().name == "fastdpo-kernel-builds":
+            built.add(key)
+        else:
+            used.add(key)
+            if any(f.filename.endswith("certificate.py") for f in inspect.stack(context=0)):
+                by_certificate.add(key[0])
+        return launch.launch(kernel, grid, *args, num_warps=num_warps, **constexprs)
+
+    for op in OPS:
+        monkeypatch.setattr(op, "launch", recorded)
+    monkeypatch.setattr(setup, "kernels_wanted", lambda *a: True)  # as on CUDA: the kernels, built ahead
+    data = write_jsonl(tmp_path / "data.jsonl", easy_rows(8, seed=4))
+    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
+                      device="cpu", torch_dtype="bfloat16", max_steps=1, per_device_train_batch_size=4, save_steps=0,
+                      train_type=train_type, disable_progress=True)
+    train(cfg, progress=False)
+    assert {"_rms_fwd", "_silu_mul_fwd", "_logp_fwd"} <= by_certificate  # the certificate ran on the kernels
+    assert {"_rms_bwd", "_silu_mul_bwd", "_logp_bwd"} <= {name for name, *_ in used}  # and the step trained on them
+    assert used <= built, sorted(used - built)
+
+
 @interpreted
 def test_ready_waits_for_the_build_and_a_failed_build_turns_the_kernels_off(monkeypatch):
     monkeypatch.setattr(warmup, "_builds", {})
