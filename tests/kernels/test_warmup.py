@@ -122,6 +122,7 @@ def test_a_whole_run_with_its_certificate_builds_nothing_after_the_builds_ahead(
 
     for op in OPS:
         monkeypatch.setattr(op, "launch", recorded)
+    monkeypatch.setattr(warmup, "_builds", {})  # built by this run's loading thread, not an earlier test's
     monkeypatch.setattr(setup, "kernels_wanted", lambda *a: True)  # as on CUDA: the kernels, built ahead
     data = write_jsonl(tmp_path / "data.jsonl", easy_rows(8, seed=4))
     cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
