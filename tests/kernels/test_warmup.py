@@ -199,3 +199,23 @@ def test_a_fused_stack_matches_the_float32_padded_reference_and_builds_nothing_p
         sequence_logps(model, pack_pairs(more[0], 1).to("cuda"), backend)
     lengths = {pack_pairs(g, 1).num_tokens for g in groups + more}
     assert len(lengths) >= 4 and {k: built(fn) for k, fn in kernels.items()} == builds, lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.05, 0.1, 0.3])
+def test_lora_dropout_built_ahead_serves_every_drop_probability(p):
+    """The LoRA dropout kernels built ahead (at p = 0.5) serve a run's own p and any row count: no further build
+    (the drop threshold, p x 2^16, is not specialised on)."""
+    kernels = {"_lora_drop_down": lora._lora_drop_down, "_lora_drop_dx": lora._lora_drop_dx,
+               "_lora_drop_da": lora._lora_drop_da}
+    warmup.build_ahead([1024, 128], torch.bfloat16, torch.device("cuda"), 128, lora=True, dropout_rank=16).join()
+    builds = {k: built(fn) for k, fn in kernels.items()}
+    assert all(builds.values()), builds
+    a = torch.randn(16, 1024, dtype=torch.bfloat16, device="cuda")
+    for m in (37, 512, 1001):
+        x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+        t = lora.lora_dropout_down(x, a, 7, p)
+        lora.lora_dropout_input_grad(t, a, 7, p, 2.0)
+        lora.lora_dropout_weight_grad(t, x, 7, p)
+    torch.cuda.synchronize()
+    assert {k: built(fn) for k, fn in kernels.items()} == builds
