@@ -4,7 +4,8 @@
 # caches, which is why a plain run goes first) and on Qwen3-8B LoRA r16 (its own timing by stage; LORA_OFF=1 adds a
 # run without it, LORA_FP8=1 one on the FP8 base: speed and memory against bf16), its checks on every bench workload
 # (WORKLOADS to choose), and (profile) where its first-forward stage's time goes.
-# Usage: benchmarks/certificate.sh [jobs|lora|workloads|profile]...  Logs and JSON land in $OUT (default cert-out).
+# (coldprofile, after jobs) where a cold process's certificate stages spend their time under cProfile.
+# Usage: benchmarks/certificate.sh [jobs|lora|workloads|profile|coldprofile]...  Logs and JSON land in $OUT (default cert-out).
 set -u
 OUT=${OUT:-cert-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -71,6 +72,33 @@ try:
     stats.sort_stats("cumulative").print_callees("_fast_path|_plain_sums|reference_sums")  # the stages' parts
     stats.sort_stats("tottime").print_stats(25)  # where the time itself is spent (a kernel's first load: in its op)
     print(text.getvalue()[:12000])
+except OSError as e:
+    print("no profile:", e)
+PY
+}
+
+coldprofile() {  # the certificate's stages in a cold process under cProfile: `jobs`' first job's model and config,
+  # compile caches empty again (what a cold job has that a warm bench process has not, stage by stage)
+  local job=/tmp/cert-job-1
+  [ -f "$job/fastdpo-job.yaml" ] || { echo "coldprofile: run jobs first ($job/fastdpo-job.yaml)"; return; }
+  rm -rf /tmp/cert-cold-out /tmp/cert-cold-triton /tmp/cert-cold-inductor
+  TRITON_CACHE_DIR=/tmp/cert-cold-triton TORCHINDUCTOR_CACHE_DIR=/tmp/cert-cold-inductor timeout -k 10 \
+    ${T_PROF:-120} python3 -m cProfile -o "$OUT/cold.prof" -m fastdpo train --config "$job/fastdpo-job.yaml" \
+    --output_dir /tmp/cert-cold-out --certificate on > "$OUT/cold_prof.log" 2>&1
+  echo "cold profile rc=$?"
+  python3 - "$OUT" <<'PY'
+import io, json, pstats, sys
+out = sys.argv[1]
+try:
+    run = json.load(open("/tmp/cert-cold-out/summary.json"))
+    print("stages", run["certificate"]["seconds_by_part"], "timeline", run.get("timeline_s"))
+except (OSError, KeyError, ValueError) as e:
+    print("no summary:", e)
+try:
+    text = io.StringIO()
+    stats = pstats.Stats(f"{out}/cold.prof", stream=text)
+    stats.sort_stats("cumulative").print_callees("_fast_path|_plain_sums|reference_sums|_sums")
+    print(text.getvalue()[:14000])
 except OSError as e:
     print("no profile:", e)
 PY
