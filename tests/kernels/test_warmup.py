@@ -92,12 +92,14 @@ def specialisation(kernel, args: tuple) -> tuple:
 
 
 @interpreted
-@pytest.mark.parametrize("train_type", ["full", "lora"])
+@pytest.mark.parametrize("train_type", ["full", "lora", "vision"])
 def test_a_whole_run_with_its_certificate_builds_nothing_after_the_builds_ahead(tmp_path, model_dirs, monkeypatch,
                                                                                 train_type):
     """A run's first step, its certificate's forwards (the float32 head's and the reference's) and its last record
     launch only kernels the loading thread built: same kernel, constants and Triton specialisation (alignment,
-    integer arguments). A launch outside them would be compiled in the first step of a machine with empty caches."""
+    integer arguments). A launch outside them would be compiled in the first step of a machine with empty caches.
+    vision: a Qwen2.5-VL full fine-tune on rows with images, its vision tower trained (whose norms are RMSNorms of
+    the tower's own width)."""
     import inspect
     import threading
 
@@ -124,14 +126,23 @@ def test_a_whole_run_with_its_certificate_builds_nothing_after_the_builds_ahead(
         monkeypatch.setattr(op, "launch", recorded)
     monkeypatch.setattr(warmup, "_builds", {})  # built by this run's loading thread, not an earlier test's
     monkeypatch.setattr(setup, "kernels_wanted", lambda *a: True)  # as on CUDA: the kernels, built ahead
-    data = write_jsonl(tmp_path / "data.jsonl", easy_rows(8, seed=4))
-    cfg = TrainConfig(model=str(model_dirs("qwen3")), dataset=[str(data)], output_dir=str(tmp_path / "run"),
-                      device="cpu", torch_dtype="bfloat16", max_steps=1, per_device_train_batch_size=4, save_steps=0,
-                      train_type=train_type, disable_progress=True)
+    if train_type == "vision":
+        from vlm_helpers import build_vlm_dir, image_rows
+
+        model = build_vlm_dir(tmp_path / "vlm", "qwen2_5_vl")
+        data = write_jsonl(tmp_path / "data.jsonl", image_rows(tmp_path))
+        kw = dict(freeze_vit=False, freeze_aligner=False)
+    else:
+        model, data = model_dirs("qwen3"), write_jsonl(tmp_path / "data.jsonl", easy_rows(8, seed=4))
+        kw = dict(train_type=train_type)
+    cfg = TrainConfig(model=str(model), dataset=[str(data)], output_dir=str(tmp_path / "run"), device="cpu",
+                      torch_dtype="bfloat16", max_steps=1, per_device_train_batch_size=4, save_steps=0,
+                      disable_progress=True, **kw)
     train(cfg, progress=False)
     assert {"_rms_fwd", "_silu_mul_fwd", "_logp_fwd"} <= by_certificate  # the certificate ran on the kernels
     assert {"_rms_bwd", "_silu_mul_bwd", "_logp_bwd"} <= {name for name, *_ in used}  # and the step trained on them
     assert used <= built, sorted(used - built)
+    assert len(warmup._builds) == 1  # the widths read from config.json before loading are the loaded model's
 
 
 @interpreted

@@ -30,13 +30,22 @@ def head_size(config) -> int | None:
     return getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
 
 
+# vision-language models whose vision tower normalises with RMSNorm (its blocks and its merger), which the fused norms
+# serve as they serve the language model's: the tower's width is built too
+RMS_NORM_VISION = ("qwen2_5_vl",)
+
+
 def norm_widths(config) -> list[int]:
-    """The widths a model's norms take: the hidden size, and the head size (Qwen3's per-head query and key norms)."""
+    """The widths a model's norms take: the hidden size, the head size (Qwen3's per-head query and key norms), and a
+    vision tower's width where its norms are RMSNorms (`RMS_NORM_VISION`)."""
     hidden = getattr(_text_config(config), "hidden_size", None)
     if not hidden:
         return []
     head_dim = head_size(config)
-    return list(dict.fromkeys([hidden] + ([head_dim] if head_dim else [])))
+    vision = getattr(config, "vision_config", None) if getattr(config, "model_type", None) in RMS_NORM_VISION else None
+    # a config object, or config.json's dict as read before transformers is imported (the same widths either way)
+    tower = vision.get("hidden_size") if isinstance(vision, dict) else getattr(vision, "hidden_size", None)
+    return list(dict.fromkeys([hidden] + ([head_dim] if head_dim else []) + ([tower] if tower else [])))
 
 
 _builds: dict[tuple, threading.Thread] = {}
