@@ -43,8 +43,7 @@ def norm_widths(config) -> list[int]:
         return []
     head_dim = head_size(config)
     vision = getattr(config, "vision_config", None) if getattr(config, "model_type", None) in RMS_NORM_VISION else None
-    # a config object, or config.json's dict as read before transformers is imported (the same widths either way)
-    tower = vision.get("hidden_size") if isinstance(vision, dict) else getattr(vision, "hidden_size", None)
+    tower = getattr(vision, "hidden_size", None)
     return list(dict.fromkeys([hidden] + ([head_dim] if head_dim else []) + ([tower] if tower else [])))
 
 

@@ -317,8 +317,9 @@ def _config_fields(model: str, trust_remote_code: bool):
         except (OSError, ValueError):
             raw = None
         if isinstance(raw, dict):
-            if isinstance(raw.get("text_config"), dict):
-                raw["text_config"] = SimpleNamespace(**raw["text_config"])
+            for sub in ("text_config", "vision_config"):  # read as the loaded config's attributes are
+                if isinstance(raw.get(sub), dict):
+                    raw[sub] = SimpleNamespace(**raw[sub])
             return SimpleNamespace(**raw)
     from transformers import AutoConfig
 
