@@ -58,7 +58,7 @@ profile() {  # where the first-forward stage's time goes: cProfile of a bench st
     --warmup 1 --json "$OUT/cert_eager.json" > "$OUT/cert_eager.log" 2>&1
   echo "eager module loading rc=$?"
   python3 - "$OUT" <<'PY'
-import io, json, pstats, sys
+import json, sys
 out = sys.argv[1]
 for name in ("cert_prof", "cert_eager"):
     try:
@@ -66,12 +66,20 @@ for name in ("cert_prof", "cert_eager"):
         print(name, "stages", r["certificate"]["seconds_by_part"], "first step", r.get("first_step_s"))
     except (OSError, KeyError, IndexError, ValueError) as e:
         print(name, "no result:", e)
+PY
+  callees "$OUT/cert.prof" 25
+}
+
+callees() {  # a cProfile file's certificate stages: their callees, and the N functions of most time of their own
+  python3 - "$1" "${2:-0}" <<'PY'
+import io, pstats, sys
 try:
     text = io.StringIO()
-    stats = pstats.Stats(f"{out}/cert.prof", stream=text)
-    stats.sort_stats("cumulative").print_callees("_fast_path|_plain_sums|reference_sums")  # the stages' parts
-    stats.sort_stats("tottime").print_stats(25)  # where the time itself is spent (a kernel's first load: in its op)
-    print(text.getvalue()[:12000])
+    stats = pstats.Stats(sys.argv[1], stream=text)
+    stats.sort_stats("cumulative").print_callees("_fast_path|_plain_sums|reference_sums|_sums")  # the stages' parts
+    if int(sys.argv[2]):  # where the time itself is spent (a kernel's first load: in its op)
+        stats.sort_stats("tottime").print_stats(int(sys.argv[2]))
+    print(text.getvalue()[:14000])
 except OSError as e:
     print("no profile:", e)
 PY
@@ -86,22 +94,15 @@ coldprofile() {  # the certificate's stages in a cold process under cProfile: `j
     ${T_PROF:-120} python3 -m cProfile -o "$OUT/cold.prof" -m fastdpo train --config "$job/fastdpo-job.yaml" \
     --output_dir /tmp/cert-cold-out --certificate on > "$OUT/cold_prof.log" 2>&1
   echo "cold profile rc=$?"
-  python3 - "$OUT" <<'PY'
-import io, json, pstats, sys
-out = sys.argv[1]
+  python3 - <<'PY'
+import json
 try:
     run = json.load(open("/tmp/cert-cold-out/summary.json"))
     print("stages", run["certificate"]["seconds_by_part"], "timeline", run.get("timeline_s"))
 except (OSError, KeyError, ValueError) as e:
     print("no summary:", e)
-try:
-    text = io.StringIO()
-    stats = pstats.Stats(f"{out}/cold.prof", stream=text)
-    stats.sort_stats("cumulative").print_callees("_fast_path|_plain_sums|reference_sums|_sums")
-    print(text.getvalue()[:14000])
-except OSError as e:
-    print("no profile:", e)
 PY
+  callees "$OUT/cold.prof"
 }
 
 parts=("$@"); [ $# -eq 0 ] && parts=(jobs lora workloads)
