@@ -5,6 +5,7 @@ it in tests/kernels/test_fp8_gpu.py."""
 
 import pytest
 import torch
+from fp8_helpers import exact_rowwise
 
 from fastdpo.kernels.fp8 import (
     E4M3,
@@ -42,6 +43,11 @@ def test_quantise_rowwise_scales_each_row_by_its_absolute_maximum():
     assert rel(back[:4], x[:4]) < 0.04
     # the cast is e4m3's round to nearest of x / scale
     assert torch.equal(q, (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3))
+    # bit for bit the correctly rounded quantisation (the fused kernels' rule) on many rows of any magnitude
+    y = torch.randn(4001, 64, generator=g) * torch.logspace(-6, 6, 4001).unsqueeze(1)
+    want_q, want_scale = exact_rowwise(y)
+    q, scale = quantise_rowwise(y)
+    assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
 
 
 def test_a_column_scale_is_applied_before_the_row_quantisation():

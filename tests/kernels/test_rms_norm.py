@@ -92,15 +92,15 @@ def test_the_norm_quantising_its_output_gives_what_quantise_rowwise_gives(width,
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [2048, 4096])
 def test_the_norm_quantising_its_output_on_cuda_gives_the_exact_quantisation_of_it(width):
-    """On CUDA: the kernel's e4m3 rows and scales are the correctly rounded quantisation of the output it wrote (eager
-    torch's IEEE float32 arithmetic, not the compiled quantisation, whose division may be approximate), and that
-    output is the plain kernel's, bit for bit."""
-    from fastdpo.kernels.fp8 import E4M3, _quantise
+    """On CUDA: the kernel's e4m3 rows and scales are the correctly rounded quantisation of the output it wrote
+    (computed here apart from fastdpo's own: the scale a float64 quotient rounded once, each value an IEEE float32
+    division), and that output is the plain kernel's, bit for bit."""
+    from fp8_helpers import exact_rowwise
 
     g = torch.Generator(device="cuda").manual_seed(width)
     x = torch.randn(3001, width, device="cuda", generator=g).mul(3).bfloat16()
     w = (1 + 0.2 * torch.randn(width, device="cuda", generator=g)).bfloat16()
     y, _, (q, scale) = rms_norm.rms_norm_forward_fp8(x, w, 1e-6)
-    want_q, want_scale = _quantise(y, None, E4M3)
+    want_q, want_scale = exact_rowwise(y)
     assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
     assert torch.equal(y, rms_norm.rms_norm_forward(x, w, 1e-6)[0])

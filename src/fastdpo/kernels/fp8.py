@@ -59,10 +59,18 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 _TINY = 1e-12  # a row of zeros gets this amax: its values quantise to 0 whatever the scale
 
 
+def _scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """float32 `amax` (at least 1e-12) over the format's largest value, correctly rounded, on every device and
+    compiled or not (as `e4m3_scale` computes it in the fused kernels): the quotient in float64, rounded once to
+    float32. A float32 quotient would not be: CUDA's eager torch divides by a scalar as a multiplication by its
+    reciprocal, one ulp off for about half the rows (an H100), and a compiler may divide approximately."""
+    return (amax.clamp(min=_TINY).double() / fmax).float()
+
+
 def _quantise(x: torch.Tensor, col_scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     fmax = torch.finfo(dtype).max
     xf = x.detach().float() if col_scale is None else x.detach().float() * col_scale
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / fmax
+    scale = _scale(xf.abs().amax(dim=-1, keepdim=True), fmax)
     return (xf / scale).clamp(-fmax, fmax).to(dtype), scale
 
 
@@ -89,7 +97,7 @@ def quantise_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3,
 def _quantise_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     fmax = torch.finfo(dtype).max
     xf = x.detach().float()
-    scale = xf.abs().amax().clamp(min=_TINY).reshape(1, 1) / fmax
+    scale = _scale(xf.abs().amax().reshape(1, 1), fmax)
     return (xf / scale).clamp(-fmax, fmax).to(dtype), scale
 
 
