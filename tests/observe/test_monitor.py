@@ -388,6 +388,28 @@ def test_oom_next_steps_follow_the_settings():
     assert any("--train_type qlora" in s for s in fp8) and not any("--fp8_base" in s for s in fp8)
 
 
+def test_a_fragmented_allocator_puts_expandable_segments_first(monkeypatch):
+    """torch's message says how much was reserved but unallocated: 1 GiB or more, and the allocator not already
+    expandable, makes PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the first step."""
+    from fastdpo.observe.diagnostics import oom_error
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    cfg = TrainConfig(model="m", dataset=["d"])
+
+    def oom(unallocated: str) -> str:
+        e = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 154.00 MiB. GPU 0 has a total capacity of "
+                                   f"79.18 GiB of which 90.00 MiB is free. Of the allocated memory 67.92 GiB is "
+                                   f"allocated by PyTorch, and {unallocated} is reserved by PyTorch but unallocated.")
+        return str(oom_error(e, cfg, None))
+
+    steps = [line for line in oom("10.34 GiB").splitlines() if line.startswith("  - ")]
+    assert steps[0].startswith("  - PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") and "10.34 GiB" in steps[0]
+    assert "expandable_segments" not in oom("300.00 MiB")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "expandable_segments" not in oom("10.34 GiB")
+
+
 def test_runs_logged_with_kl_names_read_back_as_logratios(tmp_path):
     """metrics.jsonl of earlier versions named the signed mean log-ratios `kl/chosen`, `kl/rejected` and `kl`."""
     from fastdpo.observe.plot import read_records

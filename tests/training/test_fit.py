@@ -223,7 +223,7 @@ def test_fit_walks_the_backward_only_for_one_micro_batch_per_step_under_a_named_
 
     seen = []
     real = fit_module.choose_fit
-    monkeypatch.setattr(fit_module, "choose_fit", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    monkeypatch.setattr(fit_module, "choose_fit", lambda *a, **k: seen.append(a[8]) or real(*a, **k))  # grads
     ps = pairs(*[400] * 16)
 
     def grads_given(default_limit=False, world=1, **kw):
@@ -359,3 +359,17 @@ def test_the_probe_leaves_the_random_state_as_it_found_it():
     before = torch.get_rng_state()
     measure_activations(model, Backend("dense"), 0, torch.device("cpu"), tokens=64)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_trained_vision_tower_s_activations_move_the_choice():
+    """The largest micro-batch's images, through a trained vision tower, count beside the language model's tokens:
+    what fits without checkpointing for text alone needs checkpointing with them (which also checkpoints the
+    tower's blocks, keeping far less per pixel)."""
+    act = ActivationBytes(mlp=480_000, layer=800_000, outside=2_000, layer_input=4_000, layers=20,
+                          vision_kept=400.0, vision_checkpointed=20.0)
+    static, head, tokens, pixels = 10 * GIB, GIB, 10_000, 20_000_000
+    limit = int(static + head + act.per_token("none") * tokens * 1.10 + GIB / 2) + 1
+    assert choose_fit(act, static, head, limit, tokens, 0, 2000).policy == "none"
+    fit = choose_fit(act, static, head, limit, tokens, 0, 2000, pixels=pixels)
+    assert fit.policy != "none" and fit.estimates_gib["none"] > limit / GIB
+    assert act.vision("none", pixels) == 400.0 * pixels and act.vision("keep:3", pixels) == 20.0 * pixels

@@ -484,3 +484,84 @@ def test_a_vision_language_family_fastdpo_does_not_train_is_refused(tmp_path, fa
     with pytest.raises(FastDPOError, match=f"model_type '{family}', which fastdpo does not train yet") as e:
         train(config(tmp_path, model, "run"), progress=False)
     assert ("mixture-of-experts" in str(e.value) and "'qwen3_vl'" in str(e.value)) == (family == "qwen3_vl_moe")
+
+
+def test_a_trained_vision_tower_is_checkpointed_and_its_gradients_do_not_change(tmp_path, family_dir):
+    """With the vision tower trained (--freeze_vit false), its blocks are checkpointed with the decoder's layers:
+    their forward keeps only each block's input for the backward (a 3B model's tower kept some 30 GB for a
+    4-image micro-batch otherwise), and one step's gradients, the tower's included, are those without it."""
+    from fastdpo.model.memory import vision_blocks
+    from fastdpo.model.vlm import pair_images, vision_features
+
+    with_images = [r for r in image_rows(tmp_path) if "images" in r]
+    data = write_jsonl(tmp_path / "images.jsonl", with_images)
+    runs, kept = {}, {}
+    for policy in ("none", "full"):
+        t = Trainer(config(tmp_path, family_dir, policy, data=data, per_device_train_batch_size=len(with_images),
+                           max_grad_norm=0.0, freeze_vit=False, freeze_aligner=False, gradient_checkpointing=policy))
+        blocks = vision_blocks(t.s.model)
+        assert blocks and all(getattr(b, "_fastdpo_ckpt", False) == (policy == "full") for b in blocks)
+        pixel_values, grid = pair_images(t.s.pairs)
+        saved = []
+
+        def pack(x, saved=saved):
+            saved.append(x.untyped_storage().nbytes())
+            return x
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            vision_features(t.s.model, pixel_values, grid)
+        kept[policy] = sum(saved)
+        grads = grads_of(t.s.model)
+        t.step(t.s.pairs[:len(with_images)])
+        runs[policy] = grads
+    assert kept["full"] < 0.5 * kept["none"], kept
+    assert set(runs["full"]) == set(runs["none"]) and any(n.startswith(MODULE_TOWERS) for n in runs["full"])
+    for name, g in runs["none"].items():
+        torch.testing.assert_close(runs["full"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def vision_saved(model, pairs) -> tuple[int, int]:
+    """Bytes autograd keeps (weights not counted, storages once) for one forward with grad of the vision tower over
+    the pairs' images, and those images' pixel-value elements."""
+    from fastdpo.model.vlm import pair_images, vision_features
+
+    pixel_values, grid = pair_images(pairs)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(x):
+        key = x.untyped_storage().data_ptr()
+        if key not in weights:
+            seen[key] = x.untyped_storage().nbytes()
+        return x
+
+    model.train()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        vision_features(model, pixel_values, grid)
+    return sum(seen.values()), pixel_values.numel()
+
+
+def test_the_memory_plan_counts_what_a_trained_vision_tower_keeps(tmp_path, family_dir):
+    """`fit` measures a trained tower's kept bytes per pixel-value element, whole and checkpointed: the whole figure
+    is what the tower's forward keeps for the run's images (within 10 %), the checkpointed one bounds what it keeps
+    once checkpointed, and a frozen tower keeps nothing."""
+    from fastdpo.model.memory import apply_checkpointing
+    from fastdpo.training.fit import largest_pixels, measure_vision
+
+    with_images = [r for r in image_rows(tmp_path) if "images" in r]
+    data = write_jsonl(tmp_path / "images.jsonl", with_images)
+    t = Trainer(config(tmp_path, family_dir, "trained", data=data, freeze_vit=False, freeze_aligner=False))
+    model, pairs = t.s.model, t.s.pairs
+    whole, checkpointed = measure_vision(model, pairs, torch.device("cpu"))
+    assert whole > checkpointed > 0
+    held = [p for p in pairs if p.num_images]
+    for pair in held:
+        kept, pixels = vision_saved(model, [pair])
+        assert whole * pixels == pytest.approx(kept, rel=0.1)
+    assert largest_pixels(pairs, 2) == sum(sorted((p.pixel_values.numel() for p in held), reverse=True)[:2])
+    apply_checkpointing(model, "full")
+    for pair in held:
+        kept, pixels = vision_saved(model, [pair])
+        assert kept <= checkpointed * pixels
+    frozen = Trainer(config(tmp_path, family_dir, "frozen", data=data))
+    assert measure_vision(frozen.s.model, frozen.s.pairs, torch.device("cpu")) == (0.0, 0.0)

@@ -196,7 +196,34 @@ def apply_checkpointing(model, policy: str, reentrant: bool = False) -> list[str
         elif name == "attn":
             _wrap(layer.self_attn, reentrant)
             wrapped.append(f"layers.{i}.self_attn")
+    for i, block in enumerate(vision_blocks(model)):
+        _unwrap(block)
+        if name != "none" and trains(block):
+            _wrap(block, reentrant)
+            wrapped.append(f"vision.{i}")
     return wrapped
+
+
+def vision_blocks(model) -> list[torch.nn.Module]:
+    """The repeated blocks of a vision-language model's vision tower (Qwen2-VL to Qwen3-VL: `visual.blocks`; LLaVA's
+    CLIP: its encoder's layers); none for a text model. A trained tower keeps each block's activations for the
+    backward, per patch (about four patches per visual token), so checkpointing wraps them with the decoder's layers
+    (under any policy but `none`), as transformers' gradient checkpointing does."""
+    from fastdpo.model.load import base_causal_lm
+
+    inner = getattr(base_causal_lm(model), "model", None)
+    tower = getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
+    if tower is None:
+        return []
+    if hasattr(tower, "blocks"):
+        return list(tower.blocks)
+    encoder = getattr(getattr(tower, "vision_model", tower), "encoder", None)
+    return list(getattr(encoder, "layers", []))
+
+
+def trains(module: torch.nn.Module) -> bool:
+    """Whether any parameter of `module` takes gradients (a frozen block's forward saves nothing for the backward)."""
+    return any(p.requires_grad for p in module.parameters())
 
 
 def compile_layers(model, backend="inductor", lengths: int | None = None, dynamic: bool = False) -> None:

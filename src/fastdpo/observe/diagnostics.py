@@ -4,6 +4,7 @@ that drive memory, and concrete next steps, most effective first (telling an OOM
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import torch
@@ -78,6 +79,19 @@ def oom_next_steps(cfg, longest_micro_tokens: int | None, plan=None) -> list[str
     return steps
 
 
+def fragmented(message: str) -> str | None:
+    """The memory torch's out-of-memory `message` says was reserved but unallocated, when that is at least 1 GiB and
+    the allocator does not already grow its segments in place (`expandable_segments`); else None."""
+    found = re.search(r"([\d.]+) ([KMGT])iB is reserved by PyTorch but unallocated", message)
+    if found is None:
+        return None
+    size = float(found.group(1)) * 2 ** (10 * "KMGT".index(found.group(2)) + 10)
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if size < 2**30 or "expandable_segments:true" in settings.replace(" ", "").lower():
+        return None
+    return f"{found.group(1)} {found.group(2)}iB"
+
+
 def oom_error(e: BaseException, cfg, device: torch.device | None, step_pairs=None, plan=None) -> FastDPOError:
     """A FastDPOError explaining out-of-memory error `e` raised while training with `cfg` (and the run's resolved
     `plan`, once set-up made one)."""
@@ -99,7 +113,13 @@ def oom_error(e: BaseException, cfg, device: torch.device | None, step_pairs=Non
                 f"reference {reference_strategy(cfg)}, torch_dtype {cfg.torch_dtype}")
     lines = [f"Out of GPU memory {where}" + (f": tried to allocate {asked.group(1)}." if asked else f": {first}"),
              memory_facts(device), f"Settings: {settings}.", "Next steps, most effective first:"]
-    lines += [f"  - {s}" for s in oom_next_steps(cfg, longest_micro, plan)]
+    steps = oom_next_steps(cfg, longest_micro, plan)
+    loose = fragmented(str(e))
+    if loose is not None:
+        steps.insert(0, f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment: {loose} were reserved "
+                        "by the caching allocator but unallocated, in pieces too small for this allocation "
+                        "(micro-batches of changing shapes, such as images of different sizes, fragment it).")
+    lines += [f"  - {s}" for s in steps]
     lines.append("`fastdpo tune` measures which checkpointing policy and token budget fit fastest; `fastdpo verify` "
                  "shows what each policy saves.")
     return FastDPOError("\n".join(lines))

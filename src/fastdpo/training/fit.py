@@ -17,19 +17,23 @@ Each policy keeps a known share of those parts:
 
 The peak is then the memory held now (weights, the reference), the gradients and AdamW's two moments of the
 trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
-with a 10 % margin for the allocator, plus 0.5 GiB. When every step is one micro-batch on one process under a limit
-the user names, the gradients and the activations are not counted as if they coexisted: the backward writes each
-layer's gradients as it frees that layer's activations, so the estimate walks the layers from the last and takes the
-most held at once (`backward_peak`; with gradient accumulation the next micro-batch runs beside all of them). The
-default limit keeps counting them together: it budgets the activations themselves (see `ACTIVATION_SHARE`).
-The largest micro-batch is the largest the run will form: its
+with a 10 % margin for the allocator, plus 0.5 GiB. A vision-language model whose vision tower trains (--freeze_vit
+false) keeps the tower's activations too, per patch, until the end of the backward: `measure_vision` measures them
+per pixel-value element on the run's own images, whole and with the tower's blocks checkpointed (every policy but
+none checkpoints them), and the largest micro-batch's images count beside its tokens.
+
+When every step is one micro-batch on one process under a limit the user names, the gradients and the activations are
+not counted as if they coexisted: the backward writes each layer's gradients as it frees that layer's activations, so
+the estimate walks the layers from the last and takes the most held at once (`backward_peak`; with gradient
+accumulation the next micro-batch runs beside all of them). The default limit keeps counting them together: it budgets
+the activations themselves (see `ACTIVATION_SHARE`). The largest micro-batch is the largest the run will form: its
 steps are known ahead for data in memory (the seeded order of each epoch, or the steps a caller names). On one rank
 without a token budget that is exact; over ranks, or under a budget, a close bound (`planned_largest_micro_batch`).
 For a stream, the largest any order could form. When not even full checkpointing fits the largest micro-batch of
 --per_device_train_batch_size pairs, a token budget (--max_tokens_per_batch) is set that does (at least the longest
 pair; a warning when even that is estimated not to fit). With `--kernels` Triton (the default on CUDA) the norms and
-MLPs are already lean when this measures. Otherwise, when no checkpointing does not fit, the lean torch norms and
-MLPs of `fastdpo.model.fused` (fewer bytes kept, some speed spent: 16.6 against 19.5 pairs/s on Qwen3-1.7B without
+MLPs are already lean when this measures. Otherwise, when no checkpointing does not fit, the lean torch norms and MLPs
+of `fastdpo.model.fused` (fewer bytes kept, some speed spent: 16.6 against 19.5 pairs/s on Qwen3-1.7B without
 checkpointing) are switched on and the activations measured again before choosing."""
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ from fastdpo.kernels.logprob_head import DEFAULT_CHUNK
 from fastdpo.model.backend import build_mask, make_batch
 from fastdpo.model.fused import fuse_layers
 from fastdpo.model.load import base_causal_lm
-from fastdpo.model.memory import decoder_layers
+from fastdpo.model.memory import decoder_layers, trains, vision_blocks
 from fastdpo.model.seqlogps import completion_logps
+from fastdpo.model.vlm import pair_images, vision_features
 from fastdpo.parallel.split import split_ranks
 
 log = logging.getLogger("fastdpo")
@@ -67,6 +72,12 @@ class ActivationBytes:
     outside: float
     layer_input: float  # one layer's input (hidden size x dtype), what full checkpointing keeps per layer
     layers: int
+    vision_kept: float = 0.0  # a trained vision tower, per element of its pixel values: kept with its blocks whole
+    vision_checkpointed: float = 0.0  # ... and with its blocks checkpointed (any policy but none)
+
+    def vision(self, policy: str, pixels: int) -> float:
+        """Bytes a trained vision tower keeps for a micro-batch of `pixels` pixel-value elements under `policy`."""
+        return pixels * (self.vision_kept if policy == "none" else self.vision_checkpointed)
 
     def per_token(self, policy: str) -> float:
         """Bytes kept per token under `policy`: none, ffn, full or keep:N (full but the last N layers, which keep
@@ -210,6 +221,62 @@ def measure_activations(model, backend, pad_id: int, device: torch.device, token
                            len(decoder_layers(model)))
 
 
+def measure_vision(model, pairs: list[TokenizedPair], device: torch.device) -> tuple[float, float]:
+    """What a trained vision tower keeps for the backward, per element of its pixel values: (with its blocks whole,
+    with them checkpointed). One forward with grad of the tower over the images of the run's pair with the fewest
+    pixels: what its blocks save, and what it saves around them (the patch embedding, the mergers). Checkpointed,
+    each block keeps its input, and one block's tensors exist again while it is recomputed. (0, 0) for a frozen
+    tower or a text model."""
+    blocks = [b for b in vision_blocks(model) if trains(b)]
+    held = [p for p in pairs if p.num_images]
+    if not blocks or not held:
+        return 0.0, 0.0
+    pixels, grid = pair_images([min(held, key=lambda p: p.pixel_values.numel())])
+    weights = {_storage_key(p)[0] for p in model.parameters()}
+    region, seen, inputs = ["outside"], {}, []
+
+    def pack(t: torch.Tensor):
+        key, nbytes = _storage_key(t)
+        if key not in weights and key not in seen:
+            seen[key] = (region[-1], nbytes)
+        return t
+
+    def enter(m, args, kwargs):
+        region.append("block")
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and len(inputs) < 1:
+            inputs.append(hidden.numel() * hidden.element_size())
+
+    handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter, with_kwargs=True),
+                                           b.register_forward_hook(lambda m, a, o: region.pop() and None))]
+    was_training = model.training
+    model.train()
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = vision_features(model, pixels.to(device), None if grid is None else grid.to(device))
+            del out
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], device)
+    inside = sum(n for where, n in seen.values() if where == "block")
+    outside = sum(n for where, n in seen.values() if where == "outside")
+    n = pixels.numel()
+    checkpointed = len(blocks) * (inputs[0] if inputs else 0) + inside / len(blocks) + outside
+    return (inside + outside) / n, checkpointed / n
+
+
+def largest_pixels(pairs: list[TokenizedPair], per_micro: int) -> int:
+    """The most pixel-value elements a micro-batch of `per_micro` pairs can hold (the pairs with the most, together):
+    a bound whatever the order."""
+    sizes = sorted((p.pixel_values.numel() for p in pairs if p.num_images), reverse=True)
+    return sum(sizes[:max(per_micro, 1)])
+
+
 def largest_micro_batch(pairs: list[TokenizedPair], per_micro: int, budget: int) -> int:
     """Tokens of the largest micro-batch any order of `pairs` can form: under a budget, the budget (or the longest
     pair); without one, the `per_micro` longest pairs together. For runs whose steps are not known ahead (a stream)."""
@@ -306,19 +373,23 @@ def ffn_recompute_share(model) -> float:
 
 
 def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest: int, budget: int,
-               longest: int, ffn_share: float = 1.0, grads: GradBytes | None = None) -> Fit:
+               longest: int, ffn_share: float = 1.0, grads: GradBytes | None = None, pixels: int = 0) -> Fit:
     """The fastest candidate whose estimated peak fits `limit` bytes at the largest micro-batch; else full
     checkpointing under a token budget that fits (never below the longest pair, warned when even that is estimated
     not to fit). Between none and full: ffn, which recomputes every layer's MLP (`ffn_share` of a layer's recompute,
     `ffn_recompute_share`), and keep:N, which recomputes all layers but the last N, with the largest N that fits;
     the one that recomputes less. `grads`: every step is one micro-batch, so its gradients (counted in `static`) are
     written as the backward frees the activations (`backward_peak`); None: they coexist with the activations. A
-    token budget set here splits steps into several micro-batches, so it is sized with them coexisting."""
+    token budget set here splits steps into several micro-batches, so it is sized with them coexisting. `pixels`:
+    the pixel-value elements of the largest micro-batch's images, whose trained vision tower keeps its activations
+    until the end of the backward (its own backward comes last), beside everything else."""
 
     def peak(policy: str, tokens: int) -> float:
+        vision = act.vision(policy, pixels) * MARGIN
         if grads is not None:
-            return static - grads.total + head + backward_peak(act, grads, policy, tokens) + HEADROOM_GIB * 2**30
-        return static + head + act.per_token(policy) * tokens * MARGIN + HEADROOM_GIB * 2**30
+            return (static - grads.total + head + backward_peak(act, grads, policy, tokens) + vision
+                    + HEADROOM_GIB * 2**30)
+        return static + head + act.per_token(policy) * tokens * MARGIN + vision + HEADROOM_GIB * 2**30
 
     kept = max((n for n in range(1, act.layers) if peak(f"keep:{n}", largest) <= limit), default=0)
     estimates = {p: round(peak(p, largest) / 2**30, 1) for p in CANDIDATES}
@@ -333,7 +404,7 @@ def choose_fit(act: ActivationBytes, static: int, head: int, limit: int, largest
         return Fit("ffn", budget, estimates)
     if peak("full", largest) <= limit:
         return Fit("full", budget, estimates)
-    room = (limit - HEADROOM_GIB * 2**30 - static - head) / MARGIN
+    room = (limit - HEADROOM_GIB * 2**30 - static - head) / MARGIN - act.vision("full", pixels)
     fits = int(room // act.per_token("full")) // 256 * 256 if room > 0 else 0
     if fits < longest:  # the estimate errs high: try with the least activation memory, and let a real OOM speak
         log.warning("Memory: the longest pair (%d tokens) is estimated to need about %.1f GiB with full checkpointing, "
@@ -401,14 +472,20 @@ def resolve_fit(cfg, plan, model, backend, pairs: list[TokenizedPair], device: t
     one_micro = (not default_limit and world <= 1 and shards <= 1 and split == 1 and budget <= 0
                  and cfg.gradient_accumulation_steps == 1)
     grads = grad_bytes(model) if one_micro else None
-    fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest, rank_budget,
-                     longest, ffn_share, grads)
+    vision = measure_vision(model, pairs, device)
+    pixels = largest_pixels(pairs, per_micro)
+
+    def measured() -> ActivationBytes:
+        act = measure_activations(model, backend, pad_id, device)
+        act.vision_kept, act.vision_checkpointed = vision
+        return act
+
+    fit = choose_fit(measured(), static, head, limit, largest, rank_budget, longest, ffn_share, grads, pixels)
     lean = fit.policy != "none"
     # memory is short: the lean norms and MLPs keep fewer bytes (and cost some speed), so measure again, unless the
     # layers were lean already (the Triton kernels) and the first measurement stands
     if lean and fuse_layers(model):
-        fit = choose_fit(measure_activations(model, backend, pad_id, device), static, head, limit, largest,
-                         rank_budget, longest, ffn_share, grads)
+        fit = choose_fit(measured(), static, head, limit, largest, rank_budget, longest, ffn_share, grads, pixels)
     fit.budget = budget if fit.budget == rank_budget else fit.budget * split  # a rank's tokens -> the micro-batch's
     plan.gradient_checkpointing = fit.policy
     shown = ", ".join(f"{p} ~{g} GiB" for p, g in fit.estimates_gib.items())
@@ -419,7 +496,8 @@ def resolve_fit(cfg, plan, model, backend, pairs: list[TokenizedPair], device: t
                  shown, fit.budget)
     else:
         log.info("Memory: --gradient_checkpointing %s%s, the fastest that fits %.1f GiB%s at the largest micro-batch "
-                 "(%d tokens; estimated peaks: %s). Name a policy to choose another.", fit.policy,
+                 "(%d tokens%s; estimated peaks: %s). Name a policy to choose another.", fit.policy,
                  " with lean norms and MLPs" if lean else "", limit / 2**30,
                  " (by default activations take about the weights' size; --max_memory_gib spends more on speed)"
-                 if default_limit else "", largest, shown)
+                 if default_limit else "", largest,
+                 f", and {pixels:,} pixel values through the trained vision tower" if vision[0] else "", shown)
