@@ -565,3 +565,44 @@ def test_the_memory_plan_counts_what_a_trained_vision_tower_keeps(tmp_path, fami
         assert kept <= checkpointed * pixels
     frozen = Trainer(config(tmp_path, family_dir, "frozen", data=data))
     assert measure_vision(frozen.s.model, frozen.s.pairs, torch.device("cpu")) == (0.0, 0.0)
+
+
+def test_a_plan_with_a_trained_vision_tower_checkpoints_where_text_alone_would_not(tmp_path, family_dir, caplog):
+    """Under a limit that the language model's tokens alone fit without checkpointing, a trained tower's images
+    make the plan checkpoint (and the log says they were counted); a frozen tower leaves the plan as text's."""
+    from fastdpo.config import RunPlan
+    from fastdpo.model.fused import fuse_layers
+    from fastdpo.model.memory import apply_checkpointing
+    from fastdpo.training.fit import (
+        ActivationBytes,
+        head_bytes,
+        largest_pixels,
+        measure_activations,
+        measure_vision,
+        resolve_fit,
+    )
+
+    with_images = [r for r in image_rows(tmp_path) if "images" in r]
+    data = write_jsonl(tmp_path / "images.jsonl", with_images)
+    cpu = torch.device("cpu")
+    plans = {}
+    for name, frozen in (("trained", False), ("frozen", True)):
+        cfg = config(tmp_path, family_dir, name, data=data, freeze_vit=frozen, freeze_aligner=frozen,
+                     gradient_accumulation_steps=2)  # activations and gradients counted together
+        t = Trainer(cfg)
+        model, pairs = t.s.model, t.s.pairs
+        apply_checkpointing(model, "none")
+        fuse_layers(model)  # lean already: the plan does not measure again with fewer bytes kept
+        largest = sum(sorted((p.num_tokens for p in pairs), reverse=True)[:cfg.per_device_train_batch_size])
+        text = measure_activations(model, t.s.backend, 0, cpu).per_token("none") * largest * 1.1
+        if not frozen:  # room for the text and a fifth of the tower's whole activations
+            whole = ActivationBytes(0, 0, 0, 0, 1, *measure_vision(model, pairs, cpu)).vision(
+                "none", largest_pixels(pairs, cfg.per_device_train_batch_size))
+            assert whole > 0
+        limit = int(head_bytes(model) + text + 0.5 * 2**30 + (whole / 5 if not frozen else 0) + 1)
+        plan = RunPlan.of(cfg)
+        with caplog.at_level("INFO", logger="fastdpo"):
+            resolve_fit(cfg, plan, model, t.s.backend, pairs, cpu, 0, limit, 0)
+        plans[name] = plan.gradient_checkpointing
+    assert plans["frozen"] == "none" and plans["trained"] != "none"
+    assert "pixel values through the trained vision tower" in caplog.text
