@@ -294,13 +294,25 @@ def cmd_fastdpo(a) -> dict:
                    **steady(step_s, a.warmup, a.bs), "peak_gib": summary.get("peak_memory_gib"),
                    "peak_rss_gib": summary.get("peak_rss_gib"), "steps": len(records), "bs": a.bs,
                    "backend": summary.get("backend") or logged_backend(out / "train.log") or plan.get("attention"),
-                   "plan": plan, "train_runtime_s": summary.get("train_runtime"),
+                   "plan": plan, "memory_plan": logged_line(out / "train.log", "Memory: "),
+                   "train_runtime_s": summary.get("train_runtime"),
                    "certificate": cert.get("status") if isinstance(cert, dict) else cert,
                    "step_s": [round(x, 4) for x in step_s]})
 
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def logged_line(log: Path, start: str) -> str | None:
+    """The run log's first message that begins with `start` (the memory plan, which says what it estimated), from
+    there on."""
+    if not log.is_file():
+        return None
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        if start in line:
+            return line[line.index(start):]
+    return None
 
 
 def logged_backend(log: Path) -> str | None:
