@@ -1,11 +1,14 @@
 """The FP8 linear (`fastdpo.kernels.fp8`): row-wise e4m3 quantisation, and the Function's output and input gradient
 against a float32 computation of the same quantised math (tight) and against the unquantised product (loose: the
 bound e4m3's three mantissa bits allow). On the CPU the emulated path runs; the `_scaled_mm` path is checked against
-it in tests/kernels/test_fp8_gpu.py."""
+it in tests/kernels/test_fp8_gpu.py. The row-wise quantisation's Triton kernel runs under Triton's interpreter here
+(the file's tests run again in a process of their own with TRITON_INTERPRET=1, where `quantise_rowwise` takes the
+kernel)."""
 
 import pytest
 import torch
 from fp8_helpers import exact_rowwise
+from interpreter_helpers import interpreted, run_interpreted
 
 from fastdpo.kernels.fp8 import (
     E4M3,
@@ -21,6 +24,38 @@ from fastdpo.kernels.fp8 import (
 # in norm over a row. Two quantised operands: the product's relative error (Frobenius norm) on Gaussian data is about
 # 3.5 %; 6 % bounds it with room, while a wrong scale or a transposed operand gives errors of order 1.
 FP8_BOUND = 0.06
+
+
+def test_fp8_under_the_interpreter():
+    run_interpreted(__file__)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,width", [(1, 16), (37, 1000), (5, 2048), (0, 64)])
+@pytest.mark.parametrize("columns", [False, True])
+def test_the_quantising_kernel_gives_the_eager_quantisation_bit_for_bit(dtype, rows, width, columns, monkeypatch):
+    """The kernel (one row per program, widths off its block, a row of zeros, magnitudes over twelve decades,
+    with and without column scales) against eager torch's `_quantise` and the independent exact quantisation."""
+    from fastdpo.kernels import fp8
+
+    launched = []
+    real = fp8.launch
+    monkeypatch.setattr(fp8, "launch", lambda kernel, *a, **k: launched.append(kernel) or real(kernel, *a, **k))
+    g = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, width, generator=g) * torch.logspace(-6, 6, max(rows, 1))[:rows, None]
+    if rows > 1:
+        x[1] = 0
+    x = x.to(dtype)
+    col = (torch.rand(1, width, generator=g) + 0.5) if columns else None
+    q, scale = quantise_rowwise(x, col_scale=col)
+    want_q, want_scale = fp8._quantise(x, col, E4M3)
+    assert q.dtype == E4M3 and q.shape == (rows, width) and scale.shape == (rows, 1)
+    assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
+    if not columns:
+        exact_q, exact_scale = exact_rowwise(x)
+        assert torch.equal(scale, exact_scale) and torch.equal(q.float(), exact_q.float())
+    assert launched == ([fp8._quantise_rows] if rows else [])
 
 
 def rel(a, b):

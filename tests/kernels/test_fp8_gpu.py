@@ -117,17 +117,23 @@ def test_lora_on_the_fp8_base_trains_on_cuda_with_the_kernels_and_its_certificat
     assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]
 
 
-def test_the_row_scales_are_correctly_rounded_eager_and_compiled():
-    """The quantisation of weights and gradients gives each row the correctly rounded scale (amax / 448), eager and
-    compiled alike, as the fused norm and SwiGLU kernels do: a float32 division on CUDA gave one ulp less on about
-    half the rows. Eager values are then the exact quantisation too."""
+
+@pytest.mark.parametrize("rows,width,columns", [(3001, 2048, False), (8192, 6144, True), (1, 16, True)])
+def test_the_quantising_kernel_on_cuda_is_the_exact_quantisation(rows, width, columns):
+    """On CUDA `quantise_rowwise` runs its Triton kernel: each row's scale correctly rounded (amax / 448) and each
+    value the IEEE quotient on e4m3's grid, bit for bit what eager torch's `_quantise` gives (with the weight's
+    scales on the columns too, as an input gradient's quantisation takes them); a float32 division by 448 on CUDA
+    gave one ulp less on about half the rows."""
     from fp8_helpers import exact_rowwise
 
     from fastdpo.kernels.fp8 import E4M3, _quantise
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(3001, 2048, device="cuda", generator=g).mul(3).bfloat16()
-    want_q, want_scale = exact_rowwise(x)
-    q, scale = _quantise(x, None, E4M3)
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, width, device="cuda", generator=g).mul(3).bfloat16()
+    col = torch.rand(1, width, device="cuda", generator=g).add(0.5) if columns else None
+    q, scale = quantise_rowwise(x, col_scale=col)
+    want_q, want_scale = _quantise(x, col, E4M3)
     assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
-    assert torch.equal(quantise_rowwise(x)[1], want_scale)
+    if not columns:
+        exact_q, exact_scale = exact_rowwise(x)
+        assert torch.equal(scale, exact_scale) and torch.equal(q.float(), exact_q.float())

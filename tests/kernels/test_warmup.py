@@ -9,11 +9,11 @@ from data_helpers import random_pairs
 from interpreter_helpers import interpreted, rel, run_interpreted
 
 from fastdpo.data.pack import pack_pairs, pad_pairs, split_micro_batches
-from fastdpo.kernels import gather_rows, launch, logprob_head, lora, rms_norm, rope, swiglu, warmup
+from fastdpo.kernels import fp8, gather_rows, launch, logprob_head, lora, rms_norm, rope, swiglu, warmup
 from fastdpo.model.backend import Backend, choose_backend, prepare_packed, sequence_logps
 from fastdpo.model.fused import fuse_layers
 
-OPS = (rms_norm, swiglu, rope, logprob_head, gather_rows, lora)
+OPS = (rms_norm, swiglu, rope, logprob_head, gather_rows, lora, fp8)
 
 
 def test_warmup_under_the_interpreter():
@@ -34,12 +34,12 @@ def record_launches(monkeypatch, seen: set) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("kind", ["full", "lora", "fp8"])
+@pytest.mark.parametrize("kind", ["full", "lora", "fp8", "fp8_base"])
 def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, kind):
     """Every kernel a fused model launches in training (the varlen path's stand-in, policy forward and backward, a
-    no-grad forward; full fine-tuning, LoRA with dropout on every linear layer, or --fp8's products whose norms and
-    SwiGLU write e4m3 copies) was built ahead by `_launches` for that model's config: same kernel, argument dtypes
-    and constants. A launch with other constants would be built again in the first step."""
+    no-grad forward; full fine-tuning, LoRA with dropout on every linear layer, --fp8's products whose norms and
+    SwiGLU write e4m3 copies, or LoRA on an FP8 base) was built ahead by `_launches` for that model's config: same
+    kernel, argument dtypes and constants. A launch with other constants would be built again in the first step."""
     from model_helpers import varlen_stand_in
 
     from fastdpo.model import attention
@@ -47,11 +47,15 @@ def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, 
 
     monkeypatch.setattr(attention, "_varlen_kernel", varlen_stand_in)
     model = load_model(str(model_dirs("qwen3")), torch.bfloat16, torch.device("cpu"))
-    lora_run = kind == "lora"
+    lora_run = kind in ("lora", "fp8_base")
     if kind == "fp8":  # before the kernels, as training sets them up
         from fastdpo.model.fp8 import convert_to_fp8_training
 
         convert_to_fp8_training(model, "rowwise")
+    if kind == "fp8_base":  # before the kernels and LoRA, as training sets them up
+        from fastdpo.model.fp8 import convert_to_fp8_base
+
+        assert convert_to_fp8_base(model)
     fuse_layers(model, use_kernels=True)
     if lora_run:
         from peft import LoraConfig, get_peft_model
@@ -65,7 +69,7 @@ def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, 
     config = model.config
     for thunk in warmup._launches(warmup.norm_widths(config), torch.bfloat16, torch.device("cpu"),
                                   warmup.head_size(config), lora=lora_run, dropout_rank=4 if lora_run else 0,
-                                  fp8=kind == "fp8"):
+                                  fp8=kind == "fp8", fp8_base=kind == "fp8_base"):
         thunk()
     record_launches(monkeypatch, used)
     backend = Backend("varlen")
@@ -80,6 +84,9 @@ def test_the_builds_ahead_are_the_builds_training_uses(model_dirs, monkeypatch, 
                                             "_logp_bwd", "_gather_rows_bwd"}
     if kind == "fp8":  # the e4m3 copies written by the norm (its QUANT build) and by the MLP's product
         assert ("_rms_fwd", True) in {(name, dict(c).get("QUANT")) for name, _, c in used}
+    if kind in ("fp8", "fp8_base"):  # rows quantised by the kernel, and rows times the weight's scales (x's grad)
+        assert {(name, dict(c).get("HAS_COL")) for name, _, c in used} >= {("_quantise_rows", False),
+                                                                           ("_quantise_rows", True)}
     if lora_run:  # the adapters' dropout on its kernels
         assert {name for name, *_ in used} >= {"_lora_drop_down", "_lora_drop_dx", "_lora_drop_da"}
     assert used <= built, sorted(used - built)

@@ -174,7 +174,7 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
 
     monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
     monkeypatch.setattr(setup, "kernels_ready",
-                        lambda widths, dtype, device, head_dim, lora, rank, fp8: "RuntimeError: no sm_61 support")
+                        lambda widths, dtype, device, head_dim, lora, rank, fp8, fp8_base: "RuntimeError: no sm_61 support")
     m = small_model("qwen3")
     cfg = TrainConfig(model="m", dataset=["d"])
     with caplog.at_level(logging.WARNING, logger="fastdpo"):
@@ -186,12 +186,12 @@ def test_kernels_that_cannot_be_built_leave_the_model_its_own_layers(monkeypatch
         setup.fuse_kernels(cfg, small_model("qwen3"), torch.device("cpu"))
     widths = []
     monkeypatch.setattr(setup, "kernels_ready",
-                        lambda w, dtype, device, head_dim, lora, rank, fp8: widths.append((w, dtype, head_dim, lora,
-                                                                                          rank, fp8)))
+                        lambda w, dtype, device, head_dim, lora, rank, fp8, fp8_base: widths.append(
+                            (w, dtype, head_dim, lora, rank, fp8, fp8_base)))
     cfg.kernels = "auto"
     fused = small_model("qwen3")
     setup.fuse_kernels(cfg, fused, torch.device("cpu"))
-    assert widths == [([64, 16], torch.float32, 16, False, 0, False)]  # the hidden size and Qwen3's head size
+    assert widths == [([64, 16], torch.float32, 16, False, 0, False, False)]  # the hidden size and Qwen3's head size
     assert fused.model.norm._fastdpo_kernels and fused.model.layers[0].self_attn._fastdpo_kernels
 
 
@@ -234,6 +234,21 @@ def test_fp8_runs_wait_for_the_e4m3_writing_builds_their_kernels_use(monkeypatch
     cfg = TrainConfig(model="m", dataset=["d"], fp8=fp8, fp8_recipe=recipe)
     setup.fuse_kernels(cfg, small_model("qwen3"), torch.device("cpu"))
     assert waited == [fused] and setup.fused_fp8(cfg) is fused
+
+
+def test_an_fp8_base_run_waits_for_the_row_quantisation_s_builds(monkeypatch):
+    """--fp8_base: the row-wise quantisation's kernel (the base's activations and gradients) is built ahead and
+    waited for; the e4m3-writing norm and SwiGLU builds are not (the LoRA base's norms write bf16)."""
+    from fastdpo.config import TrainConfig
+    from fastdpo.training import setup
+
+    waited = []
+    monkeypatch.setattr(setup, "kernels_ready", lambda *a: waited.append(a[6:]))
+    monkeypatch.setattr(setup, "kernels_wanted", lambda choice, device, compiling: True)
+    for fp8_base in (True, False):
+        cfg = TrainConfig(model="m", dataset=["d"], train_type="lora", fp8_base=fp8_base)
+        setup.fuse_kernels(cfg, small_model("qwen3"), torch.device("cpu"))
+    assert waited == [(False, True), (False, False)]
 
 
 def test_a_non_standard_rotation_keeps_its_own_function(monkeypatch):

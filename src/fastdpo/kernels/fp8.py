@@ -15,7 +15,8 @@ bfloat16 weight costs); `_scaled_mm`'s second operand must be column-major, so t
 of Wq for the call (one layer's FP8 weight at a time, freed after). The gradient is quantised to e4m3, not e5m2: the
 per-row scale already covers the range between tokens, and e4m3's extra mantissa bit halves the rounding error
 within a row (torchao's row-wise recipe chooses the same). On CUDA the quantisation of an activation or a gradient
-is one compiled kernel (multiplying by the column scales, the row maximum, the scale and the cast in one pass).
+is one Triton kernel (multiplying by the column scales, the row maximum, the scale and the cast, one row per
+program), launched without Triton's dispatch.
 
 `_scaled_mm` needs the inner and outer widths (in and out features) to be multiples of 16 and a bfloat16 output
 with row-wise scales; a layer that misses these (tiny test models, float16 or float32 activations) runs the
@@ -27,7 +28,7 @@ import functools
 
 import torch
 
-from fastdpo.kernels.launch import HAVE_TRITON
+from fastdpo.kernels.launch import HAVE_TRITON, available, launch
 
 if HAVE_TRITON:  # the rounding the fused quantising kernels (norm, SwiGLU) share
     import triton
@@ -53,6 +54,32 @@ if HAVE_TRITON:  # the rounding the fused quantising kernels (norm, SwiGLU) shar
         quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
         magic = quantum * 12582912.0  # 1.5 * 2**23 quanta: adding it rounds to a multiple of the quantum
         return (x + magic) - magic
+
+    @triton.jit
+    def _row_values(X, C, base, cols, mask, HAS_COL: tl.constexpr):
+        """float32 values of a row at `cols` (0 where masked), times the column scales `C` when `HAS_COL`."""
+        v = tl.load(X + base + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_COL:
+            v = v * tl.load(C + cols, mask=mask, other=0.0)
+        return v
+
+    @triton.jit(do_not_specialize=["M"])
+    def _quantise_rows(X, C, Q, S, M, N, HAS_COL: tl.constexpr, BLOCK: tl.constexpr):
+        """One row per program: the row's absolute maximum, its scale, then the row on e4m3's grid: what
+        `_quantise` gives, bit for bit (the same float32 products with the column scales, the correctly rounded
+        scale and quotient)."""
+        row = tl.program_id(0).to(tl.int64)
+        base = row * N
+        peak = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            peak = tl.maximum(peak, tl.abs(_row_values(X, C, base, cols, cols < N, HAS_COL)))
+        scale = e4m3_scale(tl.max(peak, axis=0))
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            v = _row_values(X, C, base, cols, cols < N, HAS_COL)
+            tl.store(Q + base + cols, e4m3_grid(v, scale).to(Q.dtype.element_ty), mask=cols < N)
+        tl.store(S + row, scale)
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -86,12 +113,33 @@ def quantise_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3,
     to it (computed in float32, clamped, then cast: round to nearest even). `col_scale` (1, K), float32: quantise
     x * col_scale instead (each column multiplied first, in the same pass).
 
-    On CUDA the passes run as one compiled kernel (dynamic shapes: one build for every token count): eager torch's
-    five passes over the activation cost more than the FP8 product saves (measured on an H100, see the training
-    guide). Elsewhere, and inside a compiled region (which fuses them itself), eager torch."""
-    if x.is_cuda and HAVE_TRITON and not torch.compiler.is_compiling():
-        return _compiled_quantise()(x, col_scale, dtype)
+    In e4m3 where the kernels serve (`available`: CUDA, or the CPU under Triton's interpreter), one Triton kernel
+    (one row per program: the maximum, then the values), launched directly (`launch`): eager torch's five passes
+    over the activation cost more than the FP8 product saves (measured on an H100, see the training guide), and a
+    torch.compile'd function's guards and wrapper cost the host more per call than the device's work on the
+    small tensors of a layer (entry 71 of the performance log). Other FP8 formats on CUDA: one compiled kernel.
+    Elsewhere, and inside a compiled region (which fuses them itself), eager torch. All three give the same bits."""
+    if not torch.compiler.is_compiling():
+        if dtype == E4M3 and x.dim() == 2 and available(x):
+            return _quantise_kernel(x, col_scale)
+        if x.is_cuda and HAVE_TRITON:
+            return _compiled_quantise()(x, col_scale, dtype)
     return _quantise(x, col_scale, dtype)
+
+
+QUANTISE_BLOCK = 1024  # elements of a row per loop step: a 4,096-wide row in four
+
+
+def _quantise_kernel(x: torch.Tensor, col_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.detach().contiguous()
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=E4M3, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and n:
+        c = scale if col_scale is None else col_scale.detach().float().contiguous()
+        launch(_quantise_rows, (m,), x, c, q, scale, m, n, num_warps=4, HAS_COL=col_scale is not None,
+               BLOCK=QUANTISE_BLOCK)
+    return q, scale
 
 
 def _quantise_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from fastdpo.kernels.fp8 import quantise_rowwise
 from fastdpo.kernels.gather_rows import gather_rows_backward
 from fastdpo.kernels.launch import DTYPES, HAVE_TRITON, INTERPRET, turn_off, why_off
 from fastdpo.kernels.logprob_head import logp_backward_, logp_forward
@@ -51,12 +52,14 @@ _builds: dict[tuple, threading.Thread] = {}
 
 
 def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None,
-              lora: bool | None, dropout_rank: int = 0, fp8: bool = False) -> list:
+              lora: bool | None, dropout_rank: int = 0, fp8: bool = False, fp8_base: bool = False) -> list:
     """Every kernel launch a model of these norm widths and head size trains with, as thunks on tiny inputs: each
     builds its kernel as training would (the same dtypes, constants and specialisations). `lora`: True (LoRA: the
     norms' weights are frozen), False (full fine-tuning: they train, and the down projections are plain), None (both
     kinds). `dropout_rank`: the rank of LoRA adapters trained with dropout, whose kernels are built too (0: none).
-    `fp8`: the norm and SwiGLU kernels that also write their output in e4m3 (--fp8, row-wise scales) are built too.
+    `fp8`: the norm and SwiGLU kernels that also write their output in e4m3 (--fp8, row-wise scales) are built too,
+    and the row-wise quantisation's (weights, gradients, attention's output); `fp8_base`: the row-wise
+    quantisation's alone (--fp8_base: the base's weights, the activations and gradients of its products).
     A launch left out only means its kernel is built when first used."""
     z = functools.partial(torch.zeros, dtype=dtype, device=device)
     grads = (False,) if lora else (True,) if lora is False else (True, False)
@@ -69,6 +72,10 @@ def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_
         out += [functools.partial(rms_norm_backward, x, x, w, r, g) for g in grads]
         if fp8:
             out.append(functools.partial(rms_norm_forward_fp8, x, w, 1e-6))
+    if fp8 or fp8_base:  # rows in e4m3, and rows times column scales (an input gradient's)
+        ones = torch.ones(1, 16, dtype=torch.float32, device=device)
+        out += [functools.partial(quantise_rowwise, z(2, 16)), functools.partial(quantise_rowwise, z(2, 16),
+                                                                                 col_scale=ones)]
     a = z(16)
     out.append(functools.partial(silu_mul, a, a))
     if fp8:  # the MLP's product as rows, in e4m3
@@ -90,23 +97,24 @@ def _launches(widths: list[int], dtype: torch.dtype, device: torch.device, head_
 
 
 def _build(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None, lora: bool | None,
-           dropout_rank: int = 0, fp8: bool = False) -> None:
+           dropout_rank: int = 0, fp8: bool = False, fp8_base: bool = False) -> None:
     """Run the launches of `_launches` once."""
-    for launch in _launches(widths, dtype, device, head_dim, lora, dropout_rank, fp8):
+    for launch in _launches(widths, dtype, device, head_dim, lora, dropout_rank, fp8, fp8_base):
         launch()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
 def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
-                lora: bool | None = None, dropout_rank: int = 0, fp8: bool = False) -> threading.Thread | None:
+                lora: bool | None = None, dropout_rank: int = 0, fp8: bool = False,
+                fp8_base: bool = False) -> threading.Thread | None:
     """Build every kernel a model of these norm `widths`, `head_dim` and `dtype` trains with (`lora` and
-    `dropout_rank`, `fp8`: see `_launches`), on a background thread, while the main thread reads data and loads weights: on
-    a machine with empty caches the builds (and Triton's launcher code for each) take several seconds, which the
-    first forward would otherwise wait for. `ready` waits for it and tells whether the kernels can be used."""
+    `dropout_rank`, `fp8`, `fp8_base`: see `_launches`), on a background thread, while the main thread reads data
+    and loads weights: on a machine with empty caches the builds (and Triton's launcher code for each) take several
+    seconds, which the first forward would otherwise wait for. `ready` waits for it and tells whether the kernels can be used."""
     if not HAVE_TRITON or dtype not in DTYPES or not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
         return None
-    key = (tuple(widths), dtype, str(device), head_dim, lora, dropout_rank, fp8)
+    key = (tuple(widths), dtype, str(device), head_dim, lora, dropout_rank, fp8, fp8_base)
     if key in _builds:
         return _builds[key]
 
@@ -114,9 +122,9 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
         try:
             if device.type == "cuda":
                 with torch.cuda.device(device):
-                    _build(widths, dtype, device, head_dim, lora, dropout_rank, fp8)
+                    _build(widths, dtype, device, head_dim, lora, dropout_rank, fp8, fp8_base)
             else:
-                _build(widths, dtype, device, head_dim, lora, dropout_rank, fp8)
+                _build(widths, dtype, device, head_dim, lora, dropout_rank, fp8, fp8_base)
         except Exception as e:  # noqa: BLE001 - any failure means: do not use them; `ready` says why
             turn_off(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
@@ -127,10 +135,10 @@ def build_ahead(widths: list[int], dtype: torch.dtype, device: torch.device, hea
 
 
 def ready(widths: list[int], dtype: torch.dtype, device: torch.device, head_dim: int | None = None,
-          lora: bool | None = None, dropout_rank: int = 0, fp8: bool = False) -> str | None:
+          lora: bool | None = None, dropout_rank: int = 0, fp8: bool = False, fp8_base: bool = False) -> str | None:
     """Wait until the kernels for these widths are built (by `build_ahead`'s thread, or now); None when they serve,
     else why not (after which `available` says no)."""
-    thread = build_ahead(widths, dtype, device, head_dim, lora, dropout_rank, fp8)
+    thread = build_ahead(widths, dtype, device, head_dim, lora, dropout_rank, fp8, fp8_base)
     if thread is None:
         return "Triton is not installed, or the device or dtype is not one the kernels serve"
     thread.join()

@@ -235,7 +235,7 @@ def build_setup(cfg: TrainConfig, d: Dist | None = None, choose_policy=None, mar
     seed_all(cfg.seed)
     if kernels_wanted(cfg.kernels, device, cfg.torch_compile):
         build_kernels_ahead(cfg.model, dtype, device, cfg.trust_remote_code, cfg.uses_lora, dropout_rank(cfg),
-                            fused_fp8(cfg))
+                            fused_fp8(cfg), cfg.fp8_base)
 
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
@@ -341,12 +341,12 @@ def fused_fp8(cfg: TrainConfig) -> bool:
 
 
 def build_kernels_ahead(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
-                        lora: bool, lora_dropout_rank: int = 0, fp8: bool = False) -> None:
+                        lora: bool, lora_dropout_rank: int = 0, fp8: bool = False, fp8_base: bool = False) -> None:
     """Start building the Triton kernels for this model's shapes (its config) while data and weights load (`fp8`:
-    the norm and SwiGLU kernels that write e4m3 copies too)."""
+    the norm and SwiGLU kernels that write e4m3 copies too; `fp8`, `fp8_base`: the row-wise quantisation's)."""
     config = _config_fields(model, trust_remote_code)
     if config is not None and (widths := norm_widths(config)):
-        build_ahead(widths, dtype, device, head_size(config), lora, lora_dropout_rank, fp8)
+        build_ahead(widths, dtype, device, head_size(config), lora, lora_dropout_rank, fp8, fp8_base)
 
 
 def fp8_layers(cfg: TrainConfig, model, device: torch.device, d: Dist | None = None) -> None:
@@ -384,7 +384,7 @@ def fuse_kernels(cfg: TrainConfig, model, device: torch.device) -> None:
         return
     lm = base_causal_lm(model)
     why = kernels_ready(norm_widths(lm.config), lm.get_input_embeddings().weight.dtype, device, head_size(lm.config),
-                        cfg.uses_lora, dropout_rank(cfg), fused_fp8(cfg))
+                        cfg.uses_lora, dropout_rank(cfg), fused_fp8(cfg), cfg.fp8_base)
     if why is not None:
         if cfg.kernels == "triton":
             raise FastDPOError(f"--kernels triton: the Triton kernels cannot be built on this GPU ({why}). Use "
