@@ -40,7 +40,9 @@ if HAVE_TRITON:  # else no kernels: the Functions' torch path
     @triton.jit(do_not_specialize=["M"])
     def _silu_mul_fwd_fp8(A, B, P, Q, S, M, N, BLOCK: tl.constexpr):
         """One row per program: the product written as `_silu_mul_fwd` writes it while its absolute maximum is
-        taken, then computed again and written in e4m3 with the row's scale (what `quantise_rowwise` gives)."""
+        taken, then read back (one tensor where computing it again would read two) and written in e4m3 with the
+        row's scale (what `quantise_rowwise` gives). A barrier between the passes makes the block's writes visible
+        to all of its threads, whatever layout the compiler gives the load."""
         base = tl.program_id(0).to(tl.int64) * N
         peak = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, N, BLOCK):
@@ -49,9 +51,10 @@ if HAVE_TRITON:  # else no kernels: the Functions' torch path
             tl.store(P + base + cols, p, mask=cols < N)
             peak = tl.maximum(peak, tl.abs(p.to(tl.float32)))
         scale = e4m3_scale(tl.max(peak, axis=0))
+        tl.debug_barrier()
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            p = _product(A, B, P, base + cols, cols < N).to(tl.float32)
+            p = tl.load(P + base + cols, mask=cols < N, other=0.0).to(tl.float32)
             tl.store(Q + base + cols, e4m3_grid(p, scale).to(Q.dtype.element_ty), mask=cols < N)
         tl.store(S + tl.program_id(0), scale)
 
