@@ -38,6 +38,7 @@ checkpointing) are switched on and the activations measured again before choosin
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -172,11 +173,13 @@ def _storage_key(t: torch.Tensor):
         return id(t), t.numel() * t.element_size()
 
 
-def measure_activations(model, backend, pad_id: int, device: torch.device, tokens: int = PROBE_TOKENS) -> ActivationBytes:
-    """One forward with grad of a filler pair of `tokens` tokens; what autograd saves, per token, by region. Weights
-    (and views of them) are not counted; a storage saved twice is counted once. The graph is dropped unused, and the
-    random state restored (a dropout's draws stay training's)."""
-    lm = base_causal_lm(model)
+def saved_by_region(model, device: torch.device, regions: list[tuple[torch.nn.Module, str]], forward,
+                    entered=None) -> dict[str, int]:
+    """Bytes autograd saves for the backward while `forward()` runs with grad and the model in training mode, by
+    region: each module of `regions` (module, name) marks what is saved inside it with its name (the innermost
+    wins), the rest is "outside". Weights (and views of them) are not counted; a storage saved twice counts once.
+    The graph is dropped unused, and the random state restored (a dropout's draws stay training's). `entered(module,
+    args, kwargs)`: also called as each region's module starts."""
     weights = {_storage_key(p)[0] for p in model.parameters()}
     region = ["outside"]
     seen: dict[int, tuple[str, int]] = {}
@@ -187,23 +190,22 @@ def measure_activations(model, backend, pad_id: int, device: torch.device, token
             seen[key] = (region[-1], nbytes)
         return t
 
+    def enter(module, args, kwargs, name):
+        region.append(name)
+        if entered is not None:
+            entered(module, args, kwargs)
+
     handles = []
-    for layer in decoder_layers(model):
-        for module, name in ((layer, "layer"), (getattr(layer, "mlp", None), "mlp")):
-            if module is None:
-                continue
-            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: region.append(n) and None))
-            handles.append(module.register_forward_hook(lambda m, a, o: region.pop() and None))
-    n = max(tokens, 4)
-    pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
-    batch = make_batch([pair], backend, pad_id, device)
+    for module, name in regions:
+        handles.append(module.register_forward_pre_hook(functools.partial(enter, name=name), with_kwargs=True))
+        handles.append(module.register_forward_hook(lambda m, a, o: region.pop() and None))
     was_training = model.training
     model.train()
     cuda = device.type == "cuda"
-    rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None  # dropout draws: training's own
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = completion_logps(model, batch, backend, build_mask(batch, backend))
+            out = forward()
             del out
     finally:
         for h in handles:
@@ -212,12 +214,26 @@ def measure_activations(model, backend, pad_id: int, device: torch.device, token
         torch.set_rng_state(rng[0])
         if cuda:
             torch.cuda.set_rng_state(rng[1], device)
-    total = {"mlp": 0, "layer": 0, "outside": 0}
+    total = {"outside": 0} | {name: 0 for _, name in regions}
     for where, nbytes in seen.values():
         total[where] += nbytes
+    return total
+
+
+def measure_activations(model, backend, pad_id: int, device: torch.device, tokens: int = PROBE_TOKENS) -> ActivationBytes:
+    """One forward with grad of a filler pair of `tokens` tokens; what autograd saves, per token, by region
+    (`saved_by_region`: inside the decoder layers' MLPs, elsewhere in the layers, outside them)."""
+    lm = base_causal_lm(model)
+    regions = [(m, name) for layer in decoder_layers(model)
+               for m, name in ((layer, "layer"), (getattr(layer, "mlp", None), "mlp")) if m is not None]
+    n = max(tokens, 4)
+    pair = TokenizedPair(prompt=[5] * (n // 2), chosen=[6] * (n // 4), rejected=[7] * (n - n // 2 - n // 4), index=0)
+    batch = make_batch([pair], backend, pad_id, device)
+    total = saved_by_region(model, device, regions,
+                            lambda: completion_logps(model, batch, backend, build_mask(batch, backend)))
     t = batch.num_tokens
     hidden = lm.config.get_text_config().hidden_size * next(lm.parameters()).element_size()
-    return ActivationBytes(total["mlp"] / t, total["layer"] / t, total["outside"] / t, hidden,
+    return ActivationBytes(total.get("mlp", 0) / t, total.get("layer", 0) / t, total["outside"] / t, hidden,
                            len(decoder_layers(model)))
 
 
@@ -232,42 +248,19 @@ def measure_vision(model, pairs: list[TokenizedPair], device: torch.device) -> t
     if not blocks or not held:
         return 0.0, 0.0
     pixels, grid = pair_images([min(held, key=lambda p: p.pixel_values.numel())])
-    weights = {_storage_key(p)[0] for p in model.parameters()}
-    region, seen, inputs = ["outside"], {}, []
+    inputs = []
 
-    def pack(t: torch.Tensor):
-        key, nbytes = _storage_key(t)
-        if key not in weights and key not in seen:
-            seen[key] = (region[-1], nbytes)
-        return t
-
-    def enter(m, args, kwargs):
-        region.append("block")
+    def block_input(module, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if isinstance(hidden, torch.Tensor) and len(inputs) < 1:
+        if isinstance(hidden, torch.Tensor) and not inputs:
             inputs.append(hidden.numel() * hidden.element_size())
 
-    handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter, with_kwargs=True),
-                                           b.register_forward_hook(lambda m, a, o: region.pop() and None))]
-    was_training = model.training
-    model.train()
-    rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = vision_features(model, pixels.to(device), None if grid is None else grid.to(device))
-            del out
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], device)
-    inside = sum(n for where, n in seen.values() if where == "block")
-    outside = sum(n for where, n in seen.values() if where == "outside")
+    total = saved_by_region(model, device, [(b, "block") for b in blocks],
+                            lambda: vision_features(model, pixels.to(device), None if grid is None else grid.to(device)),
+                            block_input)
     n = pixels.numel()
-    checkpointed = len(blocks) * (inputs[0] if inputs else 0) + inside / len(blocks) + outside
-    return (inside + outside) / n, checkpointed / n
+    checkpointed = len(blocks) * (inputs[0] if inputs else 0) + total["block"] / len(blocks) + total["outside"]
+    return (total["block"] + total["outside"]) / n, checkpointed / n
 
 
 def largest_pixels(pairs: list[TokenizedPair], per_micro: int) -> int:
