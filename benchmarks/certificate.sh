@@ -26,6 +26,7 @@ except (OSError, ValueError, KeyError, StopIteration) as e:
 t, cert = r.get("timeline_s") or {}, r.get("certificate") or {}
 print("  wall_s", r["wall_s"], "first step", round(t.get("first_step", 0) - t.get("ready", 0), 2), "timeline", t)
 print("  certificate", cert.get("status"), cert.get("seconds"), cert.get("seconds_by_part"), cert.get("checks"))
+print("  its costs besides seconds", cert.get("costs"))
 PY
   done
 }

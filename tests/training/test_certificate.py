@@ -179,3 +179,23 @@ def test_a_resumed_run_checks_its_first_step_against_the_checkpoint(tmp_path, mo
     with pytest.raises(FastDPOError, match="resumed_step: FAIL"):
         train(TrainConfig(**{**first.to_dict(), "resume_from_checkpoint": str(tmp_path / "run" / "checkpoint-2")}),
               progress=False)
+
+
+def test_the_certificate_counts_what_its_checks_cost_besides_seconds(tmp_path, model_dirs, monkeypatch):
+    """summary.json's certificate says what its checks before the first update cost besides time: the full garbage
+    collections that ran inside them (a collection planted in the padded path is counted), and on CUDA the
+    allocator's new segments and retries (not on this CPU run)."""
+    import gc
+
+    from fastdpo.training import certificate as cert_module
+
+    real = cert_module._plain_sums
+
+    def collecting(s, pairs):
+        gc.collect()
+        return real(s, pairs)
+
+    monkeypatch.setattr(cert_module, "_plain_sums", collecting)
+    train(config(tmp_path, model_dirs, "run"), progress=False)
+    costs = json.loads((tmp_path / "run" / "summary.json").read_text())["certificate"]["costs"]
+    assert costs["gc_full_collections"] >= 1 and "cuda_alloc_retries" not in costs

@@ -412,7 +412,7 @@ def fastdpo_job(cfg: TrainConfig, model_dir: Path, rows: Path, work: Path, limit
         if run.get("certificate"):
             cert = run["certificate"]
             rec["certificate"] = {"status": cert["status"], "seconds": cert["seconds"],
-                                  "seconds_by_part": cert.get("seconds_by_part", {}),
+                                  "seconds_by_part": cert.get("seconds_by_part", {}), "costs": cert.get("costs", {}),
                                   "checks": {c["name"]: [c["status"], c["measured"]] for c in cert["checks"]}}
     config_yaml = out / "config.yaml"
     if config_yaml.exists():  # what the run chose for what the flags left open

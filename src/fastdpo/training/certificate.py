@@ -25,6 +25,7 @@ saved model against (`final_record`), all without gradient; in the run's summary
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,6 +75,9 @@ class Certificate:
     checks: list[Check] = field(default_factory=list)
     seconds: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)  # seconds of each stage (what `seconds` sums)
+    # what the checks before the first update cost besides seconds (`costs_since`): full Python garbage collections,
+    # and on CUDA the caching allocator's new segments and its retries (a retry frees the whole cache: slow)
+    costs: dict[str, int] = field(default_factory=dict)
     record: dict | None = None  # the checked pairs' log-probs with the run's last weights (`final_record`)
     _batch: list[TokenizedPair] | None = None
     _first: list[TokenizedPair] | None = None
@@ -87,7 +91,7 @@ class Certificate:
 
     def to_dict(self) -> dict:
         out = {"status": self.status, "seconds": round(self.seconds, 3),
-               "seconds_by_part": {k: round(v, 3) for k, v in self.parts.items()},
+               "seconds_by_part": {k: round(v, 3) for k, v in self.parts.items()}, "costs": dict(self.costs),
                "checks": [asdict(c) for c in self.checks]}
         if self.record is not None:
             out["record"] = self.record
@@ -99,7 +103,14 @@ class Certificate:
         the step's first micro-batch `first` (this rank's). A `resumed` run's policy has trained: it is not checked
         against the reference, only apart from it after its first update; instead its first step is checked against
         `record`, what the checkpoint wrote of it (`next_step_record`)."""
-        t0 = time.perf_counter()
+        t0, counts = time.perf_counter(), cost_counts(s.device)
+        try:
+            self._before(s, step_pairs, first, resumed, record, t0)
+        finally:
+            self.costs = costs_since(counts, s.device)
+
+    def _before(self, s, step_pairs: list[TokenizedPair], first: list[TokenizedPair], resumed: bool,
+                record: dict | None, t0: float) -> None:
         pairs = (first or step_pairs[:1])[:PAIRS]
         self._batch = self._first = pairs
         dtype = next(s.model.parameters()).dtype
@@ -328,6 +339,22 @@ def check_saved(s, pairs: list[TokenizedPair], record: dict) -> Certificate:
                                  "saved, or the saved adapters are not applied", moved, 0.0))
     cert.seconds = time.perf_counter() - t0
     return cert
+
+
+def cost_counts(device: torch.device) -> dict[str, int]:
+    """Counters of what a stage may cost besides its arithmetic: Python's full (oldest generation) garbage
+    collections, and on CUDA the caching allocator's segments allocated and its allocation retries."""
+    out = {"gc_full_collections": gc.get_stats()[-1]["collections"]}
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats(device)
+        out["cuda_segments_allocated"] = stats.get("segment.all.allocated", 0)
+        out["cuda_alloc_retries"] = stats.get("num_alloc_retries", 0)
+    return out
+
+
+def costs_since(before: dict[str, int], device: torch.device) -> dict[str, int]:
+    """How much each of `cost_counts` grew since `before`."""
+    return {k: v - before.get(k, 0) for k, v in cost_counts(device).items()}
 
 
 def _pad(s) -> int:

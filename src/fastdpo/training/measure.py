@@ -157,7 +157,7 @@ def certificate_brief(cert: Certificate) -> dict:
     """The certificate of a bench run: its status, cost and each check's status and figure."""
     cert.finish()
     return {"status": cert.status, "seconds": round(cert.seconds, 3),
-            "seconds_by_part": {k: round(v, 3) for k, v in cert.parts.items()},
+            "seconds_by_part": {k: round(v, 3) for k, v in cert.parts.items()}, "costs": dict(cert.costs),
             "checks": {c.name: [c.status, c.measured] for c in cert.checks}}
 
 
