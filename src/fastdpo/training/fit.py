@@ -53,7 +53,7 @@ from fastdpo.model.fused import fuse_layers
 from fastdpo.model.load import base_causal_lm
 from fastdpo.model.memory import decoder_layers, trains, vision_blocks
 from fastdpo.model.seqlogps import completion_logps
-from fastdpo.model.vlm import pair_images, vision_features
+from fastdpo.model.vlm import vision_features, vision_ids
 from fastdpo.parallel.split import split_ranks
 
 log = logging.getLogger("fastdpo")
@@ -239,15 +239,15 @@ def measure_activations(model, backend, pad_id: int, device: torch.device, token
 
 def measure_vision(model, pairs: list[TokenizedPair], device: torch.device) -> tuple[float, float]:
     """What a trained vision tower keeps for the backward, per element of its pixel values: (with its blocks whole,
-    with them checkpointed). One forward with grad of the tower over the images of the run's pair with the fewest
-    pixels: what its blocks save, and what it saves around them (the patch embedding, the mergers). Checkpointed,
-    each block keeps its input, and one block's tensors exist again while it is recomputed. (0, 0) for a frozen
-    tower or a text model."""
+    with them checkpointed). One forward with grad of the tower over one small image (`probe_image`): what its
+    blocks save, and what it saves around them (the patch embedding, the mergers). Checkpointed, each block keeps
+    its input, and one block's tensors exist again while it is recomputed. (0, 0) for a frozen tower or a text
+    model."""
     blocks = [b for b in vision_blocks(model) if trains(b)]
     held = [p for p in pairs if p.num_images]
     if not blocks or not held:
         return 0.0, 0.0
-    pixels, grid = pair_images([min(held, key=lambda p: p.pixel_values.numel())])
+    pixels, grid = probe_image(model, min(held, key=lambda p: p.pixel_values.numel()))
     inputs = []
 
     def block_input(module, args, kwargs):
@@ -261,6 +261,22 @@ def measure_vision(model, pairs: list[TokenizedPair], device: torch.device) -> t
     n = pixels.numel()
     checkpointed = len(blocks) * (inputs[0] if inputs else 0) + total["block"] / len(blocks) + total["outside"]
     return (total["block"] + total["outside"]) / n, checkpointed / n
+
+
+PROBE_PATCHES = 8  # the probe image of an M-RoPE tower: 8 x 8 patches (one attention window of Qwen2.5-VL's)
+
+
+def probe_image(model, pair: TokenizedPair) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(pixel_values, image_grid_thw) of one image for `measure_vision`, small enough that keeping all of the tower's
+    activations for it costs little next to a loaded model: for the M-RoPE families a grid of `PROBE_PATCHES`
+    squared patches, in the pair's pixel layout (random values: the bytes kept do not depend on them); for the
+    fixed-size families (LLaVA) the pair's first image."""
+    if vision_ids(base_causal_lm(model).config).mrope and pair.image_grid_thw is not None:
+        g = torch.Generator().manual_seed(0)
+        n = PROBE_PATCHES
+        pixels = torch.randn(n * n, pair.pixel_values.shape[-1], generator=g).to(pair.pixel_values.dtype)
+        return pixels, torch.tensor([[1, n, n]], dtype=torch.long)
+    return pair.pixel_values[:1], None
 
 
 def largest_pixels(pairs: list[TokenizedPair], per_micro: int) -> int:
