@@ -19,7 +19,7 @@ The peak is then the memory held now (weights, the reference), the gradients and
 trainable weights, the log-prob head's float32 chunk, and the largest micro-batch's activations under the policy
 with a 10 % margin for the allocator, plus 0.5 GiB. A vision-language model whose vision tower trains (--freeze_vit
 false) keeps the tower's activations too, per patch, until the end of the backward: `measure_vision` measures them
-per pixel-value element on the run's own images, whole and with the tower's blocks checkpointed (every policy but
+per pixel-value element on a small probe image, whole and with the tower's blocks checkpointed (every policy but
 none checkpoints them), and the largest micro-batch's images count beside its tokens.
 
 When every step is one micro-batch on one process under a limit the user names, the gradients and the activations are
