@@ -101,11 +101,6 @@ def _quantise(x: torch.Tensor, col_scale: torch.Tensor | None, dtype: torch.dtyp
     return (xf / scale).clamp(-fmax, fmax).to(dtype), scale
 
 
-@functools.cache
-def _compiled_quantise():
-    return torch.compile(_quantise, dynamic=True)
-
-
 def quantise_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3,
                      col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) for a 2-D `x` (M, K): q (M, K) in the FP8 `dtype`, scale (M, 1) float32, with x ~ q * scale; each
@@ -117,13 +112,10 @@ def quantise_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3,
     (one row per program: the maximum, then the values), launched directly (`launch`): eager torch's five passes
     over the activation cost more than the FP8 product saves (measured on an H100, see the training guide), and a
     torch.compile'd function's guards and wrapper cost the host more per call than the device's work on the
-    small tensors of a layer (entry 71 of the performance log). Other FP8 formats on CUDA: one compiled kernel.
-    Elsewhere, and inside a compiled region (which fuses them itself), eager torch. All three give the same bits."""
-    if not torch.compiler.is_compiling():
-        if dtype == E4M3 and x.dim() == 2 and available(x):
-            return _quantise_kernel(x, col_scale)
-        if x.is_cuda and HAVE_TRITON:
-            return _compiled_quantise()(x, col_scale, dtype)
+    small tensors of a layer (entry 71 of the performance log). Elsewhere (other FP8 formats, kernels turned off),
+    and inside a compiled region (which fuses them itself), eager torch, which gives the same bits."""
+    if dtype == E4M3 and x.dim() == 2 and available(x) and not torch.compiler.is_compiling():
+        return _quantise_kernel(x, col_scale)
     return _quantise(x, col_scale, dtype)
 
 

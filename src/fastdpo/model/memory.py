@@ -209,12 +209,12 @@ def vision_blocks(model) -> list[torch.nn.Module]:
     CLIP: its encoder's layers); none for a text model. A trained tower keeps each block's activations for the
     backward, per patch (about four patches per visual token), so checkpointing wraps them with the decoder's layers
     (under any policy but `none`), as transformers' gradient checkpointing does."""
-    from fastdpo.model.load import base_causal_lm
+    from fastdpo.model.vlm_parts import vision_tower
 
-    inner = getattr(base_causal_lm(model), "model", None)
-    tower = getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
-    if tower is None:
+    found = vision_tower(model)
+    if found is None:
         return []
+    tower = found[0]
     if hasattr(tower, "blocks"):
         return list(tower.blocks)
     encoder = getattr(getattr(tower, "vision_model", tower), "encoder", None)

@@ -23,16 +23,25 @@ from fastdpo.model.load import base_causal_lm
 PEFT_DEFAULT = ("q_proj", "v_proj")  # PEFT's modules for the Qwen2 language model (target_modules "default")
 
 
+def vision_tower(model) -> tuple[torch.nn.Module, list[torch.nn.Module]] | None:
+    """(the vision tower, the modules that project its features into the language model) of a vision-language
+    model (Qwen: `model.visual`, whose mergers sit inside it; LLaVA: `model.vision_tower` and
+    `model.multi_modal_projector`); None for a text model."""
+    inner = getattr(base_causal_lm(model), "model", None)
+    if hasattr(inner, "visual"):
+        visual = inner.visual
+        return visual, [visual.merger] + ([visual.deepstack_merger_list] if hasattr(visual, "deepstack_merger_list")
+                                          else [])
+    if hasattr(inner, "vision_tower"):
+        return inner.vision_tower, [inner.multi_modal_projector]
+    return None
+
+
 def parts(model) -> dict[str, list[tuple[str, torch.nn.Module]]]:
     """{part: [(full module name, module)]} of the model's vit, aligner and llm; lm_head is the llm's."""
     lm = base_causal_lm(model)
-    inner = lm.model
-    if hasattr(inner, "visual"):  # Qwen: the mergers sit inside the vision tower
-        visual = inner.visual
-        mergers = [visual.merger] + ([visual.deepstack_merger_list] if hasattr(visual, "deepstack_merger_list") else [])
-    else:  # LLaVA
-        visual, mergers = inner.vision_tower, [inner.multi_modal_projector]
-    language = inner.language_model
+    visual, mergers = vision_tower(model)
+    language = lm.model.language_model
     names = {id(m): n for n, m in lm.named_modules()}
     out: dict[str, list] = {"vit": [], "aligner": [], "llm": [(names[id(lm.lm_head)], lm.lm_head)]}
     out["aligner"] += [(names[id(m)], m) for m in mergers]
