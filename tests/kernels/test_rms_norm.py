@@ -94,7 +94,8 @@ def test_the_norm_quantising_its_output_gives_what_quantise_rowwise_gives(width,
 def test_the_norm_quantising_its_output_on_cuda_gives_the_exact_quantisation_of_it(width):
     """On CUDA: the kernel's e4m3 rows and scales are the correctly rounded quantisation of the output it wrote
     (computed here apart from fastdpo's own: the scale a float64 quotient rounded once, each value an IEEE float32
-    division), and that output is the plain kernel's, bit for bit."""
+    division), and that output is the plain kernel's to within one bfloat16 rounding: the two builds may sum a row's
+    squares in another order (the e4m3 stores change the layout the compiler picks), a float32 ulp apart in rstd."""
     from fp8_helpers import exact_rowwise
 
     g = torch.Generator(device="cuda").manual_seed(width)
@@ -103,4 +104,8 @@ def test_the_norm_quantising_its_output_on_cuda_gives_the_exact_quantisation_of_
     y, _, (q, scale) = rms_norm.rms_norm_forward_fp8(x, w, 1e-6)
     want_q, want_scale = exact_rowwise(y)
     assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
-    assert torch.equal(y, rms_norm.rms_norm_forward(x, w, 1e-6)[0])
+    plain, rstd = rms_norm.rms_norm_forward(x, w, 1e-6)
+    _, rstd_fp8, _ = rms_norm._forward(x, w, 1e-6, True)
+    assert torch.allclose(rstd_fp8, rstd, rtol=4 * 2**-24, atol=0)
+    assert torch.allclose(y.float(), plain.float(), rtol=2**-7, atol=0)
+    assert (y != plain).float().mean() < 0.01  # only elements at a rounding boundary move

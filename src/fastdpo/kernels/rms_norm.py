@@ -31,8 +31,8 @@ if HAVE_TRITON:  # else no kernels: the Function's torch path
         mask = rmask[:, None] & (cols < N)[None, :]
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        # a correctly rounded mean: the same rstd however the compiler schedules the rest of the kernel (with the
-        # e4m3 copy, QUANT, an H100 build's `/ N + eps` rounded differently)
+        # a correctly rounded mean (an H100 build rounded `/ N + eps` differently with the e4m3 copy, QUANT); the sum
+        # of squares follows the layout the compiler picks, so the QUANT build's rstd may sit a float32 ulp apart
         rstd = tl.rsqrt(tl.math.div_rn(tl.sum(x * x, axis=1), tl.cast(N, tl.float32)) + eps)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
         n = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)  # the module rounds before the weight
