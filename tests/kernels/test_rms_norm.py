@@ -107,5 +107,5 @@ def test_the_norm_quantising_its_output_on_cuda_gives_the_exact_quantisation_of_
     plain, rstd = rms_norm.rms_norm_forward(x, w, 1e-6)
     _, rstd_fp8, _ = rms_norm._forward(x, w, 1e-6, True)
     assert torch.allclose(rstd_fp8, rstd, rtol=4 * 2**-24, atol=0)
-    assert torch.allclose(y.float(), plain.float(), rtol=2**-7, atol=0)
+    assert torch.allclose(y.float(), plain.float(), rtol=2**-6, atol=0)  # n and then n * w each round once
     assert (y != plain).float().mean() < 0.01  # only elements at a rounding boundary move
