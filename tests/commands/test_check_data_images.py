@@ -28,7 +28,7 @@ def data(tmp_path):
                                                                                  "<image>w1 <image>w2")])
 
 
-def test_counts_and_opens_the_images_and_warns_that_training_refuses_them(capsys, data):
+def test_counts_and_opens_the_images_and_names_the_model_that_trains_them(capsys, data):
     code, out = run_cli(capsys, "check-data", "--dataset", data)
     assert code == 0 and "images: 2 rows hold 3 images, each opened and verified." in out, out
     assert "`fastdpo train` trains the 2 rows with images with a vision-language --model" in out and "OK: no errors." in out
