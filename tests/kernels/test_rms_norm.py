@@ -94,8 +94,8 @@ def test_the_norm_quantising_its_output_gives_what_quantise_rowwise_gives(width,
 def test_the_norm_quantising_its_output_on_cuda_gives_the_exact_quantisation_of_it(width):
     """On CUDA: the kernel's e4m3 rows and scales are the correctly rounded quantisation of the output it wrote
     (computed here apart from fastdpo's own: the scale a float64 quotient rounded once, each value an IEEE float32
-    division), and that output is the plain kernel's to within one bfloat16 rounding: the two builds may sum a row's
-    squares in another order (the e4m3 stores change the layout the compiler picks), a float32 ulp apart in rstd."""
+    division), and that output is the plain kernel's up to the roundings of n and n * w: the two builds may sum a
+    row's squares in another order (the e4m3 stores change the layout the compiler picks), ulps apart in rstd."""
     from fp8_helpers import exact_rowwise
 
     g = torch.Generator(device="cuda").manual_seed(width)
