@@ -36,7 +36,7 @@ from fastdpo.errors import FastDPOError
 from fastdpo.model.load import resolve_device, resolve_dtype
 from fastdpo.model.shapes import bench_model
 from fastdpo.observe.profile import synchronize
-from fastdpo.training.measure import certificate_line, run_fastdpo
+from fastdpo.training.measure import brief_of, certificate_line, run_fastdpo
 from fastdpo.training.setup import assemble, seed_all
 from fastdpo.training.trainer import Trainer
 
@@ -410,10 +410,7 @@ def fastdpo_job(cfg: TrainConfig, model_dir: Path, rows: Path, work: Path, limit
         rec.update(saved=(out / "final").is_dir(), peak_gib=run.get("peak_memory_gib"),
                    pairs_per_s=run.get("train_samples_per_second"), timeline_s=run.get("timeline_s"))
         if run.get("certificate"):
-            cert = run["certificate"]
-            rec["certificate"] = {"status": cert["status"], "seconds": cert["seconds"],
-                                  "seconds_by_part": cert.get("seconds_by_part", {}), "costs": cert.get("costs", {}),
-                                  "checks": {c["name"]: [c["status"], c["measured"]] for c in cert["checks"]}}
+            rec["certificate"] = brief_of(run["certificate"])
     config_yaml = out / "config.yaml"
     if config_yaml.exists():  # what the run chose for what the flags left open
         import yaml

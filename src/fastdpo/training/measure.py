@@ -156,9 +156,14 @@ def run_fastdpo(cfg: TrainConfig, shape: str | None, rows: list[dict], steps: in
 def certificate_brief(cert: Certificate) -> dict:
     """The certificate of a bench run: its status, cost and each check's status and figure."""
     cert.finish()
-    return {"status": cert.status, "seconds": round(cert.seconds, 3),
-            "seconds_by_part": {k: round(v, 3) for k, v in cert.parts.items()}, "costs": dict(cert.costs),
-            "checks": {c.name: [c.status, c.measured] for c in cert.checks}}
+    return brief_of(cert.to_dict())
+
+
+def brief_of(saved: dict) -> dict:
+    """A certificate as `Certificate.to_dict` (or a run's summary.json) holds it, briefly: its status, its cost
+    (seconds, by part, and besides seconds) and each check's [status, figure]."""
+    return {"status": saved["status"], "seconds": saved["seconds"], "seconds_by_part": saved.get("seconds_by_part", {}),
+            "costs": saved.get("costs", {}), "checks": {c["name"]: [c["status"], c["measured"]] for c in saved["checks"]}}
 
 
 def certificate_line(brief: dict) -> str:
