@@ -1,4 +1,5 @@
-"""SIGKILL at random moments, resume with `latest`, repeat: the final weights equal an uninterrupted run's.
+"""SIGKILL at random moments (and, if none of them falls inside a checkpoint's write, at the start of writes), resume
+with `latest`, repeat: the final weights equal an uninterrupted run's.
 
 The killed processes are forked from one warmed-up parent (imports done, one-thread torch), so a restart costs
 milliseconds instead of the seconds an import of torch + transformers takes; each child is still a separate
@@ -101,6 +102,25 @@ def _wait(pid: int, timeout: float) -> int | None:
         time.sleep(0.005)
 
 
+def _writing(out: Path) -> bool:
+    """A checkpoint is being written in `out` (its temporary dir exists)."""
+    entries = list(out.iterdir()) if out.is_dir() else []  # a kill can land before the run has created its output dir
+    return any(p.name.startswith(".checkpoint-") and p.name.endswith(".tmp") for p in entries)
+
+
+def _wait_for_write(pid: int, out: Path, timeout: float) -> int | None:
+    """Exit status of `pid` if it ends before a checkpoint write is seen in `out` within `timeout` seconds, else
+    None (then it is killed while writing, or at the timeout)."""
+    end = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if _writing(out) or time.monotonic() >= end:
+            return None
+        time.sleep(0.0005)
+
+
 def _newest(out: Path) -> int:
     from fastdpo.checkpoint.layout import complete_checkpoints
 
@@ -147,16 +167,18 @@ def _parent(spec: dict) -> None:
         left = STEPS - before
         # until enough kills have happened, aim at about one step of progress per kill
         delay = rng.uniform(0, window if left > 2 * (MIN_KILLS - kills) else window / 3)
+        # random moments rarely fall inside a checkpoint's write: once half the kills are done without one, each
+        # next kill waits for a write to start (the resume after it must be as exact as after any other)
+        aimed = mid_write == 0 and kills >= MIN_KILLS // 2
+        started = time.monotonic()
         pid = _child(argv, logs)
-        rc = _wait(pid, delay)
+        rc = _wait_for_write(pid, out, 4 * window) if aimed else _wait(pid, delay)
         if rc is None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             kills += 1
-            delays.append(round(delay, 3))
-            # a kill can land before the run has created its output dir
-            entries = list(out.iterdir()) if out.is_dir() else []
-            mid_write += any(p.name.startswith(".checkpoint-") and p.name.endswith(".tmp") for p in entries)
+            delays.append(round(time.monotonic() - started if aimed else delay, 3))
+            mid_write += _writing(out)
             after = _newest(out)
             if after < before:
                 went_back.append((before, after))
